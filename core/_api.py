@@ -1,0 +1,88 @@
+"""The public entry points: `attention`, `explain`, and the process-wide OpManager behind them."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+from ._attention import validate_attention
+from ._decision import Decision
+from ._device import DeviceInfo, load_device_descriptor
+from ._manager import OpManager
+
+_manager: OpManager | None = None
+_manager_lock = threading.Lock()
+
+
+def get_manager() -> OpManager:
+    """The process-wide OpManager (created on first use; plugins load lazily)."""
+    global _manager
+    manager = _manager
+    if manager is None:
+        with _manager_lock:
+            if _manager is None:
+                _manager = OpManager()
+            manager = _manager
+    return manager
+
+
+def set_manager(manager: OpManager | None) -> OpManager | None:
+    """Replace the process-wide manager (tests, embedding); returns the previous one."""
+    global _manager
+    with _manager_lock:
+        previous, _manager = _manager, manager
+    return previous
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bshd", causal: bool = False,
+    causal_alignment: str = "top_left", window: tuple[int, int] | None = None, scale: float | None = None,
+    dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, return_lse: bool = False,
+    deterministic: bool = False, impl: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention, computed by the best implementation the device and the policy allow.
+
+    Layouts: ``bshd`` (default), ``bhsd``, ``sbhd``, and ``thd`` (packed variable-length sequences described
+    by int32 ``cu_seqlens_q``/``cu_seqlens_k``). k/v may have fewer heads than q (grouped-query attention).
+    ``causal_alignment`` says where the causal diagonal sits when seqlen_q != seqlen_k: ``top_left`` (query i
+    sees keys j <= i) or ``bottom_right`` (the last query sees the last key). ``window=(left, right)`` keeps
+    keys within that distance of the (aligned) diagonal, -1 meaning unbounded. ``softcap`` applies
+    ``softcap * tanh(scores / softcap)``; ``alibi_slopes`` adds ``-slope * |i + offset - j|``; ``attn_mask`` is
+    a bool tensor (True = attend); ``attn_bias`` an additive float tensor. ``impl="vendor.name"`` pins one
+    implementation for this call (it never falls back). Returns ``out`` in the input layout, or
+    ``(out, lse)`` with ``return_lse=True`` (lse: float32 (batch, heads, seqlen_q), or (heads, total_q) for thd).
+    """
+    call = validate_attention(
+        q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
+        dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
+        attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic)
+    return get_manager().call("attention", call, impl=impl)
+
+
+def resolve_device(device: DeviceInfo | str | os.PathLike[str] | None) -> DeviceInfo | None:
+    """A DeviceInfo from a DeviceInfo, a descriptor path, or None (the tensors' own device)."""
+    if device is None or isinstance(device, DeviceInfo):
+        return device
+    return load_device_descriptor(device)
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | None = None,
+            device: DeviceInfo | str | os.PathLike[str] | None = None, **kwargs: Any) -> Decision:
+    """Which implementation `attention(q, k, v, **kwargs)` would use, and why — for every candidate.
+
+    `device` simulates another device: a DeviceInfo or the path of a YAML descriptor (configs/devices/). The
+    tensors may then live on the ``meta`` device, since nothing is computed.
+    """
+    call = validate_attention(q, k, v, check_values=not _is_meta(q), **kwargs)
+    return get_manager().explain("attention", call, device=resolve_device(device), impl=impl)
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return t.device.type == "meta"

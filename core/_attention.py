@@ -1,0 +1,604 @@
+"""The generic attention op: its canonical call, input validation, and the capability-declaring base class.
+
+Every input is validated once, here, before any implementation sees it; implementations then only check their
+own limits (via `AttentionCaps` and `extra_reasons`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from ._impl import Impl
+
+if TYPE_CHECKING:
+    from ._device import DeviceInfo
+
+LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")
+DENSE_LAYOUTS = ("bshd", "bhsd", "sbhd")
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+_DTYPE_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPE_SHORT[getattr(torch, _name)] = _name.replace("float8_", "fp8_")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """`bf16`, `bfloat16`, `torch.bfloat16` → torch.bfloat16 (ValueError listing the allowed names otherwise)."""
+    key = name.strip().lower().replace("torch.", "")
+    for dtype, short in _DTYPE_SHORT.items():
+        if key in (short, str(dtype).replace("torch.", "")):
+            return dtype
+    aliases = {"half": torch.float16, "float": torch.float32, "double": torch.float64}
+    if key in aliases:
+        return aliases[key]
+    raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(sorted(set(_DTYPE_SHORT.values())))}")
+
+
+class AttentionCall:
+    """One validated attention call, in the user's layout, with the derived sizes implementations need.
+
+    Sizes: `batch`, `seqlen_q`, `seqlen_k` (the max lengths for `thd`), `heads_q`, `heads_kv`, `head_dim`
+    (of q and k), `head_dim_v`. Tensors stay as given; `bhsd()` returns views in (batch, heads, seq, dim).
+    """
+
+    __slots__ = (
+        "q", "k", "v", "layout", "causal", "causal_alignment", "window", "scale", "dropout_p", "softcap",
+        "alibi_slopes", "attn_mask", "attn_bias", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+        "max_seqlen_k", "return_lse", "deterministic", "batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv",
+        "head_dim", "head_dim_v", "dtype", "device", "requires_grad", "module",
+    )
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: str
+    causal: bool
+    causal_alignment: str
+    window: tuple[int, int] | None
+    scale: float
+    dropout_p: float
+    softcap: float
+    alibi_slopes: torch.Tensor | None
+    attn_mask: torch.Tensor | None
+    attn_bias: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    max_seqlen_q: int | None
+    max_seqlen_k: int | None
+    return_lse: bool
+    deterministic: bool
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+    module: str | None
+
+    # -- derived views and flags -----------------------------------------------------------------------------
+    @property
+    def varlen(self) -> bool:
+        return self.layout == "thd"
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def alignment_matters(self) -> bool:
+        """Whether top-left and bottom-right alignment give different results for this call."""
+        if not (self.causal or self.window is not None):
+            return False
+        if self.varlen:
+            return self.cu_seqlens_q is not self.cu_seqlens_k
+        return self.seqlen_q != self.seqlen_k
+
+    def bhsd(self, t: torch.Tensor) -> torch.Tensor:
+        """View a dense q/k/v/out tensor of this call's layout as (batch, heads, seq, dim)."""
+        layout = self.layout
+        if layout == "bhsd":
+            return t
+        if layout == "bshd":
+            return t.transpose(1, 2)
+        if layout == "sbhd":
+            return t.permute(1, 2, 0, 3)
+        raise ValueError(f"bhsd() needs a dense layout, call has layout {layout!r}")
+
+    def from_bhsd(self, t: torch.Tensor) -> torch.Tensor:
+        """Inverse of `bhsd()`: a (batch, heads, seq, dim) result back into this call's layout."""
+        layout = self.layout
+        if layout == "bhsd":
+            return t
+        if layout == "bshd":
+            return t.transpose(1, 2)
+        if layout == "sbhd":
+            return t.permute(2, 0, 1, 3)
+        raise ValueError(f"from_bhsd() needs a dense layout, call has layout {layout!r}")
+
+    def signature(self) -> tuple[Any, ...]:
+        """Everything selection may depend on, as a compact hashable key (no tensor data)."""
+        mask = self.attn_mask
+        bias = self.attn_bias
+        alibi = self.alibi_slopes
+        if self.varlen:
+            shapes: tuple[Any, ...] = (self.batch, self.seqlen_q, self.seqlen_k, self.heads_q, self.heads_kv,
+                                       self.head_dim, self.head_dim_v, self.alignment_matters)
+        else:
+            shapes = (tuple(self.q.shape), tuple(self.k.shape), tuple(self.v.shape))
+        return (
+            self.layout, shapes, self.dtype, self.device, self.causal, self.causal_alignment, self.window,
+            self.dropout_p > 0.0, self.softcap > 0.0,
+            None if alibi is None else tuple(alibi.shape),
+            None if mask is None else (tuple(mask.shape), mask.dtype, mask.requires_grad),
+            None if bias is None else (tuple(bias.shape), bias.dtype, bias.requires_grad),
+            self.return_lse, self.deterministic, self.requires_grad, self.module,
+        )
+
+    def describe(self) -> str:
+        """One line a human can read in errors and tables."""
+        parts = [f"layout={self.layout}", f"q={tuple(self.q.shape)}", f"k={tuple(self.k.shape)}",
+                 f"v={tuple(self.v.shape)}", f"dtype={dtype_name(self.dtype)}", f"device={self.device}",
+                 f"heads={self.heads_q}/{self.heads_kv}", f"head_dim={self.head_dim}"]
+        if self.head_dim_v != self.head_dim:
+            parts.append(f"head_dim_v={self.head_dim_v}")
+        if self.varlen:
+            parts.append(f"varlen batch={self.batch} max_seqlen_q={self.seqlen_q} max_seqlen_k={self.seqlen_k}")
+        if self.causal:
+            parts.append(f"causal({self.causal_alignment})")
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.alibi_slopes is not None:
+            parts.append("alibi")
+        if self.dropout_p:
+            parts.append(f"dropout_p={self.dropout_p:g}")
+        if self.attn_mask is not None:
+            parts.append(f"attn_mask{tuple(self.attn_mask.shape)}")
+        if self.attn_bias is not None:
+            parts.append(f"attn_bias{tuple(self.attn_bias.shape)}")
+        if self.return_lse:
+            parts.append("return_lse")
+        if self.deterministic:
+            parts.append("deterministic")
+        if self.requires_grad:
+            parts.append("requires_grad")
+        return " ".join(parts)
+
+
+# -- validation ----------------------------------------------------------------------------------------------
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point
+
+
+def _shape_of(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def _check_tensor(name: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"attention(): {name} must be a torch.Tensor, got {type(value).__name__} ({value!r:.80})")
+    return value
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"attention(): {name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _check_nonneg_float(name: str, value: Any, *, below_one: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"attention(): {name} must be a float, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value) or value < 0.0 or (below_one and value >= 1.0):
+        allowed = "0 <= dropout_p < 1" if below_one else f"a finite {name} >= 0 (0 disables it)"
+        raise ValueError(f"attention(): {name}={value!r} is out of range; allowed: {allowed}")
+    return value
+
+
+def _broadcastable(shape: Sequence[int], target: Sequence[int]) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
+
+
+def validate_attention(
+    q: Any, k: Any, v: Any, *, layout: Any = "bshd", causal: Any = False, causal_alignment: Any = "top_left",
+    window: Any = None, scale: Any = None, dropout_p: Any = 0.0, softcap: Any = 0.0, alibi_slopes: Any = None,
+    attn_mask: Any = None, attn_bias: Any = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+    max_seqlen_q: Any = None, max_seqlen_k: Any = None, return_lse: Any = False, deterministic: Any = False,
+    module: str | None = None, check_values: bool = True,
+) -> AttentionCall:
+    """Validate every argument of `opdispatch.attention` and build the canonical call.
+
+    Raises TypeError for wrong types and ValueError for wrong values; each message names the argument, its
+    value and what is allowed. `check_values=False` skips the checks that read cu_seqlens values (a host sync
+    on accelerators); shapes and types are always checked.
+    """
+    q = _check_tensor("q", q)
+    k = _check_tensor("k", k)
+    v = _check_tensor("v", v)
+    if layout not in LAYOUTS:
+        raise ValueError(f"attention(): layout={layout!r} is not supported; allowed: {', '.join(LAYOUTS)} "
+                         "(b=batch, s=sequence, h=heads, d=head dim; thd = packed variable-length sequences)")
+    want_ndim = 3 if layout == "thd" else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != want_ndim:
+            raise ValueError(f"attention(): {name} has shape {_shape_of(t)} ({t.dim()} dims) but layout "
+                             f"{layout!r} needs {want_ndim} dims ({' '.join(layout)})")
+        if not _is_float(t.dtype):
+            raise TypeError(f"attention(): {name} has dtype {t.dtype}; attention needs a floating-point dtype "
+                            "(float16, bfloat16, float32, float64)")
+        if 0 in t.shape:
+            raise ValueError(f"attention(): {name} has an empty dimension, shape {_shape_of(t)}; every size "
+                             "must be at least 1")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"attention(): q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, "
+                        f"v={v.dtype}; cast them with .to(dtype)")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention(): q, k and v must be on one device, got q on {q.device}, k on {k.device}, "
+                         f"v on {v.device}; move them with .to(device)")
+
+    call = AttentionCall()
+    call.q, call.k, call.v, call.layout = q, k, v, layout
+    call.dtype, call.device = q.dtype, q.device
+    call.module = module
+
+    if layout == "thd":
+        tq, hq, d = q.shape
+        tk, hkv, dk = k.shape
+        tv, hv, dv = v.shape
+        b = sq = sk = -1
+    else:
+        bq, sq, hq, d = _dims(layout, q.shape)
+        bk, sk, hkv, dk = _dims(layout, k.shape)
+        bv, sv, hv, dv = _dims(layout, v.shape)
+        if not (bq == bk == bv):
+            raise ValueError(f"attention(): batch sizes differ: q {bq}, k {bk}, v {bv} (layout {layout!r}); "
+                             "q, k and v must have the same batch")
+        if sk != sv:
+            raise ValueError(f"attention(): k and v sequence lengths differ: k {sk}, v {sv} (layout {layout!r})")
+        b = bq
+        tk = tv = 0
+    if layout == "thd" and tk != tv:
+        raise ValueError(f"attention(): k and v token counts differ: k {tk}, v {tv} (layout 'thd')")
+    if hkv != hv:
+        raise ValueError(f"attention(): k and v head counts differ: k {hkv}, v {hv}")
+    if d != dk:
+        raise ValueError(f"attention(): q and k head dims differ: q {d}, k {dk}; they must be equal "
+                         "(v may have its own head dim)")
+    if hq % hkv != 0:
+        raise ValueError(f"attention(): q heads ({hq}) must be a multiple of k/v heads ({hkv}) for grouped-query "
+                         f"attention; allowed k/v head counts: "
+                         f"{', '.join(str(n) for n in range(1, hq + 1) if hq % n == 0)}")
+    call.heads_q, call.heads_kv, call.head_dim, call.head_dim_v = hq, hkv, d, dv
+
+    call.causal = _check_flag("causal", causal)
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"attention(): causal_alignment={causal_alignment!r} is not supported; allowed: "
+                         "'top_left' (query i sees keys j <= i) or 'bottom_right' (the last query sees the last key)")
+    call.causal_alignment = causal_alignment
+    call.window = _check_window(window, call.causal)
+
+    if scale is None:
+        call.scale = 1.0 / math.sqrt(d)
+    else:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"attention(): scale must be a float or None, got {scale!r} ({type(scale).__name__})")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"attention(): scale={scale!r} is out of range; allowed: a finite float > 0, "
+                             f"or None for 1/sqrt(head_dim) = {1.0 / math.sqrt(d):.6g}")
+        call.scale = float(scale)
+    call.dropout_p = _check_nonneg_float("dropout_p", dropout_p, below_one=True)
+    call.softcap = _check_nonneg_float("softcap", softcap)
+    call.return_lse = _check_flag("return_lse", return_lse)
+    call.deterministic = _check_flag("deterministic", deterministic)
+
+    if layout == "thd":
+        b, sq, sk = _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values)
+        call.cu_seqlens_q, call.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
+        call.max_seqlen_q, call.max_seqlen_k = sq, sk
+    else:
+        for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                            ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                raise ValueError(f"attention(): {name} is only meaningful with layout='thd' (packed varlen), "
+                                 f"but layout is {layout!r}; drop {name} or pack the sequences as thd")
+        call.cu_seqlens_q = call.cu_seqlens_k = None
+        call.max_seqlen_q = call.max_seqlen_k = None
+    call.batch, call.seqlen_q, call.seqlen_k = b, sq, sk
+
+    call.alibi_slopes = _check_alibi(alibi_slopes, b, hq, q.device)
+    full = (b, hq, sq, sk)
+    if attn_mask is not None:
+        attn_mask = _check_tensor("attn_mask", attn_mask)
+        if layout == "thd":
+            raise ValueError("attention(): attn_mask is not supported with layout='thd'; express the pattern with "
+                             "causal/window, or use a dense layout")
+        if attn_mask.dtype != torch.bool:
+            raise TypeError(f"attention(): attn_mask must be a bool tensor (True = attend), got {attn_mask.dtype}; "
+                            "pass additive float masks as attn_bias")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attention(): attn_mask is on {attn_mask.device} but q is on {q.device}")
+        if not _broadcastable(attn_mask.shape, full):
+            raise ValueError(f"attention(): attn_mask shape {_shape_of(attn_mask)} does not broadcast to "
+                             f"(batch, heads_q, seqlen_q, seqlen_k) = {full}")
+    call.attn_mask = attn_mask
+    if attn_bias is not None:
+        attn_bias = _check_tensor("attn_bias", attn_bias)
+        if layout == "thd":
+            raise ValueError("attention(): attn_bias is not supported with layout='thd'; use a dense layout")
+        if not _is_float(attn_bias.dtype):
+            raise TypeError(f"attention(): attn_bias must be a floating-point tensor added to the scores, got "
+                            f"{attn_bias.dtype}; pass boolean masks as attn_mask")
+        if attn_bias.device != q.device:
+            raise ValueError(f"attention(): attn_bias is on {attn_bias.device} but q is on {q.device}")
+        if not _broadcastable(attn_bias.shape, full):
+            raise ValueError(f"attention(): attn_bias shape {_shape_of(attn_bias)} does not broadcast to "
+                             f"(batch, heads_q, seqlen_q, seqlen_k) = {full}")
+    call.attn_bias = attn_bias
+
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        attn_bias is not None and attn_bias.requires_grad))
+    call.requires_grad = grad
+    return call
+
+
+def _dims(layout: str, shape: torch.Size) -> tuple[int, int, int, int]:
+    """(batch, seq, heads, dim) of a dense tensor in `layout`."""
+    if layout == "bshd":
+        return shape[0], shape[1], shape[2], shape[3]
+    if layout == "bhsd":
+        return shape[0], shape[2], shape[1], shape[3]
+    return shape[1], shape[0], shape[2], shape[3]  # sbhd
+
+
+def _check_window(window: Any, causal: bool) -> tuple[int, int] | None:
+    if window is None:
+        return None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in window)):
+        raise TypeError(f"attention(): window must be None or a pair of ints (left, right), got {window!r}; "
+                        "-1 means unbounded on that side, e.g. (128, 0) for a causal sliding window of 128 keys")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"attention(): window={tuple(window)!r} has a side below -1; allowed: sizes >= 0, or -1 "
+                         "for unbounded")
+    if causal:
+        if right > 0:
+            raise ValueError(f"attention(): window={tuple(window)!r} looks {right} keys ahead but causal=True "
+                             "forbids that; set right to 0 (or -1), or causal=False")
+        right = 0
+    if left == -1 and right == -1:
+        return None  # unbounded both ways is no window at all
+    if causal and left == -1:
+        return None  # causal already bounds the right; an unbounded left adds nothing
+    return (left, right)
+
+
+def _check_alibi(alibi: Any, batch: int, heads: int, device: torch.device) -> torch.Tensor | None:
+    if alibi is None:
+        return None
+    alibi = _check_tensor("alibi_slopes", alibi)
+    if alibi.dtype != torch.float32:
+        raise TypeError(f"attention(): alibi_slopes must be float32, got {alibi.dtype}; use .float()")
+    if tuple(alibi.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"attention(): alibi_slopes has shape {_shape_of(alibi)}; allowed: ({heads},) or "
+                         f"({batch}, {heads}) — one slope per query head, optionally per batch element")
+    if alibi.device != device:
+        raise ValueError(f"attention(): alibi_slopes is on {alibi.device} but q is on {device}")
+    return alibi
+
+
+def _check_varlen(q: torch.Tensor, k: torch.Tensor, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any,
+                  check_values: bool) -> tuple[int, int, int]:
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if cu is None:
+            raise ValueError(f"attention(): layout='thd' needs {name}: an int32 tensor of cumulative sequence "
+                             "lengths, [0, len_0, len_0+len_1, …] of size batch+1")
+        _check_tensor(name, cu)
+        if cu.dtype != torch.int32:
+            raise TypeError(f"attention(): {name} must be int32, got {cu.dtype}; use .to(torch.int32)")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"attention(): {name} must be 1-D with batch+1 >= 2 entries, got shape {_shape_of(cu)}")
+        if cu.device != q.device:
+            raise ValueError(f"attention(): {name} is on {cu.device} but q is on {q.device}")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"attention(): cu_seqlens_q has {cu_q.numel()} entries but cu_seqlens_k has "
+                         f"{cu_k.numel()}; both must have batch+1 entries")
+    for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"attention(): {name}={value!r} must be a positive int or None (computed from "
+                             "cu_seqlens)")
+    batch = cu_q.numel() - 1
+    need_values = check_values or max_q is None or max_k is None
+    if not need_values:
+        return batch, max_q, max_k
+    lengths = {}
+    for name, cu, t, given in (("cu_seqlens_q", cu_q, q, max_q), ("cu_seqlens_k", cu_k, k, max_k)):
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"attention(): {name} must start at 0, got {values[0]} ({name}={values})")
+        steps = [b - a for a, b in zip(values, values[1:])]
+        if any(s < 0 for s in steps):
+            raise ValueError(f"attention(): {name} must be non-decreasing, got {values}")
+        if values[-1] != t.shape[0]:
+            tensor = "q" if name.endswith("q") else "k"
+            raise ValueError(f"attention(): {name} ends at {values[-1]} but {tensor} has {t.shape[0]} tokens; the "
+                             "last entry must equal the total token count")
+        longest = max(steps)
+        if given is not None and given < longest:
+            raise ValueError(f"attention(): max_seqlen_{name[-1]}={given} is smaller than the longest sequence "
+                             f"({longest}) in {name}")
+        lengths[name] = given if given is not None else longest
+    return batch, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"]
+
+
+def allowed_positions(sq: int, sk: int, causal: bool, window: tuple[int, int] | None, offset: int,
+                      device: torch.device) -> torch.Tensor | None:
+    """Bool (sq, sk) matrix of the keys each query may see under causal/window, or None if all."""
+    if not causal and window is None:
+        return None
+    rel = (torch.arange(sk, device=device).unsqueeze(0)
+           - torch.arange(sq, device=device).unsqueeze(1) - offset)  # j - (i + o)
+    allowed = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= rel <= 0
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            allowed &= rel >= -left
+        if right >= 0:
+            allowed &= rel <= right
+    return allowed
+
+
+# -- capability declarations -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttentionCaps:
+    """What an attention implementation supports, declared as data.
+
+    `layouts` are the layouts the adapter accepts (it may permute or copy); `causal_alignments` are those it can
+    honour when sq != sk (with equal lengths both alignments are the same computation).
+    """
+
+    dtypes: frozenset[torch.dtype]
+    head_dim_min: int = 1
+    head_dim_max: int | None = None
+    head_dim_multiple: int = 1
+    head_dim_v_differs: bool = False
+    layouts: frozenset[str] = frozenset(DENSE_LAYOUTS)
+    causal: bool = True
+    causal_alignments: frozenset[str] = frozenset({"top_left"})
+    gqa: bool = False
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    dropout: bool = False
+    attn_mask: bool = False
+    attn_bias: bool = False
+    bias_grad: bool = False
+    lse: bool = False
+    backward: bool = False
+    deterministic_backward: bool = True
+    max_seqlen: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "dtypes":
+                value = sorted(dtype_name(d) for d in value)
+            elif isinstance(value, frozenset):
+                value = sorted(value)
+            out[f.name] = value
+        return out
+
+
+class AttentionImpl(Impl):
+    """Base for attention implementations: set `caps`, implement `run`, optionally `extra_reasons`."""
+
+    op: ClassVar[str] = "attention"
+    caps: ClassVar[AttentionCaps]
+
+    def check_declaration(self) -> list[str]:
+        problems = super().check_declaration()
+        caps = getattr(self, "caps", None)
+        if not isinstance(caps, AttentionCaps):
+            problems.append(f"caps must be an opdispatch.AttentionCaps, got {type(caps).__name__}")
+            return problems
+        unknown = set(caps.layouts) - set(LAYOUTS)
+        if unknown:
+            problems.append(f"caps.layouts has unknown layouts {sorted(unknown)}; allowed: {list(LAYOUTS)}")
+        bad_align = set(caps.causal_alignments) - set(CAUSAL_ALIGNMENTS)
+        if bad_align:
+            problems.append(f"caps.causal_alignments has {sorted(bad_align)}; allowed: {list(CAUSAL_ALIGNMENTS)}")
+        if not caps.dtypes or not all(isinstance(d, torch.dtype) for d in caps.dtypes):
+            problems.append("caps.dtypes must be a non-empty set of torch dtypes")
+        return problems
+
+    def not_supported_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        reasons = capability_reasons(self.caps, call)
+        reasons.extend(self.extra_reasons(call, device))
+        return reasons
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        """Override for limits `AttentionCaps` cannot express (arch-dependent head dims, …)."""
+        return []
+
+    def describe_capabilities(self) -> dict[str, Any]:
+        out = super().describe_capabilities()
+        out.update(self.caps.as_dict())
+        return out
+
+
+def capability_reasons(caps: AttentionCaps, call: AttentionCall) -> list[str]:
+    """Reasons `caps` cannot take `call` — one readable sentence per unmet capability."""
+    reasons = []
+    if call.dtype not in caps.dtypes:
+        reasons.append(f"dtype {dtype_name(call.dtype)} not supported "
+                       f"(supported: {', '.join(sorted(dtype_name(d) for d in caps.dtypes))})")
+    if call.layout not in caps.layouts:
+        what = "packed varlen (thd)" if call.layout == "thd" else f"layout {call.layout!r}"
+        reasons.append(f"{what} not supported (supported layouts: {', '.join(sorted(caps.layouts))})")
+    d = call.head_dim
+    if d < caps.head_dim_min or (caps.head_dim_max is not None and d > caps.head_dim_max):
+        top = caps.head_dim_max if caps.head_dim_max is not None else "any"
+        reasons.append(f"head_dim {d} outside the supported range {caps.head_dim_min}..{top}")
+    elif d % caps.head_dim_multiple:
+        reasons.append(f"head_dim {d} is not a multiple of {caps.head_dim_multiple}")
+    if call.head_dim_v != d:
+        if not caps.head_dim_v_differs:
+            reasons.append(f"v head_dim {call.head_dim_v} differs from q/k head_dim {d} (not supported)")
+        elif caps.head_dim_max is not None and call.head_dim_v > caps.head_dim_max:
+            reasons.append(f"v head_dim {call.head_dim_v} above the supported maximum {caps.head_dim_max}")
+    if call.heads_q != call.heads_kv and not caps.gqa:
+        reasons.append(f"grouped-query attention ({call.heads_q} q heads over {call.heads_kv} kv heads) not "
+                       "supported")
+    if call.causal and not caps.causal:
+        reasons.append("causal masking not supported")
+    if call.alignment_matters and call.causal_alignment not in caps.causal_alignments:
+        reasons.append(f"causal_alignment {call.causal_alignment!r} with seqlen_q != seqlen_k not supported "
+                       f"(supported: {', '.join(sorted(caps.causal_alignments)) or 'none'})")
+    if call.window is not None and not caps.window:
+        reasons.append(f"sliding window {call.window} not supported")
+    if call.softcap > 0 and not caps.softcap:
+        reasons.append(f"softcap={call.softcap:g} not supported")
+    if call.alibi_slopes is not None and not caps.alibi:
+        reasons.append("ALiBi slopes not supported")
+    if call.dropout_p > 0 and not caps.dropout:
+        reasons.append(f"dropout_p={call.dropout_p:g} not supported")
+    if call.attn_mask is not None and not caps.attn_mask:
+        reasons.append("boolean attn_mask not supported")
+    if call.attn_bias is not None:
+        if not caps.attn_bias:
+            reasons.append("additive attn_bias not supported")
+        elif call.attn_bias.requires_grad and call.requires_grad and not caps.bias_grad:
+            reasons.append("gradient with respect to attn_bias not supported")
+    if call.return_lse and not caps.lse:
+        reasons.append("return_lse=True not supported (no log-sum-exp output)")
+    if call.requires_grad and not caps.backward:
+        reasons.append("backward (inputs require grad) not supported: forward-only implementation")
+    if call.deterministic and call.requires_grad and not caps.deterministic_backward:
+        reasons.append("deterministic=True not supported: its backward is not deterministic")
+    if caps.max_seqlen is not None and max(call.seqlen_q, call.seqlen_k) > caps.max_seqlen:
+        reasons.append(f"sequence length {max(call.seqlen_q, call.seqlen_k)} above the supported "
+                       f"maximum {caps.max_seqlen}")
+    return reasons

@@ -1,0 +1,106 @@
+"""A dispatch decision: the chosen implementation and, for every candidate, its status, reasons and provenance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._device import DeviceInfo
+    from ._impl import Impl
+
+CHOSEN = "chosen"
+ELIGIBLE = "eligible"
+REJECTED = "rejected"
+DENIED = "denied by policy"
+UNAVAILABLE = "unavailable"
+FAILED = "failed to load"
+NOT_REGISTERED = "not registered"
+
+STATUSES = (CHOSEN, ELIGIBLE, REJECTED, DENIED, UNAVAILABLE, FAILED, NOT_REGISTERED)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What decided something: a policy rule (file:line), an env var, a context override or an argument."""
+
+    kind: str  # policy | env | context | argument | priority
+    source: str  # "configs/default.yaml:12", "OPDISPATCH_IMPL_ATTENTION", "impl=", "policy_override()"
+    rule: str | None = None
+    note: str | None = None
+
+    def __str__(self) -> str:
+        text = self.source
+        if self.rule:
+            text += f" rule {self.rule!r}"
+        if self.note:
+            text += f" ({self.note})"
+        return text
+
+
+PRIORITY = Provenance("priority", "implementation priority", note="not ordered by the policy")
+
+
+@dataclass
+class Candidate:
+    impl_id: str
+    status: str
+    reasons: list[str] = field(default_factory=list)
+    decided_by: Provenance | None = None
+    origin: str = ""
+
+
+@dataclass
+class Decision:
+    """The outcome of resolving one call. `str(decision)` is a readable table; `chosen` is None on failure."""
+
+    op: str
+    call: str
+    device: DeviceInfo
+    chosen: Impl | None
+    candidates: list[Candidate]
+    decided_by: Provenance | None
+    policy_source: str
+    policy_hash: str
+    pinned: str | None = None
+
+    @property
+    def chosen_id(self) -> str | None:
+        return self.chosen.id if self.chosen is not None else None
+
+    def candidate(self, impl_id: str) -> Candidate:
+        for c in self.candidates:
+            if c.impl_id == impl_id:
+                return c
+        raise KeyError(f"{impl_id!r} is not a candidate of this decision; candidates: "
+                       f"{', '.join(c.impl_id for c in self.candidates)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op, "call": self.call, "device": self.device.to_dict(), "chosen": self.chosen_id,
+            "decided_by": str(self.decided_by) if self.decided_by else None,
+            "policy": {"source": self.policy_source, "hash": self.policy_hash}, "pinned": self.pinned,
+            "candidates": [
+                {"impl": c.impl_id, "status": c.status, "reasons": c.reasons,
+                 "decided_by": str(c.decided_by) if c.decided_by else None, "origin": c.origin}
+                for c in self.candidates
+            ],
+        }
+
+    def __str__(self) -> str:
+        head = [f"op:      {self.op}", f"call:    {self.call}", f"device:  {self.device.describe()}",
+                f"policy:  {self.policy_source} (hash {self.policy_hash})"]
+        if self.chosen is not None:
+            head.append(f"chosen:  {self.chosen_id}  (decided by {self.decided_by})")
+        else:
+            head.append("chosen:  none — no implementation can take this call")
+        rows = [("#", "implementation", "status", "decided by", "reasons")]
+        for i, c in enumerate(self.candidates, 1):
+            reasons = "; ".join(c.reasons) if c.reasons else "-"
+            rows.append((str(i), c.impl_id, c.status, str(c.decided_by) if c.decided_by else "-", reasons))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = []
+        for r in rows:
+            lines.append("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4])
+        lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 7)
+        return "\n".join(head) + "\n\n" + "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,57 @@
+"""Exceptions raised by opdispatch.
+
+Every error carries the offending object and says what failed, the bad value, what is allowed and how to fix it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._decision import Decision
+
+
+class OpDispatchError(Exception):
+    """Base class of every error opdispatch raises on purpose."""
+
+
+class RegistrationError(OpDispatchError, ValueError):
+    """An implementation could not be registered (bad declaration, duplicate id)."""
+
+    def __init__(self, message: str, *, impl: Any = None) -> None:
+        super().__init__(message)
+        self.impl = impl
+
+
+class NoImplementationError(OpDispatchError, NotImplementedError):
+    """No implementation can take the call: the message lists every candidate with its reasons."""
+
+    def __init__(self, message: str, *, decision: Decision | None = None) -> None:
+        super().__init__(message)
+        self.decision = decision
+
+
+class PinnedImplementationError(NoImplementationError):
+    """The implementation pinned by `impl=`, an env var or the policy cannot take the call.
+
+    A pin never falls back silently; this error carries the pinned implementation's reasons.
+    """
+
+
+class PolicyError(OpDispatchError, ValueError):
+    """A policy file is malformed: the message names the file, the line and the field."""
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
+                 field: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.line = line
+        self.field = field
+
+
+class DeviceDescriptorError(OpDispatchError, ValueError):
+    """A device descriptor YAML file is malformed."""
+
+
+class PluginLoadError(OpDispatchError, RuntimeError):
+    """A plugin failed to load or register; kept with its traceback and origin."""

@@ -1,0 +1,207 @@
+"""The implementation contract: one `Impl` is one way to compute one op.
+
+Capabilities are declared as class attributes (data, shown by `opdispatch list` and checked at registration);
+`not_supported_reasons()` turns them, plus any extra checks a subclass adds, into human-readable reasons.
+Vendor libraries are imported lazily: only `availability()` on a real device and `run()` may import them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from packaging.version import InvalidVersion, Version
+
+from ._errors import RegistrationError
+
+if TYPE_CHECKING:
+    from ._device import DeviceInfo
+
+_ID_PART = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A library an implementation needs.
+
+    `module` is what gets imported, `distribution` the pip name whose version is checked, `key` the name under
+    which a device descriptor's `libraries:` declares it (defaults to `module`).
+    """
+
+    module: str
+    distribution: str
+    min_version: str | None = None
+    install_hint: str = ""
+    key: str | None = None
+
+    @property
+    def library_key(self) -> str:
+        return self.key or self.module
+
+    def hint(self) -> str:
+        return self.install_hint or f"pip install '{self.distribution}{'>=' + self.min_version if self.min_version else ''}'"
+
+    def unmet_reason(self, device: DeviceInfo) -> str | None:
+        """Why this requirement is not met on `device`, or None. Never imports the library."""
+        if device.simulated:
+            version = device.libraries.get(self.library_key)
+            if version is None:
+                return (f"library {self.library_key!r} is not declared in the device descriptor {device.source}; "
+                        f"add `{self.library_key}: <version>` under `libraries:` to simulate it installed")
+        else:
+            version = device.libraries.get(self.library_key)
+            if version is None:
+                if importlib.util.find_spec(self.module) is None:
+                    return f"library {self.module!r} is not installed; install it with: {self.hint()}"
+                try:
+                    version = importlib.metadata.version(self.distribution)
+                except importlib.metadata.PackageNotFoundError:
+                    version = None
+        if self.min_version and version is not None:
+            try:
+                too_old = Version(version.split("+")[0]) < Version(self.min_version)
+            except InvalidVersion:
+                too_old = False
+            if too_old:
+                return (f"library {self.library_key!r} {version} is older than the required {self.min_version}; "
+                        f"upgrade with: {self.hint()}")
+        return None
+
+
+class Impl:
+    """Base of every implementation. Subclasses set the class attributes and override `run`.
+
+    Attributes (class level, validated at registration):
+      op: the op this implements (``"attention"``).
+      vendor, name: the id is ``"<vendor>.<name>"``, both lower-case identifiers.
+      priority: orders implementations the policy does not order (higher first).
+      device_types: torch device types the kernel runs on (``{"cuda"}``); empty means any.
+      device_vendors: hardware vendors it supports (``{"nvidia"}``); empty means any.
+      min_capability / max_capability: inclusive compute-capability range, for vendors that have one.
+      archs: the arch names it supports (``{"gfx90a", "gfx942"}``); empty means any.
+      requires: libraries it needs (imported lazily, only by `availability`'s extra checks and `run`).
+    """
+
+    op: ClassVar[str]
+    vendor: ClassVar[str]
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0
+    description: ClassVar[str] = ""
+    device_types: ClassVar[frozenset[str]] = frozenset()
+    device_vendors: ClassVar[frozenset[str]] = frozenset()
+    min_capability: ClassVar[tuple[int, int] | None] = None
+    max_capability: ClassVar[tuple[int, int] | None] = None
+    archs: ClassVar[frozenset[str]] = frozenset()
+    requires: ClassVar[Sequence[Requirement]] = ()
+
+    @property
+    def id(self) -> str:
+        return f"{self.vendor}.{self.name}"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id}>"
+
+    # -- declarations ---------------------------------------------------------------------------------------
+    def check_declaration(self) -> list[str]:
+        """Problems with the class attributes; the registry refuses an implementation that has any."""
+        problems = []
+        for attr in ("op", "vendor", "name"):
+            value = getattr(self, attr, None)
+            if not isinstance(value, str) or not _ID_PART.match(value):
+                problems.append(f"{attr}={value!r} must be a lower-case identifier (letters, digits, '_')")
+        for attr in ("device_types", "device_vendors", "archs"):
+            if not isinstance(getattr(self, attr), (set, frozenset)):
+                problems.append(f"{attr} must be a set or frozenset, got {type(getattr(self, attr)).__name__}")
+        for attr in ("min_capability", "max_capability"):
+            value = getattr(self, attr)
+            if value is not None and not (isinstance(value, tuple) and len(value) == 2
+                                          and all(isinstance(x, int) for x in value)):
+                problems.append(f"{attr}={value!r} must be None or a (major, minor) tuple of ints")
+        if not isinstance(self.priority, int):
+            problems.append(f"priority={self.priority!r} must be an int")
+        if not all(isinstance(r, Requirement) for r in self.requires):
+            problems.append("requires must be a sequence of opdispatch.Requirement")
+        if type(self).run is Impl.run:
+            problems.append("run(call) is not implemented")
+        return problems
+
+    # -- device and library checks ---------------------------------------------------------------------------
+    def device_reasons(self, device: DeviceInfo) -> list[str]:
+        """Why this implementation cannot run on `device` at all (independent of the call)."""
+        reasons = []
+        if self.device_types and device.type not in self.device_types:
+            reasons.append(f"runs on device type {_fmt_set(self.device_types)}, not {device.type!r}")
+        if self.device_vendors and device.vendor not in self.device_vendors:
+            reasons.append(f"supports {_fmt_set(self.device_vendors)} hardware, not vendor {device.vendor!r}")
+        if self.archs and device.arch not in self.archs:
+            reasons.append(f"supports arch {_fmt_set(self.archs)}, not {device.arch!r}")
+        if self.min_capability or self.max_capability:
+            cap = device.capability
+            if cap is None:
+                reasons.append(f"needs a compute capability, device {device.name!r} reports none")
+            else:
+                if self.min_capability and cap < self.min_capability:
+                    reasons.append(f"needs compute capability >= {_fmt_cap(self.min_capability)}, "
+                                   f"device has {_fmt_cap(cap)}")
+                if self.max_capability and cap > self.max_capability:
+                    reasons.append(f"supports compute capability <= {_fmt_cap(self.max_capability)}, "
+                                   f"device has {_fmt_cap(cap)}")
+        return reasons
+
+    def availability(self, device: DeviceInfo) -> str | None:
+        """None when this implementation can run on `device`, else the reason (library missing, wrong device…).
+
+        On a simulated device only the descriptor is consulted; on a real one `extra_availability` may import
+        the vendor library.
+        """
+        reasons = self.device_reasons(device)
+        if reasons:
+            return "; ".join(reasons)
+        for requirement in self.requires:
+            reason = requirement.unmet_reason(device)
+            if reason:
+                return reason
+        if device.simulated:
+            return None
+        return self.extra_availability(device)
+
+    def extra_availability(self, device: DeviceInfo) -> str | None:
+        """Override to check what only importing the library tells (never called for simulated devices)."""
+        return None
+
+    # -- per call --------------------------------------------------------------------------------------------
+    def not_supported_reasons(self, call: Any, device: DeviceInfo) -> list[str]:
+        """Why this implementation cannot take `call` on `device`; empty when it can."""
+        return []
+
+    def run(self, call: Any) -> Any:
+        """Compute the op for a validated call."""
+        raise NotImplementedError
+
+    def describe_capabilities(self) -> dict[str, Any]:
+        """Declared capabilities as plain data (for `opdispatch list --verbose` and docs)."""
+        out: dict[str, Any] = {}
+        for attr in ("device_types", "device_vendors", "archs"):
+            value = getattr(self, attr)
+            if value:
+                out[attr] = sorted(value)
+        if self.min_capability:
+            out["min_capability"] = _fmt_cap(self.min_capability)
+        if self.max_capability:
+            out["max_capability"] = _fmt_cap(self.max_capability)
+        if self.requires:
+            out["requires"] = [r.distribution + (f">={r.min_version}" if r.min_version else "") for r in self.requires]
+        return out
+
+
+def _fmt_set(values: frozenset[str] | set[str]) -> str:
+    items = sorted(values)
+    return repr(items[0]) if len(items) == 1 else "{" + ", ".join(repr(v) for v in items) + "}"
+
+
+def _fmt_cap(cap: tuple[int, int]) -> str:
+    return f"{cap[0]}.{cap[1]}"

@@ -1,0 +1,403 @@
+"""OpManager: loads plugins once, probes devices, applies the policy, caches and explains decisions."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import pluggy
+
+from opdispatch.plugins import hookspec as _hookspec
+from opdispatch.plugins._loader import PluginRecord, load_entry_point_plugins
+
+from ._decision import (CHOSEN, DENIED, ELIGIBLE, FAILED, REJECTED, UNAVAILABLE, Candidate, Decision, Provenance)
+from ._device import DeviceInfo, probe_cpu, probe_generic
+from ._errors import NoImplementationError, PinnedImplementationError
+from ._impl import Impl
+from ._registry import Origin, Registry
+
+log = logging.getLogger("opdispatch")
+
+ENV_LOG_LEVEL = "OPDISPATCH_LOG_LEVEL"
+_CACHE_LIMIT = 4096
+
+
+def env_pin_var(op: str) -> str:
+    return f"OPDISPATCH_IMPL_{op.upper()}"
+
+
+def _configure_logging() -> None:
+    level = os.environ.get(ENV_LOG_LEVEL)
+    if not level:
+        return
+    value = logging.getLevelName(level.strip().upper())
+    if not isinstance(value, int):
+        raise ValueError(f"{ENV_LOG_LEVEL}={level!r} is not a logging level; use DEBUG, INFO, WARNING or ERROR")
+    log.setLevel(value)
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("opdispatch %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+
+
+class OpManager:
+    """Holds the registry of implementations per op and decides which one takes each call.
+
+    Initialisation is lazy (plugins load on first use) and happens once per process; a forked child keeps the
+    loaded plugins but forgets device probes and cached decisions, which may not hold across a fork.
+    """
+
+    def __init__(self, *, load_entry_points: bool = True, entry_points: Iterable[Any] | None = None,
+                 policy: Any = None, environ: dict[str, str] | None = None) -> None:
+        self._load_entry_points = load_entry_points
+        self._entry_points = entry_points
+        self._environ = environ
+        self._lock = threading.RLock()
+        self._initialized = False
+        self.registry = Registry()
+        self.plugins: list[PluginRecord] = []
+        self._pm = pluggy.PluginManager(_hookspec.PROJECT_NAME)
+        self._pm.add_hookspecs(_hookspec)
+        self._policy = None
+        self._policy_object = None
+        self._policy_path = None
+        if policy is not None:
+            self.set_policy(policy)
+        self._cache: dict[Any, Decision] = {}
+        self._devices: dict[Any, DeviceInfo] = {}
+        self._availability: dict[tuple[str, Any], str | None] = {}
+        self._env_pins: dict[str, str] = {}
+        _MANAGERS.add(self)
+
+    # -- initialisation --------------------------------------------------------------------------------------
+    @property
+    def environ(self) -> Any:
+        return os.environ if self._environ is None else self._environ
+
+    def ensure_initialized(self) -> None:
+        if self._initialized:
+            return
+        with self._lock:
+            if self._initialized:
+                return
+            _configure_logging()
+            if self._load_entry_points:
+                records = load_entry_point_plugins(self._pm, self._entry_points, self.environ)
+                self.plugins.extend(records)
+                for record in records:
+                    if record.status == "loaded":
+                        self._collect_impls(record)
+            self._read_env()
+            self._initialized = True
+
+    def _read_env(self) -> None:
+        prefix = "OPDISPATCH_IMPL_"
+        self._env_pins = {k[len(prefix):].lower(): v.strip() for k, v in self.environ.items()
+                          if k.startswith(prefix) and v.strip()}
+
+    def _collect_impls(self, record: PluginRecord) -> None:
+        """Call one plugin's `opdispatch_impls` hook and register what it returns, isolating failures."""
+        plugin = self._pm.get_plugin(record.name)
+        for hook_impl in self._pm.hook.opdispatch_impls.get_hookimpls():
+            if hook_impl.plugin is not plugin:
+                continue
+            try:
+                impls = hook_impl.function()
+                if impls is None:
+                    continue
+                module = getattr(plugin, "__name__", type(plugin).__module__)
+                for impl in impls:
+                    self.registry.register(impl, Origin(record.name, type(impl).__module__ or module))
+                    record.impl_ids.append(impl.id)
+            except Exception as exc:  # keep the others working; doctor and explain show this
+                record.fail("register", exc)
+                log.warning("%s", record.describe())
+
+    def register_plugin(self, plugin: Any, name: str) -> PluginRecord:
+        """Register an in-memory plugin object (anything with ``@opdispatch.hookimpl`` functions)."""
+        self.ensure_initialized()
+        with self._lock:
+            record = PluginRecord(name=name, value=getattr(plugin, "__name__", repr(plugin)))
+            self.plugins.append(record)
+            try:
+                self._pm.register(plugin, name=name)
+            except Exception as exc:
+                record.fail("load", exc)
+                return record
+            self._collect_impls(record)
+            self.clear_cache()
+            return record
+
+    def register_impl(self, impl: Impl, plugin: str = "(registered in code)") -> None:
+        """Register one implementation directly (tests, notebooks); plugins are the normal route."""
+        self.ensure_initialized()
+        self.registry.register(impl, Origin(plugin, type(impl).__module__))
+        self.clear_cache()
+
+    def clear_cache(self) -> None:
+        """Forget decisions, availability and device probes (after a plugin, policy or env change)."""
+        with self._lock:
+            self._cache = {}
+            self._availability = {}
+
+    def reload(self) -> None:
+        """Re-read env vars and the policy file; swap them in atomically and drop every cached decision."""
+        from opdispatch.policies import load_policy
+
+        policy = self._policy_object if self._policy_object is not None else load_policy(self._policy_path)
+        with self._lock:
+            self._read_env()
+            self._policy = policy
+            self.clear_cache()
+
+    # -- policy ----------------------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Any:
+        current = self._policy
+        if current is None:
+            from opdispatch.policies import load_policy
+
+            with self._lock:
+                if self._policy is None:
+                    self._policy = load_policy(self._policy_path)
+                current = self._policy
+        return current
+
+    def set_policy(self, policy: Any) -> None:
+        """Use `policy` (a Policy object, or the path of a YAML file) from now on; cached decisions are dropped.
+
+        A path is re-read by `reload()`; a Policy object is kept as it is.
+        """
+        from opdispatch.policies import Policy, load_policy
+
+        if isinstance(policy, Policy):
+            obj, path, loaded = policy, None, policy
+        else:
+            obj, path, loaded = None, policy, load_policy(policy)
+        with self._lock:
+            self._policy_object, self._policy_path, self._policy = obj, path, loaded
+            self.clear_cache()
+
+    # -- devices ---------------------------------------------------------------------------------------------
+    def device_info(self, device: Any) -> DeviceInfo:
+        """Describe a torch device (probed once per process) — plugins first, then opdispatch's own probes."""
+        info = self._devices.get(device)
+        if info is not None:
+            return info
+        self.ensure_initialized()
+        import torch
+
+        dev = torch.device(device)
+        if dev.type == "cpu":
+            info = probe_cpu()
+        else:
+            info = self._probe_with_plugins(dev) or probe_generic(dev)
+        self._devices[device] = info
+        return info
+
+    def _probe_with_plugins(self, dev: Any) -> DeviceInfo | None:
+        for hook_impl in reversed(self._pm.hook.opdispatch_probe_device.get_hookimpls()):
+            try:
+                result = hook_impl.function(device=dev)
+            except Exception as exc:
+                for record in self.plugins:
+                    if record.name == hook_impl.plugin_name:
+                        record.fail("probe", exc)
+                log.warning("plugin %r failed to probe %s: %s", hook_impl.plugin_name, dev, exc)
+                continue
+            if result is not None:
+                return result
+        return None
+
+    def availability(self, impl: Impl, device: DeviceInfo) -> str | None:
+        key = (impl.id, device.key)
+        try:
+            return self._availability[key]
+        except KeyError:
+            pass
+        try:
+            reason = impl.availability(device)
+        except Exception as exc:  # an availability check must never take dispatch down
+            reason = f"availability check raised {type(exc).__name__}: {exc}"
+        self._availability[key] = reason
+        return reason
+
+    # -- deciding --------------------------------------------------------------------------------------------
+    def resolve(self, op: str, call: Any, *, device: DeviceInfo | None = None, impl: str | None = None,
+                use_cache: bool = True) -> Decision:
+        """Decide which implementation takes `call`; raise NoImplementationError if none can."""
+        if device is None:
+            device = self.device_info(call.device)
+        key = (op, call.signature(), device.key, impl)
+        if use_cache:
+            decision = self._cache.get(key)
+            if decision is not None:
+                return decision
+        self.ensure_initialized()
+        decision = self._decide(op, call, device, impl)
+        if decision.chosen is None:
+            raise _no_impl_error(decision, self.plugins)
+        if use_cache:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache = {}
+            self._cache[key] = decision
+        log.info("%s: chose %s for [%s] on %s (decided by %s)", op, decision.chosen_id, decision.call,
+                 device.describe(), decision.decided_by)
+        if log.isEnabledFor(logging.DEBUG):
+            for c in decision.candidates:
+                log.debug("  %s: %s%s", c.impl_id, c.status, (" — " + "; ".join(c.reasons)) if c.reasons else "")
+        return decision
+
+    def explain(self, op: str, call: Any, *, device: DeviceInfo | None = None, impl: str | None = None) -> Decision:
+        """Like `resolve`, but never raises for lack of an implementation: the Decision says why."""
+        self.ensure_initialized()
+        if device is None:
+            device = self.device_info(call.device)
+        return self._decide(op, call, device, impl)
+
+    def _pin_for(self, op: str, impl: str | None) -> tuple[str, Provenance] | None:
+        if impl is not None:
+            return impl, Provenance("argument", "impl=", note="pinned for this call")
+        env = self._env_pins.get(op)
+        if env:
+            return env, Provenance("env", env_pin_var(op), note=f"pinned to {env}")
+        return None
+
+    def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None) -> Decision:
+        policy = self.policy
+        entries = self.registry.for_op(op)
+        origins = {r.impl.id: str(r.origin) for r in entries}
+        impls = {r.impl.id: r.impl for r in entries}
+        candidates: list[Candidate] = []
+        chosen: Impl | None = None
+        decided_by: Provenance | None = None
+        pin = self._pin_for(op, impl)
+
+        def evaluate(impl_obj: Impl, prov: Provenance) -> Candidate:
+            reason = self.availability(impl_obj, device)
+            if reason is not None:
+                return Candidate(impl_obj.id, UNAVAILABLE, [reason], prov, origins[impl_obj.id])
+            try:
+                reasons = list(impl_obj.not_supported_reasons(call, device))
+            except Exception as exc:
+                reasons = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"]
+            return Candidate(impl_obj.id, REJECTED if reasons else ELIGIBLE, reasons, prov, origins[impl_obj.id])
+
+        if pin is not None:
+            pin_id, prov = pin
+            target = impls.get(pin_id)
+            if target is None:
+                decision = Decision(op, call.describe(), device, None, [], prov, policy.source, policy.hash, pin_id)
+                raise _unknown_pin_error(op, pin_id, prov, sorted(impls), self.plugins, decision)
+            cand = evaluate(target, prov)
+            candidates.append(cand)
+            for other in entries:
+                if other.impl.id != pin_id:
+                    candidates.append(Candidate(other.impl.id, DENIED, [f"pinned to {pin_id} by {prov.source}"],
+                                                prov, origins[other.impl.id]))
+            decision = Decision(op, call.describe(), device, None, candidates, prov, policy.source, policy.hash,
+                                pin_id)
+            if cand.status != ELIGIBLE:
+                raise PinnedImplementationError(
+                    f"{op}: implementation {pin_id!r} pinned by {prov.source} cannot take this call and a pin never "
+                    f"falls back. It is {cand.status}: {'; '.join(cand.reasons)}.\n"
+                    f"call: {decision.call}\ndevice: {device.describe()}\n"
+                    f"Fix: pin another implementation (see `opdispatch explain`), or remove the pin to let the "
+                    f"policy choose.", decision=decision)
+            cand.status = CHOSEN
+            decision.chosen = target
+            return decision
+
+        plan = policy.plan(op, [r.impl.id for r in entries], call, device)
+        for impl_id, prov in plan.order:
+            cand = evaluate(impls[impl_id], prov)
+            if cand.status == ELIGIBLE and chosen is None:
+                cand.status = CHOSEN
+                chosen = impls[impl_id]
+                decided_by = prov
+            candidates.append(cand)
+        for impl_id, prov in plan.denied.items():
+            candidates.append(Candidate(impl_id, DENIED, [f"denied by {prov}"], prov, origins[impl_id]))
+        for record in self.plugins:
+            if record.status == "failed":
+                candidates.append(Candidate(f"plugin:{record.name}", FAILED, [record.describe()], None,
+                                            record.origin))
+        return Decision(op, call.describe(), device, chosen, candidates, decided_by, policy.source, policy.hash)
+
+    # -- running ---------------------------------------------------------------------------------------------
+    def call(self, op: str, call: Any, *, impl: str | None = None) -> Any:
+        decision = self.resolve(op, call, impl=impl)
+        chosen = decision.chosen
+        assert chosen is not None
+        if impl is not None or decision.pinned is not None or not self.policy.settings.fallback_on_error:
+            return chosen.run(call)
+        try:
+            return chosen.run(call)
+        except Exception as exc:
+            return self._fallback(decision, call, exc)
+
+    def _fallback(self, decision: Decision, call: Any, exc: Exception) -> Any:
+        """settings.fallback_on_error: try the next eligible implementations in policy order."""
+        errors = [f"{decision.chosen_id}: {type(exc).__name__}: {exc}"]
+        for cand in decision.candidates:
+            if cand.status != ELIGIBLE:
+                continue
+            registered = self.registry.get(decision.op, cand.impl_id)
+            if registered is None:
+                continue
+            log.warning("%s: %s raised %s; falling back to %s (settings.fallback_on_error)", decision.op,
+                        decision.chosen_id, exc, cand.impl_id)
+            try:
+                return registered.impl.run(call)
+            except Exception as next_exc:
+                errors.append(f"{cand.impl_id}: {type(next_exc).__name__}: {next_exc}")
+        raise RuntimeError(f"{decision.op}: every eligible implementation raised at run time: "
+                           + " | ".join(errors)) from exc
+
+
+def _failed_plugins_text(plugins: list[PluginRecord]) -> str:
+    failed = [r for r in plugins if r.status == "failed"]
+    if not failed:
+        return ""
+    return "\nPlugins that failed (their implementations are missing):\n" + "\n".join(
+        f"  - {r.describe()}" for r in failed)
+
+
+def _unknown_pin_error(op: str, pin_id: str, prov: Provenance, known: list[str], plugins: list[PluginRecord],
+                       decision: Decision) -> PinnedImplementationError:
+    disabled = [r for r in plugins if r.status == "disabled"]
+    text = (f"{op}: implementation {pin_id!r} pinned by {prov.source} is not registered; registered "
+            f"implementations: {', '.join(known) or 'none'}.")
+    text += _failed_plugins_text(plugins)
+    if disabled:
+        text += "\nDisabled plugins: " + ", ".join(f"{r.name} ({r.error})" for r in disabled)
+    text += "\nFix: install the plugin that provides it, or pin one of the registered implementations."
+    return PinnedImplementationError(text, decision=decision)
+
+
+def _no_impl_error(decision: Decision, plugins: list[PluginRecord]) -> NoImplementationError:
+    return NoImplementationError(
+        f"no implementation of {decision.op} can take this call.\n{decision}\n"
+        + _failed_plugins_text(plugins)
+        + "\nFix: change the call (dtype, head_dim, features) to one a candidate supports, install a vendor "
+        "plugin that supports it, or relax the policy's deny list.", decision=decision)
+
+
+_MANAGERS: weakref.WeakSet[OpManager] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # Locks may be held by threads that do not exist in the child; device state does not survive a fork.
+    for manager in list(_MANAGERS):
+        manager._lock = threading.RLock()
+        manager._devices = {}
+        manager._cache = {}
+        manager._availability = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,87 @@
+"""Thread-safe registry of implementations per op, each remembered with where it came from."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ._errors import RegistrationError
+from ._impl import Impl
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an implementation was registered from: the plugin (entry-point name) and the Python module."""
+
+    plugin: str
+    module: str
+
+    def __str__(self) -> str:
+        return f"plugin {self.plugin!r} (module {self.module})"
+
+
+@dataclass(frozen=True)
+class Registered:
+    impl: Impl
+    origin: Origin
+
+
+class Registry:
+    """Implementations per op. Registering an id twice is an error that names both origins."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_op: dict[str, dict[str, Registered]] = {}
+        self.generation = 0  # bumped on every change so caches can tell they are stale
+
+    def register(self, impl: Impl, origin: Origin) -> None:
+        if not isinstance(impl, Impl):
+            raise RegistrationError(
+                f"{origin} registered {impl!r} ({type(impl).__name__}), which is not an opdispatch.Impl instance; "
+                "subclass opdispatch.AttentionImpl and register an instance", impl=impl)
+        problems = impl.check_declaration()
+        if problems:
+            raise RegistrationError(
+                f"{origin} registered {type(impl).__module__}.{type(impl).__qualname__} with an invalid "
+                "declaration: " + "; ".join(problems), impl=impl)
+        with self._lock:
+            impls = self._by_op.setdefault(impl.op, {})
+            existing = impls.get(impl.id)
+            if existing is not None:
+                raise RegistrationError(
+                    f"implementation id {impl.id!r} for op {impl.op!r} is registered twice: first by "
+                    f"{existing.origin}, again by {origin}; give one of them another vendor or name, or disable "
+                    "one plugin with OPDISPATCH_DISABLE_PLUGINS", impl=impl)
+            impls[impl.id] = Registered(impl, origin)
+            self.generation += 1
+
+    def unregister(self, op: str, impl_id: str) -> None:
+        with self._lock:
+            impls = self._by_op.get(op, {})
+            if impl_id not in impls:
+                raise KeyError(f"no implementation {impl_id!r} registered for op {op!r}")
+            del impls[impl_id]
+            self.generation += 1
+
+    def get(self, op: str, impl_id: str) -> Registered | None:
+        return self._by_op.get(op, {}).get(impl_id)
+
+    def for_op(self, op: str) -> list[Registered]:
+        """Snapshot of the implementations of `op`, highest priority first, then by id."""
+        with self._lock:
+            items = list(self._by_op.get(op, {}).values())
+        items.sort(key=lambda r: (-r.impl.priority, r.impl.id))
+        return items
+
+    def ops(self) -> list[str]:
+        with self._lock:
+            return sorted(self._by_op)
+
+    def __iter__(self) -> Iterator[Registered]:
+        for op in self.ops():
+            yield from self.for_op(op)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._by_op.values())

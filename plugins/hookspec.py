@@ -1,0 +1,58 @@
+"""The opdispatch plugin contract: the hooks a plugin may implement. This file is the documentation.
+
+A plugin is any importable object (usually a module) with functions decorated by ``opdispatch.hookimpl``.
+Publish it through the ``opdispatch.plugins`` entry-point group in your package's pyproject::
+
+    [project.entry-points."opdispatch.plugins"]
+    myvendor = "myvendor_opdispatch.plugin"
+
+The entry-point name is the plugin name that ``OPDISPATCH_PLUGINS`` / ``OPDISPATCH_DISABLE_PLUGINS``,
+``opdispatch doctor`` and error messages use. The built-in vendors are published exactly this way.
+
+Rules every hook follows:
+
+- Import vendor libraries lazily: a hook runs on machines where the vendor's library and hardware are absent
+  and must return quickly without importing them (do the import inside ``Impl.run`` or
+  ``Impl.extra_availability``).
+- Raise only on real bugs. A plugin that raises while loading or inside a hook is recorded with its traceback
+  and shown by ``opdispatch doctor`` and ``explain()``; the other plugins keep working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from opdispatch._device import DeviceInfo
+    from opdispatch._impl import Impl
+
+PROJECT_NAME = "opdispatch"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def opdispatch_impls() -> Sequence[Impl]:
+    """Return the implementations this plugin provides, as instances of ``opdispatch.Impl`` subclasses.
+
+    Called once per process when the OpManager initialises. Every implementation is registered whether or not
+    its library or device is present here: availability is asked per device later, so ``opdispatch list`` can
+    show why an implementation cannot run. Each id (``"<vendor>.<name>"``) must be unique across all plugins;
+    a duplicate is refused with both origins named.
+    """
+
+
+@hookspec(firstresult=True)
+def opdispatch_probe_device(device: torch.device) -> DeviceInfo | None:
+    """Describe ``device`` if this plugin's vendor owns it, else return None.
+
+    Called once per torch device in the process. Return None fast, without importing heavy libraries, when the
+    device is not your vendor's (several vendors share the ``cuda`` device type: NVIDIA, ROCm, Iluvatar,
+    KunLunXin). The first non-None answer wins; CPU is described by opdispatch itself.
+    """

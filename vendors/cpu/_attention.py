@@ -1,0 +1,72 @@
+"""`cpu.flash`: torch's fused (flash-style) CPU attention kernel, called through its C++ binding directly.
+
+No `sdpa_kernel` context is entered per call: `torch._scaled_dot_product_flash_attention_for_cpu` is the
+kernel itself, bound to the cheapest entry into C++, and autograd knows its backward. Sliding windows,
+bottom-right alignment and boolean masks are folded into the additive mask the kernel takes.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
+from opdispatch._attention import allowed_positions
+
+_kernel = torch._scaled_dot_product_flash_attention_for_cpu
+
+
+class CpuFlashAttention(AttentionImpl):
+    vendor: ClassVar[str] = "cpu"
+    name: ClassVar[str] = "flash"
+    priority: ClassVar[int] = 10
+    description: ClassVar[str] = "torch's fused CPU attention kernel (aten _scaled_dot_product_flash_attention_for_cpu)"
+    device_types: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    # Limits read from aten/src/ATen/native/transformers/sdp_utils_cpp.cpp (use_flash_attention_cpp) and checked
+    # on torch 2.13: 4-D inputs, equal q/k/v head dims, no dropout, masks of the query's dtype without grad,
+    # kv heads dividing q heads, causal aligned top-left.
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
+        causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, attn_mask=True,
+        attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=True,
+    )
+
+    def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+        is_causal = call.causal
+        additive = None
+        allowed = None
+        # The kernel's own causal flag is top-left and it has no window: anything else goes through the mask.
+        positional = call.window is not None or (call.causal and call.alignment_matters
+                                                 and call.causal_alignment == "bottom_right")
+        if positional or call.attn_mask is not None or call.attn_bias is not None:
+            sq, sk = q.shape[2], k.shape[2]
+            if positional:
+                offset = sk - sq if call.causal_alignment == "bottom_right" else 0
+                allowed = allowed_positions(sq, sk, call.causal, call.window, offset, q.device)
+                is_causal = False
+            elif call.causal:
+                allowed = allowed_positions(sq, sk, True, None, 0, q.device)
+                is_causal = False
+            if call.attn_mask is not None:
+                allowed = call.attn_mask if allowed is None else allowed & call.attn_mask
+            if allowed is not None:
+                additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+                additive.masked_fill_(~allowed, float("-inf"))
+            if call.attn_bias is not None:
+                bias = call.attn_bias.to(q.dtype)
+                additive = bias if additive is None else additive + bias
+            assert additive is not None
+            if additive.dim() not in (2, 4):
+                additive = additive.reshape((1,) * (4 - additive.dim()) + tuple(additive.shape))
+        out, lse = _kernel(q, k, v, 0.0, is_causal, attn_mask=additive, scale=call.scale)
+        out = call.from_bhsd(out)
+        if not call.return_lse:
+            return out
+        if allowed is not None:
+            # The kernel reports lse 0 for a query that sees no key; the convention is -inf.
+            blind = ~allowed.any(dim=-1)
+            if blind.any():
+                lse = lse.masked_fill(blind, float("-inf"))
+        return out, lse
