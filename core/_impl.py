@@ -10,11 +10,12 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from packaging.version import InvalidVersion, Version
+from pydantic import BaseModel
 
 from ._errors import RegistrationError
 
@@ -97,10 +98,29 @@ class Impl:
     max_capability: ClassVar[tuple[int, int] | None] = None
     archs: ClassVar[frozenset[str]] = frozenset()
     requires: ClassVar[Sequence[Requirement]] = ()
+    # Vendor-specific knobs the policy may set (`ops.<op>.options.<impl id>: {...}` in YAML): a pydantic model
+    # whose defaults apply when the policy says nothing. `run` reads them from `self.options`.
+    options_model: ClassVar[type[BaseModel] | None] = None
+    _options: BaseModel | None = None
 
     @property
     def id(self) -> str:
         return f"{self.vendor}.{self.name}"
+
+    @property
+    def options(self) -> Any:
+        """The options the current policy sets for this implementation (defaults when it sets none)."""
+        if self._options is None and self.options_model is not None:
+            self._options = self.options_model()
+        return self._options
+
+    def configure(self, options: Mapping[str, Any] | None) -> None:
+        """Apply the policy's options; raises ValueError (pydantic's) naming the bad option."""
+        if self.options_model is None:
+            if options:
+                raise ValueError(f"implementation {self.id!r} takes no options, got {sorted(options)}")
+            return
+        self._options = self.options_model.model_validate(dict(options or {}))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id}>"
@@ -125,6 +145,9 @@ class Impl:
             problems.append(f"priority={self.priority!r} must be an int")
         if not all(isinstance(r, Requirement) for r in self.requires):
             problems.append("requires must be a sequence of opdispatch.Requirement")
+        if self.options_model is not None and not (isinstance(self.options_model, type)
+                                                    and issubclass(self.options_model, BaseModel)):
+            problems.append("options_model must be a pydantic BaseModel subclass")
         if type(self).run is Impl.run:
             problems.append("run(call) is not implemented")
         return problems

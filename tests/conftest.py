@@ -1,0 +1,56 @@
+"""Shared fixtures: a fresh OpManager per test, random inputs, and tolerances per dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import opdispatch
+
+REPO = Path(__file__).resolve().parents[1]
+DEVICES_DIR = REPO / "configs" / "devices"
+
+# Tolerances of an implementation against reference.math (which computes in fp32 for low precision).
+TOLERANCES = {
+    torch.float64: dict(atol=1e-10, rtol=1e-10),
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Tests start from the shipped default policy and every plugin, whatever the developer's shell says.
+    for name in list(__import__("os").environ):
+        if name.startswith("OPDISPATCH_"):
+            monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def manager() -> Iterator[opdispatch.OpManager]:
+    """A fresh process-wide manager (entry points loaded anew) for one test."""
+    fresh = opdispatch.OpManager()
+    previous = opdispatch.set_manager(fresh)
+    try:
+        yield fresh
+    finally:
+        opdispatch.set_manager(previous)
+
+
+@pytest.fixture
+def rng() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, gen: torch.Generator | None = None,
+          requires_grad: bool = False) -> torch.Tensor:
+    t = torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def device_descriptor(name: str) -> Path:
+    return DEVICES_DIR / f"{name}.yaml"
