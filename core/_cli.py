@@ -1,0 +1,305 @@
+"""The `opdispatch` command: list, explain, doctor, demo (and policy tools)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._api import get_manager, resolve_device
+from ._attention import dtype_from_name, dtype_name, validate_attention
+from ._device import DeviceInfo
+from ._errors import OpDispatchError
+
+
+def _ints(text: str, count: int | None = None, what: str = "value") -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} {text!r} must be comma-separated integers") from None
+    if count is not None and len(values) != count:
+        raise argparse.ArgumentTypeError(f"{what} {text!r} needs {count} comma-separated integers")
+    return values
+
+
+def _device_arg(args: argparse.Namespace) -> DeviceInfo:
+    manager = get_manager()
+    if args.device:
+        info = resolve_device(args.device)
+        assert info is not None
+        return info
+    return manager.device_info(_local_torch_device())
+
+
+def _local_torch_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# -- list ------------------------------------------------------------------------------------------------------
+
+def cmd_list(args: argparse.Namespace) -> int:
+    manager = get_manager()
+    manager.ensure_initialized()
+    device = _device_arg(args)
+    rows = [("implementation", "op", "vendor", "priority", "available", "origin")]
+    for registered in manager.registry:
+        impl = registered.impl
+        if args.op and impl.op != args.op:
+            continue
+        reason = manager.availability(impl, device)
+        rows.append((impl.id, impl.op, impl.vendor, str(impl.priority), "yes" if reason is None else f"no: {reason}",
+                     str(registered.origin)))
+    print(f"device: {device.describe()}\n")
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] + "   [" + r[5] + "]")
+    if args.verbose:
+        for registered in manager.registry:
+            print(f"\n{registered.impl.id}: {registered.impl.description}")
+            for key, value in registered.impl.describe_capabilities().items():
+                print(f"  {key}: {value}")
+    failed = [r for r in manager.plugins if r.status == "failed"]
+    for record in failed:
+        print(f"\n! {record.describe()}")
+    return 0
+
+
+# -- explain ---------------------------------------------------------------------------------------------------
+
+def _explain_call_args(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
+    b, s, h, d = _ints(args.shape, 4, "--shape")
+    dtype = dtype_from_name(args.dtype)
+    hkv = args.kv_heads or h
+    sk = args.seqlen_k or s
+    dv = args.head_dim_v or d
+    dev = "meta" if args.device else device_type
+    grad = args.grad
+    kw: dict[str, Any] = dict(causal=args.causal, causal_alignment=args.causal_alignment, softcap=args.softcap,
+                              dropout_p=args.dropout, return_lse=args.lse, deterministic=args.deterministic)
+    if args.window:
+        kw["window"] = tuple(_ints(args.window, 2, "--window"))
+    if args.varlen:
+        layout = "thd"
+        q = torch.empty(b * s, h, d, dtype=dtype, device=dev, requires_grad=grad)
+        k = torch.empty(b * sk, hkv, d, dtype=dtype, device=dev, requires_grad=grad)
+        v = torch.empty(b * sk, hkv, dv, dtype=dtype, device=dev, requires_grad=grad)
+        kw.update(cu_seqlens_q=torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev),
+                  cu_seqlens_k=torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev),
+                  max_seqlen_q=s, max_seqlen_k=sk)
+    else:
+        layout = args.layout
+        shape = {"bshd": lambda s_, h_, d_: (b, s_, h_, d_), "bhsd": lambda s_, h_, d_: (b, h_, s_, d_),
+                 "sbhd": lambda s_, h_, d_: (s_, b, h_, d_)}[layout]
+        q = torch.empty(shape(s, h, d), dtype=dtype, device=dev, requires_grad=grad)
+        k = torch.empty(shape(sk, hkv, d), dtype=dtype, device=dev, requires_grad=grad)
+        v = torch.empty(shape(sk, hkv, dv), dtype=dtype, device=dev, requires_grad=grad)
+    if args.alibi:
+        kw["alibi_slopes"] = torch.empty(h, dtype=torch.float32, device=dev)
+    if args.mask:
+        kw["attn_mask"] = torch.ones(s, sk, dtype=torch.bool, device=dev)
+    if args.bias:
+        kw["attn_bias"] = torch.empty(s, sk, dtype=dtype, device=dev)
+    kw.update(q=q, k=k, v=v, layout=layout)
+    return kw
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    manager = get_manager()
+    device = _device_arg(args)
+    kw = _explain_call_args(args, device.type if not device.simulated else "meta")
+    call = validate_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), check_values=False, **kw)
+    decision = manager.explain("attention", call, device=device, impl=args.impl)
+    if args.json:
+        print(json.dumps(decision.to_dict(), indent=2, default=str))
+    else:
+        print(decision)
+    return 0 if decision.chosen is not None else 1
+
+
+# -- doctor ----------------------------------------------------------------------------------------------------
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    manager = get_manager()
+    manager.ensure_initialized()
+    device = _device_arg(args)
+    policy = manager.policy
+    print(f"opdispatch {__import__('opdispatch').__version__}, torch {torch.__version__}, python "
+          f"{sys.version.split()[0]}")
+    print(f"device:  {device.describe()}")
+    for name, version in sorted(device.libraries.items()):
+        print(f"  {name} {version}")
+    print(f"policy:  {policy.source} (hash {policy.hash})")
+    env = {k: v for k, v in os.environ.items() if k.startswith("OPDISPATCH_")}
+    print("env:     " + (", ".join(f"{k}={v}" for k, v in sorted(env.items())) or "no OPDISPATCH_* variables"))
+    print("plugins:")
+    status = 0
+    for record in manager.plugins:
+        print(f"  - {record.describe()}")
+        if record.impl_ids:
+            print(f"      implementations: {', '.join(record.impl_ids)}")
+        if record.status == "failed":
+            status = 1
+            if args.verbose and record.traceback:
+                print("      " + record.traceback.replace("\n", "\n      "))
+    print("implementations:")
+    for registered in manager.registry:
+        reason = manager.availability(registered.impl, device)
+        print(f"  - {registered.impl.id}: {'available' if reason is None else 'unavailable: ' + reason}")
+    return status
+
+
+# -- demo ------------------------------------------------------------------------------------------------------
+
+def demo_calls(device: torch.device) -> list[tuple[str, dict[str, Any]]]:
+    """A set of calls a model would make: prefill, decode, GQA, window, softcap, varlen, masks, training."""
+    low = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def t(*shape: int, dtype: torch.dtype = low, grad: bool = False) -> torch.Tensor:
+        x = torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+        return x.requires_grad_(grad)
+
+    lengths = [5, 17, 64, 3]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
+    total = sum(lengths)
+    return [
+        ("prefill, causal, GQA 4:1", dict(q=t(2, 256, 16, 64), k=t(2, 256, 4, 64), v=t(2, 256, 4, 64), causal=True)),
+        ("decode, 1 query over a 512-token cache", dict(q=t(4, 1, 8, 128), k=t(4, 512, 8, 128),
+                                                          v=t(4, 512, 8, 128), causal=True,
+                                                          causal_alignment="bottom_right")),
+        ("bhsd layout, bidirectional", dict(q=t(2, 8, 128, 64), k=t(2, 8, 128, 64), v=t(2, 8, 128, 64),
+                                            layout="bhsd")),
+        ("sliding window (64, 0)", dict(q=t(1, 300, 8, 64), k=t(1, 300, 8, 64), v=t(1, 300, 8, 64), causal=True,
+                                        window=(64, 0))),
+        ("softcap 30", dict(q=t(2, 128, 8, 64), k=t(2, 128, 8, 64), v=t(2, 128, 8, 64), causal=True,
+                            softcap=30.0)),
+        ("varlen, 4 uneven sequences", dict(q=t(total, 8, 64), k=t(total, 2, 64), v=t(total, 2, 64), layout="thd",
+                                            cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)),
+        ("boolean padding mask + lse", dict(q=t(2, 64, 4, 32), k=t(2, 80, 4, 32), v=t(2, 80, 4, 32),
+                                            attn_mask=torch.rand(2, 1, 64, 80, generator=gen).to(device) > 0.2,
+                                            return_lse=True)),
+        ("training step (fp32, backward)", dict(q=t(2, 64, 4, 64, dtype=torch.float32, grad=True),
+                                                k=t(2, 64, 4, 64, dtype=torch.float32, grad=True),
+                                                v=t(2, 64, 4, 64, dtype=torch.float32, grad=True), causal=True)),
+    ]
+
+
+def _upcast(kw: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in kw.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "alibi_slopes":
+            value = value.detach().double().requires_grad_(value.requires_grad)
+        out[key] = value
+    return out
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import opdispatch
+
+    device = torch.device(args.on) if args.on else _local_torch_device()
+    manager = get_manager()
+    info = manager.device_info(device)
+    print(f"opdispatch demo on {info.describe()}")
+    print(f"policy: {manager.policy.source} (hash {manager.policy.hash})\n")
+    failures = 0
+    for title, kw in demo_calls(device):
+        tensors = {k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}
+        options = {k: v for k, v in kw.items() if not isinstance(v, torch.Tensor)}
+        decision = opdispatch.explain(**tensors, **options)
+        start = time.perf_counter()
+        result = opdispatch.attention(**kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - start) * 1e3
+        out = result[0] if isinstance(result, tuple) else result
+        ref_kw = _upcast(kw)
+        expected = opdispatch.attention(**ref_kw, impl="reference.math")
+        ref_out = expected[0] if isinstance(expected, tuple) else expected
+        tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}.get(out.dtype, 1e-6)
+        err = (out.double() - ref_out).abs().max().item()
+        ok = err <= tol * max(1.0, ref_out.abs().max().item())
+        if isinstance(result, tuple):
+            lse_err = (result[1].double() - expected[1]).abs().max().item()
+            ok = ok and lse_err <= tol * 10
+        if out.requires_grad:
+            grad_out = torch.randn_like(out)
+            grads = torch.autograd.grad(out, [kw["q"], kw["k"], kw["v"]], grad_out)
+            ref_grads = torch.autograd.grad(ref_out, [ref_kw["q"], ref_kw["k"], ref_kw["v"]], grad_out.double())
+            gerr = max((g.double() - r).abs().max().item() for g, r in zip(grads, ref_grads))
+            ok = ok and gerr <= tol * 10
+            err = max(err, gerr)
+        failures += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {title:<40} -> {decision.chosen_id:<16} "
+              f"max|err| {err:.2e} (tol {tol:g}) {elapsed:7.2f} ms   [{decision.decided_by}]")
+        if args.verbose:
+            print("    " + str(decision).replace("\n", "\n    "))
+    print(f"\n{len(demo_calls(device)) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+# -- entry point -----------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opdispatch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("list", help="implementations, their availability and origin")
+    p.add_argument("--device", help="simulate a device from a YAML descriptor (configs/devices/*.yaml)")
+    p.add_argument("--op", default=None)
+    p.add_argument("--verbose", "-v", action="store_true", help="also print declared capabilities")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("explain", help="which implementation a call would use, and why")
+    p.add_argument("--shape", required=True, help="B,S,H,D of q (S = seqlen_q, H = q heads)")
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--seqlen-k", type=int, default=None)
+    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--layout", default="bshd", choices=["bshd", "bhsd", "sbhd"])
+    p.add_argument("--varlen", action="store_true", help="pack as thd with B sequences of S tokens")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--causal-alignment", default="top_left", choices=["top_left", "bottom_right"])
+    p.add_argument("--window", default=None, help="LEFT,RIGHT (-1 = unbounded)")
+    p.add_argument("--softcap", type=float, default=0.0)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--alibi", action="store_true")
+    p.add_argument("--mask", action="store_true", help="a boolean (S, S_k) mask")
+    p.add_argument("--bias", action="store_true", help="an additive (S, S_k) bias")
+    p.add_argument("--lse", action="store_true")
+    p.add_argument("--grad", action="store_true", help="inputs require grad (training)")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--impl", default=None, help="pin an implementation id")
+    p.add_argument("--device", help="simulate a device from a YAML descriptor (configs/devices/*.yaml)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("doctor", help="device, plugins (with load errors), policy")
+    p.add_argument("--device", help="simulate a device from a YAML descriptor")
+    p.add_argument("--verbose", "-v", action="store_true", help="print plugin tracebacks")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("demo", help="dispatch a set of attention calls on this device and check each result")
+    p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--verbose", "-v", action="store_true", help="print every decision table")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (OpDispatchError, ValueError, TypeError) as exc:
+        print(f"opdispatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
