@@ -1,0 +1,66 @@
+"""Fake `aiter` (ROCm/aiter HEAD e4048607, `aiter/ops/mha.py`).
+
+Signatures copied from `flash_attn_func` (L2654) and `flash_attn_varlen_func` (L3446). Return assembly
+(FlashAttnFunc.forward): `result = [out]; + lse if return_lse; + S_dmask if return_attn_probs`, returned as `out`
+alone or a tuple. Bottom-right causal/window; lse (b, h, sq) dense, (h, total_q) varlen; softcap only on varlen
+(`logits_soft_cap`); the autograd functions `assert return_lse` when a backward will run.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import _math
+
+__version__ = "0.1.9"
+
+
+def _assemble(out, lse, return_lse, return_attn_probs):
+    result = [out]
+    if return_lse:
+        result.append(_math.fa2_lse(lse))
+    if return_attn_probs:
+        result.append(torch.empty(0))
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def make(calls: list) -> types.ModuleType:
+    mod = types.ModuleType("aiter")
+    mod.__version__ = __version__
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1, 0),
+                        bias=None, alibi_slopes=None, deterministic=True, return_lse=False, return_attn_probs=False,
+                        how_v3_bf16_cvt=1, cu_seqlens_q=None, cu_seqlens_kv=None, sink_ptr=None, num_splits=0):
+        calls.append(("flash_attn_func", (q, k, v), dict(
+            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, bias=bias,
+            alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse,
+            return_attn_probs=return_attn_probs, how_v3_bf16_cvt=how_v3_bf16_cvt)))
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            assert return_lse
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        out, lse = _math.bshd_attention(q, k, v, scale=scale, causal=causal, window=tuple(window_size[:2]),
+                                        alignment="bottom_right", alibi=alibi_slopes)
+        return _assemble(out, lse, return_lse, return_attn_probs)
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, min_seqlen_q=0,
+                               dropout_p=0.0, softmax_scale=None, logits_soft_cap=0.0, causal=False,
+                               window_size=(-1, -1, 0), bias=None, alibi_slopes=None, deterministic=False,
+                               return_lse=False, return_attn_probs=False, how_v3_bf16_cvt=1, block_table=None,
+                               out=None, cu_seqlens_q_padded=None, cu_seqlens_k_padded=None, sink_ptr=None):
+        calls.append(("flash_attn_varlen_func", (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                      dict(min_seqlen_q=min_seqlen_q, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                           logits_soft_cap=logits_soft_cap, causal=causal, window_size=window_size,
+                           alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse,
+                           return_attn_probs=return_attn_probs, how_v3_bf16_cvt=how_v3_bf16_cvt)))
+        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        o, lse = _math.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
+                                        window=tuple(window_size[:2]), alignment="bottom_right",
+                                        softcap=logits_soft_cap, alibi=alibi_slopes)
+        return _assemble(o, lse, return_lse, return_attn_probs)
+
+    mod.flash_attn_func = flash_attn_func
+    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    return mod

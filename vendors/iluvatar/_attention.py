@@ -1,0 +1,128 @@
+"""Iluvatar CoreX attention: ixformer's flash-attention varlen kernel.
+
+ixformer ships as a closed wheel inside Iluvatar's CoreX images; no public source gives its full signatures. What
+public code does show (see docs/vendors.md):
+
+- callers import `flash_attn_varlen_func` from `ixformer.contrib.vllm_flash_attn` and call it with the keywords
+  `q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal` (plus
+  `return_softmax_lse=False`) on packed (total, heads, dim) fp16/bf16 tensors: the vLLM `vllm_flash_attn`
+  keyword set;
+- CoreX setup scripts create that module as a shim re-exporting `flash_attn_varlen_func` from top-level
+  `ixformer`, so either location may hold it.
+
+The adapter therefore passes only those keywords, never positions (vLLM's flash-attn orders `max_seqlen_q` before
+`cu_seqlens_q`), checks them against `inspect.signature` before use, and claims only what those call sites
+exercise: causal (bottom-right, the flash-attn convention) or none, GQA, head dims up to 256 in multiples of 8,
+forward only, no lse. Dense layouts are packed into the varlen call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+
+MODULES = ("ixformer.contrib.vllm_flash_attn", "ixformer")
+FUNCTION = "flash_attn_varlen_func"
+KEYWORDS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+            "causal")
+
+
+class IxformerOptions(BaseModel):
+    """Policy knobs of `iluvatar.ixformer`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    module: Literal["auto", "ixformer.contrib.vllm_flash_attn", "ixformer"] = Field(
+        default="auto", description="where to take flash_attn_varlen_func from; auto tries the vLLM-style "
+                                    "contrib module, then top-level ixformer")
+
+
+def resolve_varlen(module: str) -> tuple[Any, str]:
+    """(function, where) for the configured module; raises ImportError/AttributeError naming what is missing."""
+    candidates = MODULES if module == "auto" else (module,)
+    errors = []
+    for name in candidates:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        fn = getattr(mod, FUNCTION, None)
+        if fn is not None:
+            return fn, f"{name}.{FUNCTION}"
+        errors.append(f"{name} has no {FUNCTION}")
+    raise ImportError("; ".join(errors))
+
+
+def missing_keywords(fn: Any) -> list[str]:
+    """Keywords this adapter passes that `fn` does not accept (empty when unknowable, e.g. a C++ builtin)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    accepted = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                           inspect.Parameter.KEYWORD_ONLY)}
+    return [k for k in KEYWORDS if k not in accepted]
+
+
+class IluvatarIxformer(AttentionImpl):
+    vendor: ClassVar[str] = "iluvatar"
+    name: ClassVar[str] = "ixformer"
+    priority: ClassVar[int] = 80
+    description: ClassVar[str] = "Iluvatar ixformer flash_attn_varlen_func (vLLM flash-attn API on CoreX)"
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"iluvatar"})
+    requires: ClassVar[tuple[Requirement, ...]] = (Requirement(
+        module="ixformer", distribution="ixformer",
+        install_hint=("ixformer is not on PyPI: install the ixformer wheel of your CoreX SDK release (it ships in "
+                      "Iluvatar's CoreX container images, next to the +corex torch)")),)
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=frozenset({torch.float16, torch.bfloat16}), head_dim_max=256, head_dim_multiple=8,
+        layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}), causal_alignments=frozenset({"bottom_right"}),
+        gqa=True, window=False, softcap=False, alibi=False, dropout=False, lse=False, backward=False,
+    )
+    options_model: ClassVar[type[BaseModel]] = IxformerOptions
+
+    def extra_availability(self, device: DeviceInfo) -> str | None:
+        try:
+            fn, where = resolve_varlen(self.options.module)
+        except Exception as exc:
+            return f"ixformer is installed but has no usable {FUNCTION}: {exc}"
+        missing = missing_keywords(fn)
+        if missing:
+            return f"{where} does not accept the keywords {missing} this adapter passes; signature {inspect.signature(fn)}"
+        return None
+
+    def run(self, call: AttentionCall) -> torch.Tensor:
+        fn, _ = resolve_varlen(self.options.module)
+        if call.varlen:
+            q, k, v, cu_q, cu_k = call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k
+        else:
+            q, k, v, cu_q, cu_k = pack_dense(call)
+        out = fn(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=call.seqlen_q,
+                 max_seqlen_k=call.seqlen_k, softmax_scale=call.scale, causal=call.causal)
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        if call.varlen:
+            return out
+        return call.from_bhsd(out.reshape(call.batch, call.seqlen_q, out.shape[1], out.shape[2]).transpose(1, 2))
+
+
+def pack_dense(call: AttentionCall) -> tuple[torch.Tensor, ...]:
+    """Dense q/k/v as (b*s, heads, dim) plus uniform int32 cu_seqlens (copies only if not bshd-contiguous)."""
+    q, k, v = (call.bhsd(t).transpose(1, 2) for t in (call.q, call.k, call.v))
+    b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
+    q = q.reshape(b * sq, q.shape[2], q.shape[3])
+    k = k.reshape(b * sk, k.shape[2], k.shape[3])
+    v = v.reshape(b * sk, v.shape[2], v.shape[3])
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
+    return q, k, v, cu_q, cu_k

@@ -1,0 +1,360 @@
+"""AMD ROCm attention: Composable Kernel through flash-attn and aiter, and AOTriton through torch's ROCm flash.
+
+Every adapter is written against the vendor's public Python API, read from these sources (no AMD hardware ran
+this code; see docs/vendors.md):
+
+- `rocm.ck`: ROCm/flash-attention (CK backend), `flash_attn/flash_attn_interface.py` (`flash_attn_func`,
+  `flash_attn_varlen_func`) and `csrc/flash_attn_ck/mha_fwd.cpp`, `mha_varlen_fwd.cpp` (the CK checks: fp16/bf16,
+  head dim <= 256, heads_q % heads_kv == 0, the softcap argument ignored, the causal mask decoded as "b:" =
+  bottom-right, varlen lse (heads, total_q)); snapshot tag v2.8.0-cktile.
+- `rocm.aiter`: ROCm/aiter, `aiter/ops/mha.py` (`flash_attn_func`, `flash_attn_varlen_func`: keyword names stable
+  from v0.1.3 to HEAD; return value `out` or a tuple `out, lse[, S_dmask]`; backward asserts `return_lse`),
+  README "Supported Hardware" (gfx942, gfx950).
+- `rocm.aotriton`: pytorch/pytorch `aten/src/ATen/native/transformers/hip/flash_attn/flash_api.h` (`mha_fwd`
+  dispatching to `mha_fwd_aot` or `mha_fwd_ck` on `getROCmFAPreferredBackend()`), `sdp_utils.cpp` (fp16/bf16,
+  causal with seqlen_q != seqlen_k refused, `TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL`), `torch/backends/cuda/
+  __init__.py` (`preferred_rocm_fa_library`), and ROCm/aotriton `v3src/util.cc` (the arch tables).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+_ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
+
+
+# -- layout helpers shared by the flash-attn style adapters --------------------------------------------------
+
+def to_bshd(call: AttentionCall, t: torch.Tensor) -> torch.Tensor:
+    """A dense q/k/v of the call's layout as a (batch, seq, heads, dim) view (no copy)."""
+    return call.bhsd(t).transpose(1, 2)
+
+
+def from_bshd(call: AttentionCall, t: torch.Tensor) -> torch.Tensor:
+    """A (batch, seq, heads, dim) result back into the call's layout (a view)."""
+    return call.from_bhsd(t.transpose(1, 2))
+
+
+def flash_window(call: AttentionCall) -> tuple[int, int]:
+    """Our window as flash-attn's `window_size=(left, right)`: -1 is unbounded in both conventions."""
+    return call.window if call.window is not None else (-1, -1)
+
+
+def alibi_offset_reasons(call: AttentionCall) -> list[str]:
+    """flash-attn style kernels add -slope * |i + sk - sq - j|: the bottom-right offset, whatever the mask."""
+    if call.alibi_slopes is None or call.causal_alignment == "bottom_right":
+        return []
+    unequal = (call.cu_seqlens_q is not call.cu_seqlens_k) if call.varlen else call.seqlen_q != call.seqlen_k
+    if not unequal:
+        return []
+    return ["ALiBi with causal_alignment 'top_left' and seqlen_q != seqlen_k not supported (the kernel measures "
+            "ALiBi distances from the bottom-right diagonal); pass causal_alignment='bottom_right'"]
+
+
+def blind_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
+    """FA2-family kernels report +inf as the lse of a query that sees no key; opdispatch's convention is -inf."""
+    return lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
+def pack_dense_as_varlen(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+    """Dense q/k/v as packed thd tensors with uniform int32 cu_seqlens (copies only if not bshd-contiguous)."""
+    q, k, v = (to_bshd(call, t) for t in (call.q, call.k, call.v))
+    b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
+    q = q.reshape(b * sq, q.shape[2], q.shape[3])
+    k = k.reshape(b * sk, k.shape[2], k.shape[3])
+    v = v.reshape(b * sk, v.shape[2], v.shape[3])
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
+    return q, k, v, cu_q, cu_k
+
+
+def unpack_varlen_out(call: AttentionCall, out: torch.Tensor) -> torch.Tensor:
+    """(b * sq, heads, dim_v) back to the call's dense layout."""
+    return from_bshd(call, out.reshape(call.batch, call.seqlen_q, out.shape[1], out.shape[2]))
+
+
+def unpack_varlen_lse(call: AttentionCall, lse: torch.Tensor) -> torch.Tensor:
+    """(heads, b * sq) → (b, heads, sq)."""
+    return lse.reshape(lse.shape[0], call.batch, call.seqlen_q).transpose(0, 1)
+
+
+def _split(result: Any, with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(result, (tuple, list)):
+        return result[0], (result[1] if with_lse else None)
+    return result, None
+
+
+# -- rocm.ck: ROCm/flash-attention built with its Composable Kernel backend ----------------------------------
+
+class CkOptions(BaseModel):
+    """Policy knobs of `rocm.ck` (`ops.attention.options."rocm.ck"` in the policy YAML)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deterministic_backward: bool | None = Field(
+        default=None, description="flash_attn's `deterministic` (backward only); None follows the call's "
+                                  "deterministic flag")
+
+
+class RocmFlashAttnCK(AttentionImpl):
+    vendor: ClassVar[str] = "rocm"
+    name: ClassVar[str] = "ck"
+    priority: ClassVar[int] = 80
+    description: ClassVar[str] = ("ROCm/flash-attention, Composable Kernel backend (flash_attn.flash_attn_func / "
+                                  "flash_attn_varlen_func)")
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"amd"})
+    # setup.py validate_and_update_archs: the CK build accepts GPU_ARCHS gfx90a, gfx942, gfx950.
+    archs: ClassVar[frozenset[str]] = frozenset({"gfx90a", "gfx942", "gfx950"})
+    requires: ClassVar[tuple[Requirement, ...]] = (Requirement(
+        module="flash_attn", distribution="flash_attn",
+        install_hint=("build ROCm's flash-attention with its CK backend: git clone --recursive "
+                      "https://github.com/ROCm/flash-attention && cd flash-attention && "
+                      "GPU_ARCHS=gfx942 python setup.py install (MI200/MI300, ROCm >= 6.0)")),)
+    # The Python wrapper pads head dims to a multiple of 8 before the CK check (<= 256, % 8), so any head dim up
+    # to 256 is accepted; v shares q's head dim (one head_size in mha_fwd.cpp). CK accepts a softcap argument
+    # and ignores it, so softcap is not claimed.
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=_HALF, head_dim_max=256, layouts=_ALL_LAYOUTS, causal_alignments=frozenset({"bottom_right"}),
+        gqa=True, window=True, softcap=False, alibi=True, dropout=True, lse=True, backward=True,
+        deterministic_backward=True,
+    )
+    options_model: ClassVar[type[BaseModel]] = CkOptions
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        return alibi_offset_reasons(call)
+
+    def extra_availability(self, device: DeviceInfo) -> str | None:
+        # flash_attn_interface.py picks its backend at import time from this variable, exactly "TRUE".
+        if os.environ.get("FLASH_ATTENTION_TRITON_AMD_ENABLE", "FALSE") == "TRUE":
+            return ("FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE makes flash_attn use its Triton AMD backend, not CK; "
+                    "unset it to use rocm.ck")
+        try:
+            import flash_attn
+        except Exception as exc:  # a broken build must not take dispatch down
+            return f"importing flash_attn failed: {type(exc).__name__}: {exc}"
+        if not all(hasattr(flash_attn, f) for f in ("flash_attn_func", "flash_attn_varlen_func")):
+            return "flash_attn has no flash_attn_func/flash_attn_varlen_func (not a flash-attn 2.x build)"
+        return None
+
+    def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        import flash_attn
+
+        deterministic = self.options.deterministic_backward
+        if deterministic is None:
+            deterministic = call.deterministic
+        kwargs = dict(dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal,
+                      window_size=flash_window(call), softcap=0.0, alibi_slopes=call.alibi_slopes,
+                      deterministic=deterministic, return_attn_probs=call.return_lse)
+        if call.varlen:
+            result = flash_attn.flash_attn_varlen_func(
+                call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+                call.max_seqlen_k, **kwargs)
+            out, lse = _split(result, call.return_lse)  # (out, lse (heads, total_q), S_dmask)
+        else:
+            q, k, v = (to_bshd(call, t) for t in (call.q, call.k, call.v))
+            result = flash_attn.flash_attn_func(q, k, v, **kwargs)
+            out, lse = _split(result, call.return_lse)  # (out, lse (b, heads, sq), S_dmask)
+            out = from_bshd(call, out)
+        if not call.return_lse:
+            return out
+        assert lse is not None
+        return out, blind_rows_to_neg_inf(lse)
+
+
+# -- rocm.aiter: AMD's aiter (CK-tile and hand-written ASM "fmha v3" kernels) ---------------------------------
+
+class AiterOptions(BaseModel):
+    """Policy knobs of `rocm.aiter`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deterministic_backward: bool | None = Field(
+        default=None, description="aiter's `deterministic` (backward only); None follows the call's flag")
+    how_v3_bf16_cvt: int | None = Field(
+        default=None, ge=0, description="aiter's `how_v3_bf16_cvt` (bf16 conversion variant of the gfx942 ASM v3 "
+                                        "kernels; aiter >= 0.1.7, default 1); None leaves aiter's default")
+
+
+class RocmAiter(AttentionImpl):
+    vendor: ClassVar[str] = "rocm"
+    name: ClassVar[str] = "aiter"
+    priority: ClassVar[int] = 90
+    description: ClassVar[str] = "AMD aiter flash attention (aiter.flash_attn_func / flash_attn_varlen_func; CK-tile + ASM)"
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"amd"})
+    # aiter README "Supported Hardware": MI300X/MI325X (gfx942) fully, MI350/MI355X (gfx950); RDNA experimental.
+    archs: ClassVar[frozenset[str]] = frozenset({"gfx942", "gfx950"})
+    requires: ClassVar[tuple[Requirement, ...]] = (Requirement(
+        module="aiter", distribution="amd-aiter",
+        install_hint=("build AMD aiter: git clone --recursive https://github.com/ROCm/aiter && cd aiter && "
+                      "python3 setup.py develop (distribution amd-aiter; gfx942/gfx950)")),)
+    # mha_fwd_kernels.cu: fp16/bf16 (fp8 needs descales this call cannot carry), head dims <= 256 (the wrapper
+    # pads to % 8), q and v head dims may differ, GQA. Softcap exists only on the varlen function
+    # (`logits_soft_cap`); dense calls with softcap are packed into it. `bias` is a (seqlen_q, seqlen_k) tensor
+    # only, so general attn_bias is not claimed.
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=_HALF, head_dim_max=256, head_dim_v_differs=True, layouts=_ALL_LAYOUTS,
+        causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, alibi=True,
+        dropout=True, lse=True, backward=True, deterministic_backward=True,
+    )
+    options_model: ClassVar[type[BaseModel]] = AiterOptions
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        return alibi_offset_reasons(call)
+
+    def extra_availability(self, device: DeviceInfo) -> str | None:
+        try:
+            import aiter
+        except Exception as exc:
+            return f"importing aiter failed: {type(exc).__name__}: {exc}"
+        if not all(hasattr(aiter, f) for f in ("flash_attn_func", "flash_attn_varlen_func")):
+            return "this aiter build has no flash_attn_func/flash_attn_varlen_func"
+        return None
+
+    def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        import aiter
+
+        opts = self.options
+        deterministic = opts.deterministic_backward if opts.deterministic_backward is not None else call.deterministic
+        # aiter's autograd functions assert return_lse whenever a backward will run (v0.1.7 and later).
+        want_lse = call.return_lse or call.requires_grad
+        kwargs: dict[str, Any] = dict(
+            dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal, window_size=flash_window(call),
+            alibi_slopes=call.alibi_slopes, deterministic=deterministic, return_lse=want_lse,
+            return_attn_probs=False)
+        if opts.how_v3_bf16_cvt is not None:
+            kwargs["how_v3_bf16_cvt"] = opts.how_v3_bf16_cvt
+        packed = not call.varlen and call.softcap > 0
+        if call.varlen or packed:
+            if packed:
+                q, k, v, cu_q, cu_k = pack_dense_as_varlen(call)
+            else:
+                q, k, v, cu_q, cu_k = call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k
+            if call.softcap > 0:
+                kwargs["logits_soft_cap"] = call.softcap
+            # Keywords after max_seqlen_k: aiter inserts min_seqlen_q and logits_soft_cap where flash-attn has
+            # dropout_p and causal, so positional calls would silently shift.
+            result = aiter.flash_attn_varlen_func(
+                q, k, v, cu_q, cu_k, call.seqlen_q, call.seqlen_k, **kwargs)
+            out, lse = _split(result, want_lse)
+            if packed:
+                out = unpack_varlen_out(call, out)
+                lse = unpack_varlen_lse(call, lse) if lse is not None else None
+        else:
+            q, k, v = (to_bshd(call, t) for t in (call.q, call.k, call.v))
+            result = aiter.flash_attn_func(q, k, v, **kwargs)
+            out, lse = _split(result, want_lse)
+            out = from_bshd(call, out)
+        if not call.return_lse:
+            return out
+        assert lse is not None
+        return out, blind_rows_to_neg_inf(lse)
+
+
+# -- rocm.aotriton: torch's ROCm flash attention (AOTriton, or torch's own CK when preferred) -----------------
+
+# ROCm/aotriton v3src/util.cc (HEAD): archs AOTriton has kernels for, matched on gcnArchName before the first ':'.
+AOTRITON_ARCHS = frozenset({"gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150",
+                            "gfx1151", "gfx1152", "gfx1153", "gfx1200", "gfx1201", "gfx1250"})
+# isArchExperimentallySupported: torch's sdp_utils.cpp refuses them unless TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1.
+AOTRITON_EXPERIMENTAL_ARCHS = frozenset({"gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1152", "gfx1153",
+                                         "gfx1200"})
+ENV_AOTRITON_EXPERIMENTAL = "TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL"
+
+
+class AOTritonOptions(BaseModel):
+    """Policy knobs of `rocm.aotriton`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fa_library: Literal["aotriton", "ck", "default"] = Field(
+        default="aotriton",
+        description=("torch.backends.cuda.preferred_rocm_fa_library(): which library torch's ROCm flash attention "
+                     "uses, forward and backward. 'ck' needs a torch built with USE_ROCM_CK_SDPA (torch falls back "
+                     "otherwise); 'default' leaves the process-wide setting alone. The setting is process-wide: "
+                     "it stays set after the call so that the backward uses the same library."))
+
+
+class RocmAOTriton(AttentionImpl):
+    vendor: ClassVar[str] = "rocm"
+    name: ClassVar[str] = "aotriton"
+    priority: ClassVar[int] = 70
+    description: ClassVar[str] = ("torch's ROCm flash attention (aten._flash_attention_forward), AOTriton kernels "
+                                  "selected by preferred_rocm_fa_library")
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"amd"})
+    archs: ClassVar[frozenset[str]] = AOTRITON_ARCHS
+    # preferred_rocm_fa_library arrived with pytorch/pytorch PR #143695 (torch 2.7; not checked against the tag).
+    requires: ClassVar[tuple[Requirement, ...]] = (Requirement(
+        module="torch", distribution="torch", min_version="2.7",
+        install_hint="pip install torch --index-url https://download.pytorch.org/whl/rocm6.3 (a ROCm build of torch)"),)
+    # sdp_utils.cpp (flash): fp16/bf16, q/k/v with one head dim <= 256 (512 only with AOTriton >= 0.9, whose
+    # version torch does not expose), GQA, dropout, no mask. The kernels' causal alignment for seqlen_q !=
+    # seqlen_k is not one torch relies on (check_flash_causal_non_square_seqlens refuses it), so no
+    # alignment-dependent call is claimed; the ROCm kernels take window sizes but AOTriton's support for them is
+    # not established, so windows are not claimed.
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=_HALF, head_dim_max=256, layouts=_ALL_LAYOUTS, causal_alignments=frozenset(), gqa=True,
+        window=False, softcap=False, alibi=False, dropout=True, lse=True, backward=True,
+        deterministic_backward=False,
+    )
+    options_model: ClassVar[type[BaseModel]] = AOTritonOptions
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        reasons = []
+        if call.varlen and call.return_lse:
+            reasons.append("return_lse with layout 'thd' not supported: torch's ROCm varlen flash returns the lse "
+                           "padded per sequence (AOTriton) rather than as (heads, total_q)")
+        if (self.options.fa_library != "ck" and device.arch in AOTRITON_EXPERIMENTAL_ARCHS
+                and os.environ.get(ENV_AOTRITON_EXPERIMENTAL) != "1"):
+            reasons.append(f"AOTriton support for {device.arch} is experimental: torch refuses it unless "
+                           f"{ENV_AOTRITON_EXPERIMENTAL}=1")
+        return reasons
+
+    def extra_availability(self, device: DeviceInfo) -> str | None:
+        if not getattr(torch.version, "hip", None):
+            return f"torch {torch.__version__} is not a ROCm build (torch.version.hip is None)"
+        if not torch.backends.cuda.is_flash_attention_available():
+            return "this ROCm torch was built without flash attention (USE_FLASH_ATTENTION=0)"
+        if self.options.fa_library != "default" and not hasattr(torch.backends.cuda, "preferred_rocm_fa_library"):
+            return (f"torch {torch.__version__} has no torch.backends.cuda.preferred_rocm_fa_library; set "
+                    f"fa_library: default for rocm.aotriton or upgrade torch")
+        return None
+
+    def _prefer_library(self) -> None:
+        wanted = self.options.fa_library
+        if wanted == "default":
+            return
+        select = torch.backends.cuda.preferred_rocm_fa_library
+        current = select()
+        if str(getattr(current, "name", current)).lower() != wanted:
+            select(wanted)
+
+    def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self._prefer_library()
+        if call.varlen:
+            q, k, v = call.q, call.k, call.v
+            cum_q, cum_k = call.cu_seqlens_q, call.cu_seqlens_k
+        else:
+            q, k, v = (to_bshd(call, t) for t in (call.q, call.k, call.v))
+            cum_q = cum_k = None
+        # aten::_flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+        #   is_causal, return_debug_mask, *, scale, window_size_left, window_size_right, ...)
+        #   -> (output, softmax_logsumexp, rng_state, unused, debug_attn_mask); autograd via derivatives.yaml.
+        out, lse, _rng, _unused, _debug = torch.ops.aten._flash_attention_forward(
+            q, k, v, cum_q, cum_k, call.seqlen_q, call.seqlen_k, call.dropout_p, call.causal, False,
+            scale=call.scale)
+        if not call.varlen:
+            out = from_bshd(call, out)
+        if call.return_lse:
+            return out, lse
+        return out
