@@ -10,7 +10,7 @@ import torch
 import opdispatch
 from opdispatch.vendors.reference import ReferenceAttention
 
-from conftest import TOLERANCES
+from tests.conftest import TOLERANCES
 
 
 def dense_inputs(layout: str, b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: torch.dtype,

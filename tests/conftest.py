@@ -54,3 +54,14 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32, gen: torch.Generator 
 
 def device_descriptor(name: str) -> Path:
     return DEVICES_DIR / f"{name}.yaml"
+
+
+@pytest.fixture
+def basic_manager() -> Iterator[opdispatch.OpManager]:
+    """A fresh manager with only the built-in `cpu` and `reference` plugins (through OPDISPATCH_PLUGINS)."""
+    fresh = opdispatch.OpManager(environ={"OPDISPATCH_PLUGINS": "cpu,reference"})
+    previous = opdispatch.set_manager(fresh)
+    try:
+        yield fresh
+    finally:
+        opdispatch.set_manager(previous)

@@ -92,8 +92,8 @@ def test_registry_is_thread_safe():
 
 # -- manager -----------------------------------------------------------------------------------------------
 
-def test_policy_order_then_priority(manager):
-    manager.register_impl(make_impl("zeta", "fast", priority=50))
+def test_policy_order_then_priority(basic_manager):
+    basic_manager.register_impl(make_impl("zeta", "fast", priority=50))
     q, k, v = qkv()
     decision = opdispatch.explain(q, k, v)
     ids = [c.impl_id for c in decision.candidates]
@@ -104,10 +104,10 @@ def test_policy_order_then_priority(manager):
     assert decision.candidate("zeta.fast").decided_by.kind == "priority"
 
 
-def test_chosen_is_first_eligible_and_statuses_are_reported(manager):
-    manager.register_impl(make_impl("aaa", "unavail", availability="library 'aaa' is not installed"))
-    manager.register_impl(make_impl("bbb", "bf16only", caps=AttentionCaps(dtypes=frozenset({torch.bfloat16}))))
-    manager.set_policy(_policy(manager, "order: [aaa.unavail, bbb.bf16only, reference.math, cpu.flash]"))
+def test_chosen_is_first_eligible_and_statuses_are_reported(basic_manager):
+    basic_manager.register_impl(make_impl("aaa", "unavail", availability="library 'aaa' is not installed"))
+    basic_manager.register_impl(make_impl("bbb", "bf16only", caps=AttentionCaps(dtypes=frozenset({torch.bfloat16}))))
+    basic_manager.set_policy(_policy(basic_manager, "order: [aaa.unavail, bbb.bf16only, reference.math, cpu.flash]"))
     q, k, v = qkv()
     decision = opdispatch.explain(q, k, v)
     assert [c.status for c in decision.candidates] == [UNAVAILABLE, REJECTED, CHOSEN, ELIGIBLE]
@@ -124,10 +124,10 @@ def _policy(manager, op_body: str, tmp_text: str | None = None):
     return parse_policy(f"ops:\n  attention:\n{body}\n", "<test policy>")
 
 
-def test_no_implementation_error_lists_every_candidate(manager):
-    manager.register_impl(make_impl("aaa", "unavail", availability="needs the aaa runtime"))
+def test_no_implementation_error_lists_every_candidate(basic_manager):
+    basic_manager.register_impl(make_impl("aaa", "unavail", availability="needs the aaa runtime"))
     q, k, v = (t.to(torch.float64) for t in qkv())
-    manager.set_policy(_policy(manager, "deny: [reference.math]"))
+    basic_manager.set_policy(_policy(basic_manager, "deny: [reference.math]"))
     with pytest.raises(opdispatch.NoImplementationError) as info:
         opdispatch.attention(q, k, v, dropout_p=0.5)
     message = str(info.value)
@@ -147,7 +147,7 @@ def test_pinned_impl_never_falls_back(manager):
     assert "never falls back" in message
 
 
-def test_pin_of_unknown_impl_lists_registered_ones(manager):
+def test_pin_of_unknown_impl_lists_registered_ones(basic_manager):
     q, k, v = qkv()
     with pytest.raises(opdispatch.PinnedImplementationError, match=r"'nope.impl' pinned by impl= is not registered; "
                                                                     r"registered implementations: cpu.flash, reference.math"):

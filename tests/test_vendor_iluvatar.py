@@ -13,11 +13,11 @@ import opdispatch
 from opdispatch.vendors import iluvatar
 from opdispatch.vendors.iluvatar import IluvatarIxformer
 
-from _vendor_helpers import (assert_matches_reference, dense_inputs, fake_cuda, gpu_props, real_device,
+from tests._vendor_helpers import (assert_matches_reference, dense_inputs, fake_cuda, gpu_props, real_device,
                              varlen_inputs)
-from conftest import device_descriptor
-from fakes import install
-from fakes import ixformer as fake_ixformer
+from tests.conftest import device_descriptor
+from tests.fakes import install
+from tests.fakes import ixformer as fake_ixformer
 
 BI_V150 = device_descriptor("bi-v150")
 

@@ -14,11 +14,11 @@ import opdispatch
 from opdispatch.vendors import kunlunxin
 from opdispatch.vendors.kunlunxin import KunlunxinPrefill
 
-from _vendor_helpers import (assert_matches_reference, dense_inputs, fake_cuda, gpu_props, real_device,
+from tests._vendor_helpers import (assert_matches_reference, dense_inputs, fake_cuda, gpu_props, real_device,
                              varlen_inputs)
-from conftest import device_descriptor
-from fakes import install
-from fakes import kunlun_ops as fake_kunlun
+from tests.conftest import device_descriptor
+from tests.fakes import install
+from tests.fakes import kunlun_ops as fake_kunlun
 
 P800 = device_descriptor("p800")
 

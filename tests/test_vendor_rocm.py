@@ -13,12 +13,12 @@ import opdispatch
 from opdispatch.vendors import rocm
 from opdispatch.vendors.rocm import RocmAiter, RocmAOTriton, RocmFlashAttnCK
 
-from _vendor_helpers import (assert_matches_reference, dense_inputs, fake_cuda, gpu_props, real_device,
+from tests._vendor_helpers import (assert_matches_reference, dense_inputs, fake_cuda, gpu_props, real_device,
                              varlen_inputs)
-from conftest import device_descriptor
-from fakes import aiter as fake_aiter
-from fakes import flash_attn_rocm as fake_fa
-from fakes import install
+from tests.conftest import device_descriptor
+from tests.fakes import aiter as fake_aiter
+from tests.fakes import flash_attn_rocm as fake_fa
+from tests.fakes import install
 
 BF16 = torch.bfloat16
 MI300X = device_descriptor("mi300x")
@@ -167,7 +167,7 @@ def aten_flash(monkeypatch: pytest.MonkeyPatch):
         calls.append(dict(query=query, key=key, cum_seq_q=cum_seq_q, cum_seq_k=cum_seq_k, max_q=max_q,
                           max_k=max_k, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                           window_size_left=window_size_left, return_debug_mask=return_debug_mask))
-        from fakes import _math
+        from tests.fakes import _math
         kw = dict(scale=scale, causal=is_causal, window=(-1, -1), alignment="top_left")
         if cum_seq_q is None:
             out, lse = _math.bshd_attention(query, key, value, **kw)
