@@ -14,6 +14,7 @@ from ._impl import Impl, Requirement
 from ._manager import OpManager
 from ._registry import Origin, Registry
 from .plugins.hookspec import hookimpl
+from .policies._overrides import policy_override, scope
 
 __version__ = "0.1.0"
 
@@ -22,5 +23,5 @@ __all__ = [
     "DeviceInfo", "Impl", "NoImplementationError", "OpDispatchError", "OpManager", "Origin",
     "PinnedImplementationError", "PluginLoadError", "PolicyError", "Registry", "RegistrationError", "Requirement",
     "Provenance", "__version__", "attention", "explain", "get_manager", "hookimpl", "load_device_descriptor",
-    "set_manager", "validate_attention",
+    "policy_override", "scope", "set_manager", "validate_attention",
 ]

@@ -12,6 +12,7 @@ from ._attention import validate_attention
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
 from ._manager import OpManager
+from .policies._overrides import MODULE
 
 _manager: OpManager | None = None
 _manager_lock = threading.Lock()
@@ -62,7 +63,7 @@ def attention(
         q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
         dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
         attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic)
+        max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, module=MODULE.get())
     return get_manager().call("attention", call, impl=impl)
 
 
@@ -80,6 +81,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | No
     `device` simulates another device: a DeviceInfo or the path of a YAML descriptor (configs/devices/). The
     tensors may then live on the ``meta`` device, since nothing is computed.
     """
+    kwargs.setdefault("module", MODULE.get())
     call = validate_attention(q, k, v, check_values=not _is_meta(q), **kwargs)
     return get_manager().explain("attention", call, device=resolve_device(device), impl=impl)
 
