@@ -381,7 +381,16 @@ def parse_policy_layer(text: str, source: str) -> PolicyLayer:
             msg = f"unknown key {loc[-1]!r}; allowed keys here: {_allowed_keys(loc)}"
         raise PolicyError(f"{source}:{line}: field {_format_loc(loc)}: {msg}{shown}{more}", path=source, line=line,
                           field=_format_loc(loc)) from exc
-    for op in model.ops:
+    for op, spec in model.ops.items():
+        seen: dict[str, int] = {}
+        for i, rule in enumerate(spec.rules):
+            if rule.name in seen:
+                line = lines.line(("ops", op, "rules", i, "name"))
+                field = f"ops.{op}.rules.{i}.name"
+                raise PolicyError(f"{source}:{line}: field {field}: rule name {rule.name!r} is used twice (first as "
+                                  f"rule {seen[rule.name]}); rule names must be unique per op", path=source, line=line,
+                                  field=field)
+            seen[rule.name] = i
         if op not in KNOWN_OPS:
             line = lines.line(("ops", op))
             raise PolicyError(f"{source}:{line}: field ops.{op}: unknown op {op!r}; known ops: {', '.join(KNOWN_OPS)}",

@@ -200,15 +200,6 @@ class OpPolicy(_Strict):
                 raise ValueError(f"options key {impl_id!r} is a glob; options belong to one implementation id")
         return values
 
-    @model_validator(mode="after")
-    def _unique_rule_names(self) -> OpPolicy:
-        seen: set[str] = set()
-        for rule in self.rules:
-            if rule.name in seen:
-                raise ValueError(f"rule name {rule.name!r} is used twice; rule names must be unique per op")
-            seen.add(rule.name)
-        return self
-
 
 class PolicyFile(_Strict):
     """Top level of a policy YAML file."""
