@@ -64,6 +64,9 @@ class OpManager:
         self._pm = pluggy.PluginManager(_hookspec.PROJECT_NAME)
         self._pm.add_hookspecs(_hookspec)
         self._cache: dict[Any, Decision] = {}
+        # Per-call fast path of opdispatch.attention: argument key -> bound function. Replaced (never cleared in
+        # place) whenever decisions may change, so a reader holding the old dict only ever sees old entries.
+        self.fast: dict[Any, Any] = {}
         self._devices: dict[Any, DeviceInfo] = {}
         self._availability: dict[tuple[str, Any], str | None] = {}
         self._policy: Any = None  # the active Policy; swapped whole, never mutated
@@ -134,6 +137,7 @@ class OpManager:
         """Forget decisions and availability answers (after a plugin or environment change)."""
         with self._lock:
             self._cache = {}
+            self.fast = {}
             self._availability = {}
             if self._policy is not None:
                 self._configure_impls(self._policy)
@@ -163,6 +167,7 @@ class OpManager:
             self._configure_impls(policy)
             self._policy = policy  # one reference swap: readers see the old policy or the new one, never a mix
             self._cache = {}
+            self.fast = {}
 
     def set_policy(self, policy: Any) -> None:
         """Use `policy` (a Policy object, or the path of a YAML file) from now on; cached decisions are dropped.
@@ -361,6 +366,28 @@ class OpManager:
                 for r in self.plugins if r.status == "failed"]
 
     # -- running ---------------------------------------------------------------------------------------------
+    def bind(self, op: str, call: Any, *, impl: str | None = None) -> Any:
+        """A function `(q, k, v) -> result` bound to the implementation chosen for `call`'s signature.
+
+        It does no lookup per call; with settings.fallback_on_error (and no pin) it falls back like `call`.
+        """
+        decision = self.resolve(op, call, impl=impl)
+        chosen = decision.chosen
+        assert chosen is not None
+        fn = chosen.bind(call)
+        if impl is None and decision.pinned is None and self.policy.settings.fallback_on_error:
+            primary = fn
+
+            def with_fallback(q: Any, k: Any, v: Any) -> Any:
+                try:
+                    return primary(q, k, v)
+                except Exception as exc:
+                    return self._fallback(decision, call.with_tensors(q, k, v), exc)
+
+            fn = with_fallback
+        fn.decision = decision  # type: ignore[attr-defined]
+        return fn
+
     def call(self, op: str, call: Any, *, impl: str | None = None) -> Any:
         decision = self.resolve(op, call, impl=impl)
         chosen = decision.chosen
