@@ -49,7 +49,7 @@ SHAPES = [
 ]
 
 
-def bench(fn, warmup=25, rep=100):
+def bench(fn, warmup=10, rep=40):
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")

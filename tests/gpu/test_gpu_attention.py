@@ -5,7 +5,7 @@ For each implementation the case list below is filtered through the implementati
 and backward where declared. Fresh random inputs for every case. Skipped without CUDA.
 
 Run one implementation per process (`-k nvidia.cudnn`): a kernel that faults poisons the CUDA context for the
-rest of the process. Set OPDISPATCH_GPU_SUMMARY=path to append one JSON line per case.
+rest of the process. Set GPU_ATTN_SUMMARY=path to append one JSON line per case.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ LSE_ATOL = 2e-2
 
 IMPLS = ["nvidia.cudnn", "nvidia.flash", "nvidia.mem_efficient", "nvidia.flash_attn", "nvidia.flash_attn3",
          "flagos.triton"]
-if os.environ.get("OPDISPATCH_GPU_IMPL"):  # one implementation per process (see the module docstring)
-    IMPLS = [i for i in IMPLS if i == os.environ["OPDISPATCH_GPU_IMPL"]]
+if os.environ.get("GPU_ATTN_IMPL"):  # one implementation per process (see the module docstring)
+    IMPLS = [i for i in IMPLS if i == os.environ["GPU_ATTN_IMPL"]]
 
 
 def _case(name, b=2, sq=128, sk=128, hq=4, hkv=4, d=64, dv=None, dtype=torch.bfloat16, layout="bshd", **kw):
@@ -125,7 +125,7 @@ def _rel(a, b):
 
 
 def _report(record):
-    path = os.environ.get("OPDISPATCH_GPU_SUMMARY")
+    path = os.environ.get("GPU_ATTN_SUMMARY")
     if path:
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")

@@ -224,12 +224,13 @@ class TorchFlashAttention(AttentionImpl):
     max_capability: ClassVar[tuple[int, int] | None] = (12, 1)
     # sdp_utils can_use_flash_attention + flash_api.cpp: fp16/bf16; q, k, v share one head dim <= 256, a
     # multiple of 8 (SDPA pads; the op itself requires it); GQA; no attn_mask; dropout; causal is FA2's
-    # bottom-right mask (SDPA refuses causal with seqlen_q != seqlen_k for that reason); window and ALiBi through
-    # _flash_attention_forward (both bottom-right aligned); backward through autograd, which passes the window
-    # but not the ALiBi slopes to _flash_attention_backward.
+    # bottom-right mask (SDPA refuses causal with seqlen_q != seqlen_k for that reason); window (bottom-right
+    # aligned) through _flash_attention_forward, whose backward receives it. No ALiBi: the schema has
+    # alibi_slopes but torch's build raises "This flash attention build does not support alibi." (measured on
+    # torch 2.11+cu130, H200).
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, layouts=_ALL_LAYOUTS,
-        causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, alibi=True, dropout=True,
+        causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, dropout=True,
         lse=True, backward=True, deterministic_backward=False,
     )
 
@@ -238,19 +239,12 @@ class TorchFlashAttention(AttentionImpl):
         why = _sm86_89_or_120_training_head_dim(call, device)
         if why:
             reasons.append(why)
-        why = _alibi_alignment(call)
-        if why:
-            reasons.append(why)
-        if call.alibi_slopes is not None and call.requires_grad:
-            reasons.append("ALiBi with gradients: aten _flash_attention_backward takes no alibi_slopes, so the "
-                           "gradient would ignore them")
-        for feature, arg in (("window", "window_size_left"), ("alibi_slopes", "alibi_slopes")):
-            if getattr(call, feature) is not None and arg not in _FLASH_FORWARD_ARGS:
-                reasons.append(f"this torch's _flash_attention_forward has no {arg} argument")
+        if call.window is not None and "window_size_left" not in _FLASH_FORWARD_ARGS:
+            reasons.append("this torch's _flash_attention_forward has no window_size_left argument")
         return reasons
 
     def run(self, call: AttentionCall) -> Any:
-        if not call.varlen and call.window is None and call.alibi_slopes is None:
+        if not call.varlen and call.window is None:
             q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
             res = _flash_sdpa(q, k, v, call.dropout_p, call.causal, False, scale=call.scale)
             out = call.from_bhsd(res[0])
@@ -258,8 +252,6 @@ class TorchFlashAttention(AttentionImpl):
         kwargs: dict[str, Any] = {"scale": call.scale}
         if call.window is not None:
             kwargs["window_size_left"], kwargs["window_size_right"] = call.window
-        if call.alibi_slopes is not None:
-            kwargs["alibi_slopes"] = call.alibi_slopes
         if call.varlen:
             res = _flash_forward(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
                                  call.max_seqlen_k, call.dropout_p, call.causal, False, **kwargs)
@@ -335,7 +327,12 @@ class MemEfficientAttention(AttentionImpl):
         out = call.from_bhsd(res[0])
         if not call.return_lse:
             return out
-        return out, res[1][:, :, : q.shape[2]]  # the kernel pads LSE to a multiple of 32 queries
+        lse = res[1][:, :, : q.shape[2]]  # the kernel pads LSE to a multiple of 32 queries
+        if bias is not None:
+            # A query whose keys are all masked: the kernel's LSE is not -inf there (measured); the convention is.
+            blind = (bias == -math.inf).all(dim=-1)
+            lse = lse.masked_fill(blind, -math.inf)
+        return out, lse
 
 
 # -- the flash-attn package -----------------------------------------------------------------------------------
