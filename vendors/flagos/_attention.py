@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch.vendors.nvidia._fa2 import dense_lse_fix, varlen_lse_fix
 
 _LN2 = math.log(2.0)
 # v5.0.2 scaled_dot_product_attention_forward: `assert HEAD_DIM_K in {16, 32, 64, 128, 256}`.
@@ -120,8 +121,12 @@ class FlagGemsAttention(AttentionImpl):
         kwargs = dict(softmax_scale=call.scale, causal=call.causal, window_size=window, softcap=call.softcap,
                       alibi_slopes=call.alibi_slopes, return_softmax_lse=call.return_lse)
         if call.varlen:
-            return flag_gems.flash_attn_varlen_func(call.q, call.k, call.v, call.max_seqlen_q, call.cu_seqlens_q,
-                                                    call.max_seqlen_k, call.cu_seqlens_k, **kwargs)
+            res = flag_gems.flash_attn_varlen_func(call.q, call.k, call.v, call.max_seqlen_q, call.cu_seqlens_q,
+                                                   call.max_seqlen_k, call.cu_seqlens_k, **kwargs)
+            if not call.return_lse:
+                return res
+            return res[0], varlen_lse_fix(res[1], call.cu_seqlens_q, call.cu_seqlens_k, call.causal, call.window,
+                                          call.alibi_slopes)
         # Dense: pack (batch, seq, heads, dim) into (batch*seq, heads, dim) with uniform cu_seqlens.
         b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
         q, k, v = (_bshd(call, t) for t in (call.q, call.k, call.v))
@@ -136,7 +141,7 @@ class FlagGemsAttention(AttentionImpl):
         if not call.return_lse:
             return out
         lse = res[1].reshape(call.heads_q, b, sq).transpose(0, 1)
-        return out, lse
+        return out, dense_lse_fix(lse, sq, sk, call.causal, call.window, call.alibi_slopes)
 
 
 def _bshd(call: AttentionCall, t: torch.Tensor) -> torch.Tensor:

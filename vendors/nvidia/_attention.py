@@ -20,6 +20,8 @@ import torch
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 from opdispatch._attention import allowed_positions
 
+from ._fa2 import dense_lse_fix, varlen_lse_fix
+
 _LOW = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
 _DENSE = frozenset({"bshd", "bhsd", "sbhd"})
@@ -374,11 +376,13 @@ class FlashAttn2(AttentionImpl):
                                                     call.max_seqlen_q, call.max_seqlen_k, **common)
             if not call.return_lse:
                 return res
-            return res[0], _fix_empty_rows(res[1])
+            return res[0], varlen_lse_fix(res[1], call.cu_seqlens_q, call.cu_seqlens_k, call.causal, call.window,
+                                          call.alibi_slopes)
         res = flash_attn.flash_attn_func(_bshd(call, call.q), _bshd(call, call.k), _bshd(call, call.v), **common)
         if not call.return_lse:
             return _dense_out(call, res)
-        return _dense_out(call, res[0]), _fix_empty_rows(res[1])
+        return _dense_out(call, res[0]), dense_lse_fix(res[1], call.seqlen_q, call.seqlen_k, call.causal,
+                                                       call.window, call.alibi_slopes)
 
 
 class FlashAttn3(AttentionImpl):
