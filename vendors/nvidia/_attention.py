@@ -20,7 +20,7 @@ import torch
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 from opdispatch._attention import allowed_positions
 
-from ._fa2 import dense_lse_fix, varlen_lse_fix
+from ._fa2 import causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 
 _LOW = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
@@ -359,7 +359,8 @@ class FlashAttn2(AttentionImpl):
     )
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        reasons = [r for r in (_sm86_89_or_120_training_head_dim(call, device), _alibi_alignment(call)) if r]
+        reasons = [r for r in (_sm86_89_or_120_training_head_dim(call, device), _alibi_alignment(call),
+                               causal_alibi_lse_reason(call)) if r]
         if call.softcap > 0 and call.dropout_p > 0:
             reasons.append("softcap with dropout is not supported (\"Softcapping does not support dropout\")")
         return reasons
