@@ -1,0 +1,1 @@
+"""Fake vendor modules mirroring the real signatures and conventions (monkeypatched into sys.modules)."""
