@@ -53,6 +53,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         if args.op and impl.op != args.op:
             continue
         reason = manager.availability(impl, device)
+        if reason is not None:
+            # Also say which libraries are missing, with their install hints, even when the device rules it out.
+            missing = [r.unmet_reason(device) for r in impl.requires]
+            extra = [m for m in missing if m and m not in reason]
+            if extra:
+                reason = "; ".join([reason, *extra])
         rows.append((impl.id, impl.op, impl.vendor, str(impl.priority), "yes" if reason is None else f"no: {reason}",
                      str(registered.origin)))
     print(f"device: {device.describe()}\n")

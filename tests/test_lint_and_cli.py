@@ -135,3 +135,12 @@ def test_demo_runs_and_checks_results():
     result = subprocess.run([sys.executable, "-m", "opdispatch", "demo"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 failed" in result.stdout and "PASS" in result.stdout and "FAIL " not in result.stdout
+
+
+def test_list_names_missing_vendor_libraries_with_install_hints(capsys, manager):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("rocm.aiter"))
+    assert "library 'aiter' is not installed; install it with:" in line
+    line = next(l for l in out.splitlines() if l.startswith("cpu.flash"))
+    assert " yes " in line
