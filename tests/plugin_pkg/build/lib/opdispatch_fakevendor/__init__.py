@@ -1,1 +1,0 @@
-"""A third-party vendor plugin, installed with pip by opdispatch's tests."""
