@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -156,8 +157,10 @@ def test_builtin_vendors_come_from_our_own_entry_points():
 @pytest.fixture(scope="module")
 def installed_plugin(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("site")
+    source = tmp_path_factory.mktemp("src") / "plugin_pkg"  # build a copy: the checkout stays clean
+    shutil.copytree(REPO / "tests" / "plugin_pkg", source)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--target", str(target), str(REPO / "tests" / "plugin_pkg")],
+                    "--no-index", "--target", str(target), str(source)],
                    check=True, capture_output=True, text=True)
     return target
 
