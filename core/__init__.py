@@ -4,7 +4,7 @@ Call ``opdispatch.attention(...)``; ask ``opdispatch.explain(...)`` why an imple
 plug in through the ``opdispatch.plugins`` entry-point group (see ``opdispatch.plugins.hookspec``).
 """
 
-from ._api import attention, explain, get_manager, set_manager
+from ._api import Attention, attention, explain, get_manager, plan, set_manager
 from ._attention import AttentionCall, AttentionCaps, AttentionImpl, validate_attention
 from ._decision import Candidate, Decision, Provenance
 from ._device import DeviceInfo, load_device_descriptor
@@ -14,13 +14,14 @@ from ._impl import Impl, Requirement
 from ._manager import OpManager
 from ._registry import Origin, Registry
 from .plugins.hookspec import hookimpl
+from .policies._overrides import policy_override, scope
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionCall", "AttentionCaps", "AttentionImpl", "Candidate", "Decision", "DeviceDescriptorError",
+    "Attention", "AttentionCall", "AttentionCaps", "AttentionImpl", "Candidate", "Decision", "DeviceDescriptorError",
     "DeviceInfo", "Impl", "NoImplementationError", "OpDispatchError", "OpManager", "Origin",
     "PinnedImplementationError", "PluginLoadError", "PolicyError", "Registry", "RegistrationError", "Requirement",
     "Provenance", "__version__", "attention", "explain", "get_manager", "hookimpl", "load_device_descriptor",
-    "set_manager", "validate_attention",
+    "plan", "policy_override", "scope", "set_manager", "validate_attention",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from ._attention import validate_attention
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
 from ._manager import OpManager
+from .policies._overrides import MODULE, OVERRIDES
 
 _manager: OpManager | None = None
 _manager_lock = threading.Lock()
@@ -37,6 +39,11 @@ def set_manager(manager: OpManager | None) -> OpManager | None:
     return previous
 
 
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_FAST_LIMIT = 4096
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bshd", causal: bool = False,
     causal_alignment: str = "top_left", window: tuple[int, int] | None = None, scale: float | None = None,
@@ -58,12 +65,81 @@ def attention(
     implementation for this call (it never falls back). Returns ``out`` in the input layout, or
     ``(out, lse)`` with ``return_lse=True`` (lse: float32 (batch, heads, seqlen_q), or (heads, total_q) for thd).
     """
+    if _is_compiling():
+        from ._compile import attention_for_compile
+
+        return attention_for_compile(
+            q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
+            dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
+            attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, impl=impl)
+    manager = _manager or get_manager()
+    key = None
+    if (alibi_slopes is None and attn_mask is None and attn_bias is None and cu_seqlens_q is None
+            and cu_seqlens_k is None):
+        # Fast path: everything validation and selection depend on, read as cheaply as Python allows. A hit
+        # means this exact signature was validated and decided before.
+        try:
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                   q.requires_grad or k.requires_grad or v.requires_grad, _grad_enabled(), layout, causal,
+                   causal_alignment, window, scale, dropout_p, softcap, return_lse, deterministic, impl,
+                   OVERRIDES.get(), MODULE.get())
+            fn = manager.fast.get(key)
+        except (AttributeError, TypeError):  # not tensors, unhashable window…: the slow path says what is wrong
+            key = None
+        else:
+            if fn is not None:
+                return fn(q, k, v)
     call = validate_attention(
         q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
         dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
         attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic)
-    return get_manager().call("attention", call, impl=impl)
+        max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, module=MODULE.get())
+    if key is None:
+        return manager.call("attention", call, impl=impl)
+    fn = manager.bind("attention", call, impl=impl)
+    fast = manager.fast
+    # Store only if no policy swap happened meanwhile (the swap replaced `fast`; the hash tells).
+    if fn.decision.policy_hash == manager.policy.hash:
+        if len(fast) >= _FAST_LIMIT:
+            fast.clear()
+        fast[key] = fn
+    return fn(q, k, v)
+
+
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | None = None,
+         **kwargs: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
+    """Validate and decide once; return `fn(q, k, v)` bound to the chosen kernel, with no lookup per call.
+
+    The caller promises that later q/k/v have the same shapes, dtype and device (the plan does not re-check
+    them; `opdispatch.Attention` re-plans when they change). ``fn.decision`` is the Decision.
+    """
+    call = validate_attention(q, k, v, module=MODULE.get(), **kwargs)
+    return get_manager().bind("attention", call, impl=impl)  # type: ignore[no-any-return]
+
+
+class Attention(torch.nn.Module):
+    """`opdispatch.attention` as a module that binds a plan on first call and re-binds when the inputs'
+    shapes, dtype, device or grad mode change. Options are the keyword arguments of `attention`."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self.options = options
+        self._key: Any = None
+        self._fn: Any = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        if _is_compiling():
+            return attention(q, k, v, **self.options)
+        key = (q.shape, k.shape, v.shape, q.dtype, q.device, _grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad), OVERRIDES.get(), MODULE.get())
+        if key != self._key:
+            self._fn = plan(q, k, v, **self.options)
+            self._key = key
+        return self._fn(q, k, v)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
 
 
 def resolve_device(device: DeviceInfo | str | os.PathLike[str] | None) -> DeviceInfo | None:
@@ -80,6 +156,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | No
     `device` simulates another device: a DeviceInfo or the path of a YAML descriptor (configs/devices/). The
     tensors may then live on the ``meta`` device, since nothing is computed.
     """
+    kwargs.setdefault("module", MODULE.get())
     call = validate_attention(q, k, v, check_values=not _is_meta(q), **kwargs)
     return get_manager().explain("attention", call, device=resolve_device(device), impl=impl)
 

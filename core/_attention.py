@@ -7,7 +7,7 @@ own limits (via `AttentionCaps` and `extra_reasons`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -129,6 +129,14 @@ class AttentionCall:
             return t.permute(2, 0, 1, 3)
         raise ValueError(f"from_bhsd() needs a dense layout, call has layout {layout!r}")
 
+    def with_tensors(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionCall:
+        """A copy of this call with other q/k/v of the same signature (used by bound plans)."""
+        new = AttentionCall.__new__(AttentionCall)
+        for name in _CALL_SLOTS:
+            setattr(new, name, getattr(self, name))
+        new.q, new.k, new.v = q, k, v
+        return new
+
     def signature(self) -> tuple[Any, ...]:
         """Everything selection may depend on, as a compact hashable key (no tensor data)."""
         mask = self.attn_mask
@@ -178,6 +186,9 @@ class AttentionCall:
         if self.requires_grad:
             parts.append("requires_grad")
         return " ".join(parts)
+
+
+_CALL_SLOTS = AttentionCall.__slots__
 
 
 # -- validation ----------------------------------------------------------------------------------------------
@@ -542,6 +553,17 @@ class AttentionImpl(Impl):
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         """Override for limits `AttentionCaps` cannot express (arch-dependent head dims, …)."""
         return []
+
+    def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
+        """A function `(q, k, v) -> result` for calls of exactly `call`'s signature (same shapes, dtype, device,
+        options), used on the per-call fast path and by `opdispatch.plan`. Override to bind the kernel directly;
+        this default re-enters `run` with a copy of the call."""
+        run = self.run
+
+        def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            return run(call.with_tensors(q, k, v))
+
+        return bound
 
     def describe_capabilities(self) -> dict[str, Any]:
         out = super().describe_capabilities()

@@ -243,6 +243,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+# -- policy tools ----------------------------------------------------------------------------------------------
+
+def cmd_policy_lint(args: argparse.Namespace) -> int:
+    from opdispatch.policies._lint import lint_policy_file
+
+    manager = get_manager()
+    manager.ensure_initialized()
+    device = resolve_device(args.device) if args.device else None
+    ids = {op: [r.impl.id for r in manager.registry.for_op(op)] for op in manager.registry.ops()}
+    status = 0
+    for path in args.files:
+        findings = lint_policy_file(path, ids, device)
+        for finding in findings:
+            print(finding)
+        if findings:
+            status = 1
+        else:
+            print(f"{path}: ok")
+    return status
+
+
+def cmd_policy_show(args: argparse.Namespace) -> int:
+    policy = get_manager().policy
+    print(f"policy {policy.source} (hash {policy.hash})")
+    print(f"settings: {policy.settings.model_dump()}")
+    env = policy.env
+    if env.pins or env.prefer or env.deny:
+        print(f"env: pins={dict(env.pins)} prefer={list(env.prefer)} deny={list(env.deny)}")
+    for layer in policy.layers:
+        print(f"\n# {layer.source}\n{layer.text.rstrip()}")
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,6 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", "-v", action="store_true", help="print plugin tracebacks")
     p.set_defaults(func=cmd_doctor)
 
+    p = sub.add_parser("policy", help="policy tools: lint, show")
+    policy_sub = p.add_subparsers(dest="policy_command", required=True)
+    lint = policy_sub.add_parser("lint", help="unknown ids, rules that never match or are shadowed, schema errors")
+    lint.add_argument("files", nargs="+", help="policy YAML files")
+    lint.add_argument("--device", help="also report rules that never match on this device descriptor")
+    lint.set_defaults(func=cmd_policy_lint)
+    show = policy_sub.add_parser("show", help="the active policy layers, settings and env overrides")
+    show.set_defaults(func=cmd_policy_show)
+
     p = sub.add_parser("demo", help="dispatch a set of attention calls on this device and check each result")
     p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--verbose", "-v", action="store_true", help="print every decision table")
@@ -301,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (OpDispatchError, ValueError, TypeError) as exc:
+    except (OpDispatchError, ValueError, TypeError, argparse.ArgumentTypeError) as exc:
         print(f"opdispatch {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -53,7 +53,7 @@ def ensure_capture_safe(manager: Any, op: str, call: Any, impl: str | None = Non
 
     Outside capture this returns at once. During capture it asks the manager whether the decision is cached —
     through ``manager.cached_decision(op, call, impl=impl)`` when the manager has it (a lookup that never
-    decides), else through the manager's cache under the key ``resolve`` uses.
+    decides), else by scanning the manager's cache for resolve()'s key prefix.
     """
     if not is_capturing(call.device):
         return
@@ -61,7 +61,9 @@ def ensure_capture_safe(manager: Any, op: str, call: Any, impl: str | None = Non
     if peek is not None:
         cached = peek(op, call, impl=impl)
     else:
+        # resolve()'s cache key starts (op, signature, device key, impl) and may carry more (overrides, policy).
         device = manager.device_info(call.device)
-        cached = manager._cache.get((op, call.signature(), device.key, impl))
+        prefix = (op, call.signature(), device.key, impl)
+        cached = next((d for k, d in list(manager._cache.items()) if k[:4] == prefix), None)
     if cached is None:
         raise _capture_error(op, call)

@@ -155,11 +155,12 @@ class Impl:
     # -- device and library checks ---------------------------------------------------------------------------
     def device_reasons(self, device: DeviceInfo) -> list[str]:
         """Why this implementation cannot run on `device` at all (independent of the call)."""
-        reasons = []
+        # The first mismatch of type or vendor says it all; the finer checks would only repeat it.
         if self.device_types and device.type not in self.device_types:
-            reasons.append(f"runs on device type {_fmt_set(self.device_types)}, not {device.type!r}")
+            return [f"runs on device type {_fmt_set(self.device_types)}, not {device.type!r}"]
         if self.device_vendors and device.vendor not in self.device_vendors:
-            reasons.append(f"supports {_fmt_set(self.device_vendors)} hardware, not vendor {device.vendor!r}")
+            return [f"supports {_fmt_set(self.device_vendors)} hardware, not vendor {device.vendor!r}"]
+        reasons = []
         if self.archs and device.arch not in self.archs:
             reasons.append(f"supports arch {_fmt_set(self.archs)}, not {device.arch!r}")
         if self.min_capability or self.max_capability:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import threading
@@ -15,8 +16,10 @@ from opdispatch.plugins import hookspec as _hookspec
 from opdispatch.plugins._loader import PluginRecord, load_entry_point_plugins
 
 from ._decision import (CHOSEN, DENIED, ELIGIBLE, FAILED, REJECTED, UNAVAILABLE, Candidate, Decision, Provenance)
+from opdispatch.policies._overrides import OVERRIDES
+
 from ._device import DeviceInfo, probe_cpu, probe_generic
-from ._errors import NoImplementationError, PinnedImplementationError
+from ._errors import NoImplementationError, PinnedImplementationError, PolicyError
 from ._impl import Impl
 from ._registry import Origin, Registry
 
@@ -24,10 +27,6 @@ log = logging.getLogger("opdispatch")
 
 ENV_LOG_LEVEL = "OPDISPATCH_LOG_LEVEL"
 _CACHE_LIMIT = 4096
-
-
-def env_pin_var(op: str) -> str:
-    return f"OPDISPATCH_IMPL_{op.upper()}"
 
 
 def _configure_logging() -> None:
@@ -53,6 +52,8 @@ class OpManager:
 
     def __init__(self, *, load_entry_points: bool = True, entry_points: Iterable[Any] | None = None,
                  policy: Any = None, environ: dict[str, str] | None = None) -> None:
+        from opdispatch.policies import Policy
+
         self._load_entry_points = load_entry_points
         self._entry_points = entry_points
         self._environ = environ
@@ -62,15 +63,15 @@ class OpManager:
         self.plugins: list[PluginRecord] = []
         self._pm = pluggy.PluginManager(_hookspec.PROJECT_NAME)
         self._pm.add_hookspecs(_hookspec)
-        self._policy = None
-        self._policy_object = None
-        self._policy_path = None
-        if policy is not None:
-            self.set_policy(policy)
         self._cache: dict[Any, Decision] = {}
+        # Per-call fast path of opdispatch.attention: argument key -> bound function. Replaced (never cleared in
+        # place) whenever decisions may change, so a reader holding the old dict only ever sees old entries.
+        self.fast: dict[Any, Any] = {}
         self._devices: dict[Any, DeviceInfo] = {}
         self._availability: dict[tuple[str, Any], str | None] = {}
-        self._env_pins: dict[str, str] = {}
+        self._policy: Any = None  # the active Policy; swapped whole, never mutated
+        self._policy_object: Any = policy if isinstance(policy, Policy) else None
+        self._policy_path: Any = None if isinstance(policy, Policy) else policy
         _MANAGERS.add(self)
 
     # -- initialisation --------------------------------------------------------------------------------------
@@ -91,13 +92,7 @@ class OpManager:
                 for record in records:
                     if record.status == "loaded":
                         self._collect_impls(record)
-            self._read_env()
             self._initialized = True
-
-    def _read_env(self) -> None:
-        prefix = "OPDISPATCH_IMPL_"
-        self._env_pins = {k[len(prefix):].lower(): v.strip() for k, v in self.environ.items()
-                          if k.startswith(prefix) and v.strip()}
 
     def _collect_impls(self, record: PluginRecord) -> None:
         """Call one plugin's `opdispatch_impls` hook and register what it returns, isolating failures."""
@@ -139,48 +134,84 @@ class OpManager:
         self.clear_cache()
 
     def clear_cache(self) -> None:
-        """Forget decisions, availability and device probes (after a plugin, policy or env change)."""
+        """Forget decisions and availability answers (after a plugin or environment change)."""
         with self._lock:
             self._cache = {}
+            self.fast = {}
             self._availability = {}
-
-    def reload(self) -> None:
-        """Re-read env vars and the policy file; swap them in atomically and drop every cached decision."""
-        from opdispatch.policies import load_policy
-
-        policy = self._policy_object if self._policy_object is not None else load_policy(self._policy_path)
-        with self._lock:
-            self._read_env()
-            self._policy = policy
-            self.clear_cache()
+            if self._policy is not None:
+                self._configure_impls(self._policy)
 
     # -- policy ----------------------------------------------------------------------------------------------
     @property
     def policy(self) -> Any:
         current = self._policy
         if current is None:
-            from opdispatch.policies import load_policy
-
             with self._lock:
                 if self._policy is None:
-                    self._policy = load_policy(self._policy_path)
+                    self._install(self._load_policy())
                 current = self._policy
         return current
+
+    def _load_policy(self) -> Any:
+        from opdispatch.policies import load_policy
+        from opdispatch.policies._policy import EnvOverrides
+
+        if self._policy_object is not None:
+            return self._policy_object.with_env(EnvOverrides.from_environ(self.environ))
+        return load_policy(self._policy_path, environ=self.environ)
+
+    def _install(self, policy: Any) -> None:
+        self.ensure_initialized()
+        with self._lock:
+            self._configure_impls(policy)
+            self._policy = policy  # one reference swap: readers see the old policy or the new one, never a mix
+            self._cache = {}
+            self.fast = {}
 
     def set_policy(self, policy: Any) -> None:
         """Use `policy` (a Policy object, or the path of a YAML file) from now on; cached decisions are dropped.
 
-        A path is re-read by `reload()`; a Policy object is kept as it is.
+        A path is re-read by `reload()`; a Policy object is kept (reload re-reads only the env vars over it).
         """
-        from opdispatch.policies import Policy, load_policy
+        from opdispatch.policies import Policy
 
         if isinstance(policy, Policy):
-            obj, path, loaded = policy, None, policy
+            self._policy_object, self._policy_path = policy, None
         else:
-            obj, path, loaded = None, policy, load_policy(policy)
-        with self._lock:
-            self._policy_object, self._policy_path, self._policy = obj, path, loaded
-            self.clear_cache()
+            self._policy_object, self._policy_path = None, policy
+        self._install(self._load_policy())
+
+    def reload(self) -> None:
+        """Re-read the policy file and the OPDISPATCH_* env vars, and swap them in atomically.
+
+        The policy hash is part of every decision's cache key, so no decision made before survives.
+        """
+        self._install(self._load_policy())
+
+    def _configure_impls(self, policy: Any) -> None:
+        """Hand every implementation the options this policy gives it; check the ids it names."""
+        for op in self.registry.ops():
+            options = policy.options(op)
+            known = {r.impl.id: r.impl for r in self.registry.for_op(op)}
+            for impl_id, impl in known.items():
+                try:
+                    impl.configure(options.get(impl_id))
+                except ValueError as exc:
+                    where = next((w for p, what, w in policy.patterns(op) if what == "options" and p == impl_id),
+                                 policy.source)
+                    raise PolicyError(f"{where}: field ops.{op}.options.{impl_id}: {exc}",
+                                      field=f"ops.{op}.options.{impl_id}") from exc
+            unknown = [(p, what, where) for p, what, where in policy.patterns(op)
+                       if not any(fnmatch.fnmatchcase(i, p) for i in known)]
+            if unknown:
+                text = (f"the policy names implementations of {op!r} that are not registered: "
+                        + "; ".join(f"{where}: {what} {p!r}" for p, what, where in unknown)
+                        + f". Registered: {', '.join(sorted(known)) or 'none'}.")
+                if policy.settings.strict:
+                    raise PolicyError(text + _failed_plugins_text(self.plugins)
+                                      + "\n(settings.strict is on; turn it off to only warn)", field=f"ops.{op}")
+                log.debug("%s", text)
 
     # -- devices ---------------------------------------------------------------------------------------------
     def device_info(self, device: Any) -> DeviceInfo:
@@ -232,13 +263,14 @@ class OpManager:
         """Decide which implementation takes `call`; raise NoImplementationError if none can."""
         if device is None:
             device = self.device_info(call.device)
-        key = (op, call.signature(), device.key, impl)
+        policy = self.policy
+        overrides = OVERRIDES.get()
+        key = (op, call.signature(), device.key, impl, overrides, policy.hash)
         if use_cache:
             decision = self._cache.get(key)
             if decision is not None:
                 return decision
-        self.ensure_initialized()
-        decision = self._decide(op, call, device, impl)
+        decision = self._decide(op, call, device, impl, policy, overrides)
         if decision.chosen is None:
             raise _no_impl_error(decision, self.plugins)
         if use_cache:
@@ -254,28 +286,23 @@ class OpManager:
 
     def explain(self, op: str, call: Any, *, device: DeviceInfo | None = None, impl: str | None = None) -> Decision:
         """Like `resolve`, but never raises for lack of an implementation: the Decision says why."""
-        self.ensure_initialized()
         if device is None:
             device = self.device_info(call.device)
-        return self._decide(op, call, device, impl)
+        return self._decide(op, call, device, impl, self.policy, OVERRIDES.get())
 
-    def _pin_for(self, op: str, impl: str | None) -> tuple[str, Provenance] | None:
-        if impl is not None:
-            return impl, Provenance("argument", "impl=", note="pinned for this call")
-        env = self._env_pins.get(op)
-        if env:
-            return env, Provenance("env", env_pin_var(op), note=f"pinned to {env}")
+    def _tuned_order(self, op: str, call: Any, device: DeviceInfo, policy: Any) -> Any:
+        """Measured order from the policy's `autotune:` table, or None."""
         return None
 
-    def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None) -> Decision:
-        policy = self.policy
+    def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None, policy: Any,
+                overrides: Any) -> Decision:
+        self.ensure_initialized()
         entries = self.registry.for_op(op)
         origins = {r.impl.id: str(r.origin) for r in entries}
         impls = {r.impl.id: r.impl for r in entries}
         candidates: list[Candidate] = []
         chosen: Impl | None = None
         decided_by: Provenance | None = None
-        pin = self._pin_for(op, impl)
 
         def evaluate(impl_obj: Impl, prov: Provenance) -> Candidate:
             reason = self.availability(impl_obj, device)
@@ -287,6 +314,14 @@ class OpManager:
                 reasons = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"]
             return Candidate(impl_obj.id, REJECTED if reasons else ELIGIBLE, reasons, prov, origins[impl_obj.id])
 
+        plan = None
+        if impl is not None:
+            pin: tuple[str, Provenance] | None = (impl, Provenance("argument", "impl=", note="pinned for this call"))
+        else:
+            plan = policy.plan(op, [r.impl.id for r in entries], call, device, overrides,
+                               tuned=self._tuned_order(op, call, device, policy))
+            pin = plan.pin
+
         if pin is not None:
             pin_id, prov = pin
             target = impls.get(pin_id)
@@ -297,13 +332,14 @@ class OpManager:
             candidates.append(cand)
             for other in entries:
                 if other.impl.id != pin_id:
-                    candidates.append(Candidate(other.impl.id, DENIED, [f"pinned to {pin_id} by {prov.source}"],
+                    candidates.append(Candidate(other.impl.id, DENIED, [f"pinned to {pin_id} by {prov}"],
                                                 prov, origins[other.impl.id]))
+            candidates.extend(self._failed_candidates())
             decision = Decision(op, call.describe(), device, None, candidates, prov, policy.source, policy.hash,
                                 pin_id)
             if cand.status != ELIGIBLE:
                 raise PinnedImplementationError(
-                    f"{op}: implementation {pin_id!r} pinned by {prov.source} cannot take this call and a pin never "
+                    f"{op}: implementation {pin_id!r} pinned by {prov} cannot take this call and a pin never "
                     f"falls back. It is {cand.status}: {'; '.join(cand.reasons)}.\n"
                     f"call: {decision.call}\ndevice: {device.describe()}\n"
                     f"Fix: pin another implementation (see `opdispatch explain`), or remove the pin to let the "
@@ -312,7 +348,7 @@ class OpManager:
             decision.chosen = target
             return decision
 
-        plan = policy.plan(op, [r.impl.id for r in entries], call, device)
+        assert plan is not None
         for impl_id, prov in plan.order:
             cand = evaluate(impls[impl_id], prov)
             if cand.status == ELIGIBLE and chosen is None:
@@ -322,13 +358,36 @@ class OpManager:
             candidates.append(cand)
         for impl_id, prov in plan.denied.items():
             candidates.append(Candidate(impl_id, DENIED, [f"denied by {prov}"], prov, origins[impl_id]))
-        for record in self.plugins:
-            if record.status == "failed":
-                candidates.append(Candidate(f"plugin:{record.name}", FAILED, [record.describe()], None,
-                                            record.origin))
+        candidates.extend(self._failed_candidates())
         return Decision(op, call.describe(), device, chosen, candidates, decided_by, policy.source, policy.hash)
 
+    def _failed_candidates(self) -> list[Candidate]:
+        return [Candidate(f"plugin:{r.name}", FAILED, [r.describe()], None, r.origin)
+                for r in self.plugins if r.status == "failed"]
+
     # -- running ---------------------------------------------------------------------------------------------
+    def bind(self, op: str, call: Any, *, impl: str | None = None) -> Any:
+        """A function `(q, k, v) -> result` bound to the implementation chosen for `call`'s signature.
+
+        It does no lookup per call; with settings.fallback_on_error (and no pin) it falls back like `call`.
+        """
+        decision = self.resolve(op, call, impl=impl)
+        chosen = decision.chosen
+        assert chosen is not None
+        fn = chosen.bind(call)
+        if impl is None and decision.pinned is None and self.policy.settings.fallback_on_error:
+            primary = fn
+
+            def with_fallback(q: Any, k: Any, v: Any) -> Any:
+                try:
+                    return primary(q, k, v)
+                except Exception as exc:
+                    return self._fallback(decision, call.with_tensors(q, k, v), exc)
+
+            fn = with_fallback
+        fn.decision = decision  # type: ignore[attr-defined]
+        return fn
+
     def call(self, op: str, call: Any, *, impl: str | None = None) -> Any:
         decision = self.resolve(op, call, impl=impl)
         chosen = decision.chosen

@@ -1,9 +1,19 @@
-"""YAML policies: schema, loading with line numbers, and ordering/filtering of implementations."""
+"""YAML policies: schema, loading with line numbers, rule matching, scoped overrides and tuning."""
 
-from ._policy import ENV_POLICY, KNOWN_OPS, Policy, PolicyPlan, default_policy_path, load_policy, parse_policy
-from ._schema import OpPolicy, PolicyFile, Settings
+from ._overrides import Override, policy_override, scope
+from ._policy import (ENV_DENY, ENV_POLICY, ENV_PREFER, KNOWN_OPS, EnvOverrides, Policy, PolicyLayer, PolicyPlan,
+                      default_policy_path, load_policy, parse_policy, parse_policy_layer, read_policy_file)
+from ._schema import OpPolicy, PolicyFile, Rule, Settings, When
 
 __all__ = [
-    "ENV_POLICY", "KNOWN_OPS", "OpPolicy", "Policy", "PolicyFile", "PolicyPlan", "Settings",
-    "default_policy_path", "load_policy", "parse_policy",
+    "ENV_DENY", "ENV_POLICY", "ENV_PREFER", "KNOWN_OPS", "EnvOverrides", "OpPolicy", "Override", "Policy",
+    "PolicyFile", "PolicyLayer", "PolicyPlan", "Rule", "Settings", "When", "default_policy_path", "load_policy",
+    "parse_policy", "parse_policy_layer", "policy_override", "read_policy_file", "reload", "scope",
 ]
+
+
+def reload() -> None:
+    """Re-read the policy file and OPDISPATCH_* env vars of the process-wide manager; swap them in atomically."""
+    from opdispatch import get_manager
+
+    get_manager().reload()

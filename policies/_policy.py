@@ -1,10 +1,16 @@
-"""Loading a policy file and turning it into an ordered, filtered candidate list with provenance."""
+"""Loading policy files and turning them, with env vars and scoped overrides, into a verdict per call.
+
+Precedence, highest first: per-call ``impl=`` > `policy_override()` scopes > env vars (``OPDISPATCH_IMPL_<OP>``,
+``OPDISPATCH_PREFER``, ``OPDISPATCH_DENY``) > the user's YAML (``OPDISPATCH_POLICY``) > the shipped default.
+How matching rules combine is documented in docs/policy.md and implemented in `Policy.plan`.
+"""
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -16,10 +22,14 @@ from pydantic import ValidationError
 from opdispatch._decision import Provenance
 from opdispatch._errors import PolicyError
 
-from ._schema import OpPolicy, PolicyFile
+from ._overrides import Override
+from ._schema import OpPolicy, PolicyFile, Rule, Settings, When
 from ._yaml import LineMap, load_yaml_with_lines
 
 ENV_POLICY = "OPDISPATCH_POLICY"
+ENV_PREFER = "OPDISPATCH_PREFER"
+ENV_DENY = "OPDISPATCH_DENY"
+ENV_PIN_PREFIX = "OPDISPATCH_IMPL_"
 KNOWN_OPS = ("attention",)
 
 
@@ -27,109 +37,417 @@ def default_policy_path() -> Path:
     return Path(str(resources.files("opdispatch.configs").joinpath("default.yaml")))
 
 
+def _match_any(impl_id: str, patterns: Sequence[str]) -> str | None:
+    for pattern in patterns:
+        if fnmatch.fnmatchcase(impl_id, pattern):
+            return pattern
+    return None
+
+
 @dataclass
 class PolicyPlan:
-    """The policy's verdict for one call: candidates in order, and those it denies, each with provenance."""
+    """The policy's verdict for one call: candidates in order, the denied ones, and a pin — each with provenance."""
 
     order: list[tuple[str, Provenance]] = field(default_factory=list)
     denied: dict[str, Provenance] = field(default_factory=dict)
+    pin: tuple[str, Provenance] | None = None
+    matched_rules: list[str] = field(default_factory=list)
 
 
-class Policy:
-    """A loaded, validated policy. Immutable: reloading builds a new one (with a new hash)."""
+class PolicyLayer:
+    """One parsed policy file."""
 
     def __init__(self, model: PolicyFile, source: str, lines: LineMap, text: str) -> None:
         self.model = model
         self.source = source
         self.lines = lines
-        self.hash = hashlib.sha256(f"{source}\0{text}".encode()).hexdigest()[:12]
-
-    def __repr__(self) -> str:
-        return f"<Policy {self.source} {self.hash}>"
-
-    @property
-    def settings(self) -> Any:
-        return self.model.settings
+        self.text = text
 
     def where(self, *path: Any) -> str:
         line = self.lines.line(path)
         return f"{self.source}:{line}" if line else self.source
 
-    def op(self, op: str) -> OpPolicy:
-        return self.model.ops.get(op) or OpPolicy()
+    def op(self, op: str) -> OpPolicy | None:
+        return self.model.ops.get(op)
 
-    def plan(self, op: str, impl_ids: list[str], call: Any = None, device: Any = None) -> PolicyPlan:
-        """Order `impl_ids` (given highest priority first) and mark the denied ones."""
-        spec = self.op(op)
+
+@dataclass(frozen=True)
+class EnvOverrides:
+    """What the OPDISPATCH_* env vars say, read once (at load and at reload) rather than per call."""
+
+    pins: Mapping[str, str] = field(default_factory=dict)
+    prefer: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> EnvOverrides:
+        from ._schema import check_impl_pattern
+
+        def patterns(name: str) -> tuple[str, ...]:
+            raw = environ.get(name, "")
+            out = []
+            for item in (p.strip() for p in raw.split(",")):
+                if item:
+                    try:
+                        out.append(check_impl_pattern(item))
+                    except ValueError as exc:
+                        raise PolicyError(f"{name}={raw!r}: {exc}", field=name) from None
+            return tuple(out)
+
+        pins = {}
+        for key, value in environ.items():
+            if key.startswith(ENV_PIN_PREFIX) and value.strip():
+                op = key[len(ENV_PIN_PREFIX):].lower()
+                if op not in KNOWN_OPS:
+                    raise PolicyError(f"{key}={value!r}: unknown op {op!r}; known ops: {', '.join(KNOWN_OPS)} "
+                                      f"(e.g. {ENV_PIN_PREFIX}ATTENTION=cpu.flash)", field=key)
+                pins[op] = check_impl_pattern(value.strip())
+        return cls(pins=pins, prefer=patterns(ENV_PREFER), deny=patterns(ENV_DENY))
+
+
+class Policy:
+    """A stack of policy layers (user file over the shipped default) plus env overrides. Immutable: a reload
+    builds a new Policy, with a new hash, and swaps it in atomically."""
+
+    def __init__(self, layers: Sequence[PolicyLayer], env: EnvOverrides | None = None) -> None:
+        if not layers:
+            raise ValueError("a Policy needs at least one layer")
+        self.layers = list(layers)
+        self.env = env or EnvOverrides()
+        digest = hashlib.sha256()
+        for layer in self.layers:
+            digest.update(f"{layer.source}\0{layer.text}\0".encode())
+        digest.update(repr((sorted(self.env.pins.items()), self.env.prefer, self.env.deny)).encode())
+        self.hash = digest.hexdigest()[:12]
+        merged: dict[str, Any] = {}
+        for layer in reversed(self.layers):  # higher layers override lower ones, field by field
+            if layer.model.settings is not None:
+                merged.update(layer.model.settings.model_dump(exclude_unset=True))
+        self.settings = Settings(**merged)
+
+    @property
+    def source(self) -> str:
+        return " over ".join(layer.source for layer in self.layers)
+
+    @property
+    def model(self) -> PolicyFile:
+        return self.layers[0].model
+
+    def __repr__(self) -> str:
+        return f"<Policy {self.source} {self.hash}>"
+
+    def with_env(self, env: EnvOverrides) -> Policy:
+        return Policy(self.layers, env)
+
+    def where(self, *path: Any) -> str:
+        return self.layers[0].where(*path)
+
+    def options(self, op: str) -> dict[str, dict[str, Any]]:
+        """Per-implementation options for `op`, higher layers overriding lower ones per implementation."""
+        merged: dict[str, dict[str, Any]] = {}
+        for layer in reversed(self.layers):
+            spec = layer.op(op)
+            if spec is not None:
+                merged.update(spec.options)
+        return merged
+
+    def autotune_table(self, op: str) -> tuple[Path, str] | None:
+        """The autotune table path of the highest layer that names one, with its file:line."""
+        for layer in self.layers:
+            spec = layer.op(op)
+            if spec is not None and spec.autotune:
+                base = Path(layer.source).parent if Path(layer.source).exists() else Path.cwd()
+                return (base / spec.autotune).resolve(), layer.where("ops", op, "autotune")
+        return None
+
+    def patterns(self, op: str) -> list[tuple[str, str, str]]:
+        """Every (pattern, what, file:line) the policy names for `op`: used by strict mode and lint."""
+        out = []
+        for layer in self.layers:
+            spec = layer.op(op)
+            if spec is None:
+                continue
+            for key in ("order", "deny"):
+                for i, p in enumerate(getattr(spec, key) or ()):
+                    out.append((p, key, layer.where("ops", op, key, i)))
+            for r_i, rule in enumerate(spec.rules):
+                for key in ("prefer", "deny", "require"):
+                    for i, p in enumerate(getattr(rule, key) or ()):
+                        out.append((p, f"rule {rule.name!r} {key}", layer.where("ops", op, "rules", r_i, key, i)))
+                if rule.pin:
+                    out.append((rule.pin, f"rule {rule.name!r} pin", layer.where("ops", op, "rules", r_i, "pin")))
+            for impl_id in spec.options:
+                out.append((impl_id, "options", layer.where("ops", op, "options", impl_id)))
+        return out
+
+    # -- the verdict for one call ----------------------------------------------------------------------------
+    def plan(self, op: str, impl_ids: list[str], call: Any = None, device: Any = None,
+             overrides: Sequence[Override] = (), tuned: tuple[list[str], Provenance] | None = None) -> PolicyPlan:
+        """Order `impl_ids` (given highest priority first), deny, require and pin, with provenance for each."""
         plan = PolicyPlan()
-        for i, pattern in enumerate(spec.deny):
-            for impl_id in impl_ids:
-                if impl_id not in plan.denied and fnmatch.fnmatchcase(impl_id, pattern):
-                    plan.denied[impl_id] = Provenance("policy", self.where("ops", op, "deny", i),
-                                                      note=f"deny {pattern!r}")
+        prefer: list[tuple[Sequence[str], Provenance]] = []  # earlier entries outrank later ones
+        deny: list[tuple[Sequence[str], Provenance]] = []
+        require: list[tuple[Sequence[str], Provenance]] = []
+        pins: list[tuple[str, Provenance]] = []
+
+        # Highest precedence first: scoped overrides (innermost first), then env vars.
+        for ov in overrides:
+            if not ov.applies_to(op):
+                continue
+            prov = Provenance("context", ov.where)
+            if ov.pin:
+                pins.append((ov.pin, prov))
+            if ov.prefer:
+                prefer.append((ov.prefer, prov))
+            if ov.deny:
+                deny.append((ov.deny, prov))
+            if ov.require:
+                require.append((ov.require, prov))
+        env_pin = self.env.pins.get(op)
+        if env_pin:
+            pins.append((env_pin, Provenance("env", f"{ENV_PIN_PREFIX}{op.upper()}", note=f"pinned to {env_pin}")))
+        if self.env.prefer:
+            prefer.append((self.env.prefer, Provenance("env", ENV_PREFER)))
+        if self.env.deny:
+            deny.append((self.env.deny, Provenance("env", ENV_DENY)))
+
+        # Then the YAML layers, user file before the shipped default; rules in file order.
+        base_order: tuple[list[str], PolicyLayer] | None = None
+        for layer in self.layers:
+            spec = layer.op(op)
+            if spec is None:
+                continue
+            if spec.order is not None and base_order is None:
+                base_order = (spec.order, layer)
+            for i, pattern in enumerate(spec.deny):
+                deny.append(([pattern], Provenance("policy", layer.where("ops", op, "deny", i),
+                                                   note=f"deny {pattern!r}")))
+            for r_i, rule in enumerate(spec.rules):
+                if call is not None and not rule_matches(rule.when, call, device):
+                    continue
+                plan.matched_rules.append(rule.name)
+                prov = Provenance("policy", layer.where("ops", op, "rules", r_i), rule=rule.name, note=rule.reason)
+                if rule.pin:
+                    pins.append((rule.pin, prov))
+                if rule.prefer:
+                    prefer.append((rule.prefer, prov))
+                if rule.deny:
+                    deny.append((rule.deny, prov))
+                if rule.require:
+                    require.append((rule.require, prov))
+
+        if pins:
+            plan.pin = pins[0]  # the highest-precedence pin wins; it outranks every lower-level deny
+            return plan
+
+        for impl_id in impl_ids:
+            for patterns, prov in deny:
+                if _match_any(impl_id, patterns):
+                    plan.denied[impl_id] = prov
+                    break
+            else:
+                for patterns, prov in require:
+                    if not _match_any(impl_id, patterns):
+                        plan.denied[impl_id] = Provenance(
+                            prov.kind, prov.source, rule=prov.rule,
+                            note=f"not in required {', '.join(patterns)}" + (f"; {prov.note}" if prov.note else ""))
+                        break
+
         ranked = []
         for position, impl_id in enumerate(impl_ids):
             if impl_id in plan.denied:
                 continue
-            for i, pattern in enumerate(spec.order):
-                if fnmatch.fnmatchcase(impl_id, pattern):
-                    prov = Provenance("policy", self.where("ops", op, "order", i), note=f"order {pattern!r}")
-                    ranked.append(((i, position), impl_id, prov))
+            key: tuple[int, int, int]
+            prov = None
+            for p_i, (patterns, p_prov) in enumerate(prefer):
+                hit = _match_any(impl_id, patterns)
+                if hit is not None:
+                    key = (0, p_i, list(patterns).index(hit))
+                    prov = Provenance(p_prov.kind, p_prov.source, rule=p_prov.rule,
+                                      note=f"prefer {hit!r}" + (f"; {p_prov.note}" if p_prov.note else ""))
                     break
-            else:
+            if prov is None and tuned is not None and impl_id in tuned[0]:
+                key = (1, 0, tuned[0].index(impl_id))
+                prov = tuned[1]
+            if prov is None and base_order is not None:
+                order, layer = base_order
+                hit = _match_any(impl_id, order)
+                if hit is not None:
+                    i = order.index(hit)
+                    key = (2, 0, i)
+                    prov = Provenance("policy", layer.where("ops", op, "order", i), note=f"order {hit!r}")
+            if prov is None:
+                key = (3, 0, 0)
                 prov = Provenance("priority", "implementation priority",
-                                  note=f"not in {self.source} order" if spec.order else None)
-                ranked.append(((len(spec.order), position), impl_id, prov))
-        ranked.sort(key=lambda item: item[0])
-        plan.order = [(impl_id, prov) for _, impl_id, prov in ranked]
+                                  note="not named by the policy" if base_order else None)
+            ranked.append((key, position, impl_id, prov))
+        ranked.sort(key=lambda item: (item[0], item[1]))
+        plan.order = [(impl_id, prov) for _, _, impl_id, prov in ranked]
         return plan
 
+
+# -- rule matching -------------------------------------------------------------------------------------------
+
+def call_features(call: Any) -> dict[str, Any]:
+    """The call-side values `when:` conditions compare against."""
+    return {
+        "dtype": call.dtype, "layout": call.layout, "head_dim": call.head_dim, "head_dim_v": call.head_dim_v,
+        "seqlen_q": call.seqlen_q, "seqlen_k": call.seqlen_k, "batch": call.batch, "heads_q": call.heads_q,
+        "heads_kv": call.heads_kv, "gqa_ratio": call.heads_q // call.heads_kv, "causal": call.causal,
+        "window": call.window is not None, "softcap": call.softcap > 0, "alibi": call.alibi_slopes is not None,
+        "dropout": call.dropout_p > 0, "mask": call.attn_mask is not None, "bias": call.attn_bias is not None,
+        "varlen": call.varlen, "requires_grad": call.requires_grad, "deterministic": call.deterministic,
+        "return_lse": call.return_lse, "module": call.module,
+    }
+
+
+def rule_matches(when: When, call: Any, device: Any) -> bool:
+    conditions = when.conditions()
+    if not conditions:
+        return True
+    features = None
+    for key, spec in conditions.items():
+        if key == "vendor":
+            ok = device is not None and spec.matches(device.vendor)
+        elif key == "device_type":
+            ok = device is not None and spec.matches(device.type)
+        elif key == "arch":
+            ok = device is not None and spec.matches(device.arch)
+        elif key == "capability":
+            ok = device is not None and spec.matches(device.capability)
+        elif key == "device_name":
+            ok = device is not None and spec.matches(device.name)
+        elif key == "libraries":
+            ok = device is not None and all(s.matches(_library_version(device, lib)) for lib, s in spec.items())
+        else:
+            if features is None:
+                features = call_features(call)
+            ok = spec.matches(features[key])
+        if not ok:
+            return False
+    return True
+
+
+def _library_version(device: Any, name: str) -> str | None:
+    version = device.libraries.get(name)
+    if version is not None or device.simulated:
+        return version
+    import importlib.metadata
+
+    for dist in (name, name.replace("_", "-")):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+# -- loading -------------------------------------------------------------------------------------------------
 
 def _format_loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
 
-def parse_policy(text: str, source: str) -> Policy:
-    """Validate policy `text`; every error names `source`, the line and the field."""
+def parse_policy_layer(text: str, source: str) -> PolicyLayer:
+    """Validate one policy file's `text`; every error names `source`, the line and the field."""
     try:
         data, lines = load_yaml_with_lines(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
-        raise PolicyError(f"{source}:{line}: invalid YAML: {problem}", path=source, line=line) from exc
+        raise PolicyError(f"{source}:{line}: invalid YAML: {problem}", path=source, line=line,
+                          field="(syntax)") from exc
+    except ValueError as exc:  # duplicate keys, found while composing
+        line = getattr(exc, "line", None)
+        raise PolicyError(f"{source}:{line}: {exc}", path=source, line=line, field=getattr(exc, "field", None)) from exc
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise PolicyError(f"{source}:1: the top level must be a mapping (version, settings, ops), got "
-                          f"{type(data).__name__}", path=source, line=1, field="(top level)")
+        raise PolicyError(f"{source}:1: field (top level): the top level must be a mapping with version, extends, "
+                          f"settings and ops, got {type(data).__name__}", path=source, line=1, field="(top level)")
     try:
         model = PolicyFile.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = tuple(err["loc"])
+        errors = exc.errors()
+        err = errors[0]
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
         line = lines.line(loc)
-        more = f" (and {len(exc.errors()) - 1} more problem(s))" if len(exc.errors()) > 1 else ""
+        more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         value = err.get("input")
-        shown = "" if isinstance(value, dict) else f"; got {value!r}"
-        raise PolicyError(f"{source}:{line}: field {_format_loc(loc)}: {err['msg']}{shown}{more}",
-                          path=source, line=line, field=_format_loc(loc)) from exc
-    for op in model.ops:
+        shown = "" if isinstance(value, (dict, list)) or err["type"] == "missing" else f"; got {value!r}"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown key {loc[-1]!r}; allowed keys here: {_allowed_keys(loc)}"
+        raise PolicyError(f"{source}:{line}: field {_format_loc(loc)}: {msg}{shown}{more}", path=source, line=line,
+                          field=_format_loc(loc)) from exc
+    for op, spec in model.ops.items():
+        seen: dict[str, int] = {}
+        for i, rule in enumerate(spec.rules):
+            if rule.name in seen:
+                line = lines.line(("ops", op, "rules", i, "name"))
+                field = f"ops.{op}.rules.{i}.name"
+                raise PolicyError(f"{source}:{line}: field {field}: rule name {rule.name!r} is used twice (first as "
+                                  f"rule {seen[rule.name]}); rule names must be unique per op", path=source, line=line,
+                                  field=field)
+            seen[rule.name] = i
         if op not in KNOWN_OPS:
             line = lines.line(("ops", op))
-            raise PolicyError(f"{source}:{line}: field ops.{op}: unknown op {op!r}; known ops: "
-                              f"{', '.join(KNOWN_OPS)}", path=source, line=line, field=f"ops.{op}")
-    return Policy(model, source, lines, text)
+            raise PolicyError(f"{source}:{line}: field ops.{op}: unknown op {op!r}; known ops: {', '.join(KNOWN_OPS)}",
+                              path=source, line=line, field=f"ops.{op}")
+    return PolicyLayer(model, source, lines, text)
 
 
-def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
-    """Load `path`, else ``$OPDISPATCH_POLICY``, else the shipped ``configs/default.yaml``."""
-    if path is None:
-        path = os.environ.get(ENV_POLICY) or default_policy_path()
+def _allowed_keys(loc: tuple[Any, ...]) -> str:
+    parent = loc[:-1]
+    model: Any = PolicyFile
+    walk = list(parent)
+    while walk:
+        key = walk.pop(0)
+        if model is PolicyFile and key == "ops":
+            model = OpPolicy
+            walk.pop(0) if walk else None
+        elif model is PolicyFile and key == "settings":
+            model = Settings
+        elif model is OpPolicy and key == "rules":
+            model = Rule
+            walk.pop(0) if walk else None
+        elif model is Rule and key == "when":
+            model = When
+        else:
+            break
+    return ", ".join(model.model_fields)
+
+
+def read_policy_file(path: str | os.PathLike[str]) -> PolicyLayer:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise PolicyError(f"cannot read policy file {str(path)!r}: {exc.strerror}; check {ENV_POLICY} or the path "
                           "you passed", path=str(path)) from exc
-    return parse_policy(text, str(path))
+    return parse_policy_layer(text, str(path))
+
+
+def _stack(user: PolicyLayer | None, environ: Mapping[str, str] | None) -> Policy:
+    layers = []
+    if user is not None:
+        layers.append(user)
+    if user is None or user.model.extends == "default":
+        layers.append(read_policy_file(default_policy_path()))
+    env = EnvOverrides.from_environ(os.environ if environ is None else environ)
+    return Policy(layers, env)
+
+
+def parse_policy(text: str, source: str = "<string>", *, environ: Mapping[str, str] | None = None) -> Policy:
+    """A Policy from YAML text (layered over the shipped default unless it says `extends: none`)."""
+    return _stack(parse_policy_layer(text, source), environ if environ is not None else {})
+
+
+def load_policy(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> Policy:
+    """Load `path`, else ``$OPDISPATCH_POLICY``, over the shipped default; env overrides are read now."""
+    environ = os.environ if environ is None else environ
+    if path is None:
+        path = environ.get(ENV_POLICY) or None
+    user = read_policy_file(path) if path is not None else None
+    return _stack(user, environ)

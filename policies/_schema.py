@@ -1,24 +1,35 @@
-"""The policy file schema (pydantic v2). docs/policy.md describes it for users; this is the source of truth."""
+"""The policy file schema (pydantic v2). docs/policy.md describes it for users; this module is the source of truth.
+
+Conditions are parsed here, at load time, into matcher objects (policies/_match.py), so a malformed range such
+as ``">=smX"`` fails when the file is read, with its line, and never at dispatch time.
+"""
 
 from __future__ import annotations
 
 import re
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ._match import (ArchSpec, BoolSpec, CapabilitySpec, GlobSpec, IntSpec, LibrarySpec, NameSpec, DTypeSpec)
 
 # An implementation id or a glob over ids: "nvidia.cudnn", "nvidia.*", "*.flash".
 _IMPL_PATTERN = re.compile(r"^[a-z0-9_*?\[\]!]+\.[a-z0-9_*?\[\]!]+$|^\*$")
 
 
-def check_impl_pattern(value: str) -> str:
+def check_impl_pattern(value: Any) -> str:
     if not isinstance(value, str) or not _IMPL_PATTERN.match(value):
         raise ValueError(f"{value!r} is not an implementation id or glob; write '<vendor>.<name>' such as "
                          "'nvidia.cudnn', or a glob such as 'nvidia.*'")
     return value
 
 
+def is_glob(pattern: str) -> bool:
+    return any(ch in pattern for ch in "*?[")
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
 
 class Settings(_Strict):
@@ -27,26 +38,174 @@ class Settings(_Strict):
     fallback_on_error: bool = Field(
         default=False, description="when the chosen implementation raises at run time, try the next eligible one")
     strict: bool = Field(
-        default=False, description="unknown implementation ids in the policy are errors instead of warnings")
+        default=False, description="implementation ids that match nothing registered are errors, not warnings")
+
+
+class When(_Strict):
+    """Conditions of a rule: all given keys must match (AND); a list value matches any of its items (OR)."""
+
+    # device
+    vendor: NameSpec | None = None
+    device_type: NameSpec | None = None
+    arch: ArchSpec | None = None
+    capability: CapabilitySpec | None = None
+    device_name: GlobSpec | None = None
+    libraries: dict[str, LibrarySpec] | None = None
+    # call
+    dtype: DTypeSpec | None = None
+    layout: NameSpec | None = None
+    head_dim: IntSpec | None = None
+    head_dim_v: IntSpec | None = None
+    seqlen_q: IntSpec | None = None
+    seqlen_k: IntSpec | None = None
+    batch: IntSpec | None = None
+    heads_q: IntSpec | None = None
+    heads_kv: IntSpec | None = None
+    gqa_ratio: IntSpec | None = None
+    causal: BoolSpec | None = None
+    window: BoolSpec | None = None
+    softcap: BoolSpec | None = None
+    alibi: BoolSpec | None = None
+    dropout: BoolSpec | None = None
+    mask: BoolSpec | None = None
+    bias: BoolSpec | None = None
+    varlen: BoolSpec | None = None
+    requires_grad: BoolSpec | None = None
+    deterministic: BoolSpec | None = None
+    return_lse: BoolSpec | None = None
+    module: GlobSpec | None = None
+
+    @field_validator("vendor", "device_type", "layout", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        return NameSpec.parse(value)
+
+    @field_validator("arch", mode="before")
+    @classmethod
+    def _arch(cls, value: Any) -> Any:
+        return ArchSpec.parse(value)
+
+    @field_validator("capability", mode="before")
+    @classmethod
+    def _capability(cls, value: Any) -> Any:
+        return CapabilitySpec.parse(value)
+
+    @field_validator("device_name", "module", mode="before")
+    @classmethod
+    def _globs(cls, value: Any) -> Any:
+        return GlobSpec.parse(value)
+
+    @field_validator("libraries", mode="before")
+    @classmethod
+    def _libraries(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, dict) or not value:
+            raise ValueError("libraries must be a non-empty mapping of library name to a version range, e.g. "
+                             "{cudnn: '>=9.0', flag_gems: '<5.1', flash_attn: installed}")
+        return {str(k): LibrarySpec.parse(v) for k, v in value.items()}
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> Any:
+        return DTypeSpec.parse(value)
+
+    @field_validator("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio",
+                     mode="before")
+    @classmethod
+    def _ints(cls, value: Any) -> Any:
+        return IntSpec.parse(value)
+
+    @field_validator("causal", "window", "softcap", "alibi", "dropout", "mask", "bias", "varlen", "requires_grad",
+                     "deterministic", "return_lse", mode="before")
+    @classmethod
+    def _bools(cls, value: Any) -> Any:
+        return BoolSpec.parse(value)
+
+    def conditions(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+class Rule(_Strict):
+    """A named rule: when its conditions hold, its actions apply (see docs/policy.md for how rules combine)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
+    when: When = Field(default_factory=When)
+    prefer: list[str] | None = Field(default=None, min_length=1)
+    deny: list[str] | None = Field(default=None, min_length=1)
+    require: list[str] | None = Field(default=None, min_length=1)
+    pin: str | None = None
+    reason: str | None = None
+
+    @field_validator("prefer", "deny", "require")
+    @classmethod
+    def _patterns(cls, values: list[str] | None) -> list[str] | None:
+        if values is not None:
+            for v in values:
+                check_impl_pattern(v)
+        return values
+
+    @field_validator("pin")
+    @classmethod
+    def _pin(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_impl_pattern(value)
+            if is_glob(value):
+                raise ValueError(f"pin {value!r} is a glob; a pin names exactly one implementation id")
+        return value
+
+    @model_validator(mode="after")
+    def _actions(self) -> Rule:
+        actions = [a for a in ("prefer", "deny", "require", "pin") if getattr(self, a) is not None]
+        if not actions:
+            raise ValueError(f"rule {self.name!r} has no action; give at least one of prefer, deny, require, pin")
+        if self.pin is not None and len(actions) > 1:
+            others = [a for a in actions if a != "pin"]
+            raise ValueError(f"rule {self.name!r} pins {self.pin!r} and also has {', '.join(others)}: a pin selects "
+                             "exactly one implementation, so it cannot be combined with other actions; split the rule")
+        if self.deny and self.prefer:
+            both = set(self.deny) & set(self.prefer)
+            if both:
+                raise ValueError(f"rule {self.name!r} both prefers and denies {sorted(both)}")
+        if self.deny and self.require:
+            both = set(self.deny) & set(self.require)
+            if both:
+                raise ValueError(f"rule {self.name!r} both requires and denies {sorted(both)}")
+        return self
 
 
 class OpPolicy(_Strict):
-    """Ordering and filtering for one op."""
+    """Ordering, filtering and rules for one op."""
 
-    order: list[str] = Field(default_factory=list, description="preferred order; ids or globs, first match wins")
+    order: list[str] | None = Field(default=None, description="preferred order; ids or globs, first match wins")
     deny: list[str] = Field(default_factory=list, description="never use these (ids or globs)")
+    rules: list[Rule] = Field(default_factory=list)
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict,
+                                               description="vendor-specific options per implementation id")
+    autotune: str | None = Field(default=None, description="tuned table (YAML) written by `opdispatch tune`")
 
     @field_validator("order", "deny")
     @classmethod
-    def _patterns(cls, values: list[str]) -> list[str]:
-        for v in values:
+    def _patterns(cls, values: list[str] | None) -> list[str] | None:
+        for v in values or ():
             check_impl_pattern(v)
+        return values
+
+    @field_validator("options")
+    @classmethod
+    def _option_ids(cls, values: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for impl_id in values:
+            check_impl_pattern(impl_id)
+            if is_glob(impl_id):
+                raise ValueError(f"options key {impl_id!r} is a glob; options belong to one implementation id")
         return values
 
 
 class PolicyFile(_Strict):
     """Top level of a policy YAML file."""
 
-    version: int = Field(default=1, ge=1, le=1, description="schema version; only 1 exists")
-    settings: Settings = Field(default_factory=Settings)
+    version: Literal[1] = Field(default=1, description="schema version; only 1 exists")
+    extends: Literal["default", "none"] = Field(
+        default="default", description="'default': layer this file over the shipped default; 'none': replace it")
+    settings: Settings | None = None
     ops: dict[str, OpPolicy] = Field(default_factory=dict)

@@ -13,6 +13,13 @@ import yaml
 Path_ = tuple[Any, ...]
 
 
+class DuplicateKeyError(ValueError):
+    def __init__(self, message: str, *, line: int, field: str) -> None:
+        super().__init__(message)
+        self.line = line
+        self.field = field
+
+
 class LineMap:
     """Maps a path into the loaded data (``("ops", "attention", "order", 2)``) to its 1-based line."""
 
@@ -33,8 +40,15 @@ class LineMap:
 def _walk(node: yaml.Node, path: Path_, out: dict[Path_, int]) -> None:
     out.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
         for key_node, value_node in node.value:
             key = key_node.value
+            if key in seen:
+                field = ".".join(str(p) for p in path + (key,))
+                raise DuplicateKeyError(f"field {field}: duplicate key {key!r} (first at line {seen[key]}); YAML would "
+                                        "silently keep only the last one, so write each key once",
+                                        line=key_node.start_mark.line + 1, field=field)
+            seen[key] = key_node.start_mark.line + 1
             out[path + (key,)] = key_node.start_mark.line + 1
             _walk(value_node, path + (key,), out)
             out[path + (key,)] = key_node.start_mark.line + 1
@@ -46,7 +60,7 @@ def _walk(node: yaml.Node, path: Path_, out: dict[Path_, int]) -> None:
 def load_yaml_with_lines(text: str) -> tuple[Any, LineMap]:
     """Parse `text` safely; raise yaml.YAMLError on syntax errors (their marks carry the line)."""
     data = yaml.safe_load(text)
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    node = yaml.compose(text, Loader=yaml.SafeLoader)  # same text parsed again: only nodes, nothing constructed
     lines: dict[Path_, int] = {}
     if node is not None:
         _walk(node, (), lines)

@@ -57,9 +57,10 @@ def device_descriptor(name: str) -> Path:
 
 
 @pytest.fixture
-def basic_manager() -> Iterator[opdispatch.OpManager]:
+def basic_manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[opdispatch.OpManager]:
     """A fresh manager with only the built-in `cpu` and `reference` plugins (through OPDISPATCH_PLUGINS)."""
-    fresh = opdispatch.OpManager(environ={"OPDISPATCH_PLUGINS": "cpu,reference"})
+    monkeypatch.setenv("OPDISPATCH_PLUGINS", "cpu,reference")
+    fresh = opdispatch.OpManager()
     previous = opdispatch.set_manager(fresh)
     try:
         yield fresh

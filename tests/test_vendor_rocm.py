@@ -320,7 +320,7 @@ def test_absent_library_names_the_install_hint(manager, monkeypatch):
 def test_present_library_but_no_amd_device(fa_calls, aiter_calls, manager, monkeypatch):
     cpu = manager.device_info("cpu")
     reason = RocmFlashAttnCK().availability(cpu)
-    assert "runs on device type 'cuda', not 'cpu'" in reason and "not vendor 'cpu'" in reason
+    assert reason == "runs on device type 'cuda', not 'cpu'"
     nvidia = real_device("nvidia", "sm90", "NVIDIA H100", torch="2.7.1")
     assert "supports 'amd' hardware, not vendor 'nvidia'" in RocmAiter().availability(nvidia)
     amd = real_device("amd", "gfx942", "AMD Instinct MI300X", torch="2.7.1")

@@ -7,7 +7,8 @@ bottom-right alignment and boolean masks are folded into the additive mask the k
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -31,6 +32,25 @@ class CpuFlashAttention(AttentionImpl):
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, attn_mask=True,
         attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=True,
     )
+
+    def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
+        positional = call.window is not None or (call.causal and call.alignment_matters
+                                                 and call.causal_alignment == "bottom_right")
+        if positional or call.attn_mask is not None or call.attn_bias is not None:
+            return super().bind(call)
+        # The common case binds the kernel itself: no call object, no branches per call.
+        kernel, causal, scale = _kernel, call.causal, call.scale
+        if call.layout == "bhsd":
+            if call.return_lse:
+                return lambda q, k, v: tuple(kernel(q, k, v, 0.0, causal, scale=scale))
+            return lambda q, k, v: kernel(q, k, v, 0.0, causal, scale=scale)[0]
+        to_bhsd, from_bhsd = call.bhsd, call.from_bhsd
+        if call.return_lse:
+            def bound_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+                out, lse = kernel(to_bhsd(q), to_bhsd(k), to_bhsd(v), 0.0, causal, scale=scale)
+                return from_bhsd(out), lse
+            return bound_lse
+        return lambda q, k, v: from_bhsd(kernel(to_bhsd(q), to_bhsd(k), to_bhsd(v), 0.0, causal, scale=scale)[0])
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)

@@ -1,0 +1,139 @@
+"""`opdispatch policy lint`: find what is wrong or useless in a policy file, each finding with file:line."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opdispatch._errors import PolicyError
+
+from ._policy import PolicyLayer, read_policy_file, rule_matches
+from ._schema import Rule, When
+
+
+@dataclass(frozen=True)
+class Finding:
+    where: str
+    level: str  # error | warning
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.level}: {self.message}"
+
+
+_DEVICE_KEYS = ("vendor", "device_type", "arch", "capability", "device_name", "libraries")
+_ARCH_FAMILY_VENDOR = {"sm": "nvidia", "gfx": "amd"}
+
+
+def _contradictions(when: When) -> list[str]:
+    """Why a rule's conditions can never hold together, whatever the device and call."""
+    problems = []
+    cond = when.conditions()
+    for key, spec in cond.items():
+        never = getattr(spec, "never", None)
+        if never is not None and never():
+            problems.append(f"{key}: {spec} admits no value")
+    vendor = cond.get("vendor")
+    arch = cond.get("arch")
+    if vendor is not None and arch is not None and not arch.exact:
+        families = {fam for fam, _ in arch.ranges}
+        if not any(_ARCH_FAMILY_VENDOR.get(f) in vendor.names for f in families):
+            problems.append(f"arch {arch} is a range of another vendor's arch names than vendor {vendor}")
+    if vendor is not None and cond.get("capability") is not None and vendor.names <= {"cpu"}:
+        problems.append("capability never matches a CPU (it reports none)")
+    layout = cond.get("layout")
+    varlen = cond.get("varlen")
+    if layout is not None and varlen is not None:
+        if varlen.value and "thd" not in layout.names:
+            problems.append(f"varlen: true needs layout thd, but layout is {layout}")
+        if not varlen.value and layout.names <= {"thd"}:
+            problems.append("varlen: false contradicts layout thd")
+    ratio = cond.get("gqa_ratio")
+    if ratio is not None and ratio.bounds()[1] < 1:
+        problems.append(f"gqa_ratio {ratio} is below 1, which no call has")
+    return problems
+
+
+def _device_mismatch(when: When, device: Any) -> bool:
+    device_only = When(**{k: v for k, v in when.conditions().items() if k in _DEVICE_KEYS})
+    return bool(device_only.conditions()) and not rule_matches(device_only, None, device)
+
+
+def _covers(general: When, specific: When) -> bool:
+    """True when `general` matches at least whenever `specific` does (its conditions are a subset)."""
+    g, s = general.conditions(), specific.conditions()
+    return all(k in s and str(s[k]) == str(v) for k, v in g.items())
+
+
+def _matching(pattern: str, ids: Iterable[str]) -> list[str]:
+    return [i for i in ids if fnmatch.fnmatchcase(i, pattern)]
+
+
+def lint_layer(layer: PolicyLayer, impl_ids: dict[str, list[str]], device: Any = None) -> list[Finding]:
+    findings: list[Finding] = []
+    for op, spec in layer.model.ops.items():
+        known = impl_ids.get(op, [])
+
+        def check(pattern: str, what: str, *path: Any) -> None:
+            if not _matching(pattern, known):
+                findings.append(Finding(layer.where(*path), "warning",
+                                        f"{what} {pattern!r} matches no registered implementation of {op!r} "
+                                        f"(registered: {', '.join(known) or 'none'})"))
+
+        for i, p in enumerate(spec.order or ()):
+            check(p, "order", "ops", op, "order", i)
+        for i, p in enumerate(spec.deny):
+            check(p, "deny", "ops", op, "deny", i)
+            for impl_id in _matching(p, known):
+                findings.append(Finding(layer.where("ops", op, "deny", i), "warning",
+                                        f"{impl_id} is denied everywhere by deny {p!r}: it can never be chosen"))
+        for impl_id in spec.options:
+            check(impl_id, "options for", "ops", op, "options", impl_id)
+
+        rules: list[Rule] = spec.rules
+        for r_i, rule in enumerate(rules):
+            where = layer.where("ops", op, "rules", r_i)
+            for key in ("prefer", "deny", "require"):
+                for i, p in enumerate(getattr(rule, key) or ()):
+                    check(p, f"rule {rule.name!r} {key}", "ops", op, "rules", r_i, key, i)
+            if rule.pin:
+                check(rule.pin, f"rule {rule.name!r} pin", "ops", op, "rules", r_i, "pin")
+            for problem in _contradictions(rule.when):
+                findings.append(Finding(where, "warning", f"rule {rule.name!r} can never match: {problem}"))
+            if device is not None and _device_mismatch(rule.when, device):
+                findings.append(Finding(where, "warning", f"rule {rule.name!r} never matches on {device.describe()}"))
+            if not rule.when.conditions() and rule.deny:
+                for p in rule.deny:
+                    for impl_id in _matching(p, known):
+                        findings.append(Finding(where, "warning", f"{impl_id} is denied everywhere by rule "
+                                                                  f"{rule.name!r} (it has no conditions)"))
+            for e_i, earlier in enumerate(rules[:r_i]):
+                if not _covers(earlier.when, rule.when):
+                    continue
+                if earlier.pin:
+                    findings.append(Finding(where, "warning", f"rule {rule.name!r} is shadowed by rule "
+                                                              f"{earlier.name!r} ({layer.where('ops', op, 'rules', e_i)}),"
+                                                              f" which pins {earlier.pin} whenever this rule matches"))
+                    break
+                same_actions = all(getattr(earlier, a) == getattr(rule, a) for a in ("prefer", "deny", "require"))
+                if same_actions and str(earlier.when.conditions()) == str(rule.when.conditions()):
+                    findings.append(Finding(where, "warning", f"rule {rule.name!r} repeats rule {earlier.name!r} "
+                                                              f"({layer.where('ops', op, 'rules', e_i)})"))
+                    break
+    return findings
+
+
+def lint_policy_file(path: str | Path, impl_ids: dict[str, list[str]], device: Any = None) -> list[Finding]:
+    """Lint one policy file. A schema error is returned as the single finding (level error)."""
+    try:
+        layer = read_policy_file(path)
+    except PolicyError as exc:
+        where = f"{exc.path}:{exc.line}" if exc.line else str(exc.path or path)
+        message = str(exc)
+        if message.startswith(where + ": "):
+            message = message[len(where) + 2:]
+        return [Finding(where, "error", message)]
+    return lint_layer(layer, impl_ids, device)

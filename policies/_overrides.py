@@ -1,0 +1,83 @@
+"""Scoped overrides and the caller's module name, carried in ContextVars (safe across threads and asyncio tasks)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from ._schema import check_impl_pattern, is_glob
+
+
+@dataclass(frozen=True)
+class Override:
+    """One `policy_override(...)` scope. Hashable: the active stack is part of the decision cache key."""
+
+    op: str | None
+    prefer: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    require: tuple[str, ...] = ()
+    pin: str | None = None
+    where: str = "policy_override()"
+
+    def applies_to(self, op: str) -> bool:
+        return self.op is None or self.op == op
+
+
+OVERRIDES: ContextVar[tuple[Override, ...]] = ContextVar("opdispatch_overrides", default=())
+MODULE: ContextVar[str | None] = ContextVar("opdispatch_module", default=None)
+
+
+def _patterns(name: str, values: Sequence[str] | str | None) -> tuple[str, ...]:
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    out = []
+    for value in values:
+        try:
+            out.append(check_impl_pattern(value))
+        except ValueError as exc:
+            raise ValueError(f"policy_override({name}=...): {exc}") from None
+    return tuple(out)
+
+
+def _caller() -> str:
+    frame = sys._getframe(3)  # the `with` statement's frame (past contextmanager's __enter__ machinery)
+    return f"policy_override() at {frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+@contextmanager
+def policy_override(*, prefer: Sequence[str] | str | None = None, deny: Sequence[str] | str | None = None,
+                    require: Sequence[str] | str | None = None, pin: str | None = None,
+                    op: str | None = None) -> Iterator[Override]:
+    """Change the policy inside a `with` block, for this thread or asyncio task only.
+
+    Outranks env vars and YAML; the per-call ``impl=`` still outranks it. Nested scopes stack, the innermost
+    first. ``op=None`` applies to every op.
+    """
+    if pin is not None:
+        (pin,) = _patterns("pin", [pin])
+        if is_glob(pin):
+            raise ValueError(f"policy_override(pin={pin!r}): a pin names exactly one implementation id, not a glob")
+    override = Override(op=op, prefer=_patterns("prefer", prefer), deny=_patterns("deny", deny),
+                        require=_patterns("require", require), pin=pin, where=_caller())
+    token = OVERRIDES.set((override,) + OVERRIDES.get())
+    try:
+        yield override
+    finally:
+        OVERRIDES.reset(token)
+
+
+@contextmanager
+def scope(module: str) -> Iterator[str]:
+    """Name the calling module (e.g. ``model.layers.3.self_attn``) so `when: {module: ...}` rules can target it."""
+    if not isinstance(module, str) or not module:
+        raise ValueError(f"scope(module={module!r}): give a non-empty dotted module name")
+    token = MODULE.set(module)
+    try:
+        yield module
+    finally:
+        MODULE.reset(token)

@@ -1,0 +1,76 @@
+"""Fake `flag_gems` 5.0.2: `flash_attn_varlen_func` (vLLM order: max_seqlen_q before cu_seqlens_q) and
+`flag_gems.ops.attention.scaled_dot_product_attention_forward` (BHSD, head dims {16,32,64,128,256}, base-2 M,
+bool masks inverted as the real one does: True becomes -1e6)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from ._fa_math import attend, varlen
+
+__version__ = "5.0.2"
+calls: list = []
+
+
+def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
+                           q_v=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=None, softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
+                           return_softmax_lse=False, out=None, scheduler_metadata=None, q_descale=None,
+                           k_descale=None, v_descale=None, s_aux=None, num_splits: int = 0, cp_world_size: int = 1,
+                           cp_rank: int = 0, cp_tot_seqused_k=None, fa_version: int = 2):
+    assert isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int), "max_seqlen_* must be ints"
+    assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous()
+    assert (cu_seqlens_k is None) != (seqused_k is None)
+    assert q.dtype in (torch.float16, torch.bfloat16), "FlashAttention only support fp16 and bf16 data type"
+    assert q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    assert q.stride(-1) == 1
+    calls.append(("flash_attn_varlen_func", dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)))
+    window = (-1, -1) if window_size is None else tuple(window_size)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+
+    def one(qi, ki, vi, i):
+        sl = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[i]
+        return attend(qi, ki, vi, scale, causal, window, softcap, sl, ki.shape[1] - qi.shape[1])
+
+    o, lse = varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, one)
+    return (o, lse) if return_softmax_lse else o
+
+
+def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                         scale=None, enable_gqa=False):
+    assert query.shape[-1] == key.shape[-1] == value.shape[-1]
+    assert key.shape[-1] in {16, 32, 64, 128, 256}
+    assert dropout_p == 0.0, "Currenty only support dropout_p=0.0"
+    assert enable_gqa or query.shape[1] == key.shape[1]
+    calls.append(("scaled_dot_product_attention_forward", dict(is_causal=is_causal, enable_gqa=enable_gqa)))
+    if attn_mask is not None:
+        assert attn_mask.dim() == 4
+        if attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask.to(query.dtype) * -1.0e6
+    sm_scale = scale if scale is not None else key.shape[-1] ** -0.5
+    o, lse = attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), sm_scale, is_causal, None,
+                    0.0, None, 0, additive=attn_mask, log2_lse=True)
+    return o.transpose(1, 2), lse
+
+
+def install(monkeypatch) -> types.ModuleType:
+    """Put this fake into sys.modules as `flag_gems`, with `flag_gems.ops.attention`."""
+    this = sys.modules[__name__]
+    ops = types.ModuleType("flag_gems.ops")
+    attention = types.ModuleType("flag_gems.ops.attention")
+    attention.scaled_dot_product_attention_forward = scaled_dot_product_attention_forward
+    ops.attention = attention
+    fake = types.ModuleType("flag_gems")
+    fake.__version__ = __version__
+    fake.flash_attn_varlen_func = flash_attn_varlen_func
+    fake.ops = ops
+    monkeypatch.setitem(sys.modules, "flag_gems", fake)
+    monkeypatch.setitem(sys.modules, "flag_gems.ops", ops)
+    monkeypatch.setitem(sys.modules, "flag_gems.ops.attention", attention)
+    this.calls.clear()
+    return fake
+
+

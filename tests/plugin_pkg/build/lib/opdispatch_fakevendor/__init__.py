@@ -1,0 +1,1 @@
+"""A third-party vendor plugin, installed with pip by opdispatch's tests."""

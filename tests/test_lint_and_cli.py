@@ -1,0 +1,137 @@
+"""`opdispatch policy lint` and the other CLI commands, run through the real entry point function."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from opdispatch._cli import main
+from opdispatch.policies._lint import lint_policy_file
+from tests.conftest import REPO, device_descriptor
+
+LINTME = """\
+ops:
+  attention:
+    order: [cpu.flash, nvidia.cudnnx]
+    deny: [reference.math]
+    rules:
+      - name: pin-long
+        when: {seqlen_q: '>=1024'}
+        pin: cpu.flash
+      - name: long-causal
+        when: {seqlen_q: '>=1024', causal: true}
+        prefer: [reference.math]
+      - name: impossible
+        when: {head_dim: '>=256,<=128'}
+        deny: [cpu.flash]
+      - name: wrong-family
+        when: {vendor: amd, arch: '>=sm80'}
+        deny: [cpu.flash]
+      - name: nvidia-only
+        when: {vendor: nvidia}
+        deny: [cpu.flash]
+      - name: twice-a
+        when: {dtype: bf16}
+        prefer: [cpu.flash]
+      - name: twice-b
+        when: {dtype: bf16}
+        prefer: [cpu.flash]
+      - name: no-conditions
+        deny: ['cpu.*']
+"""
+
+
+def test_lint_reports_each_problem_with_file_and_line(tmp_path, basic_manager):
+    path = tmp_path / "p.yaml"
+    path.write_text(LINTME)
+    ids = {"attention": ["cpu.flash", "reference.math"]}
+    from opdispatch import load_device_descriptor
+
+    findings = [str(f) for f in lint_policy_file(path, ids, load_device_descriptor(device_descriptor("cpu")))]
+    expected = [
+        f"{path}:3: warning: order 'nvidia.cudnnx' matches no registered implementation",
+        f"{path}:4: warning: reference.math is denied everywhere by deny 'reference.math'",
+        f"{path}:9: warning: rule 'long-causal' is shadowed by rule 'pin-long' ({path}:6)",
+        f"{path}:12: warning: rule 'impossible' can never match: head_dim: >=256,<=128 admits no value",
+        f"{path}:15: warning: rule 'wrong-family' can never match: arch >=sm80",
+        f"{path}:18: warning: rule 'nvidia-only' never matches on cpu",
+        f"{path}:24: warning: rule 'twice-b' repeats rule 'twice-a' ({path}:21)",
+        f"{path}:27: warning: cpu.flash is denied everywhere by rule 'no-conditions'",
+    ]
+    for want in expected:
+        assert any(f.startswith(want) for f in findings), (want, findings)
+    assert len(findings) == len(expected) + 1  # wrong-family also never matches on the CPU descriptor
+
+
+def test_lint_schema_error_is_one_error_finding(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("ops:\n  attention:\n    order: nope\n")
+    (finding,) = lint_policy_file(path, {})
+    assert finding.level == "error" and finding.where == f"{path}:3"
+    assert "field ops.attention.order" in finding.message
+
+
+def test_lint_cli_exit_codes(tmp_path, capsys, basic_manager):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(LINTME)
+    assert main(["policy", "lint", str(bad)]) == 1
+    assert f"{bad}:4: warning" in capsys.readouterr().out
+    good = tmp_path / "good.yaml"
+    good.write_text("ops:\n  attention:\n    order: [cpu.flash]\n")
+    assert main(["policy", "lint", str(good)]) == 0
+    assert f"{good}: ok" in capsys.readouterr().out
+
+
+def test_shipped_default_policy_lints_clean_against_all_plugins(manager, capsys):
+    assert main(["policy", "lint", str(REPO / "configs" / "default.yaml")]) == 0, capsys.readouterr().out
+
+
+def test_list_shows_availability_and_origin(capsys, basic_manager):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu.flash" in out and "reference.math" in out and "plugin 'cpu' (module opdispatch.vendors.cpu" in out
+    assert main(["list", "--device", str(device_descriptor("cpu")), "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated from" in out and "causal_alignments" in out
+
+
+def test_explain_cli_on_a_simulated_device(capsys, basic_manager):
+    code = main(["explain", "--shape", "2,128,8,64", "--kv-heads", "2", "--dtype", "fp32", "--causal",
+                 "--device", str(device_descriptor("cpu"))])
+    out = capsys.readouterr().out
+    assert code == 0 and "chosen:  cpu.flash" in out and "simulated from" in out
+    code = main(["explain", "--shape", "2,128,8,64", "--dtype", "fp32", "--dropout", "0.1", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["chosen"] == "reference.math"
+    flash = next(c for c in data["candidates"] if c["impl"] == "cpu.flash")
+    assert flash["status"] == "rejected" and flash["reasons"] == ["dropout_p=0.1 not supported"]
+
+
+def test_explain_cli_varlen_and_pins(capsys, basic_manager):
+    assert main(["explain", "--shape", "3,40,4,32", "--dtype", "fp32", "--varlen", "--causal"]) == 0
+    assert "chosen:  reference.math" in capsys.readouterr().out
+    assert main(["explain", "--shape", "1,8,2,16", "--dtype", "fp32", "--impl", "nope.x"]) == 2
+    assert "'nope.x' pinned by impl= is not registered" in capsys.readouterr().err
+
+
+def test_explain_cli_reports_bad_arguments(capsys):
+    assert main(["explain", "--shape", "1,8,2", "--dtype", "fp32"]) == 2
+    assert "--shape '1,8,2' needs 4 comma-separated integers" in capsys.readouterr().err
+    assert main(["explain", "--shape", "1,8,2,16", "--dtype", "fp13"]) == 2
+    assert "unknown dtype 'fp13'" in capsys.readouterr().err
+
+
+def test_doctor(capsys, basic_manager):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "policy:" in out and "plugin 'cpu'" in out and "cpu.flash: available" in out
+
+
+@pytest.mark.slow
+def test_demo_runs_and_checks_results():
+    result = subprocess.run([sys.executable, "-m", "opdispatch", "demo"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 failed" in result.stdout and "PASS" in result.stdout and "FAIL " not in result.stdout

@@ -1,0 +1,107 @@
+"""flagos.triton on CPU against a fake flag_gems that mirrors 5.0.2's signatures and conventions."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from tests.conftest import randn
+from tests.fakes import flag_gems as fake_flag_gems
+from opdispatch import validate_attention
+from opdispatch.vendors.flagos import FlagGemsAttention
+from opdispatch.vendors.flagos._attention import BACKWARD_REASON, uses_varlen_kernel
+
+
+@pytest.fixture
+def gems(monkeypatch):
+    return fake_flag_gems.install(monkeypatch)
+
+
+def _ref(manager):
+    manager.ensure_initialized()
+    return manager.registry.get("attention", "reference.math").impl
+
+
+def _check(manager, call):
+    out, lse = FlagGemsAttention().run(call)
+    ref_out, ref_lse = _ref(manager).run(call)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-3, rtol=1e-3)
+    assert (lse[~finite] == -math.inf).all()
+
+
+def test_dense_sdpa_path_mapping(manager, gems, rng):
+    q = randn(2, 20, 8, 64, dtype=torch.bfloat16, gen=rng)
+    k = randn(2, 33, 2, 64, dtype=torch.bfloat16, gen=rng)
+    v = randn(2, 33, 2, 64, dtype=torch.bfloat16, gen=rng)
+    mask = torch.rand(2, 1, 20, 33, generator=rng) > 0.4
+    mask[..., 0] = True
+    call = validate_attention(q, k, v, causal=True, attn_mask=mask, return_lse=True)
+    assert not uses_varlen_kernel(call)
+    _check(manager, call)  # base-2 M converted to natural log; bool mask passed as float, not inverted
+    name, kw = fake_flag_gems.calls[-1]
+    assert name == "scaled_dot_product_attention_forward" and kw == {"is_causal": True, "enable_gqa": True}
+
+
+def test_varlen_path_mapping(manager, gems, rng):
+    lens_q, lens_k = [5, 17, 1], [9, 17, 30]
+    q = randn(sum(lens_q), 8, 64, dtype=torch.float16, gen=rng)
+    k = randn(sum(lens_k), 2, 64, dtype=torch.float16, gen=rng)
+    v = randn(sum(lens_k), 2, 64, dtype=torch.float16, gen=rng)
+    cu_q = torch.tensor([0, 5, 22, 23], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 26, 56], dtype=torch.int32)
+    call = validate_attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True,
+                              causal_alignment="bottom_right", window=(4, 0), softcap=20.0, return_lse=True)
+    _check(manager, call)
+    assert fake_flag_gems.calls[-1] == ("flash_attn_varlen_func", {"max_seqlen_q": 17, "max_seqlen_k": 30})
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_dense_calls_packed_for_window_softcap_alibi(manager, gems, rng, layout):
+    shape = (lambda s, h: (2, s, h, 32)) if layout == "bshd" else (lambda s, h: (2, h, s, 32))
+    q = randn(*shape(40, 4), dtype=torch.bfloat16, gen=rng)
+    k = randn(*shape(16, 4), dtype=torch.bfloat16, gen=rng)
+    v = randn(*shape(16, 4), dtype=torch.bfloat16, gen=rng)
+    br = dict(causal=True, causal_alignment="bottom_right", layout=layout, return_lse=True)
+    _check(manager, validate_attention(q, k, v, **br))  # 24 queries see no key: out 0, lse -inf
+    _check(manager, validate_attention(q, k, v, window=(3, 0), softcap=15.0, **br))
+    _check(manager, validate_attention(q, k, v, layout=layout, alibi_slopes=torch.rand(4) * 0.2, return_lse=True,
+                                       causal_alignment="bottom_right"))
+    assert fake_flag_gems.calls[-1][0] == "flash_attn_varlen_func"
+
+
+def test_declared_limits(manager, gems):
+    impl = FlagGemsAttention()
+    from opdispatch import load_device_descriptor
+    from tests.conftest import device_descriptor
+
+    h100 = load_device_descriptor(device_descriptor("h100"))
+    q = torch.empty(1, 64, 4, 96, device="meta", dtype=torch.bfloat16)
+    assert any("head_dim 96 not in" in r for r in impl.not_supported_reasons(validate_attention(q, q, q), h100))
+    assert not impl.not_supported_reasons(validate_attention(q, q, q, softcap=10.0), h100)  # varlen kernel: d%8
+    qg = torch.empty(1, 64, 4, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    assert BACKWARD_REASON in impl.not_supported_reasons(validate_attention(qg, qg, qg), h100)
+    alibi = torch.empty(4, device="meta")
+    reasons = impl.not_supported_reasons(validate_attention(q, q, q, causal=True, alibi_slopes=alibi,
+                                                            return_lse=True), h100)
+    assert any("causal ALiBi" in r for r in reasons)
+    k = torch.empty(1, 80, 4, 64, device="meta", dtype=torch.bfloat16)
+    reasons = impl.not_supported_reasons(validate_attention(q[..., :64], k, k, alibi_slopes=alibi), h100)
+    assert any("ALiBi is aligned bottom-right" in r for r in reasons)
+
+
+def test_availability_reports_import_failure(monkeypatch, manager):
+    import opdispatch
+
+
+    monkeypatch.setitem(sys.modules, "flag_gems", None)  # import flag_gems -> ImportError
+    dev = opdispatch.DeviceInfo(vendor="nvidia", type="cuda", arch="sm90", name="x", capability=(9, 0),
+                                libraries={"flag_gems": "5.0.2"})
+    reason = FlagGemsAttention().availability(dev)
+    assert reason is not None and "flag_gems failed to import" in reason

@@ -1,0 +1,165 @@
+"""NVIDIA plugin on CPU: selection on simulated devices, the probe, and the flash-attn adapters against fakes."""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import opdispatch
+from opdispatch import validate_attention
+from opdispatch.vendors.nvidia import FlashAttn2, FlashAttn3, probe_nvidia
+from opdispatch.vendors.nvidia._fa2 import blind_rows
+from opdispatch.vendors.nvidia._probe import is_nvidia_torch
+from opdispatch._attention import allowed_positions
+
+from tests.conftest import device_descriptor, randn
+from tests.fakes import flash_attn as fake_fa2
+from tests.fakes import flash_attn_interface as fake_fa3
+
+META = dict(device="meta", dtype=torch.bfloat16)
+
+
+def qkv(b=2, sq=1024, sk=None, hq=16, hkv=4, d=128, dv=None, grad=False):
+    sk = sk or sq
+    q = torch.empty(b, sq, hq, d, **META, requires_grad=grad)
+    k = torch.empty(b, sk, hkv, d, **META, requires_grad=grad)
+    v = torch.empty(b, sk, hkv, dv or d, **META, requires_grad=grad)
+    return q, k, v
+
+
+def chosen(device, *args, **kw):
+    return opdispatch.explain(*args, device=str(device_descriptor(device)), **kw)
+
+
+@pytest.mark.parametrize("device", ["h100", "h200", "a100", "l40s"])
+def test_dense_prefill_goes_to_cudnn(manager, device):
+    assert chosen(device, *qkv(), causal=True).chosen_id == "nvidia.cudnn"
+
+
+def test_features_route_to_the_kernels_that_have_them(manager):
+    q, k, v = qkv()
+    assert chosen("h100", q, k, v, causal=True, window=(256, 0)).chosen_id == "nvidia.flash"
+    assert chosen("h100", q, k, v, causal=True, softcap=30.0).chosen_id == "flagos.triton"
+    assert chosen("a100", q, k, v, causal=True, softcap=30.0).chosen_id == "nvidia.flash_attn"
+    # bottom-right causal with sq != sk: cuDNN's mask is top-left → FlashAttention-2.
+    q2, k2, v2 = qkv(sq=128, sk=1024)
+    assert chosen("h100", q2, k2, v2, causal=True, causal_alignment="bottom_right").chosen_id == "nvidia.flash"
+    assert chosen("h100", q2, k2, v2, causal=True).chosen_id == "nvidia.cudnn"
+    # masks with GQA: cuDNN; masks without GQA and with a bias gradient: mem_efficient.
+    mask = torch.empty(2, 1, 1024, 1024, device="meta", dtype=torch.bool)
+    assert chosen("h100", q, k, v, attn_mask=mask).chosen_id == "nvidia.cudnn"
+    qm, km, vm = qkv(hkv=16, grad=True)
+    bias = torch.empty(1, 16, 1024, 1024, **META, requires_grad=True)
+    assert chosen("h100", qm, km, vm, attn_bias=bias).chosen_id == "nvidia.mem_efficient"
+
+
+def test_varlen_on_h100_is_torch_flash(manager):
+    q = torch.empty(3000, 16, 128, **META)
+    k = torch.empty(3000, 4, 128, **META)
+    cu = torch.tensor([0, 1000, 3000], dtype=torch.int32, device="meta")
+    d = chosen("h100", q, k, k, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=2000,
+               max_seqlen_k=2000, causal=True)
+    assert d.chosen_id == "nvidia.flash"
+
+
+def test_cudnn_head_dim_256_needs_sm90_and_cudnn_9_10(manager):
+    q, k, v = qkv(d=256)
+    assert chosen("h100", q, k, v).chosen_id == "nvidia.cudnn"
+    d = chosen("a100", q, k, v)
+    assert d.chosen_id == "nvidia.flash"
+    cudnn = next(c for c in d.candidates if c.impl_id == "nvidia.cudnn")
+    assert "head_dim 256 > 128 needs sm90" in cudnn.reasons[0]
+
+
+def test_flash_training_head_dim_limit_on_sm89(manager):
+    q, k, v = qkv(d=200, grad=True)
+    d = chosen("l40s", q, k, v, causal=True)
+    flash = next(c for c in d.candidates if c.impl_id == "nvidia.flash")
+    assert any("(192, 224]" in r for r in flash.reasons)
+    assert chosen("h100", q, k, v, causal=True).chosen_id == "nvidia.cudnn"  # d <= 256 on sm90, cuDNN 9.19
+
+
+def test_flagos_never_takes_gradients(manager):
+    q, k, v = qkv(grad=True)
+    d = chosen("h100", q, k, v, causal=True, softcap=30.0)
+    assert d.chosen_id == "reference.math"
+    fg = next(c for c in d.candidates if c.impl_id == "flagos.triton")
+    assert any("illegal memory access" in r for r in fg.reasons)
+
+
+def test_probe_ignores_other_devices():
+    assert probe_nvidia(torch.device("cpu")) is None
+    fake = types.SimpleNamespace(version=types.SimpleNamespace(hip="6.2", cuda=None), __version__="2.5.0+rocm6.2")
+    assert not is_nvidia_torch(fake)
+    corex = types.SimpleNamespace(version=types.SimpleNamespace(hip=None, cuda="11.8"), corex=object(),
+                                  __version__="2.1.0+corex.4.1")
+    assert not is_nvidia_torch(corex)
+    nv = types.SimpleNamespace(version=types.SimpleNamespace(hip=None, cuda="13.0"), __version__="2.11.0+cu130")
+    assert is_nvidia_torch(nv)
+
+
+def test_blind_rows_match_allowed_positions():
+    for sq, sk, causal, window in [(160, 64, True, None), (64, 160, True, (8, 0)), (50, 50, False, (3, 2)),
+                                   (10, 40, False, (2, -1)), (40, 10, False, (-1, 1))]:
+        expected = ~allowed_positions(sq, sk, causal, window, sk - sq, torch.device("cpu")).any(-1)
+        assert torch.equal(blind_rows(sq, sk, sk - sq, causal, window, torch.device("cpu")), expected)
+
+
+# -- flash-attn adapters against fakes (CPU, numerics vs reference.math) ------------------------------------
+
+@pytest.fixture
+def fakes(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_fa2)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3)
+
+
+def _compare(manager, impl, rng, *, layout="bshd", varlen=False, **kw):
+    manager.ensure_initialized()
+    ref = manager.registry.get("attention", "reference.math").impl
+    if varlen:
+        lens_q, lens_k = kw.pop("lens_q"), kw.pop("lens_k")
+        q = randn(sum(lens_q), 8, 32, gen=rng)
+        k, v = randn(sum(lens_k), 2, 32, gen=rng), randn(sum(lens_k), 2, 32, gen=rng)
+        cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+        cu_k = cu_q if lens_k is lens_q else torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(),
+                                                          dtype=torch.int32)
+        kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        layout = "thd"
+    else:
+        sq, sk = kw.pop("sq", 24), kw.pop("sk", 24)
+        shape = {"bshd": lambda s, h: (2, s, h, 32), "bhsd": lambda s, h: (2, h, s, 32)}[layout]
+        q, k, v = randn(*shape(sq, 8), gen=rng), randn(*shape(sk, 2), gen=rng), randn(*shape(sk, 2), gen=rng)
+    call = validate_attention(q, k, v, layout=layout, return_lse=True, **kw)
+    out, lse = impl.run(call)
+    ref_out, ref_lse = ref.run(call)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-5, rtol=1e-5)
+    assert (lse[~finite] == -math.inf).all()
+
+
+@pytest.mark.parametrize("impl_cls", [FlashAttn2, FlashAttn3])
+def test_flash_attn_packages_match_reference(manager, fakes, rng, impl_cls):
+    impl = impl_cls()
+    br = dict(causal_alignment="bottom_right")
+    _compare(manager, impl, rng)
+    _compare(manager, impl, rng, causal=True, layout="bhsd")
+    _compare(manager, impl, rng, sq=40, sk=16, causal=True, **br)  # queries that see no key: lse -inf
+    _compare(manager, impl, rng, causal=True, window=(5, 0), softcap=10.0)
+    _compare(manager, impl, rng, varlen=True, lens_q=[7, 1, 30], lens_k=[9, 12, 30], causal=True, **br)
+    if impl_cls is FlashAttn2:
+        _compare(manager, impl, rng, alibi_slopes=torch.rand(8) * 0.3)
+
+
+def test_flash_attn_capabilities_on_a100(manager):
+    q, k, v = qkv(sq=64, sk=256)
+    d = chosen("a100", q, k, v, causal=True, causal_alignment="bottom_right", softcap=5.0)
+    assert d.chosen_id == "nvidia.flash_attn"
+    alibi = torch.empty(16, device="meta", dtype=torch.float32)
+    d = chosen("a100", q, k, v, causal=True, alibi_slopes=alibi, return_lse=True)
+    fa = next(c for c in d.candidates if c.impl_id == "nvidia.flash_attn")
+    assert any("ALiBi" in r for r in fa.reasons)

@@ -1,0 +1,166 @@
+"""`flagos.triton`: FlagGems' Triton attention kernels (FlagOS), forward only.
+
+Two entries, chosen per call:
+- dense calls → ``flag_gems.ops.attention.scaled_dot_product_attention_forward(query, key, value, attn_mask,
+  dropout_p, is_causal, scale, enable_gqa) -> (o, M)`` on (batch, heads, seq, dim) views: causal top-left, GQA,
+  a 4-D additive mask; M is a base-2 log-sum-exp (the Triton tutorial's), converted here to natural log.
+- varlen, sliding window, softcap, ALiBi or bottom-right causal → ``flag_gems.flash_attn_varlen_func(q, k, v,
+  max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, ...)`` (vLLM's argument order: max_seqlen_q comes
+  before cu_seqlens_q); dense inputs are packed to (batch*seq, heads, dim) with uniform cu_seqlens. Causal,
+  window and ALiBi are aligned bottom-right there (FlashAttention-2 semantics).
+
+flag_gems is imported lazily: its import raises "No device were detected on your machine" without a GPU.
+
+Forward only. Measured with flag_gems 5.0.2 on an H200 (torch 2.11, triton 3.6): the SDPA backward computes only
+causal gradients, ignores the forward's attn_mask, and died with a CUDA illegal memory access on every config
+tried, which leaves the CUDA context unusable; the varlen entry has no autograd at all. A call that needs
+gradients is therefore rejected, and no path of the default policy reaches that backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch.vendors.nvidia._fa2 import causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
+
+_LN2 = math.log(2.0)
+# v5.0.2 scaled_dot_product_attention_forward: `assert HEAD_DIM_K in {16, 32, 64, 128, 256}`.
+SDPA_HEAD_DIMS = frozenset({16, 32, 64, 128, 256})
+# A masked score: the kernel's own causal mask uses -1.0e6 (a finite value: an all -inf block gives NaN in its
+# running max); its bool-mask conversion is inverted (True becomes -1e6), so masks are passed as float here.
+_MASKED = -1.0e6
+
+BACKWARD_REASON = ("flagos.triton is forward-only: flag_gems 5.0.2's SDPA backward computes only causal "
+                   "gradients, drops attn_mask, and died with a CUDA illegal memory access (killing the CUDA "
+                   "context) on every config measured on an H200; its varlen kernel has no backward")
+
+
+def uses_varlen_kernel(call: AttentionCall) -> bool:
+    """Whether the call goes to flash_attn_varlen_func (else to the dense SDPA kernel)."""
+    return (call.varlen or call.window is not None or call.softcap > 0 or call.alibi_slopes is not None
+            or (call.causal and call.alignment_matters and call.causal_alignment == "bottom_right"))
+
+
+class FlagGemsAttention(AttentionImpl):
+    vendor: ClassVar[str] = "flagos"
+    name: ClassVar[str] = "triton"
+    priority: ClassVar[int] = 25
+    description: ClassVar[str] = ("FlagGems (FlagOS) Triton attention: scaled_dot_product_attention_forward and "
+                                  "flash_attn_varlen_func; forward only")
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    # FlagGems has backends for other vendors too; this plugin has only been measured on NVIDIA.
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
+    min_capability: ClassVar[tuple[int, int] | None] = (8, 0)
+    requires = (Requirement(module="flag_gems", distribution="flag-gems", min_version="5.0.0", key="flag_gems",
+                            install_hint="pip install 'flag-gems>=5.0' (needs triton; imports only where a GPU "
+                                         "is visible)"),)
+    # Union of the two kernels' checks; extra_reasons narrows per kernel. fp16/bf16 ("FlashAttention only
+    # support fp16 and bf16 data type"), head_dim <= 256 and a multiple of 8, one head dim for q/k/v, GQA,
+    # no dropout (SDPA asserts dropout_p == 0), bool masks on the dense kernel only.
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=frozenset({torch.float16, torch.bfloat16}), head_dim_min=8, head_dim_max=256, head_dim_multiple=8,
+        layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}),
+        causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, softcap=True,
+        alibi=True, dropout=False, attn_mask=True, attn_bias=False, lse=True, backward=False,
+    )
+
+    def extra_availability(self, device: DeviceInfo) -> str | None:
+        try:
+            import flag_gems  # noqa: F401
+        except Exception as exc:  # "No device were detected on your machine !" and friends
+            return f"flag_gems failed to import: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return None
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        reasons = []
+        if call.requires_grad:
+            reasons.append(BACKWARD_REASON)
+        if uses_varlen_kernel(call):
+            why = causal_alibi_lse_reason(call)
+            if why:
+                reasons.append(why)
+            if call.attn_mask is not None:
+                reasons.append("attn_mask together with window/softcap/ALiBi/varlen/bottom-right causal is not "
+                               "supported (flash_attn_varlen_func takes no mask)")
+            if call.alignment_matters and call.causal_alignment == "top_left":
+                reasons.append("causal/window with causal_alignment='top_left' and seqlen_q != seqlen_k: the "
+                               "varlen kernel aligns bottom-right")
+            if call.alibi_slopes is not None and call.causal_alignment == "top_left" and (
+                    call.cu_seqlens_q is not call.cu_seqlens_k if call.varlen else call.seqlen_q != call.seqlen_k):
+                reasons.append("ALiBi is aligned bottom-right by flash_attn_varlen_func; top_left with "
+                               "seqlen_q != seqlen_k not supported")
+        elif call.head_dim not in SDPA_HEAD_DIMS:
+            reasons.append(f"head_dim {call.head_dim} not in {sorted(SDPA_HEAD_DIMS)} (flag_gems "
+                           "scaled_dot_product_attention_forward)")
+        return reasons
+
+    def run(self, call: AttentionCall) -> Any:
+        if uses_varlen_kernel(call):
+            return self._varlen(call)
+        from flag_gems.ops.attention import scaled_dot_product_attention_forward
+
+        q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+        mask = None
+        if call.attn_mask is not None:
+            allowed = call.attn_mask
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, _MASKED)
+            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(
+                q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        out, m = scaled_dot_product_attention_forward(q, k, v, mask, 0.0, call.causal, call.scale,
+                                                      call.heads_q != call.heads_kv)
+        out = call.from_bhsd(out)
+        if not call.return_lse:
+            return out
+        return out, m * _LN2
+
+    def _varlen(self, call: AttentionCall) -> Any:
+        import flag_gems
+
+        window = call.window if call.window is not None else (-1, -1)
+        kwargs = dict(softmax_scale=call.scale, causal=call.causal, window_size=window, softcap=call.softcap,
+                      alibi_slopes=call.alibi_slopes, return_softmax_lse=call.return_lse)
+        if call.varlen:
+            res = flag_gems.flash_attn_varlen_func(call.q, call.k, call.v, call.max_seqlen_q, call.cu_seqlens_q,
+                                                   call.max_seqlen_k, call.cu_seqlens_k, **kwargs)
+            if not call.return_lse:
+                return res
+            return res[0], varlen_lse_fix(res[1], call.cu_seqlens_q, call.cu_seqlens_k, call.causal, call.window,
+                                          call.alibi_slopes)
+        # Dense: pack (batch, seq, heads, dim) into (batch*seq, heads, dim) with uniform cu_seqlens.
+        b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
+        q, k, v = (_bshd(call, t) for t in (call.q, call.k, call.v))
+        dev = q.device
+        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=dev)
+        cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev)
+        res = flag_gems.flash_attn_varlen_func(q.reshape(b * sq, call.heads_q, call.head_dim), k.reshape(
+            b * sk, call.heads_kv, call.head_dim), v.reshape(b * sk, call.heads_kv, call.head_dim_v), sq, cu_q, sk,
+            cu_k, **kwargs)
+        out = res[0] if call.return_lse else res
+        out = _dense_out(call, out.reshape(b, sq, call.heads_q, call.head_dim_v))
+        if not call.return_lse:
+            return out
+        lse = res[1].reshape(call.heads_q, b, sq).transpose(0, 1)
+        return out, dense_lse_fix(lse, sq, sk, call.causal, call.window, call.alibi_slopes)
+
+
+def _bshd(call: AttentionCall, t: torch.Tensor) -> torch.Tensor:
+    if call.layout == "bshd":
+        return t
+    if call.layout == "bhsd":
+        return t.transpose(1, 2)
+    return t.transpose(0, 1)
+
+
+def _dense_out(call: AttentionCall, out_bshd: torch.Tensor) -> torch.Tensor:
+    if call.layout == "bshd":
+        return out_bshd
+    if call.layout == "bhsd":
+        return out_bshd.transpose(1, 2)
+    return out_bshd.transpose(0, 1)
+
+
+__all__ = ["BACKWARD_REASON", "FlagGemsAttention", "SDPA_HEAD_DIMS", "uses_varlen_kernel"]

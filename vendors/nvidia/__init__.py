@@ -1,0 +1,24 @@
+"""Built-in plugin `nvidia`: torch's CUDA attention kernels (cuDNN, FlashAttention-2, memory-efficient), the
+flash-attn package (FA2, FA3 on Hopper), and the NVIDIA device probe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opdispatch import DeviceInfo, Impl, hookimpl
+
+from ._attention import CudnnAttention, FlashAttn2, FlashAttn3, MemEfficientAttention, TorchFlashAttention
+from ._probe import probe_nvidia
+
+__all__ = ["CudnnAttention", "FlashAttn2", "FlashAttn3", "MemEfficientAttention", "TorchFlashAttention",
+           "probe_nvidia"]
+
+
+@hookimpl
+def opdispatch_impls() -> list[Impl]:
+    return [CudnnAttention(), TorchFlashAttention(), MemEfficientAttention(), FlashAttn2(), FlashAttn3()]
+
+
+@hookimpl
+def opdispatch_probe_device(device: Any) -> DeviceInfo | None:
+    return probe_nvidia(device)

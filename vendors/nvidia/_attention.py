@@ -1,0 +1,424 @@
+"""NVIDIA attention implementations: torch's own CUDA kernels (cuDNN, FlashAttention-2, memory-efficient) and the
+flash-attn package (FA2, and FA3 on Hopper).
+
+Every torch kernel is called through its aten op directly — never through `sdpa_kernel` or
+`scaled_dot_product_attention` — so no backend-selection work and no context manager runs per call; autograd
+knows each op's backward (derivatives.yaml). Capabilities are those the libraries check:
+- torch: aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (can_use_{flash,mem_efficient,cudnn}_attention);
+- flash-attn: csrc/flash_attn/flash_api.cpp (FA2), hopper/flash_api.cpp (FA3).
+What the checks leave open (causal alignment for seqlen_q != seqlen_k, LSE layout, masked-row conventions) was
+measured on an H100/H200; see tests/gpu/ and benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch._attention import allowed_positions
+
+from ._fa2 import causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
+
+_LOW = frozenset({torch.float16, torch.bfloat16})
+_ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
+_DENSE = frozenset({"bshd", "bhsd", "sbhd"})
+
+# The cheapest entries into C++: the generated Python bindings of the aten ops (no Python wrapper in between).
+_cudnn_sdpa = torch._scaled_dot_product_cudnn_attention
+_flash_sdpa = torch._scaled_dot_product_flash_attention
+_efficient_sdpa = torch._scaled_dot_product_efficient_attention
+# _flash_attention_forward has no torch.* binding; its OpOverload is the direct entry (window, ALiBi, varlen).
+_flash_forward = torch.ops.aten._flash_attention_forward.default
+_FLASH_FORWARD_ARGS = frozenset(a.name for a in _flash_forward._schema.arguments)
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    out = []
+    for part in text.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+class _TorchBuildRequirement(Requirement):
+    """A capability of the torch build (cuDNN), read from the probe's `libraries` instead of pip metadata."""
+
+    def unmet_reason(self, device: DeviceInfo) -> str | None:
+        version = device.libraries.get(self.library_key)
+        if version is None:
+            where = (f"the device descriptor {device.source} declares no `{self.library_key}:` under libraries"
+                     if device.simulated else f"this torch build has no {self.library_key}")
+            return f"{where}; {self.hint()}"
+        if self.min_version and _version_tuple(version) < _version_tuple(self.min_version):
+            return f"{self.library_key} {version} is older than the required {self.min_version}; {self.hint()}"
+        return None
+
+
+def _sm86_89_or_120_training_head_dim(call: AttentionCall, device: DeviceInfo) -> str | None:
+    """sdp_utils check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120 (FA2's backward limits)."""
+    cap = device.capability
+    if not call.requires_grad or cap is None:
+        return None
+    if not ((8, 6) <= cap <= (8, 9) or (12, 0) <= cap <= (12, 1)):
+        return None
+    d = call.head_dim
+    if 192 < d <= 224:
+        return (f"FlashAttention backward does not support head_dim {d} in (192, 224] on sm{cap[0]}{cap[1]} "
+                "(needs sm80 or sm90)")
+    if d > 224 and call.dropout_p > 0:
+        return f"FlashAttention backward with dropout does not support head_dim {d} > 224 on sm{cap[0]}{cap[1]}"
+    return None
+
+
+def _alibi_alignment(call: AttentionCall) -> str | None:
+    """flash-attn's ALiBi distance is |i + seqlen_k - seqlen_q - j| (bottom-right aligned) whether causal or not."""
+    if call.alibi_slopes is None or call.causal_alignment == "bottom_right":
+        return None
+    if call.varlen:
+        differs = call.cu_seqlens_q is not call.cu_seqlens_k
+    else:
+        differs = call.seqlen_q != call.seqlen_k
+    if differs:
+        return ("ALiBi is aligned bottom-right by this kernel (distance |i + seqlen_k - seqlen_q - j|); "
+                "causal_alignment='top_left' with seqlen_q != seqlen_k not supported")
+    return None
+
+
+def _to_4d(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
+
+
+def additive_bias(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, *, fold_causal: bool,
+                  fold_alibi: bool) -> tuple[torch.Tensor | None, bool]:
+    """The additive float bias (q's dtype) carrying mask, bias, window, ALiBi and — when `fold_causal` — the
+    causal pattern; and the `is_causal` flag left for the kernel (top-left only)."""
+    sq, sk = q.shape[2], k.shape[2]
+    offset = sk - sq if call.causal_alignment == "bottom_right" else 0
+    is_causal = call.causal
+    allowed = None
+    positional = call.window is not None or (call.causal and call.alignment_matters
+                                             and call.causal_alignment == "bottom_right")
+    if positional or (fold_causal and call.causal):
+        allowed = allowed_positions(sq, sk, call.causal, call.window, offset, q.device)
+        is_causal = False
+    if call.attn_mask is not None:
+        allowed = call.attn_mask if allowed is None else allowed & call.attn_mask
+    bias = None
+    if allowed is not None:
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(~allowed, float("-inf"))
+    if call.attn_bias is not None:
+        user = call.attn_bias.to(q.dtype)
+        bias = user if bias is None else bias + user
+    if fold_alibi and call.alibi_slopes is not None:
+        from opdispatch.vendors.reference._attention import alibi_bias
+
+        ab = alibi_bias(call.alibi_slopes, sq, sk, offset, torch.float32).to(q.dtype)
+        bias = ab if bias is None else bias + ab
+    return (None if bias is None else _to_4d(bias)), is_causal
+
+
+def _aligned(t: torch.Tensor, alignment: int) -> torch.Tensor:
+    """torch's preprocess_mask: strides a multiple of `alignment` elements (padding the last dim if not)."""
+    if t.stride(-1) == 1 and all(s % alignment == 0 for s in t.stride()[:-1]):
+        return t
+    sk = t.shape[-1]
+    pad = (alignment - sk % alignment) % alignment
+    padded = torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
+    return padded[..., :sk]
+
+
+def _dense_out(call: AttentionCall, out_bshd: torch.Tensor) -> torch.Tensor:
+    """A (batch, seq, heads, dim) result into the call's dense layout (views only)."""
+    if call.layout == "bshd":
+        return out_bshd
+    if call.layout == "bhsd":
+        return out_bshd.transpose(1, 2)
+    return out_bshd.transpose(0, 1)  # sbhd
+
+
+def _bshd(call: AttentionCall, t: torch.Tensor) -> torch.Tensor:
+    if call.layout == "bshd":
+        return t
+    if call.layout == "bhsd":
+        return t.transpose(1, 2)
+    return t.transpose(0, 1)  # sbhd -> bshd
+
+
+def _fix_empty_rows(lse: torch.Tensor) -> torch.Tensor:
+    # FlashAttention writes +inf as the LSE of a query that sees no key; opdispatch's convention is -inf.
+    return lse.masked_fill(lse == math.inf, -math.inf)
+
+
+# -- torch: cuDNN --------------------------------------------------------------------------------------------
+
+class CudnnAttention(AttentionImpl):
+    vendor: ClassVar[str] = "nvidia"
+    name: ClassVar[str] = "cudnn"
+    priority: ClassVar[int] = 40
+    description: ClassVar[str] = "cuDNN fused attention through aten _scaled_dot_product_cudnn_attention"
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
+    min_capability: ClassVar[tuple[int, int] | None] = (8, 0)   # "cuDNN MHA only supports ... [sm80, sm121]"
+    max_capability: ClassVar[tuple[int, int] | None] = (12, 1)
+    requires = (_TorchBuildRequirement(
+        module="torch", distribution="torch", key="cudnn", min_version="9.0.0",
+        install_hint="install a CUDA build of torch with cuDNN >= 9 (the pytorch.org CUDA wheels bundle it)"),)
+    # sdp_utils can_use_cudnn_attention: fp16/bf16; d_qk and d_v multiples of 8 (d_v may differ); GQA with
+    # hk == hv not required; attn_mask as an additive bias (no gradient for it: derivatives.yaml); dropout;
+    # not deterministic. is_causal is the top-left mask (measured with seqlen_q != seqlen_k).
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, head_dim_v_differs=True,
+        layouts=_DENSE, causal_alignments=frozenset({"top_left"}), gqa=True, dropout=True, attn_mask=True,
+        attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=False,
+    )
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        reasons = []
+        cudnn = _version_tuple(device.libraries.get("cudnn"))
+        d = max(call.head_dim, call.head_dim_v)
+        if d > 128 and not (device.capability == (9, 0) and cudnn >= (9, 10)):
+            reasons.append(f"head_dim {d} > 128 needs sm90 with cuDNN >= 9.10 (device: {device.arch}, cuDNN "
+                           f"{device.libraries.get('cudnn')})")
+        if call.seqlen_k == 1:
+            reasons.append("seqlen_k == 1 is rejected by cuDNN SDPA (check_cudnn_tensor_shapes)")
+        if call.dropout_p > 0:
+            if call.seqlen_q == 1:
+                reasons.append("dropout with seqlen_q == 1 is rejected by cuDNN SDPA")
+            if (9, 11) <= cudnn < (9, 14):
+                reasons.append(f"cuDNN {device.libraries.get('cudnn')} has no dropout in SDPA (9.11 - 9.13)")
+        return reasons
+
+    def run(self, call: AttentionCall) -> Any:
+        q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+        bias, is_causal = additive_bias(call, q, k, fold_causal=False, fold_alibi=False)
+        if bias is not None:
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        need_lse = call.return_lse or call.requires_grad
+        res = _cudnn_sdpa(q, k, v, bias, need_lse, call.dropout_p, is_causal, False, scale=call.scale)
+        out = call.from_bhsd(res[0])
+        if not call.return_lse:
+            return out
+        lse = res[1]
+        if lse.dim() == 4:  # some versions report (b, h, s, 1)
+            lse = lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2])
+        return out, lse
+
+
+# -- torch: FlashAttention-2 built into torch ----------------------------------------------------------------
+
+class TorchFlashAttention(AttentionImpl):
+    vendor: ClassVar[str] = "nvidia"
+    name: ClassVar[str] = "flash"
+    priority: ClassVar[int] = 30
+    description: ClassVar[str] = ("FlashAttention-2 built into torch (aten _scaled_dot_product_flash_attention, "
+                                  "_flash_attention_forward for varlen, window and ALiBi)")
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
+    min_capability: ClassVar[tuple[int, int] | None] = (8, 0)   # "[sm80, sm121]"
+    max_capability: ClassVar[tuple[int, int] | None] = (12, 1)
+    # sdp_utils can_use_flash_attention + flash_api.cpp: fp16/bf16; q, k, v share one head dim <= 256, a
+    # multiple of 8 (SDPA pads; the op itself requires it); GQA; no attn_mask; dropout; causal is FA2's
+    # bottom-right mask (SDPA refuses causal with seqlen_q != seqlen_k for that reason); window (bottom-right
+    # aligned) through _flash_attention_forward, whose backward receives it. No ALiBi: the schema has
+    # alibi_slopes but torch's build raises "This flash attention build does not support alibi." (measured on
+    # torch 2.11+cu130, H200).
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, layouts=_ALL_LAYOUTS,
+        causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, dropout=True,
+        lse=True, backward=True, deterministic_backward=False,
+    )
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        reasons = []
+        why = _sm86_89_or_120_training_head_dim(call, device)
+        if why:
+            reasons.append(why)
+        if call.window is not None and "window_size_left" not in _FLASH_FORWARD_ARGS:
+            reasons.append("this torch's _flash_attention_forward has no window_size_left argument")
+        return reasons
+
+    def run(self, call: AttentionCall) -> Any:
+        if not call.varlen and call.window is None:
+            q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+            res = _flash_sdpa(q, k, v, call.dropout_p, call.causal, False, scale=call.scale)
+            out = call.from_bhsd(res[0])
+            return (out, _fix_empty_rows(res[1])) if call.return_lse else out
+        kwargs: dict[str, Any] = {"scale": call.scale}
+        if call.window is not None:
+            kwargs["window_size_left"], kwargs["window_size_right"] = call.window
+        if call.varlen:
+            res = _flash_forward(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+                                 call.max_seqlen_k, call.dropout_p, call.causal, False, **kwargs)
+            out, lse = res[0], res[1]
+            if call.return_lse:
+                return out, _fix_empty_rows(_varlen_lse(lse, call))
+            return out
+        q, k, v = _bshd(call, call.q), _bshd(call, call.k), _bshd(call, call.v)
+        res = _flash_forward(q, k, v, None, None, q.shape[1], k.shape[1], call.dropout_p, call.causal, False,
+                             **kwargs)
+        out = _dense_out(call, res[0])
+        return (out, _fix_empty_rows(res[1])) if call.return_lse else out
+
+
+def _varlen_lse(lse: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """Varlen LSE as (heads_q, total_q); older FlashAttention builds pad it to (batch, heads, max_seqlen_q)."""
+    total_q = call.q.shape[0]
+    if lse.dim() == 2 and lse.shape[1] == total_q:
+        return lse
+    assert call.cu_seqlens_q is not None
+    cu = call.cu_seqlens_q.tolist()
+    return torch.cat([lse[b, :, : cu[b + 1] - cu[b]] for b in range(call.batch)], dim=1)
+
+
+# -- torch: memory-efficient (CUTLASS) ------------------------------------------------------------------------
+
+class MemEfficientAttention(AttentionImpl):
+    vendor: ClassVar[str] = "nvidia"
+    name: ClassVar[str] = "mem_efficient"
+    priority: ClassVar[int] = 20
+    description: ClassVar[str] = ("torch's memory-efficient CUTLASS kernel (aten "
+                                  "_scaled_dot_product_efficient_attention): masks and bias with gradient")
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
+    min_capability: ClassVar[tuple[int, int] | None] = (5, 0)   # "[sm50, sm121]"
+    max_capability: ClassVar[tuple[int, int] | None] = (12, 1)
+    # sdp_utils can_use_mem_efficient_attention: fp16/fp32 (bf16 from sm80); d_qk and d_v aligned (checked in
+    # extra_reasons, the alignment depends on arch and dtype), d_v may differ; no GQA; dropout; an additive bias
+    # with gradient. Causal is top-left natively; windows, bottom-right causal, bool masks and ALiBi are folded
+    # into the additive bias (materialised, batch x heads x seqlen_q x seqlen_k at most).
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dim_v_differs=True,
+        layouts=_DENSE, causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=False, window=True,
+        alibi=True, dropout=True, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, backward=True,
+        deterministic_backward=False,
+    )
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        reasons = []
+        cap = device.capability or (0, 0)
+        if call.dtype == torch.bfloat16 and cap < (8, 0):
+            reasons.append("bf16 needs sm80 or newer")
+        # minimum_gemm_alignment: sm80+: 16 bytes / element size (8 for fp16/bf16, 4 for fp32); sm7x: 8 for
+        # fp16, 1 for fp32; older: 1.
+        if cap >= (8, 0):
+            align = 4 if call.dtype == torch.float32 else 8
+        elif cap >= (7, 0):
+            align = 1 if call.dtype == torch.float32 else 8
+        else:
+            align = 1
+        for what, d in (("head_dim", call.head_dim), ("v head_dim", call.head_dim_v)):
+            if d % align:
+                reasons.append(f"{what} {d} is not a multiple of {align} ({call.dtype} on {device.arch})")
+        return reasons
+
+    def run(self, call: AttentionCall) -> Any:
+        q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+        bias, is_causal = additive_bias(call, q, k, fold_causal=False, fold_alibi=True)
+        if bias is not None:
+            bias = _aligned(bias, 8).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        need_lse = call.return_lse or call.requires_grad
+        res = _efficient_sdpa(q, k, v, bias, need_lse, call.dropout_p, is_causal, scale=call.scale)
+        out = call.from_bhsd(res[0])
+        if not call.return_lse:
+            return out
+        lse = res[1][:, :, : q.shape[2]]  # the kernel pads LSE to a multiple of 32 queries
+        if bias is not None:
+            # A query whose keys are all masked: the kernel's LSE is not -inf there (measured); the convention is.
+            blind = (bias == -math.inf).all(dim=-1)
+            lse = lse.masked_fill(blind, -math.inf)
+        return out, lse
+
+
+# -- the flash-attn package -----------------------------------------------------------------------------------
+
+class FlashAttn2(AttentionImpl):
+    vendor: ClassVar[str] = "nvidia"
+    name: ClassVar[str] = "flash_attn"
+    priority: ClassVar[int] = 35
+    description: ClassVar[str] = "the flash-attn package (FlashAttention-2): flash_attn_func / flash_attn_varlen_func"
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
+    min_capability: ClassVar[tuple[int, int] | None] = (8, 0)  # "FlashAttention only supports Ampere GPUs or newer."
+    requires = (Requirement(module="flash_attn", distribution="flash-attn", min_version="2.6.0", key="flash_attn",
+                            install_hint="pip install 'flash-attn>=2.6' --no-build-isolation"),)
+    # csrc/flash_attn/flash_api.cpp: fp16/bf16; head_dim <= 256 (the Python wrapper pads to a multiple of 8);
+    # one head dim for q, k, v; GQA; causal and window aligned bottom-right; softcap (not with dropout); ALiBi
+    # (fp32, (h,) or (b, h)); dropout; deterministic backward on request.
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=_LOW, head_dim_max=256, layouts=_ALL_LAYOUTS, causal_alignments=frozenset({"bottom_right"}),
+        gqa=True, window=True, softcap=True, alibi=True, dropout=True, lse=True, backward=True,
+        deterministic_backward=True,
+    )
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        reasons = [r for r in (_sm86_89_or_120_training_head_dim(call, device), _alibi_alignment(call),
+                               causal_alibi_lse_reason(call)) if r]
+        if call.softcap > 0 and call.dropout_p > 0:
+            reasons.append("softcap with dropout is not supported (\"Softcapping does not support dropout\")")
+        return reasons
+
+    def run(self, call: AttentionCall) -> Any:
+        import flash_attn
+
+        window = call.window if call.window is not None else (-1, -1)
+        common = dict(dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal, window_size=window,
+                      softcap=call.softcap, alibi_slopes=call.alibi_slopes, deterministic=call.deterministic,
+                      return_attn_probs=call.return_lse)
+        if call.varlen:
+            res = flash_attn.flash_attn_varlen_func(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k,
+                                                    call.max_seqlen_q, call.max_seqlen_k, **common)
+            if not call.return_lse:
+                return res
+            return res[0], varlen_lse_fix(res[1], call.cu_seqlens_q, call.cu_seqlens_k, call.causal, call.window,
+                                          call.alibi_slopes)
+        res = flash_attn.flash_attn_func(_bshd(call, call.q), _bshd(call, call.k), _bshd(call, call.v), **common)
+        if not call.return_lse:
+            return _dense_out(call, res)
+        return _dense_out(call, res[0]), dense_lse_fix(res[1], call.seqlen_q, call.seqlen_k, call.causal,
+                                                       call.window, call.alibi_slopes)
+
+
+class FlashAttn3(AttentionImpl):
+    vendor: ClassVar[str] = "nvidia"
+    name: ClassVar[str] = "flash_attn3"
+    priority: ClassVar[int] = 45
+    description: ClassVar[str] = "FlashAttention-3 (flash-attention/hopper, module flash_attn_interface) on Hopper"
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
+    # FA3 kernels target sm90 (torch's own FA3 wrapper requires capability 9.0 exactly).
+    min_capability: ClassVar[tuple[int, int] | None] = (9, 0)
+    max_capability: ClassVar[tuple[int, int] | None] = (9, 0)
+    requires = (Requirement(module="flash_attn_interface", distribution="flash_attn_3", key="flash_attn_3",
+                            install_hint="build FA3: git clone flash-attention && cd hopper && python setup.py install"),)
+    # hopper/flash_api.cpp: fp16/bf16 (fp8 forward only, not offered here); head_dim <= 256, a multiple of 8;
+    # GQA; causal/window bottom-right; softcap; no dropout, no ALiBi; deterministic backward on request.
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, layouts=_ALL_LAYOUTS,
+        causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, lse=True,
+        backward=True, deterministic_backward=True,
+    )
+
+    def run(self, call: AttentionCall) -> Any:
+        import flash_attn_interface as fa3
+
+        window = call.window if call.window is not None else (-1, -1)
+        common = dict(softmax_scale=call.scale, causal=call.causal, window_size=window, softcap=call.softcap,
+                      deterministic=call.deterministic, return_attn_probs=call.return_lse)
+        if call.varlen:
+            res = fa3.flash_attn_varlen_func(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k,
+                                             call.max_seqlen_q, call.max_seqlen_k, **common)
+            if not call.return_lse:
+                return res
+            return res[0], _fix_empty_rows(res[1])
+        res = fa3.flash_attn_func(_bshd(call, call.q), _bshd(call, call.k), _bshd(call, call.v), **common)
+        if not call.return_lse:
+            return _dense_out(call, res)
+        return _dense_out(call, res[0]), _fix_empty_rows(res[1])
