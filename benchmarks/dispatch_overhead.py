@@ -1,93 +1,174 @@
-"""Does dispatch change the picture? opdispatch.attention vs the chosen kernel called directly, large shapes.
+"""Per-call cost of opdispatch's dispatch: direct kernel vs dispatched vs planned, on tiny to small bhsd calls.
 
-Interleaves the three ways of calling (raw aten op, the implementation's `run`, `opdispatch.attention`) over
-several rounds so clock and power drift hit all three alike; reports the median of the per-round medians.
-Usage: python benchmarks/dispatch_overhead.py --out DIR
+    python benchmarks/dispatch_overhead.py [--device cpu|cuda] [--repeat 21] [--out FILE.md]
+
+Rows, for each size (batch, heads, seq, head_dim), all in layout ``bhsd`` and float32 (CPU) / bf16 (CUDA):
+  direct     the chosen kernel called directly: on the CPU torch._scaled_dot_product_flash_attention_for_cpu,
+             on CUDA the chosen implementation's run() on a call validated once up front
+  impl.run   the chosen implementation's run() on a call validated once (adapter cost, no validation)
+  pinned     opdispatch.attention(..., layout="bhsd", impl=<chosen>)
+  policy     opdispatch.attention(..., layout="bhsd")  (the policy's choice, cached after the first call)
+  plan       opdispatch.plan(q, k, v, layout="bhsd")(q, k, v), when opdispatch has plan()
+Each figure is the median over `--repeat` timeit repeats of the per-call time; a repeat runs enough calls to last
+~20 ms, and the variants take turns within each repeat. On CUDA each repeat ends with torch.cuda.synchronize(), so a figure is max(host, device) time per call.
+Overhead = figure - direct.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import platform
 import statistics
+import sys
+import timeit
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import triton.testing
 
 import opdispatch
-from opdispatch import validate_attention
 
-SHAPES = [  # name, b, s, hq, hkv, d, causal, train
-    ("prefill 16k b1 gqa8 d128 causal", 1, 16384, 32, 4, 128, True, False),
-    ("prefill 8k b1 gqa8 d128 causal", 1, 8192, 32, 4, 128, True, False),
-    ("prefill 4k b2 mha d256", 2, 4096, 8, 8, 256, False, False),
-    ("train 4k b2 gqa4 d128 causal", 2, 4096, 32, 8, 128, True, True),
-]
+SIZES_CPU = [(1, 1, 1, 8), (1, 1, 16, 32), (1, 8, 64, 64), (2, 8, 256, 64)]
+SIZES_CUDA = [(1, 1, 1, 64), (1, 8, 128, 64), (4, 16, 1024, 128), (8, 32, 4096, 128)]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
-    manager = opdispatch.get_manager()
-    rows = []
-    for name, b, s, hq, hkv, d, causal, train in SHAPES:
-        q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=train)
-        k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=train)
-        v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, requires_grad=train)
-        call = validate_attention(q, k, v, causal=causal)
-        impl = manager.resolve("attention", call).chosen
-        qb, kb, vb = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        raw = {"nvidia.cudnn": lambda: torch._scaled_dot_product_cudnn_attention(
-                   qb, kb, vb, None, train, 0.0, causal, False, scale=d ** -0.5)[0],
-               "nvidia.flash": lambda: torch._scaled_dot_product_flash_attention(
-                   qb, kb, vb, 0.0, causal, False, scale=d ** -0.5)[0]}.get(impl.id)
-        ways = {"raw aten op": raw, "impl.run": lambda: impl.run(call),
-                "opdispatch.attention": lambda: opdispatch.attention(q, k, v, causal=causal)}
-        grad = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+def _runner(fn: Callable[[], Any], device: torch.device) -> Callable[[int], None]:
+    cuda = device.type == "cuda"
 
-        def wrap(fn):
-            if not train:
-                return fn
+    def run(n: int) -> None:
+        for _ in range(n):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
 
-            def step():
-                out = fn()
-                out.backward(grad if out.shape == grad.shape else grad.transpose(1, 2))
-                q.grad = k.grad = v.grad = None
-            return step
+    return run
 
-        samples = {w: [] for w, fn in ways.items() if fn is not None}
-        for _ in range(args.rounds):
-            for w in samples:
-                samples[w].append(triton.testing.do_bench(wrap(ways[w]), warmup=25, rep=100, return_mode="median"))
-        med = {w: statistics.median(x) for w, x in samples.items()}
-        base = med.get("raw aten op", med["impl.run"])
-        row = {"shape": name, "chosen": impl.id, "median_ms": med, "rounds": samples,
-               "opdispatch_vs_direct": med["opdispatch.attention"] / base - 1}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        del q, k, v
-        torch.cuda.empty_cache()
-    info = manager.device_info(torch.device("cuda"))
-    result = {"device": info.to_dict(), "torch": torch.__version__, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "dispatch_overhead.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
-    lines = [f"# Dispatch overhead at large shapes on {info.name}", "",
-             "bf16; median over rounds of do_bench medians (ms); the raw aten op is the kernel opdispatch chose, "
-             "called with no opdispatch code at all.", "",
-             "| shape | chosen | raw aten op | impl.run | opdispatch.attention | opdispatch vs direct |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        m = r["median_ms"]
-        lines.append(f"| {r['shape']} | {r['chosen']} | {m.get('raw aten op', float('nan')):.3f} | "
-                     f"{m['impl.run']:.3f} | {m['opdispatch.attention']:.3f} | {r['opdispatch_vs_direct'] * 100:+.2f}% |")
-    with open(os.path.join(args.out, "dispatch_overhead.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+
+def _calibrate(run: Callable[[int], None], target: float) -> int:
+    """Calls per repeat so that one repeat lasts about `target` seconds."""
+    run(20)
+    number = 1
+    while True:
+        elapsed = timeit.timeit(lambda: run(number), number=1)
+        if elapsed >= target or number >= 1_000_000:
+            return number
+        number = max(number * 2, int(number * target / max(elapsed, 1e-9)))
+
+
+def per_call_seconds(fns: dict[str, Callable[[], Any]], device: torch.device, repeat: int,
+                     target: float = 0.02) -> dict[str, float]:
+    """Median per-call seconds of each function over `repeat` repeats.
+
+    The functions take turns within every repeat (round-robin), so a burst of load on a shared machine hits
+    them all alike rather than one of them.
+    """
+    runs = {name: _runner(fn, device) for name, fn in fns.items()}
+    numbers = {name: _calibrate(run, target) for name, run in runs.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, run in runs.items():
+            n = numbers[name]
+            samples[name].append(timeit.timeit(lambda: run(n), number=1) / n)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def environment(device: torch.device) -> list[str]:
+    info = opdispatch.get_manager().device_info(device)
+    lines = [f"device: {info.describe()}",
+             f"opdispatch {opdispatch.__version__}, torch {torch.__version__}, python {platform.python_version()}, "
+             f"{platform.machine()}, torch threads {torch.get_num_threads()}, os.cpu_count() {os.cpu_count()}"]
+    if device.type == "cuda":
+        lines.append(f"CUDA {torch.version.cuda or torch.version.hip}, cuDNN {torch.backends.cudnn.version()}, "
+                     f"{torch.cuda.get_device_name(device)}")
+    lines.append(f"opdispatch.plan: {'available' if hasattr(opdispatch, 'plan') else 'not available yet'}")
+    if hasattr(os, "getloadavg"):
+        lines.append("load average before the run: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+    return lines
+
+
+def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: int) -> dict[str, float]:
+    b, h, s, d = size
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, generator=gen) for _ in range(3))
+    decision = opdispatch.explain(q, k, v, layout="bhsd")
+    impl = decision.chosen
+    assert impl is not None, str(decision)
+    call = opdispatch.validate_attention(q, k, v, layout="bhsd")
+    scale = call.scale
+    fns: dict[str, Callable[[], Any]] = {}
+    if device.type == "cpu" and impl.id == "cpu.flash":
+        kernel = torch._scaled_dot_product_flash_attention_for_cpu
+        fns["direct"] = lambda: kernel(q, k, v, 0.0, False, scale=scale)
+    else:
+        fns["direct"] = lambda: impl.run(call)
+    fns["impl.run"] = lambda: impl.run(call)
+    impl_id = impl.id
+    attention = opdispatch.attention
+    fns["pinned"] = lambda: attention(q, k, v, layout="bhsd", impl=impl_id)
+    fns["policy"] = lambda: attention(q, k, v, layout="bhsd")
+    if hasattr(opdispatch, "plan"):
+        planned = opdispatch.plan(q, k, v, layout="bhsd")
+        fns["plan"] = lambda: planned(q, k, v)
+    out = per_call_seconds(fns, device, repeat)
+    out["impl"] = impl_id  # type: ignore[assignment]
+    return out
+
+
+def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repeat: int) -> str:
+    cols = ["direct", "impl.run", "pinned", "policy", "plan"]
+    lines = [f"# opdispatch dispatch overhead ({device.type})", ""] + [f"- {x}" for x in environment(device)] + [
+        f"- median of {repeat} timeit repeats, per call; layout bhsd, "
+        f"{'float32' if device.type == 'cpu' else 'bfloat16'}; overhead = time - direct", "",
+        "| size (b,h,s,d) | impl | " + " | ".join(f"{c} µs" for c in cols)
+        + " | pinned - direct | policy - direct | plan - direct |",
+        "|---|---|" + "--:|" * (len(cols) + 3)]
+    for size in sizes:
+        r = bench_size(size, device, repeat)
+        direct = r["direct"]
+
+        def us(name: str) -> str:
+            return f"{r[name] * 1e6:.2f}" if name in r else "n/a"
+
+        def over(name: str) -> str:
+            if name not in r:
+                return "n/a"
+            delta = (r[name] - direct) * 1e6
+            return f"{delta:+.2f} µs ({(r[name] / direct - 1) * 100:+.1f}%)"
+
+        lines.append(f"| {size} | {r['impl']} | " + " | ".join(us(c) for c in cols)
+                     + f" | {over('pinned')} | {over('policy')} | {over('plan')} |")
+        print(lines[-1], file=sys.stderr)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", action="append", default=None,
+                        help="cpu and/or cuda (repeatable; default: cpu, plus cuda when available)")
+    parser.add_argument("--repeat", type=int, default=21)
+    parser.add_argument("--out", default=None, help="also write the markdown here")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: dispatch cost is single-threaded, and a thread pool "
+                        "waking up on a busy machine drowns microseconds in noise; 0 keeps torch's default)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    devices = args.device or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    parts = []
+    for name in devices:
+        device = torch.device(name)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        parts.append(markdown(device, SIZES_CUDA if device.type == "cuda" else SIZES_CPU, args.repeat))
+    text = "\n".join(parts)
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

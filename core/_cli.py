@@ -336,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--verbose", "-v", action="store_true", help="print every decision table")
     p.set_defaults(func=cmd_demo)
+
+    # -- performance: tune, bench (opdispatch._bench) ----------------------------------------------------------
+    from ._bench import add_perf_commands
+
+    add_perf_commands(sub)
     return parser
 
 

@@ -1,0 +1,209 @@
+"""`opdispatch tune` and `opdispatch bench`: measure the attention matrix on this device.
+
+`tune` writes a tuned table (see opdispatch.policies._tuning); `bench` writes a markdown report and a PNG chart
+of TFLOP/s per implementation per shape, with the policy's pick and its regret against the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opdispatch.policies._tuning import (PRESETS, CallSpec, Measurement, device_fingerprint, fingerprint_hash,
+                                         load_shapes, measure, preset, tune)
+
+PLOT_HINT = "pip install 'opdispatch[bench]'  (or: pip install matplotlib)"
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    if getattr(args, "on", None):
+        return torch.device(args.on)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _specs(args: argparse.Namespace, device: torch.device) -> list[CallSpec]:
+    if args.shapes:
+        return load_shapes(args.shapes)
+    return preset(args.preset, device.type)
+
+
+def geomean_regret(results: list[Measurement]) -> float | None:
+    """Geometric mean of time(pick)/time(fastest), minus 1, over the shapes where the pick was timed."""
+    ratios = [1.0 + m.regret for m in results if m.regret is not None]
+    if not ratios:
+        return None
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) - 1.0
+
+
+def markdown_report(results: list[Measurement], device: Any, title: str = "opdispatch attention benchmark") -> str:
+    impls = sorted({i for m in results for i in m.seconds} | {i for m in results for i in m.failed})
+    fp = device_fingerprint(device)
+    lines = [f"# {title}", "",
+             f"device: {device.describe()}  ", "versions: " + ", ".join(
+                 f"{k} {v}" for k, v in fp.items() if k not in ("vendor", "type", "arch", "name")) + "  ",
+             f"fingerprint: {fingerprint_hash(fp)}", "",
+             "TFLOP/s per implementation per shape (higher is better); **bold** = fastest, "
+             "`*` = the policy's pick; regret = time(pick) / time(fastest) - 1. "
+             "`-` = not eligible, `fail` = raised.", ""]
+    head = ["shape", *impls, "pick", "regret"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join(["---"] + ["--:"] * len(impls) + ["---", "--:"]) + "|")
+    for m in results:
+        row = [m.spec.describe()]
+        for impl in impls:
+            if impl in m.seconds:
+                cell = f"{m.tflops(impl):.3g}"
+                if impl == m.fastest:
+                    cell = f"**{cell}**"
+                if impl == m.pick:
+                    cell += " *"
+            elif impl in m.failed:
+                cell = "fail"
+            else:
+                cell = "-"
+            row.append(cell)
+        row.append(m.pick or "none")
+        row.append("n/a" if m.regret is None else f"{m.regret * 100:.1f}%")
+        lines.append("| " + " | ".join(row) + " |")
+    gm = geomean_regret(results)
+    lines += ["", f"geometric-mean regret of the pick: {'n/a' if gm is None else f'{gm * 100:.2f}%'} over "
+              f"{sum(m.regret is not None for m in results)} shapes", ""]
+    failures = [(m, i, e) for m in results for i, e in m.failed.items()]
+    if failures:
+        lines += ["## Failures", ""] + [f"- {m.spec.describe()}: {i}: {e}" for m, i, e in failures] + [""]
+    lines += ["median times (µs):", ""]
+    for m in results:
+        times = ", ".join(f"{i} {s * 1e6:.1f}" for i, s in sorted(m.seconds.items(), key=lambda kv: kv[1]))
+        lines.append(f"- {m.spec.describe()}: {times or 'nothing timed'}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[Measurement], path: Path, device: Any) -> bool:
+    """A grouped bar chart (TFLOP/s per impl per shape, the pick starred); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    impls = sorted({i for m in results for i in m.seconds})
+    n, width = max(len(impls), 1), 0.8 / max(len(impls), 1)
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(results) + 2), 5.5))
+    for j, impl in enumerate(impls):
+        xs = [i + (j - (n - 1) / 2) * width for i in range(len(results))]
+        ys = [m.tflops(impl) if impl in m.seconds else 0.0 for m in results]
+        bars = ax.bar(xs, ys, width, label=impl)
+        for x, y, m in zip(xs, ys, results):
+            if m.pick == impl and y:
+                ax.annotate("*", (x, y), ha="center", va="bottom", fontsize=14, color=bars.patches[0].get_facecolor())
+    labels = []
+    for m in results:
+        regret = "" if m.regret is None else f"\nregret {m.regret * 100:.0f}%"
+        labels.append(m.spec.describe().replace(" ", "\n", 2) + regret)
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels(labels, fontsize=7, rotation=60, ha="right")
+    ax.set_ylabel("TFLOP/s")
+    values = [m.tflops(i) for m in results for i in m.seconds]
+    if values and min(values) > 0 and max(values) / min(values) > 50:
+        ax.set_yscale("log")  # decode and prefill differ by orders of magnitude
+    gm = geomean_regret(results)
+    ax.set_title(f"{device.name} — attention TFLOP/s per implementation (* = pick; geomean regret "
+                 f"{'n/a' if gm is None else f'{gm * 100:.1f}%'})", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- commands --------------------------------------------------------------------------------------------------
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from ._api import get_manager
+
+    device = _device(args)
+    specs = _specs(args, device)
+    impls = args.impl or None
+    if args.device_only:
+        impls = _device_specific(device, impls)
+        if not impls:
+            print("opdispatch tune: no implementation specific to this device type is registered", file=sys.stderr)
+            return 1
+    table = tune(specs, manager=get_manager(), device=device, impls=impls, warmup=args.warmup, reps=args.reps,
+                 progress=not args.quiet)
+    out = Path(args.out)
+    table.save(out)
+    print(f"wrote {out}: {len(table.entries)} buckets, fingerprint {table.hash} ({table.fingerprint.get('name')})")
+    print(f"use it from a policy file with:  autotune: {out.name}   (path relative to the policy file)")
+    return 0
+
+
+def _device_specific(device: torch.device, patterns: list[str] | None) -> list[str]:
+    """Ids of implementations made for this device type (not portable ones such as reference.math)."""
+    import fnmatch
+
+    from ._api import get_manager
+
+    manager = get_manager()
+    manager.ensure_initialized()
+    info = manager.device_info(device)
+    return [r.impl.id for r in manager.registry.for_op("attention")
+            if r.impl.device_types and info.type in r.impl.device_types
+            and (not patterns or any(fnmatch.fnmatchcase(r.impl.id, p) for p in patterns))]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ._api import get_manager
+
+    manager = get_manager()
+    device = _device(args)
+    info = manager.device_info(device)
+    results = measure(_specs(args, device), manager=manager, device=device, impls=args.impl or None,
+                      warmup=args.warmup, reps=args.reps, progress=not args.quiet)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"attention-{info.type}"
+    md = out_dir / f"{stem}.md"
+    png = out_dir / f"{stem}.png"
+    text = markdown_report(results, info)
+    if plot(results, png, info):
+        text = text.replace("\nTFLOP/s per", f"\n![TFLOP/s per implementation]({png.name})\n\nTFLOP/s per", 1)
+        print(f"wrote {png}")
+    else:
+        print(f"no PNG: matplotlib is not installed; {PLOT_HINT}", file=sys.stderr)
+    md.write_text(text, encoding="utf-8")
+    print(f"wrote {md}")
+    gm = geomean_regret(results)
+    print(f"geometric-mean regret of the pick: {'n/a' if gm is None else f'{gm * 100:.2f}%'}")
+    return 0
+
+
+def add_perf_commands(sub: Any) -> None:
+    """Register `tune` and `bench` on the `opdispatch` argument parser's subcommands."""
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--preset", default="all", choices=PRESETS, help="call signatures to time (default: all)")
+        p.add_argument("--shapes", default=None, help="YAML file of call signatures instead of a preset")
+        p.add_argument("--impl", action="append", default=[], help="only these implementation ids/globs "
+                       "(repeatable)")
+        p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
+        p.add_argument("--warmup", type=int, default=3)
+        p.add_argument("--reps", type=int, default=10)
+        p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("tune", help="time every eligible implementation per shape bucket; write a tuned table")
+    common(p)
+    p.add_argument("--out", default="opdispatch-tuned.yaml", help="tuned table to write (YAML)")
+    p.add_argument("--device-only", action="store_true",
+                   help="only implementations specific to this device type (skip portable ones like reference)")
+    p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("bench", help="attention matrix on this device: markdown + PNG of TFLOP/s, pick, regret")
+    common(p)
+    p.add_argument("--out-dir", default="bench-results", help="folder for the .md and .png")
+    p.set_defaults(func=cmd_bench)

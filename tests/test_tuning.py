@@ -1,0 +1,215 @@
+"""Measured autotune: tuning on the CPU, the tuned table's round trip, fingerprints, lookups, presets, CLI."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import opdispatch
+from opdispatch._cli import main
+from opdispatch.policies._tuning import (PRESETS, CallSpec, TunedEntry, TunedTable, apply_tuned_order,
+                                         call_features, device_fingerprint, load_shapes, measure, preset, time_fn,
+                                         tune, tuned_table_for)
+
+TINY = [CallSpec(dtype="fp32", batch=1, seqlen_q=8, seqlen_k=8, heads_q=2, heads_kv=1, head_dim=16, causal=True),
+        CallSpec(dtype="fp32", layout="thd", batch=2, seqlen_q=8, seqlen_k=8, heads_q=2, heads_kv=2, head_dim=16)]
+FAST = dict(warmup=1, reps=2, progress=False)
+
+
+def _call(seq: int = 8, batch: int = 1, head_dim: int = 16, layout: str = "bshd", **kw) -> opdispatch.AttentionCall:
+    spec = CallSpec(dtype="fp32", layout=layout, batch=batch, seqlen_q=seq, seqlen_k=seq, heads_q=2, heads_kv=1,
+                    head_dim=head_dim, causal=True, **kw)
+    args = spec.inputs("cpu")
+    return opdispatch.validate_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_tune_times_cpu_flash_against_reference(basic_manager):
+    table = tune(TINY, manager=basic_manager, device="cpu", **FAST)
+    assert len(table.entries) == 2
+    dense = table.entries[0]
+    assert sorted(dense.order) == ["cpu.flash", "reference.math"]  # both eligible for the dense call
+    assert all(t > 0 for t in dense.median_us.values())
+    assert dense.order[0] == min(dense.median_us, key=dense.median_us.get)
+    assert table.entries[1].order == ["reference.math"]  # cpu.flash has no varlen
+    assert table.fingerprint == device_fingerprint(basic_manager.device_info("cpu"))
+    assert table.settings["reps"] == 2
+
+
+def test_impl_filter(basic_manager):
+    table = tune(TINY[:1], manager=basic_manager, device="cpu", impls=["cpu.*"], **FAST)
+    assert table.entries[0].order == ["cpu.flash"]
+
+
+def test_progress_bar_goes_to_stderr(basic_manager, capsys):
+    measure(TINY[:1], manager=basic_manager, device="cpu", warmup=0, reps=1, progress=True)
+    err = capsys.readouterr().err
+    assert "[" in err and "2/2" in err and "reference.math" in err
+
+
+def test_round_trip(basic_manager, tmp_path):
+    table = tune(TINY, manager=basic_manager, device="cpu", **FAST)
+    path = tmp_path / "tuned.yaml"
+    table.save(path)
+    loaded = TunedTable.load(path)
+    assert loaded.fingerprint == table.fingerprint
+    assert [(e.discrete, e.sizes, e.order) for e in loaded.entries] == [
+        (e.discrete, e.sizes, e.order) for e in table.entries]
+    assert loaded.source == str(path)
+    assert loaded.lookup(_call()) == table.entries[0].order
+    assert yaml.safe_load(path.read_text())["format"] == "opdispatch-tuned/1"
+
+
+def test_fingerprint_mismatch_is_stale(basic_manager, tmp_path, caplog):
+    device = basic_manager.device_info("cpu")
+    table = TunedTable(dict(device_fingerprint(device), torch="1.0.0"), [])
+    ok, reason = table.matches(device)
+    assert not ok
+    assert "torch 1.0.0 in the table vs" in reason and "opdispatch tune" in reason
+    assert TunedTable(device_fingerprint(device), []).matches(device)[0]
+    path = tmp_path / "stale.yaml"
+    table.save(path)
+    with caplog.at_level(logging.WARNING, logger="opdispatch"):
+        assert tuned_table_for(path, device) is None
+        assert tuned_table_for(path, device) is None  # cached: one warning
+    assert len([r for r in caplog.records if "is stale for this device" in r.getMessage()]) == 1
+    fresh = tmp_path / "fresh.yaml"
+    TunedTable(device_fingerprint(device), []).save(fresh)
+    assert isinstance(tuned_table_for(fresh, device), TunedTable)
+
+
+def test_simulated_device_fingerprint_comes_from_its_descriptor(tmp_path):
+    descriptor = tmp_path / "gpu.yaml"
+    descriptor.write_text("vendor: nvidia\ntype: cuda\narch: sm90\nname: H100\ncapability: [9, 0]\n"
+                          "libraries: {torch: '2.13.0', cudnn: '91000'}\n")
+    fp = device_fingerprint(opdispatch.load_device_descriptor(descriptor))
+    assert fp == {"vendor": "nvidia", "type": "cuda", "arch": "sm90", "name": "H100", "capability": "9.0",
+                  "cudnn": "91000", "torch": "2.13.0"}
+
+
+def _entry(seq: int, order: list[str], batch: int = 1, head_dim: int = 16, layout: str = "dense") -> TunedEntry:
+    return TunedEntry(("fp32", layout, head_dim, 2, 1, True, False, False, False), (seq, seq, batch), order)
+
+
+def test_lookup_takes_the_nearest_bucket_in_log_space():
+    table = TunedTable({}, [_entry(64, ["a.x", "b.y"]), _entry(1024, ["b.y", "a.x"])])
+    assert table.lookup(_call(64)) == ["a.x", "b.y"]
+    assert table.lookup(_call(100)) == ["a.x", "b.y"]  # log2 100 = 6.6: nearer 64 (6) than 1024 (10)
+    assert table.lookup(_call(200)) == ["a.x", "b.y"]  # 7.6: below the log midpoint 8 (= 256)
+    assert table.lookup(_call(300)) == ["b.y", "a.x"]  # 8.2
+    assert table.lookup(_call(4096)) == ["b.y", "a.x"]
+    assert table.lookup(_call(100, head_dim=32)) is None  # discrete features must match
+    assert table.lookup(_call(100, layout="thd")) is None
+    assert table.lookup_entry(_call(2000)).sizes == (1024, 1024, 1)
+
+
+def test_lookup_uses_batch_too():
+    table = TunedTable({}, [_entry(64, ["a.x"], batch=1), _entry(64, ["b.y"], batch=32)])
+    assert table.lookup(_call(64, batch=2)) == ["a.x"]
+    assert table.lookup(_call(64, batch=16)) == ["b.y"]
+
+
+def test_call_features():
+    discrete, sizes = call_features(_call(8, batch=3, window=(4, 0)))
+    assert discrete == ("fp32", "dense", 16, 2, 1, True, True, False, False)
+    assert sizes == (8, 8, 3)
+
+
+def test_apply_tuned_order():
+    order = [("a.x", "p1"), ("b.y", "p2"), ("c.z", "p3")]
+    assert apply_tuned_order(order, ["c.z", "d.gone", "a.x"], "tuned") == [
+        ("c.z", "tuned"), ("a.x", "tuned"), ("b.y", "p2")]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_presets_are_valid_calls(name, device_type):
+    specs = preset(name, device_type)
+    assert specs
+    with torch.device("meta"):
+        for spec in specs:
+            kw = spec.inputs("meta")
+            call = opdispatch.validate_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), check_values=False, **kw)
+            assert call.requires_grad == spec.requires_grad
+            assert spec.flops() > 0
+    if name == "all":
+        assert len(specs) == sum(len(preset(p, device_type)) for p in PRESETS[:-1])
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("nope")
+
+
+def test_flops_count_allowed_pairs():
+    full = CallSpec(seqlen_q=4, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1)
+    assert full.flops() == 2 * 16 * 2
+    assert CallSpec(seqlen_q=4, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1, causal=True).flops() == 2 * 10 * 2
+    decode = CallSpec(seqlen_q=1, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1, causal=True)
+    assert decode.flops() == 2 * 4 * 2  # bottom-right: the one query sees every key
+    window = CallSpec(seqlen_q=4, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1, causal=True, window=(1, 0))
+    assert window.flops() == 2 * 7 * 2
+
+
+def test_load_shapes(tmp_path):
+    path = tmp_path / "shapes.yaml"
+    path.write_text("shapes:\n  - {dtype: fp32, batch: 2, seqlen_q: 16, heads_q: 4, head_dim: 8, causal: true}\n"
+                    "  - {layout: thd, batch: 3, seqlen_q: 32, heads_q: 4, heads_kv: 2, window: [8, 0]}\n")
+    specs = load_shapes(path)
+    assert specs[0].seqlen_k == 16 and specs[0].heads_kv == 4
+    assert specs[1].window == (8, 0) and specs[1].layout == "thd"
+    path.write_text("- {dtype: fp32, seqlen: 4}\n")
+    with pytest.raises(ValueError, match="unknown field"):
+        load_shapes(path)
+
+
+def test_time_fn_returns_a_median():
+    assert 0 < time_fn(lambda: sum(range(100)), torch.device("cpu"), warmup=1, reps=3) < 0.1
+
+
+def test_failing_impl_is_recorded_not_ranked(basic_manager):
+    class Broken(opdispatch.AttentionImpl):
+        vendor, name = "broken", "impl"
+        caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True)
+
+        def run(self, call):
+            raise RuntimeError("kernel exploded")
+
+    basic_manager.register_impl(Broken())
+    (m,) = measure(TINY[:1], manager=basic_manager, device="cpu", **FAST)
+    assert "kernel exploded" in m.failed["broken.impl"]
+    assert "broken.impl" not in m.ranking()
+    assert m.pick == "cpu.flash"
+    assert m.regret is not None and m.regret >= 0
+
+
+def _shapes_file(tmp_path: Path) -> Path:
+    path = tmp_path / "shapes.yaml"
+    path.write_text("- {dtype: fp32, batch: 1, seqlen_q: 8, heads_q: 2, head_dim: 16, causal: true}\n")
+    return path
+
+
+def test_cli_tune(basic_manager, tmp_path, capsys):
+    out = tmp_path / "t.yaml"
+    assert main(["tune", "--shapes", str(_shapes_file(tmp_path)), "--out", str(out), "--reps", "1", "--warmup", "0",
+                 "-q"]) == 0
+    assert "autotune: t.yaml" in capsys.readouterr().out
+    assert sorted(TunedTable.load(out).entries[0].order) == ["cpu.flash", "reference.math"]
+    assert main(["tune", "--shapes", str(_shapes_file(tmp_path)), "--out", str(out), "--reps", "1", "--warmup", "0",
+                 "-q", "--device-only"]) == 0
+    assert TunedTable.load(out).entries[0].order == ["cpu.flash"]
+
+
+def test_cli_bench(basic_manager, tmp_path, capsys):
+    out_dir = tmp_path / "bench"
+    assert main(["bench", "--shapes", str(_shapes_file(tmp_path)), "--out-dir", str(out_dir), "--reps", "1",
+                 "--warmup", "0", "-q"]) == 0
+    text = (out_dir / "attention-cpu.md").read_text()
+    assert "| shape | cpu.flash | reference.math | pick | regret |" in text
+    assert "geometric-mean regret" in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib" in capsys.readouterr().err
+    else:
+        assert (out_dir / "attention-cpu.png").stat().st_size > 1000
