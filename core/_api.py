@@ -12,6 +12,7 @@ import torch
 from ._attention import validate_attention
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
+from ._graphs import is_capturing
 from ._manager import OpManager
 from .policies._overrides import MODULE, OVERRIDES
 
@@ -94,7 +95,8 @@ def attention(
         q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
         dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
         attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, module=MODULE.get())
+        max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, module=MODULE.get(),
+        check_values=not is_capturing(q.device))  # reading cu_seqlens would sync inside CUDA graph capture
     if key is None:
         return manager.call("attention", call, impl=impl)
     fn = manager.bind("attention", call, impl=impl)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterable
@@ -19,6 +20,7 @@ from ._decision import (CHOSEN, DENIED, ELIGIBLE, FAILED, REJECTED, UNAVAILABLE,
 from opdispatch.policies._overrides import OVERRIDES
 
 from ._device import DeviceInfo, probe_cpu, probe_generic
+from ._graphs import is_capturing, raise_if_capturing
 from ._errors import NoImplementationError, PinnedImplementationError, PolicyError
 from ._impl import Impl
 from ._registry import Origin, Registry
@@ -135,6 +137,7 @@ class OpManager:
 
     def clear_cache(self) -> None:
         """Forget decisions and availability answers (after a plugin or environment change)."""
+        _invalidate_compiled()
         with self._lock:
             self._cache = {}
             self.fast = {}
@@ -168,6 +171,7 @@ class OpManager:
             self._policy = policy  # one reference swap: readers see the old policy or the new one, never a mix
             self._cache = {}
             self.fast = {}
+        _invalidate_compiled()
 
     def set_policy(self, policy: Any) -> None:
         """Use `policy` (a Policy object, or the path of a YAML file) from now on; cached decisions are dropped.
@@ -270,6 +274,7 @@ class OpManager:
             decision = self._cache.get(key)
             if decision is not None:
                 return decision
+        raise_if_capturing(op, call)  # deciding probes devices and may sync: never inside CUDA graph capture
         decision = self._decide(op, call, device, impl, policy, overrides)
         if decision.chosen is None:
             raise _no_impl_error(decision, self.plugins)
@@ -291,8 +296,21 @@ class OpManager:
         return self._decide(op, call, device, impl, self.policy, OVERRIDES.get())
 
     def _tuned_order(self, op: str, call: Any, device: DeviceInfo, policy: Any) -> Any:
-        """Measured order from the policy's `autotune:` table, or None."""
-        return None
+        """Measured order (fastest first) from the policy's `autotune:` table for this call's bucket, or None.
+
+        A table measured on another device or library versions is ignored with one warning.
+        """
+        where = policy.autotune_table(op)
+        if where is None:
+            return None
+        from opdispatch.policies._tuning import tuned_table_for
+
+        path, line = where
+        table = tuned_table_for(path, device)
+        entry = table.lookup_entry(call) if table is not None else None
+        if entry is None:
+            return None
+        return list(entry.order), Provenance("policy", line, note=f"autotune {path.name}: {entry.describe()}")
 
     def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None, policy: Any,
                 overrides: Any) -> Decision:
@@ -382,6 +400,8 @@ class OpManager:
                 try:
                     return primary(q, k, v)
                 except Exception as exc:
+                    if is_capturing(q.device):  # a fallback inside capture would record a half-failed graph
+                        raise
                     return self._fallback(decision, call.with_tensors(q, k, v), exc)
 
             fn = with_fallback
@@ -392,7 +412,8 @@ class OpManager:
         decision = self.resolve(op, call, impl=impl)
         chosen = decision.chosen
         assert chosen is not None
-        if impl is not None or decision.pinned is not None or not self.policy.settings.fallback_on_error:
+        if (impl is not None or decision.pinned is not None or not self.policy.settings.fallback_on_error
+                or is_capturing(call.device)):
             return chosen.run(call)
         try:
             return chosen.run(call)
@@ -416,6 +437,13 @@ class OpManager:
                 errors.append(f"{cand.impl_id}: {type(next_exc).__name__}: {next_exc}")
         raise RuntimeError(f"{decision.op}: every eligible implementation raised at run time: "
                            + " | ".join(errors)) from exc
+
+
+def _invalidate_compiled() -> None:
+    """Make compiled graphs re-trace (and so re-decide) after a policy or plugin change — if any were compiled."""
+    compiled = sys.modules.get("opdispatch._compile")
+    if compiled is not None:
+        compiled.invalidate_compiled_decisions()
 
 
 def _failed_plugins_text(plugins: list[PluginRecord]) -> str:

@@ -213,3 +213,45 @@ def test_cli_bench(basic_manager, tmp_path, capsys):
         assert "matplotlib" in capsys.readouterr().err
     else:
         assert (out_dir / "attention-cpu.png").stat().st_size > 1000
+
+
+# -- the policy's `autotune:` key drives real decisions ---------------------------------------------------------
+
+def _table_for_cpu(manager, order):
+    device = manager.device_info(torch.device("cpu"))
+    return TunedTable(device_fingerprint(device), [_entry(64, order), _entry(1024, list(reversed(order)))])
+
+
+def test_policy_autotune_table_orders_the_decision(basic_manager, tmp_path):
+    _table_for_cpu(basic_manager, ["reference.math", "cpu.flash"]).save(tmp_path / "tuned.yaml")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("ops:\n  attention:\n    autotune: tuned.yaml\n")
+    basic_manager.set_policy(policy)
+    short = torch.randn(1, 70, 2, 16)  # between buckets, nearest to 64: reference.math measured fastest
+    long = torch.randn(1, 900, 2, 16)  # nearest to 1024: cpu.flash measured fastest
+    kv = torch.randn(1, 70, 1, 16)
+    d = opdispatch.explain(short, kv, kv, causal=True)
+    assert d.chosen_id == "reference.math"
+    assert d.decided_by.source == f"{policy}:3" and "autotune tuned.yaml" in d.decided_by.note
+    kv = torch.randn(1, 900, 1, 16)
+    assert opdispatch.explain(long, kv, kv, causal=True).chosen_id == "cpu.flash"
+    # rules still outrank the measured order
+    policy.write_text("ops:\n  attention:\n    autotune: tuned.yaml\n    rules:\n      - name: r\n"
+                      "        prefer: [cpu.flash]\n")
+    basic_manager.reload()
+    kv = torch.randn(1, 70, 1, 16)
+    assert opdispatch.explain(short, kv, kv, causal=True).chosen_id == "cpu.flash"
+
+
+def test_policy_autotune_table_of_another_device_is_ignored_with_a_warning(basic_manager, tmp_path, caplog):
+    device = basic_manager.device_info(torch.device("cpu"))
+    TunedTable(dict(device_fingerprint(device), torch="1.0.0"), [_entry(64, ["reference.math", "cpu.flash"])]).save(
+        tmp_path / "stale.yaml")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("ops:\n  attention:\n    autotune: stale.yaml\n")
+    basic_manager.set_policy(policy)
+    q, kv = torch.randn(1, 64, 2, 16), torch.randn(1, 64, 1, 16)
+    with caplog.at_level(logging.WARNING, logger="opdispatch"):
+        d = opdispatch.explain(q, kv, kv, causal=True)
+    assert d.chosen_id == "cpu.flash" and "order" in d.decided_by.note
+    assert any("stale.yaml" in r.getMessage() and "Ignoring it" in r.getMessage() for r in caplog.records)
