@@ -295,10 +295,11 @@ class OpManager:
             device = self.device_info(call.device)
         return self._decide(op, call, device, impl, self.policy, OVERRIDES.get())
 
-    def _tuned_order(self, op: str, call: Any, device: DeviceInfo, policy: Any) -> Any:
-        """Measured order (fastest first) from the policy's `autotune:` table for this call's bucket, or None.
+    def _tuned_order(self, op: str, call: Any, device: DeviceInfo, policy: Any, overrides: Any) -> Any:
+        """Measured order for this call from the policy's `autotune:` table, or None.
 
-        A table measured on another device or library versions is ignored with one warning.
+        Neighbouring buckets are blended, and near-ties (within 5%) keep the policy's own order. A table
+        measured on another device or other library versions is ignored with one warning.
         """
         where = policy.autotune_table(op)
         if where is None:
@@ -307,10 +308,14 @@ class OpManager:
 
         path, line = where
         table = tuned_table_for(path, device)
-        entry = table.lookup_entry(call) if table is not None else None
-        if entry is None:
+        if table is None:
             return None
-        return list(entry.order), Provenance("policy", line, note=f"autotune {path.name}: {entry.describe()}")
+        base = policy.plan(op, [r.impl.id for r in self.registry.for_op(op)], call, device, overrides)
+        ranked = table.rank(call, [impl_id for impl_id, _ in base.order])
+        if ranked is None:
+            return None
+        order, note = ranked
+        return order, Provenance("policy", line, note=f"autotune {path.name}: {note}")
 
     def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None, policy: Any,
                 overrides: Any) -> Decision:
@@ -337,7 +342,7 @@ class OpManager:
             pin: tuple[str, Provenance] | None = (impl, Provenance("argument", "impl=", note="pinned for this call"))
         else:
             plan = policy.plan(op, [r.impl.id for r in entries], call, device, overrides,
-                               tuned=self._tuned_order(op, call, device, policy))
+                               tuned=self._tuned_order(op, call, device, policy, overrides))
             pin = plan.pin
 
         if pin is not None:

@@ -492,6 +492,53 @@ class TunedTable:
         self._cache[key] = best
         return best
 
+    def estimate(self, call: Any, neighbours: int = 4) -> tuple[dict[str, float], list[TunedEntry]]:
+        """Estimated cost of each implementation for `call`, relative to the fastest (1.0 = fastest).
+
+        Blends the nearest buckets with the same discrete features by inverse log-distance (an exact bucket
+        alone decides), so a shape between buckets — where neighbours may disagree — gets a weighted verdict
+        instead of whichever neighbour a tie happened to favour. Only implementations timed in every blended
+        bucket are estimated.
+        """
+        discrete, sizes = call_features(call)
+        candidates = self._index.get(discrete) or []
+        if not candidates:
+            return {}, []
+        ranked = sorted(candidates, key=lambda e: _log_distance(e.sizes, sizes))[:neighbours]
+        distances = [math.sqrt(_log_distance(e.sizes, sizes)) for e in ranked]
+        if distances[0] == 0.0:
+            ranked, distances = ranked[:1], distances[:1]
+        used = [(e, 1.0 / (d + 1e-9)) for e, d in zip(ranked, distances) if e.median_us]
+        if not used:
+            return {}, []
+        common = set.intersection(*(set(e.median_us) for e, _ in used))
+        total = sum(w for _, w in used)
+        scores = {}
+        for impl_id in common:
+            log_rel = sum(w * math.log(e.median_us[impl_id] / min(e.median_us[i] for i in common))
+                          for e, w in used)
+            scores[impl_id] = math.exp(log_rel / total)
+        fastest = min(scores.values(), default=1.0)
+        return {i: c / fastest for i, c in scores.items()}, [e for e, _ in used]
+
+    def rank(self, call: Any, policy_order: Sequence[str], margin: float = 0.05) -> tuple[list[str], str] | None:
+        """Implementation ids for `call`, fastest first by `estimate`, and a note saying why.
+
+        Implementations within `margin` of the fastest count as a tie and keep `policy_order` among themselves:
+        a few percent is within measurement noise and does not overturn the policy.
+        """
+        scores, used = self.estimate(call)
+        if not scores:
+            return None
+        best = min(scores.values())
+        position = {impl_id: i for i, impl_id in enumerate(policy_order)}
+        tied = sorted((i for i in scores if scores[i] <= best * (1.0 + margin)),
+                      key=lambda i: (position.get(i, len(position)), scores[i]))
+        rest = sorted((i for i in scores if i not in tied), key=lambda i: scores[i])
+        buckets = "; ".join(e.describe() for e in used)
+        costs = ", ".join(f"{i} x{scores[i]:.2f}" for i in tied + rest)
+        return tied + rest, f"{'bucket' if len(used) == 1 else 'buckets'} {buckets}: {costs}"
+
     def lookup(self, call: Any) -> list[str] | None:
         """Implementation ids fastest first for `call` (nearest tuned bucket), or None when no bucket fits.
 

@@ -217,9 +217,37 @@ def test_cli_bench(basic_manager, tmp_path, capsys):
 
 # -- the policy's `autotune:` key drives real decisions ---------------------------------------------------------
 
+def _timed(seq: int, times: dict[str, float], batch: int = 1) -> TunedEntry:
+    entry = _entry(seq, sorted(times, key=times.get), batch=batch)
+    entry.median_us.update(times)
+    return entry
+
+
 def _table_for_cpu(manager, order):
     device = manager.device_info(torch.device("cpu"))
-    return TunedTable(device_fingerprint(device), [_entry(64, order), _entry(1024, list(reversed(order)))])
+    fast, slow = order
+    return TunedTable(device_fingerprint(device), [_timed(64, {fast: 10.0, slow: 30.0}),
+                                                   _timed(1024, {slow: 100.0, fast: 300.0})])
+
+
+def test_estimate_blends_neighbours_between_buckets():
+    table = TunedTable({}, [_timed(512, {"a.x": 24.0, "b.y": 26.0}), _timed(2048, {"a.x": 160.0, "b.y": 80.0})])
+    call = opdispatch.validate_attention(torch.empty(1, 1024, 2, 16, device="meta"),
+                                         torch.empty(1, 1024, 1, 16, device="meta"),
+                                         torch.empty(1, 1024, 1, 16, device="meta"), causal=True)
+    scores, used = table.estimate(call)
+    assert len(used) == 2 and scores["b.y"] == 1.0 and scores["a.x"] > 1.3  # the neighbours outvote a near-tie
+    order, note = table.rank(call, ["a.x", "b.y"])
+    assert order == ["b.y", "a.x"] and "buckets" in note
+
+
+def test_rank_keeps_policy_order_within_the_noise_margin():
+    table = TunedTable({}, [_timed(512, {"a.x": 24.5, "b.y": 25.5})])
+    call = opdispatch.validate_attention(torch.empty(1, 512, 2, 16, device="meta"),
+                                         torch.empty(1, 512, 1, 16, device="meta"),
+                                         torch.empty(1, 512, 1, 16, device="meta"), causal=True)
+    assert table.rank(call, ["b.y", "a.x"])[0] == ["b.y", "a.x"]  # 4% apart: the policy's order stands
+    assert table.rank(call, ["b.y", "a.x"], margin=0.01)[0] == ["a.x", "b.y"]
 
 
 def test_policy_autotune_table_orders_the_decision(basic_manager, tmp_path):
