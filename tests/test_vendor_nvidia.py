@@ -252,3 +252,13 @@ def test_packed_lse_conversions():
         padded[b, :, :n] = want[:, start:start + n]
         start += n
     assert torch.equal(_packed_lse(padded, call), want)
+
+
+def test_d64_sliding_window_inference_prefers_flagos(manager):
+    q, k, v = qkv(b=1, sq=8192, hq=32, hkv=8, d=64)
+    d = chosen("h200", q, k, v, causal=True, window=(1024, 0))
+    assert d.chosen_id == "flagos.triton"
+    q, k, v = qkv(b=1, sq=8192, hq=32, hkv=8, d=128)
+    assert chosen("h200", q, k, v, causal=True, window=(1024, 0)).chosen_id == "nvidia.flash"
+    q, k, v = qkv(b=1, sq=8192, hq=32, hkv=8, d=64, grad=True)
+    assert chosen("h200", q, k, v, causal=True, window=(1024, 0)).chosen_id == "nvidia.flash"
