@@ -192,7 +192,7 @@ def host_overhead(device):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--only", default=None, help="substring filter on shape names")
+    ap.add_argument("--only", default=None, help="substring filter on shape names (comma-separated: any of them)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
@@ -202,7 +202,7 @@ def main():
     impls = {r.impl.id: r.impl for r in manager.registry.for_op("attention")}
     rows = []
     for shape in SHAPES:
-        if args.only and args.only not in shape[0]:
+        if args.only and not any(part in shape[0] for part in args.only.split(",")):
             continue
         torch.manual_seed(0)
         q, k, v, kw, train, lens = make(shape, device)

@@ -163,3 +163,102 @@ def test_flash_attn_capabilities_on_a100(manager):
     d = chosen("a100", q, k, v, causal=True, alibi_slopes=alibi, return_lse=True)
     fa = next(c for c in d.candidates if c.impl_id == "nvidia.flash_attn")
     assert any("ALiBi" in r for r in fa.reasons)
+
+
+# -- cuDNN varlen (thd) through aten _cudnn_attention_forward: opt-in ----------------------------------------
+
+def _thd(lens_q=(1000, 2000), lens_k=None, hq=16, hkv=4, d=128, grad=False):
+    lens_k = lens_k or lens_q
+    q = torch.empty(sum(lens_q), hq, d, **META, requires_grad=grad)
+    k = torch.empty(sum(lens_k), hkv, d, **META, requires_grad=grad)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="meta")
+    cu_k = cu_q if lens_k is lens_q else torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()],
+                                                      dtype=torch.int32, device="meta")
+    return q, k, k, dict(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                         max_seqlen_k=max(lens_k))
+
+
+def _cudnn_reasons(manager, device, *args, **kw):
+    manager.ensure_initialized()
+    impl = manager.registry.get("attention", "nvidia.cudnn").impl
+    d = chosen(device, *args, **kw)
+    return d, next(c for c in d.candidates if c.impl_id == "nvidia.cudnn"), impl
+
+
+def test_cudnn_varlen_is_off_by_default(manager):
+    q, k, v, kw = _thd()
+    d, cudnn, _ = _cudnn_reasons(manager, "h100", q, k, v, causal=True, **kw)
+    assert d.chosen_id == "nvidia.flash"
+    assert any("rebuilds the cuDNN varlen graph on every call" in r for r in cudnn.reasons)
+
+
+@pytest.fixture
+def cudnn_varlen(manager, tmp_path, monkeypatch):
+    """The opt-in, the way a user sets it: a policy layered over the default."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
+                      "      nvidia.cudnn: {varlen: true}\n")
+    monkeypatch.setenv("OPDISPATCH_POLICY", str(policy))
+    return manager
+
+
+def test_cudnn_varlen_opt_in_takes_forward_gqa(manager, cudnn_varlen):
+    q, k, v, kw = _thd()
+    assert chosen("h100", q, k, v, causal=True, return_lse=True, **kw).chosen_id == "nvidia.cudnn"
+    assert chosen("h200", q, k, v, **kw).chosen_id == "nvidia.cudnn"
+    # per-sequence q/k lengths that differ: cuDNN's causal mask is top-left per sequence (measured)
+    q2, k2, v2, kw2 = _thd(lens_q=(100, 300), lens_k=(400, 500))
+    assert chosen("h100", q2, k2, v2, causal=True, **kw2).chosen_id == "nvidia.cudnn"
+    d, cudnn, _ = _cudnn_reasons(manager, "h100", q2, k2, v2, causal=True, causal_alignment="bottom_right", **kw2)
+    assert d.chosen_id == "nvidia.flash"
+    assert any("top-left per sequence" in r for r in cudnn.reasons)
+
+
+def test_cudnn_varlen_opt_in_limits(manager, cudnn_varlen):
+    q, k, v, kw = _thd(grad=True)
+    d, cudnn, _ = _cudnn_reasons(manager, "h100", q, k, v, causal=True, **kw)
+    assert d.chosen_id == "nvidia.flash"
+    assert any("forward only" in r for r in cudnn.reasons)
+    q, k, v, kw = _thd()
+    d, cudnn, _ = _cudnn_reasons(manager, "a100", q, k, v, causal=True, **kw)
+    assert d.chosen_id == "nvidia.flash"
+    assert any("needs sm90..sm103" in r for r in cudnn.reasons)
+    d, cudnn, _ = _cudnn_reasons(manager, "h100", q, k, v, dropout_p=0.1, **kw)
+    assert any("dropout not supported" in r for r in cudnn.reasons)
+
+
+def test_cudnn_options_reject_unknown_keys(manager):
+    manager.ensure_initialized()
+    impl = manager.registry.get("attention", "nvidia.cudnn").impl
+    with pytest.raises(ValueError):
+        impl.configure({"ragged": True})
+    impl.configure(None)
+
+
+def test_packed_lse_conversions():
+    from opdispatch.vendors.nvidia._attention import _packed_lse
+
+    lens = [3, 0, 5]
+    q = torch.zeros(8, 2, 8)
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    call = validate_attention(q, q, q, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu)
+    want = torch.arange(16, dtype=torch.float32).reshape(2, 8)
+    assert torch.equal(_packed_lse(want.t().unsqueeze(-1).contiguous(), call), want)  # cuDNN: (total, h, 1)
+    assert torch.equal(_packed_lse(want.t().contiguous(), call), want)
+    assert torch.equal(_packed_lse(want, call), want)
+    padded = torch.full((3, 2, 5), float("nan"))
+    start = 0
+    for b, n in enumerate(lens):
+        padded[b, :, :n] = want[:, start:start + n]
+        start += n
+    assert torch.equal(_packed_lse(padded, call), want)
+
+
+def test_d64_sliding_window_inference_prefers_flagos(manager):
+    q, k, v = qkv(b=1, sq=8192, hq=32, hkv=8, d=64)
+    d = chosen("h200", q, k, v, causal=True, window=(1024, 0))
+    assert d.chosen_id == "flagos.triton"
+    q, k, v = qkv(b=1, sq=8192, hq=32, hkv=8, d=128)
+    assert chosen("h200", q, k, v, causal=True, window=(1024, 0)).chosen_id == "nvidia.flash"
+    q, k, v = qkv(b=1, sq=8192, hq=32, hkv=8, d=64, grad=True)
+    assert chosen("h200", q, k, v, causal=True, window=(1024, 0)).chosen_id == "nvidia.flash"

@@ -74,6 +74,13 @@ CASES = [
     _case("varlen_noncausal", layout="thd", lens_q=[37, 128, 5, 90], hq=4, hkv=4, d=64),
     _case("varlen_br", layout="thd", lens_q=[20, 64, 1, 33], lens_k=[50, 64, 17, 99], hq=8, hkv=2, d=128,
           causal=True, causal_alignment="bottom_right"),
+    _case("varlen_tl", layout="thd", lens_q=[20, 64, 3, 33], lens_k=[50, 64, 17, 99], hq=8, hkv=2, d=128,
+          causal=True, causal_alignment="top_left"),
+    _case("varlen_q>k_tl", layout="thd", lens_q=[50, 30, 70], lens_k=[20, 30, 40], hq=8, hkv=2, d=128,
+          causal=True),
+    _case("varlen_mqa_d256", layout="thd", lens_q=[300, 77, 129], hq=8, hkv=1, d=256, causal=True),
+    _case("varlen_fp16_dv", layout="thd", lens_q=[37, 128, 5, 90], hq=8, hkv=2, d=128, dv=64,
+          dtype=torch.float16),
     _case("varlen_window_softcap", layout="thd", lens_q=[70, 128, 9], hq=8, hkv=2, d=128, causal=True,
           window=(32, 0), softcap=30.0),
 ]
@@ -146,6 +153,18 @@ def test_against_reference(impl_id, case):
     why = manager.availability(impl, device)
     if why:
         pytest.skip(f"{impl_id} unavailable: {why}")
+    if impl_id == "nvidia.cudnn" and case["layout"] == "thd":
+        # cuDNN varlen is opt-in (slow graph rebuilds on torch 2.11); its numerics are tested all the same.
+        impl.configure({"varlen": True})
+        try:
+            _check(impl_id, impl, device, manager, case)
+        finally:
+            impl.configure(None)
+        return
+    _check(impl_id, impl, device, manager, case)
+
+
+def _check(impl_id, impl, device, manager, case):
     gen = torch.Generator(device="cuda").manual_seed(hash((impl_id, case["name"])) % 2**31)
     q, k, v, kw = _make(case, "cuda", grad=False, gen=gen)
     ref_impl = manager.registry.get("attention", "reference.math").impl

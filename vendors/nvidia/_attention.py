@@ -16,6 +16,7 @@ import math
 from typing import Any, ClassVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 from opdispatch._attention import allowed_positions
@@ -33,6 +34,9 @@ _efficient_sdpa = torch._scaled_dot_product_efficient_attention
 # _flash_attention_forward has no torch.* binding; its OpOverload is the direct entry (window, ALiBi, varlen).
 _flash_forward = torch.ops.aten._flash_attention_forward.default
 _FLASH_FORWARD_ARGS = frozenset(a.name for a in _flash_forward._schema.arguments)
+# _cudnn_attention_forward: the cuDNN entry that takes packed (total, heads, dim) tensors with cumulative offsets
+# (torch.nn.attention.varlen's cuDNN path). Absent from older torch builds.
+_cudnn_forward = getattr(getattr(torch.ops.aten, "_cudnn_attention_forward", None), "default", None)
 
 
 def _version_tuple(text: str | None) -> tuple[int, ...]:
@@ -159,6 +163,16 @@ def _fix_empty_rows(lse: torch.Tensor) -> torch.Tensor:
 
 # -- torch: cuDNN --------------------------------------------------------------------------------------------
 
+class CudnnOptions(BaseModel):
+    """Policy knobs of `nvidia.cudnn` (`ops.attention.options."nvidia.cudnn"` in the policy YAML)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    varlen: bool = Field(
+        default=False, description="take packed varlen (thd) calls through aten _cudnn_attention_forward. Off by "
+                                   "default: torch 2.11 rebuilds that cuDNN graph on every call (see _VARLEN_SLOW)")
+
+
 class CudnnAttention(AttentionImpl):
     vendor: ClassVar[str] = "nvidia"
     name: ClassVar[str] = "cudnn"
@@ -168,15 +182,18 @@ class CudnnAttention(AttentionImpl):
     device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
     min_capability: ClassVar[tuple[int, int] | None] = (8, 0)   # "cuDNN MHA only supports ... [sm80, sm121]"
     max_capability: ClassVar[tuple[int, int] | None] = (12, 1)
+    options_model: ClassVar[type[BaseModel]] = CudnnOptions
     requires = (_TorchBuildRequirement(
         module="torch", distribution="torch", key="cudnn", min_version="9.0.0",
         install_hint="install a CUDA build of torch with cuDNN >= 9 (the pytorch.org CUDA wheels bundle it)"),)
     # sdp_utils can_use_cudnn_attention: fp16/bf16; d_qk and d_v multiples of 8 (d_v may differ); GQA with
     # hk == hv not required; attn_mask as an additive bias (no gradient for it: derivatives.yaml); dropout;
     # not deterministic. is_causal is the top-left mask (measured with seqlen_q != seqlen_k).
+    # Varlen (thd) goes through aten _cudnn_attention_forward with cumulative offsets; what it takes is narrower
+    # than the dense path and is declared in extra_reasons (see _VARLEN_* below).
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, head_dim_v_differs=True,
-        layouts=_DENSE, causal_alignments=frozenset({"top_left"}), gqa=True, dropout=True, attn_mask=True,
+        layouts=_ALL_LAYOUTS, causal_alignments=frozenset({"top_left"}), gqa=True, dropout=True, attn_mask=True,
         attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=False,
     )
 
@@ -187,6 +204,8 @@ class CudnnAttention(AttentionImpl):
         if d > 128 and not (device.capability == (9, 0) and cudnn >= (9, 10)):
             reasons.append(f"head_dim {d} > 128 needs sm90 with cuDNN >= 9.10 (device: {device.arch}, cuDNN "
                            f"{device.libraries.get('cudnn')})")
+        if call.varlen:
+            reasons.extend(_cudnn_varlen_reasons(call, device, self.options.varlen))
         if call.seqlen_k == 1:
             reasons.append("seqlen_k == 1 is rejected by cuDNN SDPA (check_cudnn_tensor_shapes)")
         if call.dropout_p > 0:
@@ -197,6 +216,8 @@ class CudnnAttention(AttentionImpl):
         return reasons
 
     def run(self, call: AttentionCall) -> Any:
+        if call.varlen:
+            return _cudnn_varlen(call)
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
         bias, is_causal = additive_bias(call, q, k, fold_causal=False, fold_alibi=False)
         if bias is not None:
@@ -210,6 +231,84 @@ class CudnnAttention(AttentionImpl):
         if lse.dim() == 4:  # some versions report (b, h, s, 1)
             lse = lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2])
         return out, lse
+
+
+# What the varlen path of cuDNN (aten _cudnn_attention_forward with cum_seq_q/cum_seq_k) was verified to do,
+# on an H200 with torch 2.11+cu130 and cuDNN 9.19 (benchmarks/varlen_window.py, tests/gpu/;
+# benchmarks/results/varlen-window-h200.md): forward exact to bf16 (rel. err. <= 2.1e-3) for MHA, GQA 4:1,
+# MQA 16:1, d64..d256, d_v != d_qk, empty sequences and k length 1; the causal mask is top-left per sequence
+# (bottom-right gives rel. err. ~1 when q and k lengths differ); LSE is float32 natural log, (total_q, heads, 1).
+# Autograd through the op runs but is wrong for MQA (16 q heads over 1 kv head: dq rel. err. 2.4), so backward
+# is not declared. Dropout was not checked.
+_VARLEN_CAPABILITY = ((9, 0), (10, 3))  # torch only routes nested tensors to cuDNN on sm9x / sm10x
+_VARLEN_GQA = True
+_VARLEN_BACKWARD = False
+_VARLEN_DROPOUT = False
+_VARLEN_LSE = True
+# Causal mask alignment per sequence when a sequence's q and k lengths differ ("top_left" / "bottom_right").
+_VARLEN_ALIGNMENT = "top_left"
+# Why it is off by default: torch 2.11's run_cudnn_SDP_fprop_nestedtensor (aten/src/ATen/native/cudnn/MHA.cpp)
+# builds the cuDNN graph on a cache miss into a local and never inserts it into the graph cache, so every call
+# pays a graph build: 39-64 ms per call on the H200 against 0.33-2.1 ms for torch's FA2 varlen on 16k tokens.
+_VARLEN_SLOW = ("packed varlen (thd) through cuDNN is off (options nvidia.cudnn: {varlen: true} turns it on): "
+                "torch 2.11 rebuilds the cuDNN varlen graph on every call, 40-64 ms vs 2.1 ms for nvidia.flash "
+                "on 16k tokens (H200)")
+
+
+def _cudnn_varlen_reasons(call: AttentionCall, device: DeviceInfo, enabled: bool) -> list[str]:
+    reasons = []
+    if _cudnn_forward is None:
+        return ["this torch has no aten._cudnn_attention_forward (cuDNN varlen)"]
+    if not enabled:
+        reasons.append(_VARLEN_SLOW)
+    cap = device.capability
+    lo, hi = _VARLEN_CAPABILITY
+    if cap is None or not lo <= cap <= hi:
+        reasons.append(f"packed varlen (thd) through cuDNN needs sm90..sm103 (device: {device.arch})")
+    if call.requires_grad and not _VARLEN_BACKWARD:
+        reasons.append("packed varlen (thd) through cuDNN is forward only: backward not supported")
+    if call.dropout_p > 0 and not _VARLEN_DROPOUT:
+        reasons.append("packed varlen (thd) through cuDNN: dropout not supported")
+    if call.heads_q != call.heads_kv and not _VARLEN_GQA:
+        reasons.append("packed varlen (thd) through cuDNN: grouped-query attention not supported")
+    if call.return_lse and not _VARLEN_LSE:
+        reasons.append("packed varlen (thd) through cuDNN: return_lse not supported")
+    if call.alignment_matters and call.causal_alignment != _VARLEN_ALIGNMENT:
+        reasons.append(f"packed varlen (thd) through cuDNN aligns causal masks {_VARLEN_ALIGNMENT.replace('_', '-')} "
+                       f"per sequence; causal_alignment={call.causal_alignment!r} with cu_seqlens_q != "
+                       "cu_seqlens_k not supported")
+    return reasons
+
+
+def _cudnn_varlen(call: AttentionCall) -> Any:
+    need_lse = call.return_lse or call.requires_grad
+    res = _cudnn_forward(call.q, call.k, call.v, None, call.cu_seqlens_q, call.cu_seqlens_k, call.max_seqlen_q,
+                         call.max_seqlen_k, need_lse, call.dropout_p, call.causal, False, scale=call.scale)
+    out = res[0]
+    if not call.return_lse:
+        return out
+    return out, _packed_lse(res[1], call)
+
+
+def _packed_lse(lse: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """A varlen LSE as opdispatch's (heads_q, total_q) float32, from (total_q, heads_q[, 1]), (heads_q, total_q)
+    or a padded (batch, heads_q, max_seqlen_q) — without reading cu_seqlens on the host."""
+    total_q, hq = call.q.shape[0], call.heads_q
+    if lse.dim() == 3 and lse.shape[-1] == 1:
+        lse = lse[..., 0]
+    if lse.dim() == 2:
+        if lse.shape == (total_q, hq):
+            return lse.t().float()
+        if lse.shape == (hq, total_q):
+            return lse.float()
+    if lse.dim() == 3 and lse.shape[1] == hq:
+        cu = call.cu_seqlens_q
+        assert cu is not None
+        tokens = torch.arange(total_q, device=lse.device, dtype=cu.dtype)
+        seq = torch.searchsorted(cu[1:].contiguous(), tokens, right=True)
+        pos = (tokens - cu[seq]).long()
+        return lse[seq.long(), :, pos].t().float()
+    raise RuntimeError(f"unexpected cuDNN varlen LSE shape {tuple(lse.shape)} for total_q={total_q}, heads={hq}")
 
 
 # -- torch: FlashAttention-2 built into torch ----------------------------------------------------------------
