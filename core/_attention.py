@@ -480,6 +480,16 @@ def allowed_positions(sq: int, sk: int, causal: bool, window: tuple[int, int] | 
     return allowed
 
 
+def bind_dense(call: AttentionCall,
+               kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[..., Any]:
+    """Wrap `kernel(q, k, v) -> out` over (batch, heads, seq, dim) tensors for `call`'s dense layout (views only):
+    the building block of `AttentionImpl.bind` overrides."""
+    if call.layout == "bhsd":
+        return kernel
+    to_bhsd, from_bhsd = call.bhsd, call.from_bhsd
+    return lambda q, k, v: from_bhsd(kernel(to_bhsd(q), to_bhsd(k), to_bhsd(v)))
+
+
 # -- capability declarations -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

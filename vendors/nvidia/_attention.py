@@ -19,7 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch._attention import allowed_positions
+from opdispatch._attention import allowed_positions, bind_dense
 
 from ._fa2 import causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 
@@ -215,6 +215,14 @@ class CudnnAttention(AttentionImpl):
                 reasons.append(f"cuDNN {device.libraries.get('cudnn')} has no dropout in SDPA (9.11 - 9.13)")
         return reasons
 
+    def bind(self, call: AttentionCall) -> Any:
+        if (call.varlen or call.return_lse or call.dropout_p > 0 or call.attn_mask is not None
+                or call.attn_bias is not None or call.window is not None):
+            return super().bind(call)
+        # Plain dense calls bind the aten op itself: no call object per call (the per-call fast path and plan()).
+        kernel, need_lse, causal, scale = _cudnn_sdpa, call.requires_grad, call.causal, call.scale
+        return bind_dense(call, lambda q, k, v: kernel(q, k, v, None, need_lse, 0.0, causal, False, scale=scale)[0])
+
     def run(self, call: AttentionCall) -> Any:
         if call.varlen:
             return _cudnn_varlen(call)
@@ -343,6 +351,12 @@ class TorchFlashAttention(AttentionImpl):
         if call.window is not None and "window_size_left" not in _FLASH_FORWARD_ARGS:
             reasons.append("this torch's _flash_attention_forward has no window_size_left argument")
         return reasons
+
+    def bind(self, call: AttentionCall) -> Any:
+        if call.varlen or call.window is not None or call.return_lse or call.dropout_p > 0:
+            return super().bind(call)
+        kernel, causal, scale = _flash_sdpa, call.causal, call.scale
+        return bind_dense(call, lambda q, k, v: kernel(q, k, v, 0.0, causal, False, scale=scale)[0])
 
     def run(self, call: AttentionCall) -> Any:
         if not call.varlen and call.window is None:
