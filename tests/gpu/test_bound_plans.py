@@ -22,7 +22,8 @@ def test_plan_equals_run_and_reference(impl, layout, causal, grad):
                for h in (hq, hkv, hkv))
     bound = opdispatch.plan(q, k, v, layout=layout, causal=causal, impl=impl)
     out = bound(q, k, v)
-    via_run = opdispatch.attention(q, k, v, layout=layout, causal=causal, impl=impl, scale=1 / 8.0)
+    implementation = opdispatch.get_manager().registry.get("attention", impl).impl
+    via_run = implementation.run(opdispatch.validate_attention(q, k, v, layout=layout, causal=causal))
     torch.testing.assert_close(out, via_run, atol=0, rtol=0)
     leaves = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
     ref = opdispatch.attention(*leaves, layout=layout, causal=causal, impl="reference.math")
