@@ -94,3 +94,20 @@ def test_each_vendor_device_gets_its_own_implementation_for_prefill(manager, dev
     for cand in decision.candidates:
         if cand.status in ("unavailable", "rejected"):
             assert cand.reasons, cand  # every loser says why
+
+
+@pytest.mark.parametrize("max_len,grad,expected,rule", [
+    (256, False, "flagos.triton", "flagos-for-short-varlen-inference"),
+    (1024, False, "flagos.triton", "flagos-for-short-varlen-inference"),
+    (4096, False, "nvidia.flash", None),
+    (256, True, "nvidia.flash", None),
+])
+def test_short_varlen_inference_rule_on_h100(manager, max_len, grad, expected, rule):
+    n = 16
+    cu = torch.arange(0, (n + 1) * max_len, max_len, dtype=torch.int32, device="meta")
+    q = meta(n * max_len, 32, 128, grad=grad)
+    kv = meta(n * max_len, 8, 128, grad=grad)
+    decision = opdispatch.explain(q, kv, kv, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                  max_seqlen_k=max_len, causal=True, device=DEVICES_DIR / "h100.yaml")
+    assert decision.chosen_id == expected, str(decision)
+    assert decision.decided_by.rule == rule
