@@ -190,19 +190,18 @@ class Policy:
         require: list[tuple[Sequence[str], Provenance]] = []
         pins: list[tuple[str, Provenance]] = []
 
+        def take(source: Override | Rule, prov: Provenance) -> None:
+            """Collect the actions of an override scope or a matching rule (they share the action names)."""
+            if source.pin:
+                pins.append((source.pin, prov))
+            for actions, patterns in ((prefer, source.prefer), (deny, source.deny), (require, source.require)):
+                if patterns:
+                    actions.append((patterns, prov))
+
         # Highest precedence first: scoped overrides (innermost first), then env vars.
         for ov in overrides:
-            if not ov.applies_to(op):
-                continue
-            prov = Provenance("context", ov.where)
-            if ov.pin:
-                pins.append((ov.pin, prov))
-            if ov.prefer:
-                prefer.append((ov.prefer, prov))
-            if ov.deny:
-                deny.append((ov.deny, prov))
-            if ov.require:
-                require.append((ov.require, prov))
+            if ov.applies_to(op):
+                take(ov, Provenance("context", ov.where))
         env_pin = self.env.pins.get(op)
         if env_pin:
             pins.append((env_pin, Provenance("env", f"{ENV_PIN_PREFIX}{op.upper()}", note=f"pinned to {env_pin}")))
@@ -226,15 +225,8 @@ class Policy:
                 if call is not None and not rule_matches(rule.when, call, device):
                     continue
                 plan.matched_rules.append(rule.name)
-                prov = Provenance("policy", layer.where("ops", op, "rules", r_i), rule=rule.name, note=rule.reason)
-                if rule.pin:
-                    pins.append((rule.pin, prov))
-                if rule.prefer:
-                    prefer.append((rule.prefer, prov))
-                if rule.deny:
-                    deny.append((rule.deny, prov))
-                if rule.require:
-                    require.append((rule.require, prov))
+                take(rule, Provenance("policy", layer.where("ops", op, "rules", r_i), rule=rule.name,
+                                      note=rule.reason))
 
         if pins:
             plan.pin = pins[0]  # the highest-precedence pin wins; it outranks every lower-level deny
