@@ -91,12 +91,15 @@ def attention(
         else:
             if fn is not None:
                 return fn(q, k, v)
+    varlen_key = _varlen_signature(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     call = validate_attention(
         q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
         dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
         attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, module=MODULE.get(),
-        check_values=not is_capturing(q.device))  # reading cu_seqlens would sync inside CUDA graph capture
+        check_values=varlen_key is None or varlen_key not in manager.checked_varlen)
+    if varlen_key is not None:
+        manager.checked_varlen.add(varlen_key)
     if key is None:
         return manager.call("attention", call, impl=impl)
     fn = manager.bind("attention", call, impl=impl)
@@ -107,6 +110,23 @@ def attention(
             fast.clear()
         fast[key] = fn
     return fn(q, k, v)
+
+
+def _varlen_signature(q: Any, k: Any, cu_seqlens_q: Any, max_seqlen_q: Any, max_seqlen_k: Any) -> Any:
+    """For packed varlen inputs on an accelerator: the signature whose cu_seqlens values were already checked.
+
+    Checking the values reads them back to the host — a sync per call that would stall the GPU (and is illegal
+    inside CUDA graph capture) — so on accelerators they are checked the first time a signature is seen and
+    trusted after that, as the vendor kernels themselves do. CPU cu_seqlens are checked on every call.
+    """
+    if cu_seqlens_q is None or max_seqlen_q is None or max_seqlen_k is None:
+        return None
+    device = getattr(cu_seqlens_q, "device", None)
+    if device is None or device.type == "cpu":
+        return None
+    if is_capturing(device):
+        return "capturing"  # never a first check inside capture: it would sync
+    return (q.shape, k.shape, cu_seqlens_q.shape, max_seqlen_q, max_seqlen_k, device)
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | None = None,

@@ -69,6 +69,8 @@ class OpManager:
         # Per-call fast path of opdispatch.attention: argument key -> bound function. Replaced (never cleared in
         # place) whenever decisions may change, so a reader holding the old dict only ever sees old entries.
         self.fast: dict[Any, Any] = {}
+        # Varlen signatures whose cu_seqlens values were checked once (accelerators only; see _api).
+        self.checked_varlen: set[Any] = {"capturing"}
         self._devices: dict[Any, DeviceInfo] = {}
         self._availability: dict[tuple[str, Any], str | None] = {}
         self._policy: Any = None  # the active Policy; swapped whole, never mutated

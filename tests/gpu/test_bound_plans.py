@@ -34,3 +34,26 @@ def test_plan_equals_run_and_reference(impl, layout, causal, grad):
         ref_grads = torch.autograd.grad(ref, leaves, g.double())
         for got, want in zip(grads, ref_grads):
             torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("impl", ["nvidia.flash", "flagos.triton"])
+def test_varlen_checks_cu_seqlens_once_then_never_syncs(impl):
+    if impl == "flagos.triton":
+        pytest.importorskip("flag_gems")
+    lens = [100, 300, 77]
+    cu = torch.tensor([0, 100, 400, 477], dtype=torch.int32, device="cuda")
+    q = torch.randn(477, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(477, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(477, 2, 64, device="cuda", dtype=torch.bfloat16)
+    kw = dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+              causal=True, impl=impl)
+    first = opdispatch.attention(q, k, v, **kw)  # checks the values once (reads them back)
+    with pytest.raises(ValueError, match="cu_seqlens_q ends at 477 but q has 476 tokens"):
+        opdispatch.attention(q[:476], k[:476], v[:476], **kw)  # a new signature is checked again
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = opdispatch.attention(q, k, v, **kw)  # same signature: no host sync
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(first, again)
