@@ -99,7 +99,11 @@ def attention(
         max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, module=MODULE.get(),
         check_values=varlen_key is None or varlen_key not in manager.checked_varlen)
     if varlen_key is not None:
-        manager.checked_varlen.add(varlen_key)
+        checked = manager.checked_varlen
+        if len(checked) >= _FAST_LIMIT:
+            checked.clear()
+            checked.add("capturing")
+        checked.add(varlen_key)
     if key is None:
         return manager.call("attention", call, impl=impl)
     fn = manager.bind("attention", call, impl=impl)
