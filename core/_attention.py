@@ -107,6 +107,13 @@ class AttentionCall:
             return self.cu_seqlens_q is not self.cu_seqlens_k
         return self.seqlen_q != self.seqlen_k
 
+    @property
+    def positional_mask(self) -> bool:
+        """Whether a top-left-causal kernel needs an explicit pattern: a window, or bottom-right causal alignment
+        where it differs from top-left."""
+        return self.window is not None or (self.causal and self.alignment_matters
+                                           and self.causal_alignment == "bottom_right")
+
     def bhsd(self, t: torch.Tensor) -> torch.Tensor:
         """View a dense q/k/v/out tensor of this call's layout as (batch, heads, seq, dim)."""
         layout = self.layout
@@ -128,6 +135,21 @@ class AttentionCall:
         if layout == "sbhd":
             return t.permute(2, 0, 1, 3)
         raise ValueError(f"from_bhsd() needs a dense layout, call has layout {layout!r}")
+
+    def bshd(self, t: torch.Tensor) -> torch.Tensor:
+        """View a dense q/k/v/out tensor of this call's layout as (batch, seq, heads, dim) — flash-attn's layout."""
+        layout = self.layout
+        if layout == "bshd":
+            return t
+        if layout == "bhsd":
+            return t.transpose(1, 2)
+        if layout == "sbhd":
+            return t.transpose(0, 1)
+        raise ValueError(f"bshd() needs a dense layout, call has layout {layout!r}")
+
+    def from_bshd(self, t: torch.Tensor) -> torch.Tensor:
+        """Inverse of `bshd()` (each of those transposes is its own inverse)."""
+        return self.bshd(t)
 
     def with_tensors(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionCall:
         """A copy of this call with other q/k/v of the same signature (used by bound plans)."""
@@ -478,6 +500,47 @@ def allowed_positions(sq: int, sk: int, causal: bool, window: tuple[int, int] | 
         if right >= 0:
             allowed &= rel <= right
     return allowed
+
+
+def alibi_bias(slopes: torch.Tensor, sq: int, sk: int, offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """-slope * |i + o - j| as (batch or 1, heads, sq, sk)."""
+    distance = (torch.arange(sk, device=slopes.device).unsqueeze(0)
+                - torch.arange(sq, device=slopes.device).unsqueeze(1) - offset).abs().to(dtype)
+    s = slopes.to(dtype)
+    s = s.view(1, -1, 1, 1) if s.dim() == 1 else s.view(s.shape[0], s.shape[1], 1, 1)
+    return -s * distance
+
+
+def _to_4d(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
+
+
+def additive_bias(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, *, fold_causal: bool,
+                  fold_alibi: bool) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
+    """For kernels that take one additive mask: the float bias (q's dtype, 4-D) carrying the boolean mask, the
+    user bias, the window, bottom-right causal alignment, ALiBi (with `fold_alibi`) and — with `fold_causal` —
+    the plain causal pattern too; the `is_causal` flag left for the kernel (top-left only); and the boolean
+    `allowed` pattern that went into the bias (None if none did), for finding queries that see no key."""
+    sq, sk = q.shape[2], k.shape[2]
+    offset = sk - sq if call.causal_alignment == "bottom_right" else 0
+    is_causal = call.causal
+    allowed = None
+    if call.positional_mask or (fold_causal and call.causal):
+        allowed = allowed_positions(sq, sk, call.causal, call.window, offset, q.device)
+        is_causal = False
+    if call.attn_mask is not None:
+        allowed = call.attn_mask if allowed is None else allowed & call.attn_mask
+    bias = None
+    if allowed is not None:
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(~allowed, float("-inf"))
+    if call.attn_bias is not None:
+        user = call.attn_bias.to(q.dtype)
+        bias = user if bias is None else bias + user
+    if fold_alibi and call.alibi_slopes is not None:
+        ab = alibi_bias(call.alibi_slopes, sq, sk, offset, torch.float32).to(q.dtype)
+        bias = ab if bias is None else bias + ab
+    return (None if bias is None else _to_4d(bias)), is_causal, allowed
 
 
 def bind_dense(call: AttentionCall,

@@ -696,6 +696,16 @@ class _Progress:
             self.stream.flush()
 
 
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    """The device to time on: the given one, else the current CUDA device if there is one, else the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _matches_filter(impl_id: str, patterns: Sequence[str] | None) -> bool:
     return not patterns or any(fnmatch.fnmatchcase(impl_id, p) for p in patterns)
 
@@ -728,11 +738,7 @@ def measure(specs: Sequence[CallSpec], *, manager: Any = None, device: torch.dev
 
     manager = manager or opdispatch.get_manager()
     manager.ensure_initialized()
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _resolve_device(device)
     info = manager.device_info(device)
     registered = [r.impl for r in manager.registry.for_op(OP) if _matches_filter(r.impl.id, impls)]
     bar = _Progress(len(specs) * max(len(registered), 1), progress)
@@ -780,11 +786,7 @@ def tune(specs: Sequence[CallSpec], *, manager: Any = None, device: torch.device
     manager = manager or opdispatch.get_manager()
     results = measure(specs, manager=manager, device=device, impls=impls, warmup=warmup, reps=reps,
                       progress=progress, seed=seed)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _resolve_device(device)
     info = manager.device_info(device)
     entries = []
     for m in results:

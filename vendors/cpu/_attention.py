@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch._attention import allowed_positions
+from opdispatch._attention import additive_bias
 
 _kernel = torch._scaled_dot_product_flash_attention_for_cpu
 
@@ -34,9 +34,7 @@ class CpuFlashAttention(AttentionImpl):
     )
 
     def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
-        positional = call.window is not None or (call.causal and call.alignment_matters
-                                                 and call.causal_alignment == "bottom_right")
-        if positional or call.attn_mask is not None or call.attn_bias is not None:
+        if call.positional_mask or call.attn_mask is not None or call.attn_bias is not None:
             return super().bind(call)
         # The common case binds the kernel itself: no call object, no branches per call.
         kernel, causal, scale = _kernel, call.causal, call.scale
@@ -54,32 +52,9 @@ class CpuFlashAttention(AttentionImpl):
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
-        is_causal = call.causal
-        additive = None
-        allowed = None
-        # The kernel's own causal flag is top-left and it has no window: anything else goes through the mask.
-        positional = call.window is not None or (call.causal and call.alignment_matters
-                                                 and call.causal_alignment == "bottom_right")
-        if positional or call.attn_mask is not None or call.attn_bias is not None:
-            sq, sk = q.shape[2], k.shape[2]
-            if positional:
-                offset = sk - sq if call.causal_alignment == "bottom_right" else 0
-                allowed = allowed_positions(sq, sk, call.causal, call.window, offset, q.device)
-                is_causal = False
-            elif call.causal:
-                allowed = allowed_positions(sq, sk, True, None, 0, q.device)
-                is_causal = False
-            if call.attn_mask is not None:
-                allowed = call.attn_mask if allowed is None else allowed & call.attn_mask
-            if allowed is not None:
-                additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-                additive.masked_fill_(~allowed, float("-inf"))
-            if call.attn_bias is not None:
-                bias = call.attn_bias.to(q.dtype)
-                additive = bias if additive is None else additive + bias
-            assert additive is not None
-            if additive.dim() not in (2, 4):
-                additive = additive.reshape((1,) * (4 - additive.dim()) + tuple(additive.shape))
+        # The kernel takes is_causal or a mask, not both: with a mask or bias, causal is folded into it too.
+        additive, is_causal, allowed = additive_bias(
+            call, q, k, fold_causal=call.attn_mask is not None or call.attn_bias is not None, fold_alibi=False)
         out, lse = _kernel(q, k, v, 0.0, is_causal, attn_mask=additive, scale=call.scale)
         out = call.from_bhsd(out)
         if not call.return_lse:

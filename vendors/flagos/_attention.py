@@ -41,8 +41,7 @@ BACKWARD_REASON = ("flagos.triton is forward-only: flag_gems 5.0.2's SDPA backwa
 
 def uses_varlen_kernel(call: AttentionCall) -> bool:
     """Whether the call goes to flash_attn_varlen_func (else to the dense SDPA kernel)."""
-    return (call.varlen or call.window is not None or call.softcap > 0 or call.alibi_slopes is not None
-            or (call.causal and call.alignment_matters and call.causal_alignment == "bottom_right"))
+    return call.varlen or call.positional_mask or call.softcap > 0 or call.alibi_slopes is not None
 
 
 class FlagGemsAttention(AttentionImpl):
@@ -132,7 +131,7 @@ class FlagGemsAttention(AttentionImpl):
                                           call.alibi_slopes)
         # Dense: pack (batch, seq, heads, dim) into (batch*seq, heads, dim) with uniform cu_seqlens.
         b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
-        q, k, v = (_bshd(call, t) for t in (call.q, call.k, call.v))
+        q, k, v = (call.bshd(t) for t in (call.q, call.k, call.v))
         dev = q.device
         cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=dev)
         cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev)
@@ -140,27 +139,11 @@ class FlagGemsAttention(AttentionImpl):
             b * sk, call.heads_kv, call.head_dim), v.reshape(b * sk, call.heads_kv, call.head_dim_v), sq, cu_q, sk,
             cu_k, **kwargs)
         out = res[0] if call.return_lse else res
-        out = _dense_out(call, out.reshape(b, sq, call.heads_q, call.head_dim_v))
+        out = call.from_bshd(out.reshape(b, sq, call.heads_q, call.head_dim_v))
         if not call.return_lse:
             return out
         lse = res[1].reshape(call.heads_q, b, sq).transpose(0, 1)
         return out, dense_lse_fix(lse, sq, sk, call.causal, call.window, call.alibi_slopes)
-
-
-def _bshd(call: AttentionCall, t: torch.Tensor) -> torch.Tensor:
-    if call.layout == "bshd":
-        return t
-    if call.layout == "bhsd":
-        return t.transpose(1, 2)
-    return t.transpose(0, 1)
-
-
-def _dense_out(call: AttentionCall, out_bshd: torch.Tensor) -> torch.Tensor:
-    if call.layout == "bshd":
-        return out_bshd
-    if call.layout == "bhsd":
-        return out_bshd.transpose(1, 2)
-    return out_bshd.transpose(0, 1)
 
 
 __all__ = ["BACKWARD_REASON", "FlagGemsAttention", "SDPA_HEAD_DIMS", "uses_varlen_kernel"]

@@ -19,7 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch._attention import allowed_positions, bind_dense
+from opdispatch._attention import additive_bias, bind_dense
 
 from ._fa2 import causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 
@@ -95,40 +95,6 @@ def _alibi_alignment(call: AttentionCall) -> str | None:
     return None
 
 
-def _to_4d(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
-
-
-def additive_bias(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, *, fold_causal: bool,
-                  fold_alibi: bool) -> tuple[torch.Tensor | None, bool]:
-    """The additive float bias (q's dtype) carrying mask, bias, window, ALiBi and — when `fold_causal` — the
-    causal pattern; and the `is_causal` flag left for the kernel (top-left only)."""
-    sq, sk = q.shape[2], k.shape[2]
-    offset = sk - sq if call.causal_alignment == "bottom_right" else 0
-    is_causal = call.causal
-    allowed = None
-    positional = call.window is not None or (call.causal and call.alignment_matters
-                                             and call.causal_alignment == "bottom_right")
-    if positional or (fold_causal and call.causal):
-        allowed = allowed_positions(sq, sk, call.causal, call.window, offset, q.device)
-        is_causal = False
-    if call.attn_mask is not None:
-        allowed = call.attn_mask if allowed is None else allowed & call.attn_mask
-    bias = None
-    if allowed is not None:
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-        bias.masked_fill_(~allowed, float("-inf"))
-    if call.attn_bias is not None:
-        user = call.attn_bias.to(q.dtype)
-        bias = user if bias is None else bias + user
-    if fold_alibi and call.alibi_slopes is not None:
-        from opdispatch.vendors.reference._attention import alibi_bias
-
-        ab = alibi_bias(call.alibi_slopes, sq, sk, offset, torch.float32).to(q.dtype)
-        bias = ab if bias is None else bias + ab
-    return (None if bias is None else _to_4d(bias)), is_causal
-
-
 def _aligned(t: torch.Tensor, alignment: int) -> torch.Tensor:
     """torch's preprocess_mask: strides a multiple of `alignment` elements (padding the last dim if not)."""
     if t.stride(-1) == 1 and all(s % alignment == 0 for s in t.stride()[:-1]):
@@ -137,23 +103,6 @@ def _aligned(t: torch.Tensor, alignment: int) -> torch.Tensor:
     pad = (alignment - sk % alignment) % alignment
     padded = torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
     return padded[..., :sk]
-
-
-def _dense_out(call: AttentionCall, out_bshd: torch.Tensor) -> torch.Tensor:
-    """A (batch, seq, heads, dim) result into the call's dense layout (views only)."""
-    if call.layout == "bshd":
-        return out_bshd
-    if call.layout == "bhsd":
-        return out_bshd.transpose(1, 2)
-    return out_bshd.transpose(0, 1)  # sbhd
-
-
-def _bshd(call: AttentionCall, t: torch.Tensor) -> torch.Tensor:
-    if call.layout == "bshd":
-        return t
-    if call.layout == "bhsd":
-        return t.transpose(1, 2)
-    return t.transpose(0, 1)  # sbhd -> bshd
 
 
 def _fix_empty_rows(lse: torch.Tensor) -> torch.Tensor:
@@ -227,7 +176,7 @@ class CudnnAttention(AttentionImpl):
         if call.varlen:
             return _cudnn_varlen(call)
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
-        bias, is_causal = additive_bias(call, q, k, fold_causal=False, fold_alibi=False)
+        bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=False)
         if bias is not None:
             bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         need_lse = call.return_lse or call.requires_grad
@@ -374,10 +323,10 @@ class TorchFlashAttention(AttentionImpl):
             if call.return_lse:
                 return out, _fix_empty_rows(_varlen_lse(lse, call))
             return out
-        q, k, v = _bshd(call, call.q), _bshd(call, call.k), _bshd(call, call.v)
+        q, k, v = call.bshd(call.q), call.bshd(call.k), call.bshd(call.v)
         res = _flash_forward(q, k, v, None, None, q.shape[1], k.shape[1], call.dropout_p, call.causal, False,
                              **kwargs)
-        out = _dense_out(call, res[0])
+        out = call.from_bshd(res[0])
         return (out, _fix_empty_rows(res[1])) if call.return_lse else out
 
 
@@ -434,7 +383,7 @@ class MemEfficientAttention(AttentionImpl):
 
     def run(self, call: AttentionCall) -> Any:
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
-        bias, is_causal = additive_bias(call, q, k, fold_causal=False, fold_alibi=True)
+        bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True)
         if bias is not None:
             bias = _aligned(bias, 8).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         need_lse = call.return_lse or call.requires_grad
@@ -492,10 +441,10 @@ class FlashAttn2(AttentionImpl):
                 return res
             return res[0], varlen_lse_fix(res[1], call.cu_seqlens_q, call.cu_seqlens_k, call.causal, call.window,
                                           call.alibi_slopes)
-        res = flash_attn.flash_attn_func(_bshd(call, call.q), _bshd(call, call.k), _bshd(call, call.v), **common)
+        res = flash_attn.flash_attn_func(call.bshd(call.q), call.bshd(call.k), call.bshd(call.v), **common)
         if not call.return_lse:
-            return _dense_out(call, res)
-        return _dense_out(call, res[0]), dense_lse_fix(res[1], call.seqlen_q, call.seqlen_k, call.causal,
+            return call.from_bshd(res)
+        return call.from_bshd(res[0]), dense_lse_fix(res[1], call.seqlen_q, call.seqlen_k, call.causal,
                                                        call.window, call.alibi_slopes)
 
 
@@ -531,7 +480,7 @@ class FlashAttn3(AttentionImpl):
             if not call.return_lse:
                 return res
             return res[0], _fix_empty_rows(res[1])
-        res = fa3.flash_attn_func(_bshd(call, call.q), _bshd(call, call.k), _bshd(call, call.v), **common)
+        res = fa3.flash_attn_func(call.bshd(call.q), call.bshd(call.k), call.bshd(call.v), **common)
         if not call.return_lse:
-            return _dense_out(call, res)
-        return _dense_out(call, res[0]), _fix_empty_rows(res[1])
+            return call.from_bshd(res)
+        return call.from_bshd(res[0]), _fix_empty_rows(res[1])

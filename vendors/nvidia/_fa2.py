@@ -18,7 +18,13 @@ def blind_rows(sq: int, sk: int, offset: int, causal: bool, window: tuple[int, i
                device: torch.device) -> torch.Tensor:
     """Bool (sq,): queries that may see no key under causal/window with alignment offset `offset`."""
     i = torch.arange(sq, device=device) + offset
-    hi = torch.full_like(i, sk - 1)
+    return _sees_nothing(i, torch.full_like(i, sk - 1), causal, window)
+
+
+def _sees_nothing(i: torch.Tensor, last_key: torch.Tensor, causal: bool,
+                  window: tuple[int, int] | None) -> torch.Tensor:
+    """For aligned query positions `i` (i + o) over keys 0..last_key: True where causal/window leave no key."""
+    hi = last_key
     lo = torch.zeros_like(i)
     if causal:
         hi = torch.minimum(hi, i)
@@ -59,15 +65,5 @@ def varlen_lse_fix(lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, ca
     len_q = (cu_q[1:] - cu_q[:-1])[seq]
     len_k = (cu_k[1:] - cu_k[:-1])[seq]
     i = tok - cu_q[seq] + (len_k - len_q)  # aligned position i + o
-    hi = len_k - 1
-    lo = torch.zeros_like(i)
-    if causal:
-        hi = torch.minimum(hi, i)
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            lo = torch.maximum(lo, i - left)
-        if right >= 0:
-            hi = torch.minimum(hi, i + right)
-    lse = lse.masked_fill(lo > hi, -math.inf)
+    lse = lse.masked_fill(_sees_nothing(i, len_k - 1, causal, window), -math.inf)
     return lse.masked_fill(lse == math.inf, -math.inf)

@@ -16,18 +16,9 @@ from typing import ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch._attention import allowed_positions
+from opdispatch._attention import alibi_bias, allowed_positions
 
 _ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-
-
-def alibi_bias(slopes: torch.Tensor, sq: int, sk: int, offset: int, dtype: torch.dtype) -> torch.Tensor:
-    """-slope * |i + o - j| as (batch or 1, heads, sq, sk)."""
-    distance = (torch.arange(sk, device=slopes.device).unsqueeze(0)
-                - torch.arange(sq, device=slopes.device).unsqueeze(1) - offset).abs().to(dtype)
-    s = slopes.to(dtype)
-    s = s.view(1, -1, 1, 1) if s.dim() == 1 else s.view(s.shape[0], s.shape[1], 1, 1)
-    return -s * distance
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, *,

@@ -32,16 +32,6 @@ _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
 
 # -- layout helpers shared by the flash-attn style adapters --------------------------------------------------
 
-def to_bshd(call: AttentionCall, t: torch.Tensor) -> torch.Tensor:
-    """A dense q/k/v of the call's layout as a (batch, seq, heads, dim) view (no copy)."""
-    return call.bhsd(t).transpose(1, 2)
-
-
-def from_bshd(call: AttentionCall, t: torch.Tensor) -> torch.Tensor:
-    """A (batch, seq, heads, dim) result back into the call's layout (a view)."""
-    return call.from_bhsd(t.transpose(1, 2))
-
-
 def flash_window(call: AttentionCall) -> tuple[int, int]:
     """Our window as flash-attn's `window_size=(left, right)`: -1 is unbounded in both conventions."""
     return call.window if call.window is not None else (-1, -1)
@@ -66,7 +56,7 @@ def blind_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
 def pack_dense_as_varlen(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor]:
     """Dense q/k/v as packed thd tensors with uniform int32 cu_seqlens (copies only if not bshd-contiguous)."""
-    q, k, v = (to_bshd(call, t) for t in (call.q, call.k, call.v))
+    q, k, v = (call.bshd(t) for t in (call.q, call.k, call.v))
     b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
     q = q.reshape(b * sq, q.shape[2], q.shape[3])
     k = k.reshape(b * sk, k.shape[2], k.shape[3])
@@ -78,7 +68,7 @@ def pack_dense_as_varlen(call: AttentionCall) -> tuple[torch.Tensor, torch.Tenso
 
 def unpack_varlen_out(call: AttentionCall, out: torch.Tensor) -> torch.Tensor:
     """(b * sq, heads, dim_v) back to the call's dense layout."""
-    return from_bshd(call, out.reshape(call.batch, call.seqlen_q, out.shape[1], out.shape[2]))
+    return call.from_bshd(out.reshape(call.batch, call.seqlen_q, out.shape[1], out.shape[2]))
 
 
 def unpack_varlen_lse(call: AttentionCall, lse: torch.Tensor) -> torch.Tensor:
@@ -160,10 +150,10 @@ class RocmFlashAttnCK(AttentionImpl):
                 call.max_seqlen_k, **kwargs)
             out, lse = _split(result, call.return_lse)  # (out, lse (heads, total_q), S_dmask)
         else:
-            q, k, v = (to_bshd(call, t) for t in (call.q, call.k, call.v))
+            q, k, v = (call.bshd(t) for t in (call.q, call.k, call.v))
             result = flash_attn.flash_attn_func(q, k, v, **kwargs)
             out, lse = _split(result, call.return_lse)  # (out, lse (b, heads, sq), S_dmask)
-            out = from_bshd(call, out)
+            out = call.from_bshd(out)
         if not call.return_lse:
             return out
         assert lse is not None
@@ -250,10 +240,10 @@ class RocmAiter(AttentionImpl):
                 out = unpack_varlen_out(call, out)
                 lse = unpack_varlen_lse(call, lse) if lse is not None else None
         else:
-            q, k, v = (to_bshd(call, t) for t in (call.q, call.k, call.v))
+            q, k, v = (call.bshd(t) for t in (call.q, call.k, call.v))
             result = aiter.flash_attn_func(q, k, v, **kwargs)
             out, lse = _split(result, want_lse)
-            out = from_bshd(call, out)
+            out = call.from_bshd(out)
         if not call.return_lse:
             return out
         assert lse is not None
@@ -345,7 +335,7 @@ class RocmAOTriton(AttentionImpl):
             q, k, v = call.q, call.k, call.v
             cum_q, cum_k = call.cu_seqlens_q, call.cu_seqlens_k
         else:
-            q, k, v = (to_bshd(call, t) for t in (call.q, call.k, call.v))
+            q, k, v = (call.bshd(t) for t in (call.q, call.k, call.v))
             cum_q = cum_k = None
         # aten::_flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
         #   is_causal, return_debug_mask, *, scale, window_size_left, window_size_right, ...)
@@ -354,7 +344,7 @@ class RocmAOTriton(AttentionImpl):
             q, k, v, cum_q, cum_k, call.seqlen_q, call.seqlen_k, call.dropout_p, call.causal, False,
             scale=call.scale)
         if not call.varlen:
-            out = from_bshd(call, out)
+            out = call.from_bshd(out)
         if call.return_lse:
             return out, lse
         return out
