@@ -42,6 +42,8 @@ def set_manager(manager: OpManager | None) -> OpManager | None:
 
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
+_overrides = OVERRIDES.get
+_module = MODULE.get
 _FAST_LIMIT = 4096
 
 
@@ -78,25 +80,39 @@ def attention(
     key = None
     if (alibi_slopes is None and attn_mask is None and attn_bias is None and cu_seqlens_q is None
             and cu_seqlens_k is None):
-        # Fast path: everything validation and selection depend on, read as cheaply as Python allows. A hit
-        # means this exact signature was validated and decided before.
+        # Fast path: the key holds everything validation and selection depend on, so a hit means this exact
+        # signature was validated and decided before. Written for the fewest bytecodes: every tensor attribute
+        # read costs 0.1-0.3 µs here (benchmarks/results/dispatch_overhead-cpu.md), a dict subscript is
+        # cheaper than .get, and requires_grad counts only with grad mode on — as AttentionCall defines it.
         try:
             key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                   q.requires_grad or k.requires_grad or v.requires_grad, _grad_enabled(), layout, causal,
+                   _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), layout, causal,
                    causal_alignment, window, scale, dropout_p, softcap, return_lse, deterministic, impl,
-                   OVERRIDES.get(), MODULE.get())
-            fn = manager.fast.get(key)
+                   _overrides(), _module())
+            fn = manager.fast[key]
+        except KeyError:
+            pass  # the first call of this signature
         except (AttributeError, TypeError):  # not tensors, unhashable window…: the slow path says what is wrong
             key = None
         else:
-            if fn is not None:
-                return fn(q, k, v)
+            return fn(q, k, v)
+    return _attention_slow(manager, key, q, k, v, layout, causal, causal_alignment, window, scale, dropout_p,
+                           softcap, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, return_lse, deterministic, impl)
+
+
+def _attention_slow(manager: OpManager, key: Any, q: Any, k: Any, v: Any, layout: Any, causal: Any,
+                    causal_alignment: Any, window: Any, scale: Any, dropout_p: Any, softcap: Any,
+                    alibi_slopes: Any, attn_mask: Any, attn_bias: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                    max_seqlen_q: Any, max_seqlen_k: Any, return_lse: Any, deterministic: Any,
+                    impl: Any) -> Any:
+    """Validate, decide, and (for a fast-path `key`) remember the bound function for the next call."""
     varlen_key = _varlen_signature(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     call = validate_attention(
         q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
         dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
         attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, module=MODULE.get(),
+        max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, module=_module(),
         check_values=varlen_key is None or varlen_key not in manager.checked_varlen)
     if varlen_key is not None:
         checked = manager.checked_varlen
@@ -140,13 +156,14 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | None 
     The caller promises that later q/k/v have the same shapes, dtype and device (the plan does not re-check
     them; `opdispatch.Attention` re-plans when they change). ``fn.decision`` is the Decision.
     """
-    call = validate_attention(q, k, v, module=MODULE.get(), **kwargs)
+    call = validate_attention(q, k, v, module=_module(), **kwargs)
     return get_manager().bind("attention", call, impl=impl)  # type: ignore[no-any-return]
 
 
 class Attention(torch.nn.Module):
-    """`opdispatch.attention` as a module that binds a plan on first call and re-binds when the inputs'
-    shapes, dtype, device or grad mode change. Options are the keyword arguments of `attention`."""
+    """`opdispatch.attention` as a module that binds a plan on first call and re-binds when any input's shape,
+    dtype or device, grad recording, or the active overrides or scope change. Options are the keyword arguments
+    of `attention`."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -157,8 +174,9 @@ class Attention(torch.nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
         if _is_compiling():
             return attention(q, k, v, **self.options)
-        key = (q.shape, k.shape, v.shape, q.dtype, q.device, _grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad), OVERRIDES.get(), MODULE.get())
+        # The tensor fields of the per-call key: a change of any of them re-validates and re-decides.
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+               _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), _overrides(), _module())
         if key != self._key:
             self._fn = plan(q, k, v, **self.options)
             self._key = key
@@ -182,7 +200,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | No
     `device` simulates another device: a DeviceInfo or the path of a YAML descriptor (configs/devices/). The
     tensors may then live on the ``meta`` device, since nothing is computed.
     """
-    kwargs.setdefault("module", MODULE.get())
+    kwargs.setdefault("module", _module())
     call = validate_attention(q, k, v, check_values=not _is_meta(q), **kwargs)
     return get_manager().explain("attention", call, device=resolve_device(device), impl=impl)
 

@@ -53,8 +53,10 @@ def test_fast_path_rebinds_after_policy_override_and_grad_changes(basic_manager)
     out.sum().backward()
     assert qg.grad is not None and len(basic_manager.fast) == 3
     with torch.no_grad():
-        opdispatch.attention(qg, kg, vg, layout="bhsd")
-    assert len(basic_manager.fast) == 4
+        out = opdispatch.attention(qg, kg, vg, layout="bhsd")
+    # Under no_grad nothing is recorded, so the call has the signature of the plain one and reuses its entry.
+    assert len(basic_manager.fast) == 3 and out.grad_fn is None
+    assert {f.decision.call.endswith("requires_grad") for f in basic_manager.fast.values()} == {True, False}
 
 
 def test_fast_path_still_rejects_bad_inputs(basic_manager):
@@ -97,3 +99,16 @@ def test_attention_module_replans_when_the_signature_changes(basic_manager):
                                                                          impl="reference.math"), atol=1e-5, rtol=1e-5)
     assert module._fn.decision.call.startswith("layout=bshd q=(1, 16, 2, 16)")
     assert "causal=True" in repr(module)
+
+
+def test_attention_module_revalidates_when_k_or_v_change_dtype_or_grad(basic_manager):
+    module = opdispatch.Attention(layout="bshd")
+    q, k, v = qkv(layout="bshd")
+    module(q, k, v)
+    with pytest.raises(TypeError, match="q, k and v must share one dtype"):
+        module(q, k.double(), v)
+    with pytest.raises(TypeError, match="q, k and v must share one dtype"):
+        module(q, k, v.double())
+    vg = v.clone().requires_grad_(True)
+    out = module(q, k, vg)
+    assert out.grad_fn is not None and module._fn.decision.call.endswith("requires_grad")
