@@ -1,22 +1,26 @@
 """Per-call cost of opdispatch's dispatch: direct kernel vs dispatched vs planned, on tiny to small bhsd calls.
 
-    python benchmarks/dispatch_overhead.py [--device cpu|cuda] [--repeat 21] [--out FILE.md]
+    python benchmarks/dispatch_overhead.py [--device cpu|cuda] [--repeat 61] [--out FILE.md]
 
 Rows, for each size (batch, heads, seq, head_dim), all in layout ``bhsd`` and float32 (CPU) / bf16 (CUDA):
-  direct     the chosen kernel called directly: on the CPU torch._scaled_dot_product_flash_attention_for_cpu,
-             on CUDA the chosen implementation's run() on a call validated once up front
+  direct     the chosen kernel called directly: the aten op the implementation binds (cpu.flash, nvidia.flash,
+             nvidia.cudnn), else the implementation's run() on a call validated once up front
+  floor      a do-nothing Python function with exactly `opdispatch.attention`'s signature that calls the plan:
+             what merely entering a function with that signature costs, before any key is built
   impl.run   the chosen implementation's run() on a call validated once (adapter cost, no validation)
   pinned     opdispatch.attention(..., layout="bhsd", impl=<chosen>)
   policy     opdispatch.attention(..., layout="bhsd")  (the policy's choice, cached after the first call)
-  plan       opdispatch.plan(q, k, v, layout="bhsd")(q, k, v), when opdispatch has plan()
-Each figure is the median over `--repeat` timeit repeats of the per-call time; a repeat runs enough calls to last
-~20 ms, and the variants take turns within each repeat. On CUDA each repeat ends with torch.cuda.synchronize(), so a figure is max(host, device) time per call.
-Overhead = figure - direct.
+  plan       opdispatch.plan(q, k, v, layout="bhsd")(q, k, v)
+Each figure is the median over `--repeat` rounds of the per-call time; a round runs enough calls of each variant
+to last ~20 ms, the variants taking turns (round-robin) so a burst of load hits them all alike. Overheads are the
+median over rounds of (variant - direct) within the same round, which cancels most of that load. On CUDA each
+round ends with torch.cuda.synchronize(), so a figure is max(host, device) time per call.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import statistics
@@ -57,20 +61,49 @@ def _calibrate(run: Callable[[int], None], target: float) -> int:
 
 
 def per_call_seconds(fns: dict[str, Callable[[], Any]], device: torch.device, repeat: int,
-                     target: float = 0.02) -> dict[str, float]:
-    """Median per-call seconds of each function over `repeat` repeats.
-
-    The functions take turns within every repeat (round-robin), so a burst of load on a shared machine hits
-    them all alike rather than one of them.
-    """
+                     target: float = 0.02) -> dict[str, list[float]]:
+    """Per-call seconds of each function in each of `repeat` rounds (round-robin within a round)."""
     runs = {name: _runner(fn, device) for name, fn in fns.items()}
     numbers = {name: _calibrate(run, target) for name, run in runs.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, run in runs.items():
+    for i in range(repeat):
+        names = list(runs) if i % 2 == 0 else list(runs)[::-1]  # alternate, so no variant always runs first
+        for name in names:
             n = numbers[name]
+            run = runs[name]
             samples[name].append(timeit.timeit(lambda: run(n), number=1) / n)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return samples
+
+
+def overheads(samples: dict[str, list[float]], base: str = "direct") -> dict[str, float]:
+    """Median over rounds of (variant - base) measured in the same round."""
+    return {name: statistics.median(a - b for a, b in zip(values, samples[base]))
+            for name, values in samples.items()}
+
+
+def signature_floor(target: Callable[..., Any]) -> Callable[..., Any]:
+    """A function with exactly `opdispatch.attention`'s parameters (no annotations) whose body calls `target`."""
+    sig = inspect.signature(opdispatch.attention)
+    plain = sig.replace(parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+                        return_annotation=inspect.Signature.empty)
+    namespace: dict[str, Any] = {"target": target}
+    exec(f"def floor{plain}:\n    return target(q, k, v)\n", namespace)  # noqa: S102 - our own signature
+    return namespace["floor"]  # type: ignore[no-any-return]
+
+
+def direct_kernel(impl_id: str, call: Any) -> Callable[[], Any] | None:
+    """The aten op a plain dense bhsd call of `impl_id` binds, called directly; None for other implementations."""
+    q, k, v, causal, scale = call.q, call.k, call.v, call.causal, call.scale
+    if impl_id == "cpu.flash":
+        cpu = torch._scaled_dot_product_flash_attention_for_cpu
+        return lambda: cpu(q, k, v, 0.0, causal, scale=scale)[0]
+    if impl_id == "nvidia.flash":
+        flash = torch._scaled_dot_product_flash_attention
+        return lambda: flash(q, k, v, 0.0, causal, False, scale=scale)[0]
+    if impl_id == "nvidia.cudnn":
+        cudnn, need_lse = torch._scaled_dot_product_cudnn_attention, call.requires_grad
+        return lambda: cudnn(q, k, v, None, need_lse, 0.0, causal, False, scale=scale)[0]
+    return None
 
 
 def environment(device: torch.device) -> list[str]:
@@ -81,13 +114,13 @@ def environment(device: torch.device) -> list[str]:
     if device.type == "cuda":
         lines.append(f"CUDA {torch.version.cuda or torch.version.hip}, cuDNN {torch.backends.cudnn.version()}, "
                      f"{torch.cuda.get_device_name(device)}")
-    lines.append(f"opdispatch.plan: {'available' if hasattr(opdispatch, 'plan') else 'not available yet'}")
     if hasattr(os, "getloadavg"):
         lines.append("load average before the run: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     return lines
 
 
-def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: int) -> dict[str, float]:
+def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: int) -> dict[str, Any]:
+    """Per-call medians (seconds) and overheads over direct (seconds) of every variant for one size."""
     b, h, s, d = size
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
@@ -96,49 +129,43 @@ def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: in
     impl = decision.chosen
     assert impl is not None, str(decision)
     call = opdispatch.validate_attention(q, k, v, layout="bhsd")
-    scale = call.scale
-    fns: dict[str, Callable[[], Any]] = {}
-    if device.type == "cpu" and impl.id == "cpu.flash":
-        kernel = torch._scaled_dot_product_flash_attention_for_cpu
-        fns["direct"] = lambda: kernel(q, k, v, 0.0, False, scale=scale)
-    else:
-        fns["direct"] = lambda: impl.run(call)
-    fns["impl.run"] = lambda: impl.run(call)
     impl_id = impl.id
     attention = opdispatch.attention
-    fns["pinned"] = lambda: attention(q, k, v, layout="bhsd", impl=impl_id)
-    fns["policy"] = lambda: attention(q, k, v, layout="bhsd")
-    if hasattr(opdispatch, "plan"):
-        planned = opdispatch.plan(q, k, v, layout="bhsd")
-        fns["plan"] = lambda: planned(q, k, v)
-    out = per_call_seconds(fns, device, repeat)
-    out["impl"] = impl_id  # type: ignore[assignment]
-    return out
+    planned = opdispatch.plan(q, k, v, layout="bhsd")
+    floor = signature_floor(planned)
+    fns: dict[str, Callable[[], Any]] = {
+        "direct": direct_kernel(impl_id, call) or (lambda: impl.run(call)),
+        "floor": lambda: floor(q, k, v, layout="bhsd", impl=impl_id),
+        "impl.run": lambda: impl.run(call),
+        "pinned": lambda: attention(q, k, v, layout="bhsd", impl=impl_id),
+        "policy": lambda: attention(q, k, v, layout="bhsd"),
+        "plan": lambda: planned(q, k, v),
+    }
+    samples = per_call_seconds(fns, device, repeat)
+    return {"impl": impl_id, "median": {n: statistics.median(x) for n, x in samples.items()},
+            "over": overheads(samples)}
+
+
+COLUMNS = ["direct", "floor", "impl.run", "pinned", "policy", "plan"]
+OVERHEAD_COLUMNS = ["floor", "pinned", "policy", "plan"]
 
 
 def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repeat: int) -> str:
-    cols = ["direct", "impl.run", "pinned", "policy", "plan"]
     lines = [f"# opdispatch dispatch overhead ({device.type})", ""] + [f"- {x}" for x in environment(device)] + [
-        f"- median of {repeat} timeit repeats, per call; layout bhsd, "
-        f"{'float32' if device.type == 'cpu' else 'bfloat16'}; overhead = time - direct", "",
-        "| size (b,h,s,d) | impl | " + " | ".join(f"{c} µs" for c in cols)
-        + " | pinned - direct | policy - direct | plan - direct |",
-        "|---|---|" + "--:|" * (len(cols) + 3)]
+        f"- {repeat} round-robin rounds; per-call medians; layout bhsd, "
+        f"{'float32' if device.type == 'cpu' else 'bfloat16'}; overhead = median over rounds of (variant - direct)",
+        "- floor = a do-nothing function with `opdispatch.attention`'s exact signature calling the plan: the cost "
+        "of entering any per-call Python API of that shape", "",
+        "| size (b,h,s,d) | impl | " + " | ".join(f"{c} µs" for c in COLUMNS) + " | "
+        + " | ".join(f"{c} - direct" for c in OVERHEAD_COLUMNS) + " |",
+        "|---|---|" + "--:|" * (len(COLUMNS) + len(OVERHEAD_COLUMNS))]
     for size in sizes:
         r = bench_size(size, device, repeat)
-        direct = r["direct"]
-
-        def us(name: str) -> str:
-            return f"{r[name] * 1e6:.2f}" if name in r else "n/a"
-
-        def over(name: str) -> str:
-            if name not in r:
-                return "n/a"
-            delta = (r[name] - direct) * 1e6
-            return f"{delta:+.2f} µs ({(r[name] / direct - 1) * 100:+.1f}%)"
-
-        lines.append(f"| {size} | {r['impl']} | " + " | ".join(us(c) for c in cols)
-                     + f" | {over('pinned')} | {over('policy')} | {over('plan')} |")
+        med, over = r["median"], r["over"]
+        direct = med["direct"]
+        lines.append(f"| {size} | {r['impl']} | " + " | ".join(f"{med[c] * 1e6:.2f}" for c in COLUMNS) + " | "
+                     + " | ".join(f"{over[c] * 1e6:+.2f} µs ({over[c] / direct * 100:+.1f}%)"
+                                  for c in OVERHEAD_COLUMNS) + " |")
         print(lines[-1], file=sys.stderr)
     return "\n".join(lines) + "\n"
 
@@ -147,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", action="append", default=None,
                         help="cpu and/or cuda (repeatable; default: cpu, plus cuda when available)")
-    parser.add_argument("--repeat", type=int, default=21)
+    parser.add_argument("--repeat", type=int, default=61)
     parser.add_argument("--out", default=None, help="also write the markdown here")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: dispatch cost is single-threaded, and a thread pool "
