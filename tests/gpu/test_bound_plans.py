@@ -57,3 +57,32 @@ def test_varlen_checks_cu_seqlens_once_then_never_syncs(impl):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.testing.assert_close(first, again)
+
+
+@pytest.mark.parametrize("impl", [None, "nvidia.cudnn", "nvidia.flash"])
+def test_per_call_fast_path_hits_on_cuda_and_equals_the_plan(impl):
+    manager = opdispatch.OpManager()
+    previous = opdispatch.set_manager(manager)
+    try:
+        def qkv(device="cuda"):
+            return [torch.randn(1, 4, 33, 64, device=device, dtype=torch.bfloat16) for _ in range(3)]
+
+        opdispatch.attention(*qkv(), layout="bhsd", causal=True, impl=impl)
+        assert len(manager.fast) == 1
+        q, k, v = qkv()
+        torch.cuda.set_sync_debug_mode("error")  # a hit never syncs
+        try:
+            hit = opdispatch.attention(q, k, v, layout="bhsd", causal=True, impl=impl)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert len(manager.fast) == 1
+        planned = opdispatch.plan(q, k, v, layout="bhsd", causal=True, impl=impl)
+        torch.testing.assert_close(hit, planned(q, k, v), atol=0, rtol=0)
+        # The same shapes and dtype on the CPU are another signature, decided for the CPU.
+        on_cpu = opdispatch.attention(q.cpu(), k.cpu(), v.cpu(), layout="bhsd", causal=True)
+        assert len(manager.fast) == 2
+        chosen = sorted(f.decision.chosen_id for f in manager.fast.values())
+        assert chosen[0] == "cpu.flash" and chosen[1].startswith("nvidia.")
+        torch.testing.assert_close(on_cpu.float(), hit.cpu().float(), atol=2e-2, rtol=2e-2)
+    finally:
+        opdispatch.set_manager(previous)
