@@ -146,6 +146,55 @@ def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: in
             "over": overheads(samples)}
 
 
+# What each group of fields of the per-call key costs: a lookup keyed on the flags plus one group, against
+# the same lookup on the flags alone. Reads as opdispatch.attention's fast path writes them.
+KEY_GROUPS = {
+    "flags only": "",
+    "+ shapes": "q.shape, k.shape, v.shape, ",
+    "+ dtypes": "q.dtype, k.dtype, v.dtype, ",
+    "+ devices": "q.device, k.device, v.device, ",
+    "+ grad": "grad() and (q.requires_grad or k.requires_grad or v.requires_grad), ",
+}
+_KEYED = """
+def keyed(q, k, v, *, layout="bshd", causal=False, impl=None):
+    try:
+        fn = fast[{fields}layout, causal, impl]
+    except KeyError:
+        fn = fast[{fields}layout, causal, impl] = target
+    return fn(q, k, v)
+"""
+
+
+def key_costs(size: tuple[int, int, int, int], device: torch.device, repeat: int) -> dict[str, float]:
+    """Overhead over the direct kernel (seconds) of a keyed lookup on the flags plus each group of fields."""
+    b, h, s, d = size
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
+    planned = opdispatch.plan(q, k, v, layout="bhsd")
+    call = opdispatch.validate_attention(q, k, v, layout="bhsd")
+    fns: dict[str, Callable[[], Any]] = {"direct": direct_kernel(planned.decision.chosen_id, call) or (
+        lambda: planned(q, k, v))}
+    for name, fields in KEY_GROUPS.items():
+        namespace: dict[str, Any] = {"fast": {}, "target": planned, "grad": torch.is_grad_enabled}
+        exec(_KEYED.format(fields=fields), namespace)  # noqa: S102 - our own code, one variant per group
+        keyed = namespace["keyed"]
+        fns[name] = (lambda f: lambda: f(q, k, v, layout="bhsd", impl=None))(keyed)
+    return overheads(per_call_seconds(fns, device, repeat))
+
+
+def key_costs_markdown(device: torch.device, size: tuple[int, int, int, int], repeat: int) -> str:
+    over = key_costs(size, device, repeat)
+    flags = over["flags only"]
+    lines = ["", f"## What the per-call key costs, by group of fields ({device.type}, size {size})", "",
+             "A function keyed on its flags, then on the flags plus one group of tensor fields, each calling the "
+             "plan; overhead over the direct kernel, and the group's own share (minus `flags only`).", "",
+             "| key | over direct | the group alone |", "|---|--:|--:|"]
+    for name in KEY_GROUPS:
+        share = "" if name == "flags only" else f"{(over[name] - flags) * 1e6:+.2f} µs"
+        lines.append(f"| {name} | {over[name] * 1e6:+.2f} µs | {share} |")
+    return "\n".join(lines) + "\n"
+
+
 COLUMNS = ["direct", "floor", "impl.run", "pinned", "policy", "plan"]
 OVERHEAD_COLUMNS = ["floor", "pinned", "policy", "plan"]
 
@@ -188,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(name)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
-        parts.append(markdown(device, SIZES_CUDA if device.type == "cuda" else SIZES_CPU, args.repeat))
+        sizes = SIZES_CUDA if device.type == "cuda" else SIZES_CPU
+        parts.append(markdown(device, sizes, args.repeat) + key_costs_markdown(device, sizes[0], args.repeat))
     text = "\n".join(parts)
     print(text)
     if args.out:

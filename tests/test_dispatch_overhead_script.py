@@ -58,3 +58,21 @@ def test_direct_kernel_matches_the_bound_plan(script, basic_manager):
     direct = script.direct_kernel("cpu.flash", call)
     torch.testing.assert_close(direct(), opdispatch.plan(q, k, v, layout="bhsd", causal=True)(q, k, v))
     assert script.direct_kernel("reference.math", call) is None
+
+
+def test_key_cost_table_has_every_group(script, basic_manager):
+    text = script.key_costs_markdown(torch.device("cpu"), (1, 1, 1, 8), repeat=1)
+    rows = [line.split(" | ")[0].lstrip("| ") for line in text.splitlines() if line.startswith("| flags")
+            or line.startswith("| +")]
+    assert rows == list(script.KEY_GROUPS)
+
+
+def test_every_keyed_variant_returns_the_planned_result(script, basic_manager):
+    q, k, v = (torch.randn(1, 1, 3, 8) for _ in range(3))
+    expected = opdispatch.plan(q, k, v, layout="bhsd")(q, k, v)
+    for fields in script.KEY_GROUPS.values():
+        namespace = {"fast": {}, "target": opdispatch.plan(q, k, v, layout="bhsd"), "grad": torch.is_grad_enabled}
+        exec(script._KEYED.format(fields=fields), namespace)
+        for _ in range(2):  # miss, then hit
+            torch.testing.assert_close(namespace["keyed"](q, k, v, layout="bhsd"), expected)
+        assert len(namespace["fast"]) == 1
