@@ -64,8 +64,8 @@ def test_per_call_fast_path_hits_on_cuda_and_equals_the_plan(impl):
     manager = opdispatch.OpManager()
     previous = opdispatch.set_manager(manager)
     try:
-        def qkv(device="cuda"):
-            return [torch.randn(1, 4, 33, 64, device=device, dtype=torch.bfloat16) for _ in range(3)]
+        def qkv():
+            return [torch.randn(1, 4, 33, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
 
         opdispatch.attention(*qkv(), layout="bhsd", causal=True, impl=impl)
         assert len(manager.fast) == 1
