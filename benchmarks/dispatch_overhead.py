@@ -119,19 +119,21 @@ def environment(device: torch.device) -> list[str]:
     return lines
 
 
-def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: int) -> dict[str, Any]:
-    """Per-call medians (seconds) and overheads over direct (seconds) of every variant for one size."""
+def _inputs(size: tuple[int, int, int, int], device: torch.device) -> tuple[Any, ...]:
+    """Seeded bhsd q, k, v of `size` (float32 on the CPU, bf16 elsewhere), their validated call and the plan."""
     b, h, s, d = size
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, generator=gen) for _ in range(3))
-    decision = opdispatch.explain(q, k, v, layout="bhsd")
-    impl = decision.chosen
-    assert impl is not None, str(decision)
-    call = opdispatch.validate_attention(q, k, v, layout="bhsd")
+    return q, k, v, opdispatch.validate_attention(q, k, v, layout="bhsd"), opdispatch.plan(q, k, v, layout="bhsd")
+
+
+def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: int) -> dict[str, Any]:
+    """Per-call medians (seconds) and overheads over direct (seconds) of every variant for one size."""
+    q, k, v, call, planned = _inputs(size, device)
+    impl = planned.decision.chosen
     impl_id = impl.id
     attention = opdispatch.attention
-    planned = opdispatch.plan(q, k, v, layout="bhsd")
     floor = signature_floor(planned)
     fns: dict[str, Callable[[], Any]] = {
         "direct": direct_kernel(impl_id, call) or (lambda: impl.run(call)),
@@ -167,11 +169,7 @@ def keyed(q, k, v, *, layout="bshd", causal=False, impl=None):
 
 def key_costs(size: tuple[int, int, int, int], device: torch.device, repeat: int) -> dict[str, float]:
     """Overhead over the direct kernel (seconds) of a keyed lookup on the flags plus each group of fields."""
-    b, h, s, d = size
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
-    planned = opdispatch.plan(q, k, v, layout="bhsd")
-    call = opdispatch.validate_attention(q, k, v, layout="bhsd")
+    q, k, v, call, planned = _inputs(size, device)
     fns: dict[str, Callable[[], Any]] = {"direct": direct_kernel(planned.decision.chosen_id, call) or (
         lambda: planned(q, k, v))}
     for name, fields in KEY_GROUPS.items():
