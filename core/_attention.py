@@ -341,7 +341,8 @@ def validate_attention(
     call.dropout_p = _check_nonneg_float("dropout_p", dropout_p, below_one=True)
     call.softcap = _check_nonneg_float("softcap", softcap)
     call.return_lse = _check_flag("return_lse", return_lse)
-    call.deterministic = _check_flag("deterministic", deterministic)
+    # torch.use_deterministic_algorithms(True) asks the same of every op, this one included.
+    call.deterministic = _check_flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
 
     if layout == "thd":
         b, sq, sk = _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values)
@@ -582,6 +583,9 @@ class AttentionCaps:
     lse: bool = False
     backward: bool = False
     deterministic_backward: bool = True
+    # Bitwise-reproducible forward for every shape (some kernels split the key axis by shape and reduce in
+    # launch order); declare it from measurement, as deterministic_backward.
+    deterministic_forward: bool = True
     max_seqlen: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -624,8 +628,27 @@ class AttentionImpl(Impl):
         return reasons
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        """Override for limits `AttentionCaps` cannot express (arch-dependent head dims, …)."""
+        """Override for limits `AttentionCaps` cannot express (arch-dependent head dims, …).
+
+        If it reads sizes the decision class does not hold (sequence lengths, batch, head counts), say so in
+        `selection_key`.
+        """
         return []
+
+    def selection_key(self, call: AttentionCall) -> Any:
+        """What `extra_reasons` reads from `call` beyond its decision class, as a hashable value.
+
+        Decisions are cached per class of calls — dtype, layout, head dims, GQA ratio, every feature flag,
+        whether the causal alignment matters, which side of every caps limit and policy threshold the sizes
+        fall — so a decode loop or a new batch size reuses one decision. Two calls of one class get the same
+        decision only if every candidate's selection key is equal too. Default: nothing (``()``) when
+        `extra_reasons` is not overridden; the exact sizes when it is (safe, but every new shape re-decides),
+        so an implementation with extra limits should return just what they read, e.g.
+        ``call.seqlen_k == 1``.
+        """
+        if type(self).extra_reasons is AttentionImpl.extra_reasons:
+            return ()
+        return (call.batch, call.seqlen_q, call.seqlen_k, call.heads_q, call.heads_kv)
 
     def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
         """A function `(q, k, v) -> result` for calls of exactly `call`'s signature (same shapes, dtype, device,
@@ -691,6 +714,8 @@ def capability_reasons(caps: AttentionCaps, call: AttentionCall) -> list[str]:
         reasons.append("return_lse=True not supported (no log-sum-exp output)")
     if call.requires_grad and not caps.backward:
         reasons.append("backward (inputs require grad) not supported: forward-only implementation")
+    if call.deterministic and not caps.deterministic_forward:
+        reasons.append("deterministic=True not supported: its forward is not bitwise reproducible")
     if call.deterministic and call.requires_grad and not caps.deterministic_backward:
         reasons.append("deterministic=True not supported: its backward is not deterministic")
     if caps.max_seqlen is not None and max(call.seqlen_q, call.seqlen_k) > caps.max_seqlen:
