@@ -13,7 +13,7 @@ from ._attention import validate_attention
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
 from ._graphs import is_capturing
-from ._manager import OpManager
+from ._manager import CACHE_LIMIT, OpManager
 from .policies._overrides import MODULE, OVERRIDES
 
 _manager: OpManager | None = None
@@ -44,7 +44,7 @@ _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 _overrides = OVERRIDES.get
 _module = MODULE.get
-_FAST_LIMIT = 4096
+_deterministic = torch.are_deterministic_algorithms_enabled
 
 
 def attention(
@@ -88,7 +88,7 @@ def attention(
             key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
                    _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), layout, causal,
                    causal_alignment, window, scale, dropout_p, softcap, return_lse, deterministic, impl,
-                   _overrides(), _module())
+                   _overrides(), _module(), _deterministic())
             fn = manager.fast[key]
         except KeyError:
             pass  # the first call of this signature
@@ -107,46 +107,54 @@ def _attention_slow(manager: OpManager, key: Any, q: Any, k: Any, v: Any, layout
                     max_seqlen_q: Any, max_seqlen_k: Any, return_lse: Any, deterministic: Any,
                     impl: Any) -> Any:
     """Validate, decide, and (for a fast-path `key`) remember the bound function for the next call."""
-    varlen_key = _varlen_signature(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    varlen_key = _varlen_signature(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    checked = manager.checked_varlen
+    known_same = None if varlen_key is None else checked.get(varlen_key)
+    if known_same is None and varlen_key is not None and is_capturing(cu_seqlens_q.device):
+        known_same = False  # never a first read inside CUDA graph capture: it would sync
     call = validate_attention(
         q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment, window=window, scale=scale,
         dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask,
         attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, module=_module(),
-        check_values=varlen_key is None or varlen_key not in manager.checked_varlen)
-    if varlen_key is not None:
-        checked = manager.checked_varlen
-        if len(checked) >= _FAST_LIMIT:
-            checked.clear()
-            checked.add("capturing")
-        checked.add(varlen_key)
+        check_values=known_same is None, varlen_same=known_same)
+    if varlen_key is not None and known_same is None:
+        _bounded_put(checked, varlen_key, call.cu_seqlens_k is call.cu_seqlens_q)
     if key is None:
         return manager.call("attention", call, impl=impl)
     fn = manager.bind("attention", call, impl=impl)
-    fast = manager.fast
     # Store only if no policy swap happened meanwhile (the swap replaced `fast`; the hash tells).
     if fn.decision.policy_hash == manager.policy.hash:
-        if len(fast) >= _FAST_LIMIT:
-            fast.clear()
-        fast[key] = fn
+        _bounded_put(manager.fast, key, fn)
     return fn(q, k, v)
 
 
-def _varlen_signature(q: Any, k: Any, cu_seqlens_q: Any, max_seqlen_q: Any, max_seqlen_k: Any) -> Any:
+def _bounded_put(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    """Insert, dropping the oldest entries beyond CACHE_LIMIT (never a wholesale wipe). Hits on the per-call
+    path stay a plain dict subscript with no bookkeeping, so an evicted hot signature costs one re-validation."""
+    cache[key] = value
+    while len(cache) > CACHE_LIMIT:
+        try:
+            del cache[next(iter(cache))]
+        except (KeyError, RuntimeError, StopIteration):  # another thread changed it meanwhile
+            break
+
+
+def _varlen_signature(q: Any, k: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
+                      max_seqlen_k: Any) -> Any:
     """For packed varlen inputs on an accelerator: the signature whose cu_seqlens values were already checked.
 
     Checking the values reads them back to the host — a sync per call that would stall the GPU (and is illegal
     inside CUDA graph capture) — so on accelerators they are checked the first time a signature is seen and
-    trusted after that, as the vendor kernels themselves do. CPU cu_seqlens are checked on every call.
+    trusted after that, as the vendor kernels themselves do; so is whether distinct cu_seqlens_q/cu_seqlens_k
+    tensors hold equal values (self-attention). CPU cu_seqlens are checked on every call.
     """
     if cu_seqlens_q is None or max_seqlen_q is None or max_seqlen_k is None:
         return None
     device = getattr(cu_seqlens_q, "device", None)
     if device is None or device.type == "cpu":
         return None
-    if is_capturing(device):
-        return "capturing"  # never a first check inside capture: it would sync
-    return (q.shape, k.shape, cu_seqlens_q.shape, max_seqlen_q, max_seqlen_k, device)
+    return (q.shape, k.shape, cu_seqlens_q.shape, max_seqlen_q, max_seqlen_k, device, cu_seqlens_q is cu_seqlens_k)
 
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | None = None,
@@ -176,7 +184,8 @@ class Attention(torch.nn.Module):
             return attention(q, k, v, **self.options)
         # The tensor fields of the per-call key: a change of any of them re-validates and re-decides.
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-               _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), _overrides(), _module())
+               _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), _overrides(), _module(),
+               _deterministic())
         if key != self._key:
             self._fn = plan(q, k, v, **self.options)
             self._key = key

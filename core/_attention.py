@@ -55,7 +55,7 @@ class AttentionCall:
         "q", "k", "v", "layout", "causal", "causal_alignment", "window", "scale", "dropout_p", "softcap",
         "alibi_slopes", "attn_mask", "attn_bias", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
         "max_seqlen_k", "return_lse", "deterministic", "batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv",
-        "head_dim", "head_dim_v", "dtype", "device", "requires_grad", "module",
+        "head_dim", "head_dim_v", "dtype", "device", "requires_grad", "module", "rewrites",
     )
 
     q: torch.Tensor
@@ -88,6 +88,8 @@ class AttentionCall:
     device: torch.device
     requires_grad: bool
     module: str | None
+    # How validation rewrote the user's call into its canonical form (empty when it did not): explain shows them.
+    rewrites: tuple[str, ...]
 
     # -- derived views and flags -----------------------------------------------------------------------------
     @property
@@ -106,6 +108,14 @@ class AttentionCall:
         if self.varlen:
             return self.cu_seqlens_q is not self.cu_seqlens_k
         return self.seqlen_q != self.seqlen_k
+
+    @property
+    def same_lengths(self) -> bool:
+        """Whether every sequence has as many queries as keys (varlen: cu_seqlens_k is cu_seqlens_q, which
+        validation makes so whenever their values are equal)."""
+        if self.varlen:
+            return self.cu_seqlens_q is self.cu_seqlens_k
+        return self.seqlen_q == self.seqlen_k
 
     @property
     def positional_mask(self) -> bool:
@@ -178,6 +188,24 @@ class AttentionCall:
             self.return_lse, self.deterministic, self.requires_grad, self.module,
         )
 
+    def class_key(self) -> tuple[Any, ...]:
+        """What selection may read of this call except its sizes: dtype, layout, head dims, GQA ratio, every
+        feature flag, whether the causal alignment matters, and the broadcast pattern of masks and biases.
+
+        Sizes (batch, sequence lengths, head counts) join the decision key only through the thresholds that
+        the policy and the candidates' limits compare them with (see `opdispatch._classes`)."""
+        mask = self.attn_mask
+        bias = self.attn_bias
+        alibi = self.alibi_slopes
+        return (
+            self.layout, self.dtype, self.device, self.head_dim, self.head_dim_v, self.heads_q // self.heads_kv,
+            self.causal, self.causal_alignment, self.same_lengths, self.window, self.dropout_p > 0.0,
+            self.softcap > 0.0, None if alibi is None else alibi.dim(),
+            None if mask is None else (tuple(s == 1 for s in mask.shape), mask.requires_grad),
+            None if bias is None else (tuple(s == 1 for s in bias.shape), bias.dtype, bias.requires_grad),
+            self.return_lse, self.deterministic, self.requires_grad, self.module,
+        )
+
     def describe(self) -> str:
         """One line a human can read in errors and tables."""
         parts = [f"layout={self.layout}", f"q={tuple(self.q.shape)}", f"k={tuple(self.k.shape)}",
@@ -207,6 +235,8 @@ class AttentionCall:
             parts.append("deterministic")
         if self.requires_grad:
             parts.append("requires_grad")
+        if self.rewrites:
+            parts.append("[as written: " + "; ".join(self.rewrites) + "]")
         return " ".join(parts)
 
 
@@ -256,13 +286,17 @@ def validate_attention(
     window: Any = None, scale: Any = None, dropout_p: Any = 0.0, softcap: Any = 0.0, alibi_slopes: Any = None,
     attn_mask: Any = None, attn_bias: Any = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
     max_seqlen_q: Any = None, max_seqlen_k: Any = None, return_lse: Any = False, deterministic: Any = False,
-    module: str | None = None, check_values: bool = True,
+    module: str | None = None, check_values: bool = True, varlen_same: bool | None = None,
 ) -> AttentionCall:
     """Validate every argument of `opdispatch.attention` and build the canonical call.
 
     Raises TypeError for wrong types and ValueError for wrong values; each message names the argument, its
     value and what is allowed. `check_values=False` skips the checks that read cu_seqlens values (a host sync
-    on accelerators); shapes and types are always checked.
+    on accelerators); shapes and types are always checked. `varlen_same` says whether distinct cu_seqlens_q and
+    cu_seqlens_k tensors hold equal values when they are not read (None: unknown, taken as different).
+
+    Equivalent forms are rewritten to one canonical call (`canonicalize`), so kernels and the decision cache see
+    one form; `call.rewrites` says what changed.
     """
     q = _check_tensor("q", q)
     k = _check_tensor("k", k)
@@ -345,8 +379,13 @@ def validate_attention(
     call.deterministic = _check_flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
 
     if layout == "thd":
-        b, sq, sk = _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values)
+        b, sq, sk, same = _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values)
         call.cu_seqlens_q, call.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
+        if same is None:
+            same = bool(varlen_same)
+        if same and cu_seqlens_k is not cu_seqlens_q:
+            # Equal lengths per sequence: self-attention. Kernels tell it by identity (no host read).
+            call.cu_seqlens_k = cu_seqlens_q
         call.max_seqlen_q, call.max_seqlen_k = sq, sk
     else:
         for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
@@ -391,7 +430,39 @@ def validate_attention(
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
         attn_bias is not None and attn_bias.requires_grad))
     call.requires_grad = grad
+    call.rewrites = ()
+    canonicalize(call, varlen_rewritten=layout == "thd" and call.cu_seqlens_k is not cu_seqlens_k)
     return call
+
+
+def canonicalize(call: AttentionCall, *, varlen_rewritten: bool = False) -> None:
+    """Rewrite `call` in place into the one canonical form of the computation it denotes.
+
+    - causal/window/ALiBi alignment where it cannot matter (equal lengths, or none of the three) -> top_left;
+    - causal aligned bottom-right with one query (flash-attn style decode) -> not causal: the last query sees
+      every key, so the mask hides nothing (a window keeps its left bound);
+    - distinct cu_seqlens_q/cu_seqlens_k holding equal values -> one tensor (self-attention; done by validation).
+    Windows that bound nothing were already dropped by validation.
+    """
+    rewrites = []
+    if varlen_rewritten:
+        rewrites.append("cu_seqlens_k equal to cu_seqlens_q (self-attention)")
+    one_query = call.seqlen_q == 1 if call.layout != "thd" else call.max_seqlen_q == 1
+    if call.causal and call.causal_alignment == "bottom_right" and one_query and call.alignment_matters:
+        call.causal = False
+        window = call.window
+        if window is not None:
+            call.window = None if window[0] == -1 else (window[0], -1)
+        rewrites.append("causal=True bottom_right with one query (hides no key)")
+    uses_alignment = call.causal or call.window is not None or call.alibi_slopes is not None
+    same_lengths = (call.cu_seqlens_q is call.cu_seqlens_k) if call.layout == "thd" else (
+        call.seqlen_q == call.seqlen_k)
+    if call.causal_alignment != "top_left" and (same_lengths or not uses_alignment):
+        call.causal_alignment = "top_left"
+        if uses_alignment:
+            rewrites.append("causal_alignment=bottom_right with equal lengths")
+    if rewrites:
+        call.rewrites = tuple(rewrites)
 
 
 def _dims(layout: str, shape: torch.Size) -> tuple[int, int, int, int]:
@@ -441,7 +512,8 @@ def _check_alibi(alibi: Any, batch: int, heads: int, device: torch.device) -> to
 
 
 def _check_varlen(q: torch.Tensor, k: torch.Tensor, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any,
-                  check_values: bool) -> tuple[int, int, int]:
+                  check_values: bool) -> tuple[int, int, int, bool | None]:
+    """(batch, max_seqlen_q, max_seqlen_k, whether cu_q and cu_k hold equal values — None when not read)."""
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if cu is None:
             raise ValueError(f"attention(): layout='thd' needs {name}: an int32 tensor of cumulative sequence "
@@ -462,11 +534,17 @@ def _check_varlen(q: torch.Tensor, k: torch.Tensor, cu_q: Any, cu_k: Any, max_q:
                              "cu_seqlens)")
     batch = cu_q.numel() - 1
     need_values = check_values or max_q is None or max_k is None
+    if cu_q is cu_k:
+        same: bool | None = True
+    elif not need_values:
+        same = None
     if not need_values:
-        return batch, max_q, max_k
+        return batch, max_q, max_k, same
     lengths = {}
+    values_by_name = {}
     for name, cu, t, given in (("cu_seqlens_q", cu_q, q, max_q), ("cu_seqlens_k", cu_k, k, max_k)):
         values = cu.tolist()
+        values_by_name[name] = values
         if values[0] != 0:
             raise ValueError(f"attention(): {name} must start at 0, got {values[0]} ({name}={values})")
         steps = [b - a for a, b in zip(values, values[1:])]
@@ -481,7 +559,8 @@ def _check_varlen(q: torch.Tensor, k: torch.Tensor, cu_q: Any, cu_k: Any, max_q:
             raise ValueError(f"attention(): max_seqlen_{name[-1]}={given} is smaller than the longest sequence "
                              f"({longest}) in {name}")
         lengths[name] = given if given is not None else longest
-    return batch, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"]
+    same = values_by_name["cu_seqlens_q"] == values_by_name["cu_seqlens_k"]
+    return batch, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"], same
 
 
 def allowed_positions(sq: int, sk: int, causal: bool, window: tuple[int, int] | None, offset: int,
@@ -648,7 +727,7 @@ class AttentionImpl(Impl):
         """
         if type(self).extra_reasons is AttentionImpl.extra_reasons:
             return ()
-        return (call.batch, call.seqlen_q, call.seqlen_k, call.heads_q, call.heads_kv)
+        return call.signature()
 
     def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
         """A function `(q, k, v) -> result` for calls of exactly `call`'s signature (same shapes, dtype, device,

@@ -51,19 +51,11 @@ def raise_if_capturing(op: str, call: Any) -> None:
 def ensure_capture_safe(manager: Any, op: str, call: Any, impl: str | None = None) -> None:
     """Raise CaptureError if `call` needs a decision that `manager` has not cached while capture is under way.
 
-    Outside capture this returns at once. During capture it asks the manager whether the decision is cached —
-    through ``manager.cached_decision(op, call, impl=impl)`` when the manager has it (a lookup that never
-    decides), else by scanning the manager's cache for resolve()'s key prefix.
+    Outside capture this returns at once. During capture it asks the manager whether the decision is cached,
+    through ``manager.cached_decision(op, call, impl=impl)`` (a lookup that never decides).
     """
     if not is_capturing(call.device):
         return
-    peek = getattr(manager, "cached_decision", None)
-    if peek is not None:
-        cached = peek(op, call, impl=impl)
-    else:
-        # resolve()'s cache key starts (op, signature, device key, impl) and may carry more (overrides, policy).
-        device = manager.device_info(call.device)
-        prefix = (op, call.signature(), device.key, impl)
-        cached = next((d for k, d in list(manager._cache.items()) if k[:4] == prefix), None)
+    cached = manager.cached_decision(op, call, impl=impl)
     if cached is None:
         raise _capture_error(op, call)

@@ -101,6 +101,9 @@ class Impl:
     # Vendor-specific knobs the policy may set (`ops.<op>.options.<impl id>: {...}` in YAML): a pydantic model
     # whose defaults apply when the policy says nothing. `run` reads them from `self.options`.
     options_model: ClassVar[type[BaseModel] | None] = None
+    # True for an unfused implementation kept as the last resort (reference.math): choosing it on an accelerator
+    # logs one warning per decision class, naming the call and why no fused implementation took it.
+    reference_fallback: ClassVar[bool] = False
     _options: BaseModel | None = None
 
     @property

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,6 +20,7 @@ from opdispatch.plugins._loader import PluginRecord, load_entry_point_plugins
 from ._decision import (CHOSEN, DENIED, ELIGIBLE, FAILED, REJECTED, UNAVAILABLE, Candidate, Decision, Provenance)
 from opdispatch.policies._overrides import OVERRIDES
 
+from ._classes import DecisionClasses
 from ._device import DeviceInfo, probe_cpu, probe_generic
 from ._graphs import is_capturing, raise_if_capturing
 from ._errors import NoImplementationError, PinnedImplementationError, PolicyError
@@ -28,7 +30,9 @@ from ._registry import Origin, Registry
 log = logging.getLogger("opdispatch")
 
 ENV_LOG_LEVEL = "OPDISPATCH_LOG_LEVEL"
-_CACHE_LIMIT = 4096
+# Bounds of the caches: decisions (one per call class, least recently used goes first), bound functions of the
+# per-call fast path (one per exact signature, oldest goes first) and varlen signatures whose cu_seqlens were read.
+CACHE_LIMIT = 4096
 
 
 def _configure_logging() -> None:
@@ -65,12 +69,17 @@ class OpManager:
         self.plugins: list[PluginRecord] = []
         self._pm = pluggy.PluginManager(_hookspec.PROJECT_NAME)
         self._pm.add_hookspecs(_hookspec)
-        self._cache: dict[Any, Decision] = {}
+        self._cache: OrderedDict[Any, Decision] = OrderedDict()
+        self._classes: dict[str, DecisionClasses] = {}
         # Per-call fast path of opdispatch.attention: argument key -> bound function. Replaced (never cleared in
         # place) whenever decisions may change, so a reader holding the old dict only ever sees old entries.
         self.fast: dict[Any, Any] = {}
-        # Varlen signatures whose cu_seqlens values were checked once (accelerators only; see _api).
-        self.checked_varlen: set[Any] = {"capturing"}
+        # Varlen signatures whose cu_seqlens values were checked once (accelerators only; see _api), each with
+        # whether cu_seqlens_k held the values of cu_seqlens_q.
+        self.checked_varlen: dict[Any, bool] = {}
+        # How many decisions were made (cache misses of `resolve`): a decode loop should make one.
+        self.decisions_made = 0
+        self._warned_reference: set[Any] = set()
         self._devices: dict[Any, DeviceInfo] = {}
         self._availability: dict[tuple[str, Any], str | None] = {}
         self._policy: Any = None  # the active Policy; swapped whole, never mutated
@@ -141,7 +150,8 @@ class OpManager:
         """Forget decisions and availability answers (after a plugin or environment change)."""
         _invalidate_compiled()
         with self._lock:
-            self._cache = {}
+            self._cache = OrderedDict()
+            self._classes = {}
             self.fast = {}
             self._availability = {}
             if self._policy is not None:
@@ -171,7 +181,8 @@ class OpManager:
         with self._lock:
             self._configure_impls(policy)
             self._policy = policy  # one reference swap: readers see the old policy or the new one, never a mix
-            self._cache = {}
+            self._cache = OrderedDict()
+            self._classes = {}
             self.fast = {}
         _invalidate_compiled()
 
@@ -271,25 +282,68 @@ class OpManager:
             device = self.device_info(call.device)
         policy = self.policy
         overrides = OVERRIDES.get()
-        key = (op, call.signature(), device.key, impl, overrides, policy.hash)
+        cache = self._cache
+        key = (op, self.decision_class(op, call, policy), device.key, impl, overrides, policy.hash)
         if use_cache:
-            decision = self._cache.get(key)
+            decision = cache.get(key)
             if decision is not None:
+                try:
+                    cache.move_to_end(key)
+                except KeyError:  # evicted by another thread meanwhile: the decision is still valid
+                    pass
                 return decision
         raise_if_capturing(op, call)  # deciding probes devices and may sync: never inside CUDA graph capture
         decision = self._decide(op, call, device, impl, policy, overrides)
+        self.decisions_made += 1
         if decision.chosen is None:
             raise _no_impl_error(decision, self.plugins)
         if use_cache:
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache = {}
-            self._cache[key] = decision
+            cache[key] = decision
+            while len(cache) > CACHE_LIMIT:
+                try:
+                    cache.popitem(last=False)
+                except KeyError:
+                    break
         log.info("%s: chose %s for [%s] on %s (decided by %s)", op, decision.chosen_id, decision.call,
                  device.describe(), decision.decided_by)
+        if getattr(decision.chosen, "reference_fallback", False) and device.type != "cpu":
+            self._warn_reference(decision, key)
         if log.isEnabledFor(logging.DEBUG):
             for c in decision.candidates:
                 log.debug("  %s: %s%s", c.impl_id, c.status, (" — " + "; ".join(c.reasons)) if c.reasons else "")
         return decision
+
+    def cached_decision(self, op: str, call: Any, *, impl: str | None = None) -> Decision | None:
+        """The cached decision for `call`'s class, or None; never decides (safe during CUDA graph capture)."""
+        policy = self.policy
+        device = self.device_info(call.device)
+        key = (op, self.decision_class(op, call, policy), device.key, impl, OVERRIDES.get(), policy.hash)
+        return self._cache.get(key)
+
+    def decision_class(self, op: str, call: Any, policy: Any = None) -> Any:
+        """The class of `call` under the active policy: calls of one class share one decision (see _classes)."""
+        policy = policy if policy is not None else self.policy
+        classes = self._classes.get(op)
+        if classes is None or classes.policy_hash != policy.hash:
+            self.ensure_initialized()
+            classes = DecisionClasses(op, policy, [r.impl for r in self.registry.for_op(op)])
+            self._classes[op] = classes
+        return classes.key(call)
+
+    def _warn_reference(self, decision: Decision, key: Any) -> None:
+        """Once per decision class: a reference implementation took a call on an accelerator (an O(S^2) cliff)."""
+        if key in self._warned_reference:
+            return
+        if len(self._warned_reference) >= CACHE_LIMIT:
+            self._warned_reference.clear()
+        self._warned_reference.add(key)
+        others = [c for c in decision.candidates if c.impl_id != decision.chosen_id and c.status != UNAVAILABLE
+                  and not c.impl_id.startswith("plugin:")]
+        why = "; ".join(f"{c.impl_id}: {c.status}" + (f" ({'; '.join(c.reasons)})" if c.reasons else "")
+                        for c in others) or "no other implementation is available on this device"
+        log.warning("%s: %s (slow, unfused) takes [%s] on %s because no fused implementation can: %s. Run "
+                    "`opdispatch explain` for the full table.", decision.op, decision.chosen_id, decision.call,
+                    decision.device.describe(), why)
 
     def explain(self, op: str, call: Any, *, device: DeviceInfo | None = None, impl: str | None = None) -> Decision:
         """Like `resolve`, but never raises for lack of an implementation: the Decision says why."""
@@ -489,7 +543,10 @@ def _after_fork_in_child() -> None:
     for manager in list(_MANAGERS):
         manager._lock = threading.RLock()
         manager._devices = {}
-        manager._cache = {}
+        manager._cache = OrderedDict()
+        manager._classes = {}
+        manager.fast = {}
+        manager.checked_varlen = {}
         manager._availability = {}
 
 

@@ -93,11 +93,16 @@ def test_plan_binds_once_and_computes_correctly(basic_manager):
 
 def test_attention_module_replans_when_the_signature_changes(basic_manager):
     module = opdispatch.Attention(causal=True, layout="bshd")
+    plans = []
     for s in (8, 8, 16):
         q, k, v = qkv(layout="bshd", s=s)
         torch.testing.assert_close(module(q, k, v), opdispatch.attention(q, k, v, causal=True,
                                                                          impl="reference.math"), atol=1e-5, rtol=1e-5)
-    assert module._fn.decision.call.startswith("layout=bshd q=(1, 16, 2, 16)")
+        plans.append(module._fn)
+    # A new length re-binds (and re-validates) but re-uses the decision of its class: no second decision.
+    assert plans[0] is plans[1] and plans[2] is not plans[1]
+    assert plans[2].decision is plans[0].decision
+    assert module._key[0] == (1, 16, 2, 16)
     assert "causal=True" in repr(module)
 
 

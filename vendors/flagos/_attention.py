@@ -74,6 +74,9 @@ class FlagGemsAttention(AttentionImpl):
             return f"flag_gems failed to import: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         return None
 
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
+
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
         if call.requires_grad:

@@ -70,12 +70,13 @@ class KunlunxinPrefill(AttentionImpl):
         module = self.options.ops_module
         return (Requirement(module=module, distribution=module, install_hint=_HINTS[module]),)
 
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
+
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         if call.varlen:
-            same = call.cu_seqlens_q is call.cu_seqlens_k
-            if not same and call.cu_seqlens_q.device.type != "meta":
-                same = torch.equal(call.cu_seqlens_q, call.cu_seqlens_k)
-            if not same:
+            # Validation makes cu_seqlens_k the very tensor cu_seqlens_q when their values are equal.
+            if not call.same_lengths:
                 return ["cu_seqlens_q differs from cu_seqlens_k: prefill_attention without a KV cache takes one "
                         "LoD for q and k/v (self-attention prefill)"]
         elif call.seqlen_q != call.seqlen_k:

@@ -59,6 +59,7 @@ class ReferenceAttention(AttentionImpl):
     name: ClassVar[str] = "math"
     priority: ClassVar[int] = -100  # the oracle runs anywhere but is never fast: last unless the policy says
     description: ClassVar[str] = "pure torch math; every feature, any device; the numerical oracle"
+    reference_fallback: ClassVar[bool] = True
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=_ALL_DTYPES, head_dim_v_differs=True, layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}),
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, softcap=True,

@@ -119,6 +119,9 @@ class RocmFlashAttnCK(AttentionImpl):
     )
     options_model: ClassVar[type[BaseModel]] = CkOptions
 
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
+
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         return alibi_offset_reasons(call)
 
@@ -197,6 +200,9 @@ class RocmAiter(AttentionImpl):
         dropout=True, lse=True, backward=True, deterministic_backward=True,
     )
     options_model: ClassVar[type[BaseModel]] = AiterOptions
+
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         return alibi_offset_reasons(call)
@@ -298,6 +304,9 @@ class RocmAOTriton(AttentionImpl):
         deterministic_backward=False,
     )
     options_model: ClassVar[type[BaseModel]] = AOTritonOptions
+
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []

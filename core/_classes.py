@@ -1,0 +1,65 @@
+"""Decision classes: the key under which a decision is cached, derived from what can change it.
+
+A decision depends on the call only through (a) its class key — dtype, layout, head dims, GQA ratio, flags —
+(b) the thresholds the policy's rules compare sizes with (`seqlen_k: '>=4096'`), (c) the limits the candidates'
+capabilities put on sizes (`max_seqlen`), (d) what each candidate's `selection_key` says its extra checks read, and
+(e) with an autotune table, the tuned bucket. Two calls that agree on all of these get the same decision, so a
+decode loop (one more key per step) or a new batch size reuses it instead of deciding again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+# Size fields a `when:` condition may compare; head dims and the GQA ratio are exact in the class key already.
+SIZE_FIELDS = ("seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv")
+
+
+class DecisionClasses:
+    """Maps a validated call to its decision class, for one op under one policy and one set of implementations.
+
+    Built once per (policy, registry) and kept by the manager; `key(call)` is what the decision cache uses.
+    """
+
+    def __init__(self, op: str, policy: Any, impls: Sequence[Any]) -> None:
+        self.size_tests: list[tuple[str, Any]] = []  # (field, IntSpec) from every rule of every layer
+        for layer in policy.layers:
+            spec = layer.op(op)
+            if spec is None:
+                continue
+            for rule in spec.rules:
+                for field in SIZE_FIELDS:
+                    int_spec = getattr(rule.when, field, None)
+                    if int_spec is not None:
+                        self.size_tests.append((field, int_spec))
+        caps = [getattr(impl, "caps", None) for impl in impls]
+        self.max_seqlens = sorted({c.max_seqlen for c in caps if c is not None and c.max_seqlen is not None})
+        # Only implementations whose checks read more than the class key contribute a selection key.
+        self.keyed = [impl for impl in impls if _reads_more(impl)]
+        self.tuned = policy.autotune_table(op) is not None
+        self.generic = not impls or not all(hasattr(impl, "selection_key") for impl in impls)
+        self.policy_hash: str = policy.hash
+
+    def key(self, call: Any) -> tuple[Any, ...]:
+        if self.generic or not hasattr(call, "class_key"):
+            return ("exact", call.signature())  # an op without classes: every signature decides on its own
+        sizes = {"seqlen_q": call.seqlen_q, "seqlen_k": call.seqlen_k, "batch": call.batch,
+                 "heads_q": call.heads_q, "heads_kv": call.heads_kv}
+        tests = tuple(spec.matches(sizes[field]) for field, spec in self.size_tests)
+        longest = max(call.seqlen_q, call.seqlen_k)
+        limits = tuple(longest <= m for m in self.max_seqlens)
+        extra = tuple(impl.selection_key(call) for impl in self.keyed)
+        # Autotune blends buckets by log-distance: quarter-octave steps keep the verdict within one class.
+        tuned = tuple(round(4 * math.log2(max(s, 1))) for s in (call.seqlen_q, call.seqlen_k, call.batch)) \
+            if self.tuned else ()
+        return (call.class_key(), tests, limits, extra, tuned)
+
+
+def _reads_more(impl: Any) -> bool:
+    from ._attention import AttentionImpl
+
+    cls = type(impl)
+    return (getattr(cls, "selection_key", None) is not AttentionImpl.selection_key
+            or getattr(cls, "extra_reasons", None) is not AttentionImpl.extra_reasons)
