@@ -36,13 +36,16 @@ class DecisionClasses:
                         self.size_tests.append((field, int_spec))
         caps = [getattr(impl, "caps", None) for impl in impls]
         self.max_seqlens = sorted({c.max_seqlen for c in caps if c is not None and c.max_seqlen is not None})
-        # Only implementations whose checks read more than the class key contribute a selection key.
+        # Only implementations whose checks read more than the class key contribute a selection key — and only
+        # on devices where they are available (the manager filters per device: `keyed_on`).
         self.keyed = [impl for impl in impls if _reads_more(impl)]
+        self.keyed_on: dict[Any, list[Any]] = {}
         self.tuned = policy.autotune_table(op) is not None
         self.generic = not impls or not all(hasattr(impl, "selection_key") for impl in impls)
         self.policy_hash: str = policy.hash
 
-    def key(self, call: Any) -> tuple[Any, ...]:
+    def key(self, call: Any, keyed: Sequence[Any]) -> tuple[Any, ...]:
+        """The class of `call`; `keyed` are the implementations whose selection keys count (see `keyed_on`)."""
         if self.generic or not hasattr(call, "class_key"):
             return ("exact", call.signature())  # an op without classes: every signature decides on its own
         sizes = {"seqlen_q": call.seqlen_q, "seqlen_k": call.seqlen_k, "batch": call.batch,
@@ -50,7 +53,7 @@ class DecisionClasses:
         tests = tuple(spec.matches(sizes[field]) for field, spec in self.size_tests)
         longest = max(call.seqlen_q, call.seqlen_k)
         limits = tuple(longest <= m for m in self.max_seqlens)
-        extra = tuple(impl.selection_key(call) for impl in self.keyed)
+        extra = tuple(impl.selection_key(call) for impl in keyed)
         # Autotune blends buckets by log-distance: quarter-octave steps keep the verdict within one class.
         tuned = tuple(round(4 * math.log2(max(s, 1))) for s in (call.seqlen_q, call.seqlen_k, call.batch)) \
             if self.tuned else ()

@@ -283,7 +283,7 @@ class OpManager:
         policy = self.policy
         overrides = OVERRIDES.get()
         cache = self._cache
-        key = (op, self.decision_class(op, call, policy), device.key, impl, overrides, policy.hash)
+        key = (op, self.decision_class(op, call, policy, device), device.key, impl, overrides, policy.hash)
         if use_cache:
             decision = cache.get(key)
             if decision is not None:
@@ -317,18 +317,22 @@ class OpManager:
         """The cached decision for `call`'s class, or None; never decides (safe during CUDA graph capture)."""
         policy = self.policy
         device = self.device_info(call.device)
-        key = (op, self.decision_class(op, call, policy), device.key, impl, OVERRIDES.get(), policy.hash)
+        key = (op, self.decision_class(op, call, policy, device), device.key, impl, OVERRIDES.get(), policy.hash)
         return self._cache.get(key)
 
-    def decision_class(self, op: str, call: Any, policy: Any = None) -> Any:
+    def decision_class(self, op: str, call: Any, policy: Any = None, device: DeviceInfo | None = None) -> Any:
         """The class of `call` under the active policy: calls of one class share one decision (see _classes)."""
         policy = policy if policy is not None else self.policy
+        device = device if device is not None else self.device_info(call.device)
         classes = self._classes.get(op)
         if classes is None or classes.policy_hash != policy.hash:
             self.ensure_initialized()
             classes = DecisionClasses(op, policy, [r.impl for r in self.registry.for_op(op)])
             self._classes[op] = classes
-        return classes.key(call)
+        keyed = classes.keyed_on.get(device.key)
+        if keyed is None:  # an implementation unavailable on this device never reads the call
+            keyed = classes.keyed_on[device.key] = [i for i in classes.keyed if self.availability(i, device) is None]
+        return classes.key(call, keyed)
 
     def _warn_reference(self, decision: Decision, key: Any) -> None:
         """Once per decision class: a reference implementation took a call on an accelerator (an O(S^2) cliff)."""

@@ -167,6 +167,8 @@ def test_bottom_right_causal_decode_is_canonically_not_causal(basic_manager, rng
     plain = opdispatch.validate_attention(q, k, v)
     assert (call.causal, call.causal_alignment) == (False, "top_left")
     assert basic_manager.decision_class("attention", call) == basic_manager.decision_class("attention", plain)
+    assert basic_manager.decision_class("attention", call) != basic_manager.decision_class(
+        "attention", opdispatch.validate_attention(q, k, v, causal=True))
     text = str(opdispatch.explain(q, k, v, causal=True, causal_alignment="bottom_right"))
     assert "[as written: causal=True bottom_right with one query (hides no key)]" in text
     # A window keeps its left bound: the query sees the last 4 keys (j >= 8 - 3).
