@@ -95,9 +95,10 @@ def _explain_call_args(args: argparse.Namespace, device_type: str) -> dict[str, 
         q = torch.empty(b * s, h, d, dtype=dtype, device=dev, requires_grad=grad)
         k = torch.empty(b * sk, hkv, d, dtype=dtype, device=dev, requires_grad=grad)
         v = torch.empty(b * sk, hkv, dv, dtype=dtype, device=dev, requires_grad=grad)
-        kw.update(cu_seqlens_q=torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev),
-                  cu_seqlens_k=torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev),
-                  max_seqlen_q=s, max_seqlen_k=sk)
+        cu_q = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
+        # Equal lengths are self-attention: one tensor, as validation makes of equal values it can read.
+        cu_k = cu_q if sk == s else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev)
+        kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=s, max_seqlen_k=sk)
     else:
         layout = args.layout
         shape = {"bshd": lambda s_, h_, d_: (b, s_, h_, d_), "bhsd": lambda s_, h_, d_: (b, h_, s_, d_),
