@@ -10,7 +10,8 @@ decode loop (one more key per step) or a new batch size reuses it instead of dec
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # Size fields a `when:` condition may compare; head dims and the GQA ratio are exact in the class key already.
@@ -43,21 +44,25 @@ class DecisionClasses:
         self.tuned = policy.autotune_table(op) is not None
         self.generic = not impls or not all(hasattr(impl, "selection_key") for impl in impls)
         self.policy_hash: str = policy.hash
+        # Compiled once: the key is computed on every call that misses the per-call fast path (each decode step).
+        self._tests = [(operator.attrgetter(field), _predicate(spec)) for field, spec in self.size_tests]
 
     def key(self, call: Any, keyed: Sequence[Any]) -> tuple[Any, ...]:
         """The class of `call`; `keyed` are the implementations whose selection keys count (see `keyed_on`)."""
         if self.generic or not hasattr(call, "class_key"):
             return ("exact", call.signature())  # an op without classes: every signature decides on its own
-        sizes = {"seqlen_q": call.seqlen_q, "seqlen_k": call.seqlen_k, "batch": call.batch,
-                 "heads_q": call.heads_q, "heads_kv": call.heads_kv}
-        tests = tuple(spec.matches(sizes[field]) for field, spec in self.size_tests)
-        longest = max(call.seqlen_q, call.seqlen_k)
-        limits = tuple(longest <= m for m in self.max_seqlens)
-        extra = tuple(impl.selection_key(call) for impl in keyed)
-        # Autotune blends buckets by log-distance: quarter-octave steps keep the verdict within one class.
-        tuned = tuple(round(4 * math.log2(max(s, 1))) for s in (call.seqlen_q, call.seqlen_k, call.batch)) \
-            if self.tuned else ()
-        return (call.class_key(), tests, limits, extra, tuned)
+        key = [call.class_key()]
+        for get, test in self._tests:
+            key.append(test(get(call)))
+        if self.max_seqlens:
+            longest = max(call.seqlen_q, call.seqlen_k)
+            key.append(tuple(longest <= m for m in self.max_seqlens))
+        for impl in keyed:
+            key.append(impl.selection_key(call))
+        if self.tuned:
+            # Autotune blends buckets by log-distance: quarter-octave steps keep the verdict within one class.
+            key.append(tuple(round(4 * math.log2(max(s, 1))) for s in (call.seqlen_q, call.seqlen_k, call.batch)))
+        return tuple(key)
 
 
 def _reads_more(impl: Any) -> bool:
@@ -66,3 +71,15 @@ def _reads_more(impl: Any) -> bool:
     cls = type(impl)
     return (getattr(cls, "selection_key", None) is not AttentionImpl.selection_key
             or getattr(cls, "extra_reasons", None) is not AttentionImpl.extra_reasons)
+
+
+def _predicate(spec: Any) -> Callable[[int], bool]:
+    """`spec.matches` as the cheapest callable: a set lookup, one bound comparison, or the general method."""
+    if spec.values is not None:
+        return spec.values.__contains__  # type: ignore[no-any-return]
+    if len(spec.comps) == 1:
+        op, n = spec.comps[0]
+        # value OP n, written as n's reflected comparison: a bound method call, no Python frame.
+        reflected = {">=": "__le__", "<=": "__ge__", ">": "__lt__", "<": "__gt__", "==": "__eq__", "!=": "__ne__"}
+        return getattr(n, reflected[op])  # type: ignore[no-any-return]
+    return spec.matches  # type: ignore[no-any-return]

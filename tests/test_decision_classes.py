@@ -298,3 +298,16 @@ def test_policy_parse_keeps_thresholds_readable():
     # The user's layer first, then the shipped default's rules (its short-varlen rule reads seqlen_q).
     assert [(f, str(s)) for f, s in classes.size_tests][:3] == [("batch", ">=8"), ("heads_kv", "[1, 2]"),
                                                                ("seqlen_q", "<=1024")]
+
+
+@pytest.mark.parametrize("text", ["'>=32'", "'<=32'", "'>32'", "'<32'", "'==32'", "'!=32'", "'>=8,<40'", "[8, 32]",
+                                  "32"])
+def test_compiled_size_tests_agree_with_the_policy_matcher(text):
+    import yaml
+
+    from opdispatch._classes import _predicate
+    from opdispatch.policies._match import IntSpec
+
+    spec = IntSpec.parse(yaml.safe_load(text))
+    predicate = _predicate(spec)
+    assert [predicate(n) for n in range(0, 64)] == [spec.matches(n) for n in range(0, 64)]
