@@ -1,0 +1,465 @@
+"""`torch.flex` on the CPU: the real adapter (block masks, score mods, layouts, LSE, GQA, varlen, backward) running
+torch's flex_attention eagerly (option compile=False), against a float64 oracle written here, loop by loop.
+
+Flex's eager path computes the same math as the fused kernel from the same mask_mod/score_mod and block mask, so
+everything the adapter builds is exercised; the fused kernel itself is checked by tests/gpu/test_flex_gpu.py.
+torch refuses CPU inputs that require grad in flex_attention's public entry (`_validate_device`) although the
+eager math under it differentiates fine, so the backward tests lift that one check (fixture `cpu_backward`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import opdispatch
+from opdispatch import validate_attention
+from opdispatch.vendors.torch_flex import TorchFlexAttention
+from tests.conftest import DEVICES_DIR
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+# -- oracle: float64, one (batch, head) at a time, positions written out -----------------------------------
+
+def oracle(q, k, v, *, scale, causal=False, alignment="top_left", window=None, softcap=0.0, slopes=None,
+           mask=None, bias=None):
+    """(b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, dv) float64 -> out (b, hq, sq, dv), lse (b, hq, sq)."""
+    b, hq, sq, _ = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    offset = sk - sq if alignment == "bottom_right" else 0
+    i = torch.arange(sq, dtype=torch.float64).unsqueeze(1) + offset   # aligned query positions
+    j = torch.arange(sk, dtype=torch.float64).unsqueeze(0)
+    mask4 = None if mask is None else mask.expand(b, hq, sq, sk)
+    bias4 = None if bias is None else bias.to(torch.float64).expand(b, hq, sq, sk)
+    outs, lses = [], []
+    for bi in range(b):
+        for h in range(hq):
+            kh = h // group
+            s = (q[bi, h] @ k[bi, kh].T) * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            if slopes is not None:
+                slope = slopes[h] if slopes.dim() == 1 else slopes[bi, h]
+                s = s - slope.double() * (i - j).abs()
+            if bias4 is not None:
+                s = s + bias4[bi, h]
+            ok = torch.ones(sq, sk, dtype=torch.bool)
+            if causal:
+                ok &= j <= i
+            if window is not None:
+                left, right = window
+                if left >= 0:
+                    ok &= j >= i - left
+                if right >= 0:
+                    ok &= j <= i + right
+            if mask4 is not None:
+                ok &= mask4[bi, h]
+            s = s.masked_fill(~ok, -math.inf)
+            row_max = s.amax(-1, keepdim=True)
+            seen = torch.isfinite(row_max)
+            p = torch.exp(s - torch.where(seen, row_max, torch.zeros_like(row_max)))
+            total = p.sum(-1, keepdim=True)
+            p = p / torch.where(seen, total, torch.ones_like(total))
+            outs.append(p @ v[bi, kh])
+            lse = torch.where(seen, row_max + torch.log(torch.where(seen, total, torch.ones_like(total))),
+                              torch.full_like(row_max, -math.inf))
+            lses.append(lse.squeeze(-1))
+    return torch.stack(outs).reshape(b, hq, sq, dv), torch.stack(lses).reshape(b, hq, sq)
+
+
+def varlen_oracle(q, k, v, cu_q, cu_k, *, slopes=None, **kw):
+    """(total, h, d) packed -> out (total_q, hq, dv), lse (hq, total_q), one sequence at a time."""
+    outs, lses = [], []
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for n in range(len(cq) - 1):
+        sl = slopes if slopes is None or slopes.dim() == 1 else slopes[n:n + 1]
+        qs = q[cq[n]:cq[n + 1]].transpose(0, 1).unsqueeze(0)
+        ks = k[ck[n]:ck[n + 1]].transpose(0, 1).unsqueeze(0)
+        vs = v[ck[n]:ck[n + 1]].transpose(0, 1).unsqueeze(0)
+        if qs.shape[2] == 0:
+            continue
+        if ks.shape[2] == 0:  # no keys at all: zeros, -inf
+            outs.append(torch.zeros(qs.shape[2], qs.shape[1], vs.shape[3], dtype=q.dtype))
+            lses.append(torch.full((qs.shape[1], qs.shape[2]), -math.inf, dtype=q.dtype))
+            continue
+        o, l = oracle(qs, ks, vs, slopes=sl, **kw)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# -- helpers ------------------------------------------------------------------------------------------------
+
+def flex_impl(**options) -> TorchFlexAttention:
+    impl = TorchFlexAttention()
+    impl.configure({"compile": False, "cpu": True, **options})
+    return impl
+
+
+def rand(*shape, dtype=torch.float32, gen=None):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
+def to_bhsd(t, layout):
+    return {"bshd": lambda x: x.transpose(1, 2), "bhsd": lambda x: x, "sbhd": lambda x: x.permute(1, 2, 0, 3)}[layout](t)
+
+
+def make_dense(layout, b, sq, sk, hq, hkv, d, dv, dtype=torch.float32, gen=None, strided=False):
+    """q/k/v in `layout`; `strided` takes every other element of a wider last dim and a slice of a longer
+    sequence, so none of them is contiguous."""
+    def one(s, h, dim):
+        if layout == "bshd":
+            shape = (b, s, h, dim)
+        elif layout == "bhsd":
+            shape = (b, h, s, dim)
+        else:
+            shape = (s, b, h, dim)
+        if not strided:
+            return rand(*shape, dtype=dtype, gen=gen)
+        wide = list(shape)
+        wide[-1] *= 2
+        seq_axis = {"bshd": 1, "bhsd": 2, "sbhd": 0}[layout]
+        wide[seq_axis] += 3
+        t = rand(*wide, dtype=dtype, gen=gen)[..., ::2].narrow(seq_axis, 2, s)
+        assert not t.is_contiguous()
+        return t
+    return one(sq, hq, d), one(sk, hkv, d), one(sk, hkv, dv)
+
+
+def assert_close(got, want, dtype, what):
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    got = got.double()
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), f"{what}: finite pattern differs"
+    err = (got[finite] - want[finite]).abs().max().item() if finite.any() else 0.0
+    scale = want[finite].abs().max().item() if finite.any() else 1.0
+    assert err <= tol * max(1.0, scale), f"{what}: max |err| {err:.3g} > {tol:g} (scale {scale:.3g})"
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(20240607)
+
+
+@pytest.fixture
+def untraced_flex(monkeypatch):
+    """Run flex's eager path without dynamo tracing each new variant (torch's own debug switch): the same mods,
+    block mask and dense math, about 10x faster per new shape. Backward (which needs the traced path) and
+    test_dispatch_through_dynamo_eager keep the traced path, so mods are traced by dynamo there."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    monkeypatch.setattr(flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+
+
+@pytest.fixture
+def cpu_backward(monkeypatch):
+    """Lift flex_attention's refusal of CPU inputs that require grad (see the module docstring)."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
+
+
+DENSE_CASES = [
+    # name, layout, b, sq, sk, hq, hkv, d, dv, kwargs
+    ("plain_sq<sk", "bshd", 2, 37, 53, 4, 4, 64, 64, {}),
+    ("causal_top_left_sq<sk", "bshd", 2, 37, 53, 4, 2, 64, 64, dict(causal=True)),
+    ("causal_bottom_right_sq>sk_blind_rows", "bhsd", 2, 53, 37, 4, 2, 72, 72,
+     dict(causal=True, causal_alignment="bottom_right")),
+    ("decode_sq1_bottom_right_gqa4", "bshd", 3, 1, 97, 8, 2, 64, 64, dict(causal=True, causal_alignment="bottom_right")),
+    ("window_both_sides", "sbhd", 2, 41, 41, 2, 2, 32, 32, dict(window=(5, 3))),
+    ("window_causal_bottom_right", "bshd", 1, 29, 70, 4, 1, 100, 100,
+     dict(causal=True, window=(9, 0), causal_alignment="bottom_right")),
+    ("window_left_only_top_left", "bhsd", 2, 60, 45, 2, 2, 16, 16, dict(window=(4, -1))),
+    ("softcap_causal_gqa", "bshd", 2, 48, 48, 6, 2, 72, 40, dict(causal=True, softcap=5.0)),
+    ("alibi_heads_gqa", "bshd", 2, 33, 50, 4, 2, 32, 32, dict(alibi="h")),
+    ("alibi_batch_heads_bottom_right", "sbhd", 2, 33, 50, 4, 4, 32, 32,
+     dict(alibi="bh", causal=True, causal_alignment="bottom_right")),
+    ("softcap_alibi_window_scale", "bhsd", 1, 40, 40, 4, 2, 48, 48,
+     dict(softcap=3.0, alibi="h", window=(6, 2), scale=0.3)),
+    ("dv_differs_d100", "bshd", 2, 19, 27, 2, 1, 100, 24, dict(causal=True)),
+]
+
+
+def _alibi(kind, b, hq, gen):
+    if kind is None:
+        return None
+    shape = (hq,) if kind == "h" else (b, hq)
+    return (torch.rand(*shape, generator=gen) * 0.5 + 0.05).float()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("case", DENSE_CASES, ids=[c[0] for c in DENSE_CASES])
+def test_dense_forward_and_lse_match_oracle(case, strided, gen, untraced_flex):
+    name, layout, b, sq, sk, hq, hkv, d, dv, kw = case
+    kw = dict(kw)
+    slopes = _alibi(kw.pop("alibi", None), b, hq, gen)
+    q, k, v = make_dense(layout, b, sq, sk, hq, hkv, d, dv, gen=gen, strided=strided)
+    call = validate_attention(q, k, v, layout=layout, alibi_slopes=slopes, return_lse=True, **kw)
+    out, lse = flex_impl().run(call)
+    assert out.shape == (q.shape[:-1] + (dv,)) and out.dtype == q.dtype
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    want_out, want_lse = oracle(*(to_bhsd(t, layout).double() for t in (q, k, v)), scale=call.scale,
+                                causal=kw.get("causal", False), alignment=kw.get("causal_alignment", "top_left"),
+                                window=call.window, softcap=kw.get("softcap", 0.0), slopes=slopes)
+    assert_close(to_bhsd(out, layout), want_out, torch.float32, f"{name} out")
+    assert_close(lse, want_lse, torch.float32, f"{name} lse")
+    if name.endswith("blind_rows"):
+        blind = ~torch.isfinite(want_lse)
+        assert blind.any()
+        assert torch.all(to_bhsd(out, layout)[blind] == 0), "queries that see no key must give zeros"
+        assert torch.all(lse[blind] == -math.inf)
+
+
+def test_lse_is_natural_log(gen, untraced_flex):
+    # one key per query (window 0,0): lse is exactly the scaled score, natural log — log2 would differ by ln 2
+    q, k, v = make_dense("bshd", 1, 8, 8, 2, 2, 16, 16, gen=gen)
+    out, lse = flex_impl().run(validate_attention(q, k, v, window=(0, 0), return_lse=True))
+    want = (q.transpose(1, 2).double() * k.transpose(1, 2).double()).sum(-1) / 4.0
+    torch.testing.assert_close(lse.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, v, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_forward(dtype, gen, untraced_flex):
+    q, k, v = make_dense("bshd", 2, 40, 64, 4, 2, 72, 72, dtype=dtype, gen=gen)
+    out = flex_impl().run(validate_attention(q, k, v, causal=True, causal_alignment="bottom_right", softcap=4.0))
+    assert out.dtype == dtype
+    want, _ = oracle(*(t.transpose(1, 2).double() for t in (q, k, v)), scale=1 / math.sqrt(72), causal=True,
+                     alignment="bottom_right", softcap=4.0)
+    assert_close(out.transpose(1, 2), want, dtype, "low precision out")
+
+
+def test_mask_and_bias(gen, untraced_flex):
+    b, sq, sk, hq, hkv, d = 2, 30, 44, 4, 2, 32
+    q, k, v = make_dense("bshd", b, sq, sk, hq, hkv, d, d, gen=gen)
+    mask = torch.rand(b, 1, sq, sk, generator=gen) > 0.3
+    mask[0, 0, 3] = False  # one query that sees nothing
+    bias = rand(hq, sq, sk, gen=gen)
+    call = validate_attention(q, k, v, attn_mask=mask, attn_bias=bias, causal=True,
+                              causal_alignment="bottom_right", return_lse=True)
+    out, lse = flex_impl().run(call)
+    want_out, want_lse = oracle(*(t.transpose(1, 2).double() for t in (q, k, v)), scale=call.scale, causal=True,
+                                alignment="bottom_right", mask=mask, bias=bias)
+    assert_close(out.transpose(1, 2), want_out, torch.float32, "mask+bias out")
+    assert_close(lse, want_lse, torch.float32, "mask+bias lse")
+    assert torch.all(lse[0, :, 3] == -math.inf) and torch.all(out[0, 3] == 0)
+    # a 2-D mask that broadcasts over batch and heads, no positional pattern
+    mask2 = torch.rand(sq, sk, generator=gen) > 0.5
+    out2 = flex_impl().run(validate_attention(q, k, v, attn_mask=mask2))
+    want2, _ = oracle(*(t.transpose(1, 2).double() for t in (q, k, v)), scale=call.scale, mask=mask2)
+    assert_close(out2.transpose(1, 2), want2, torch.float32, "2-D mask out")
+
+
+def _packed(lens_q, lens_k, hq, hkv, d, dv, gen, dtype=torch.float32):
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = rand(int(cu_q[-1]), hq, d, dtype=dtype, gen=gen)
+    k = rand(int(cu_k[-1]), hkv, d, dtype=dtype, gen=gen)
+    v = rand(int(cu_k[-1]), hkv, dv, dtype=dtype, gen=gen)
+    return q, k, v, cu_q, cu_k
+
+
+VARLEN_CASES = [
+    ("same_lengths_causal", (13, 40, 7), None, dict(causal=True)),
+    ("uneven_bottom_right_window", (5, 31, 1, 12), (20, 31, 9, 3),
+     dict(causal=True, causal_alignment="bottom_right", window=(6, 0))),
+    ("top_left_sq>sk_blind", (9, 14), (4, 20), dict(causal=True)),
+    ("alibi_per_sequence_softcap", (17, 3, 26), (17, 30, 26), dict(alibi="bh", softcap=2.5)),
+    ("empty_sequence", (6, 0, 11), (6, 5, 11), dict(window=(3, 3))),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
+def test_varlen_matches_per_sequence_oracle(case, gen, untraced_flex):
+    name, lens_q, lens_k, kw = case
+    kw = dict(kw)
+    lens_k = lens_k or lens_q
+    hq, hkv = 4, 2
+    slopes = _alibi(kw.pop("alibi", None), len(lens_q), hq, gen)
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, hq, hkv, 24, 40, gen)
+    if lens_k == lens_q:
+        cu_k = cu_q  # the same tensor: validation then knows alignment does not matter
+    call = validate_attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi_slopes=slopes,
+                              return_lse=True, **kw)
+    out, lse = flex_impl().run(call)
+    assert out.shape == (q.shape[0], hq, 40) and lse.shape == (hq, q.shape[0])
+    want_out, want_lse = varlen_oracle(q.double(), k.double(), v.double(), cu_q, cu_k, slopes=slopes,
+                                       scale=call.scale, causal=kw.get("causal", False),
+                                       alignment=kw.get("causal_alignment", "top_left"), window=call.window,
+                                       softcap=kw.get("softcap", 0.0))
+    assert_close(out, want_out, torch.float32, f"{name} out")
+    assert_close(lse, want_lse, torch.float32, f"{name} lse")
+
+
+# -- backward -----------------------------------------------------------------------------------------------
+
+def _grads(fn, tensors, grad_out):
+    out = fn(*tensors)
+    return torch.autograd.grad(out, tensors, grad_out)
+
+
+BACKWARD_CASES = [
+    ("causal_bottom_right_gqa_d72", "bshd", 2, 24, 40, 4, 2, 72, 72,
+     dict(causal=True, causal_alignment="bottom_right")),
+    ("softcap_alibi_window", "bhsd", 1, 33, 33, 4, 1, 32, 48, dict(softcap=3.0, alibi="h", window=(5, 2))),
+    ("alibi_bh_sbhd_decode", "sbhd", 2, 1, 30, 4, 2, 16, 16, dict(alibi="bh", causal=True,
+                                                                   causal_alignment="bottom_right")),
+]
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=[c[0] for c in BACKWARD_CASES])
+def test_dense_backward_matches_oracle(case, gen, cpu_backward):
+    name, layout, b, sq, sk, hq, hkv, d, dv, kw = case
+    kw = dict(kw)
+    slopes = _alibi(kw.pop("alibi", None), b, hq, gen)
+    q, k, v = (t.requires_grad_() for t in make_dense(layout, b, sq, sk, hq, hkv, d, dv, gen=gen))
+    impl = flex_impl()
+    call = validate_attention(q, k, v, layout=layout, alibi_slopes=slopes, **kw)
+    assert call.requires_grad
+    grad_out = rand(*(q.shape[:-1] + (dv,)), gen=gen)
+    got = _grads(lambda q_, k_, v_: impl.run(call.with_tensors(q_, k_, v_)), (q, k, v), grad_out)
+
+    def ref(q_, k_, v_):
+        out, _ = oracle(*(to_bhsd(t, layout) for t in (q_, k_, v_)), scale=call.scale,
+                        causal=kw.get("causal", False), alignment=kw.get("causal_alignment", "top_left"),
+                        window=call.window, softcap=kw.get("softcap", 0.0), slopes=slopes)
+        return {"bshd": lambda x: x.transpose(1, 2), "bhsd": lambda x: x,
+                "sbhd": lambda x: x.permute(2, 0, 1, 3)}[layout](out)
+
+    want = _grads(ref, tuple(t.detach().double().requires_grad_() for t in (q, k, v)), grad_out.double())
+    for name_, g, w in zip("qkv", got, want):
+        assert_close(g, w, torch.float32, f"{name} d{name_}")
+
+
+def test_bias_gradient_and_varlen_backward(gen, cpu_backward):
+    b, sq, sk, hq, d = 1, 20, 26, 2, 16
+    q, k, v = (t.requires_grad_() for t in make_dense("bshd", b, sq, sk, hq, hq, d, d, gen=gen))
+    bias = rand(hq, sq, sk, gen=gen).requires_grad_()
+    call = validate_attention(q, k, v, attn_bias=bias, causal=True)
+    grad_out = rand(b, sq, hq, d, gen=gen)
+    got = _grads(lambda *t: flex_impl().run(call.with_tensors(*t[:3])), (q, k, v, bias), grad_out)
+
+    def ref(q_, k_, v_, bias_):
+        out, _ = oracle(*(t.transpose(1, 2) for t in (q_, k_, v_)), scale=call.scale, causal=True, bias=bias_)
+        return out.transpose(1, 2)
+
+    want = _grads(ref, tuple(t.detach().double().requires_grad_() for t in (q, k, v, bias)), grad_out.double())
+    for what, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert_close(g, w, torch.float32, what)
+
+    q, k, v, cu_q, cu_k = _packed((7, 19, 4), (12, 19, 9), 4, 2, 16, 16, gen)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    call = validate_attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True,
+                              causal_alignment="bottom_right", softcap=2.0)
+    grad_out = rand(q.shape[0], 4, 16, gen=gen)
+    got = _grads(lambda *t: flex_impl().run(call.with_tensors(*t)), (q, k, v), grad_out)
+    want = _grads(lambda *t: varlen_oracle(*t, cu_q, cu_k, scale=call.scale, causal=True,
+                                           alignment="bottom_right", softcap=2.0)[0],
+                  tuple(t.detach().double().requires_grad_() for t in (q, k, v)), grad_out.double())
+    for what, g, w in zip(("varlen dq", "varlen dk", "varlen dv"), got, want):
+        assert_close(g, w, torch.float32, what)
+
+
+# -- block-mask cache, dispatch, declarations --------------------------------------------------------------
+
+def test_block_mask_cache_is_keyed_and_bounded(gen, untraced_flex):
+    impl = flex_impl(block_mask_cache=2)
+    q, k, v = make_dense("bshd", 1, 20, 30, 2, 2, 16, 16, gen=gen)
+    impl.run(validate_attention(q, k, v, causal=True))
+    impl.run(validate_attention(q, k, v, causal=True))
+    assert len(impl._masks) == 1  # same pattern: reused
+    first = next(iter(impl._masks._entries.values())).block_mask
+    impl.run(validate_attention(q, k, v, causal=True, causal_alignment="bottom_right"))
+    impl.run(validate_attention(q, k, v, causal=True, window=(4, 0)))
+    assert len(impl._masks) == 2  # bounded: the oldest (top-left causal) was evicted
+    assert all(p.block_mask is not first for p in impl._masks._entries.values())
+    keys = list(impl._masks._entries)
+    assert keys[0][3] == 10 and keys[1][1] == 4  # bottom-right offset sk - sq; window left
+    assert len(flex_impl(block_mask_cache=0)._masks) == 0
+    # the block mask does not depend on batch or heads
+    pattern = next(iter(impl._masks._entries.values())).block_mask
+    assert pattern.kv_num_blocks.shape[:2] == (1, 1)
+
+
+def _explain(device, *shape_q, kv=None, grad=False, **kw):
+    q = torch.empty(*shape_q, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+    kv_shape = kv or shape_q
+    k = torch.empty(*kv_shape, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+    v = torch.empty(*kv_shape[:-1], kw.pop("dv", kv_shape[-1]), dtype=torch.bfloat16, device="meta",
+                    requires_grad=grad)
+    return opdispatch.explain(q, k, v, device=DEVICES_DIR / f"{device}.yaml", **kw)
+
+
+def _flex_candidate(decision):
+    return next(c for c in decision.candidates if c.impl_id == "torch.flex")
+
+
+def test_selection_on_simulated_devices(manager):
+    # the issue's cases: softcap training and ALiBi + GQA training left only reference.math before
+    d = _explain("h100", 2, 1024, 16, 128, grad=True, causal=True, softcap=30.0)
+    assert d.chosen_id == "torch.flex"
+    d = _explain("h100", 2, 512, 16, 72, kv=(2, 512, 4, 72), grad=True,
+                 alibi_slopes=torch.ones(16, device="meta"))
+    assert d.chosen_id == "torch.flex"
+    # fused vendor kernels stay first where they can take the call
+    assert _explain("h100", 2, 1024, 16, 128, causal=True).chosen_id == "nvidia.cudnn"
+    # MLA absorbed decode: above the default max_head_dim, with a reason that says how to raise it
+    d = _explain("h100", 4, 1, 128, 576, kv=(4, 2048, 1, 576), dv=512, causal=True)
+    assert any("max_head_dim=256" in r for r in _flex_candidate(d).reasons)
+    # older torch than the one these capabilities were read from: unavailable, with the reason
+    assert "older than the required 2.11" in _flex_candidate(_explain("mi300x", 1, 64, 4, 64)).reasons[0]
+    # dropout and tiny head dims: declined with reasons
+    reasons = _flex_candidate(_explain("h100", 1, 64, 4, 64, dropout_p=0.1)).reasons
+    assert any("dropout_p=0.1 not supported" in r for r in reasons)
+    assert any("head_dim 8 outside" in r for r in _flex_candidate(_explain("h100", 1, 64, 4, 8)).reasons)
+    reasons = _flex_candidate(_explain("h100", 1, 64, 4, 64, dv=8)).reasons
+    assert any("v head_dim 8 below 16" in r for r in reasons)
+
+
+def test_dispatch_through_dynamo_eager(manager, tmp_path, monkeypatch, gen):
+    q, k, v = make_dense("bshd", 1, 20, 20, 2, 2, 16, 16, gen=gen)
+    d = opdispatch.explain(q, k, v, softcap=5.0)
+    assert d.chosen_id == "reference.math"
+    assert any("off on the CPU" in r for r in _flex_candidate(d).reasons)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
+                      "      torch.flex: {cpu: true, compile: false}\n")
+    monkeypatch.setenv("OPDISPATCH_POLICY", str(policy))
+    opdispatch.get_manager().reload()
+    d = opdispatch.explain(q, k, v, softcap=5.0)
+    assert d.chosen_id == "torch.flex"
+    out = opdispatch.attention(q, k, v, softcap=5.0)
+    want, _ = oracle(*(t.transpose(1, 2).double() for t in (q, k, v)), scale=0.25, softcap=5.0)
+    assert_close(out.transpose(1, 2), want, torch.float32, "dispatched out")
+    # opted in, it comes before cpu.flash in the default order; training calls go back to cpu.flash because
+    # flex has no backward on the CPU, declined with the reason
+    assert opdispatch.explain(q, k, v, causal=True).chosen_id == "torch.flex"
+    d = opdispatch.explain(q.clone().requires_grad_(), k, v, causal=True)
+    assert d.chosen_id == "cpu.flash"
+    assert any("no backward on the CPU" in r for r in _flex_candidate(d).reasons)
+
+
+def test_declarations_and_options():
+    impl = TorchFlexAttention()
+    assert impl.id == "torch.flex" and impl.check_declaration() == []
+    with pytest.raises(ValueError):
+        impl.configure({"compiled": True})
+    with pytest.raises(ValueError):
+        impl.configure({"max_head_dim": 8})
+    q = torch.empty(1, 8, 2, 32, device="meta", requires_grad=True)
+    bias = torch.empty(8, 8, device="meta", requires_grad=True)
+    call = validate_attention(q, q, q, attn_bias=bias, deterministic=True)
+    from opdispatch import load_device_descriptor
+
+    reasons = impl.extra_reasons(call, load_device_descriptor(DEVICES_DIR / "h100.yaml"))
+    assert any("atomic adds" in r for r in reasons)
+    # extra_reasons reads no sizes: two calls of different lengths share one selection key
+    other = validate_attention(torch.empty(3, 99, 2, 32, device="meta"), torch.empty(3, 7, 2, 32, device="meta"),
+                               torch.empty(3, 7, 2, 32, device="meta"))
+    plain = validate_attention(torch.empty(1, 8, 2, 32, device="meta"), torch.empty(1, 8, 2, 32, device="meta"),
+                               torch.empty(1, 8, 2, 32, device="meta"))
+    assert impl.selection_key(other) == impl.selection_key(plain) != impl.selection_key(call)

@@ -1,0 +1,434 @@
+"""`torch.flex`: torch's FlexAttention (`torch.nn.attention.flex_attention`), compiled, as the fused fallback for
+the calls the vendor kernels cannot take (softcap or ALiBi with gradients, head dims that are not a multiple of 8,
+large head dims, windows combined with other features, deterministic training, varlen with any of these).
+
+Every feature is expressed the way FlexAttention wants it, so the whole call stays one fused Triton kernel:
+- positions (causal, either alignment, windows, varlen documents) as a block mask from `create_block_mask`,
+  whose fully masked tiles the kernel skips; dense masks are cached in a bounded LRU keyed on everything they
+  depend on;
+- softcap, ALiBi and an additive bias as a `score_mod`; a boolean `attn_mask` as a `mask_mod`.
+Numbers the mods read (alignment offset, window sides, softcap, per-token document tables) are captured as
+tensors, never Python scalars: dynamo guards a captured Python number by value and would recompile for every new
+window or softcap, while a captured tensor is guarded only by its metadata (checked on torch 2.13: new closures
+with new tensor constants reuse the compiled graph; a new sequence length recompiles once, then shapes go dynamic).
+
+Limits read from torch 2.13 (`torch/nn/attention/flex_attention.py`, `torch/_inductor/kernel/flex/*`), the same
+checks as 2.11 where it matters here:
+- q/k and v head dims >= 16 ("tl.dot does not support embedding size less than 16"); any size above that —
+  non-powers of two are padded to the next power of two inside the kernel (`QK_HEAD_DIM_ROUNDED`,
+  `SAFE_HEAD_DIM`), v may have its own head dim. Head dims above 256 fall to small untuned tiles
+  (`get_flex_attn_fwd_configs`) and, rounded to 1024 for 576, may not fit shared memory: off unless the
+  `max_head_dim` option raises the limit (tests/gpu/test_flex_gpu.py measures MLA 576/512).
+- GQA through `enable_gqa` (q heads a multiple of kv heads); the decode kernel (seqlen_q < 128) is only picked
+  for power-of-two ratios, other ratios run the main kernel.
+- No dropout. No backward on the CPU (`_validate_device` refuses inputs that require grad there).
+- LSE: the kernel keeps it in log2; the public API multiplies by ln 2 before returning it (`_finalize_outputs`,
+  `stats_are_log2`; torch 2.5-2.8 did `lse * math.log(2)` in the same place), so what it returns — and what
+  this adapter returns — is the natural log. A query whose block-mask row is empty gets output 0 and lse -inf.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+
+_MIN_HEAD_DIM = 16  # tl.dot's minimum K; flex raises NotImplementedError below it on every GPU backend
+
+
+class FlexOptions(BaseModel):
+    """Policy knobs of `torch.flex` (`ops.attention.options."torch.flex"` in the policy YAML)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    compile: bool = Field(
+        default=True, description="run torch.compile(flex_attention) (the fused kernel). False runs flex eagerly: "
+                                  "it materialises the score matrix, for tests and debugging only")
+    cpu: bool = Field(
+        default=False, description="take calls on the CPU too. Off by default: cpu.flash is faster there, and "
+                                   "flex has no backward on the CPU")
+    max_head_dim: int = Field(
+        default=256, ge=_MIN_HEAD_DIM,
+        description="largest q/k or v head dim taken; flex's tuned tiles stop at 256 (MLA's 576/512 needs more)")
+    block_mask_cache: int = Field(
+        default=64, ge=0, description="how many positional block masks (per shape, window, alignment, device) "
+                                      "to keep; 0 rebuilds them every call")
+
+
+class _AcceleratorRequirement(Requirement):
+    """A library only the compiled GPU kernel needs (Triton); the CPU path runs without it."""
+
+    def unmet_reason(self, device: DeviceInfo) -> str | None:
+        if device.type == "cpu":
+            return None
+        return super().unmet_reason(device)
+
+
+@functools.cache
+def _flex_api() -> Any:
+    from torch.nn.attention import flex_attention as module
+
+    return module
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., Any]:
+    """torch.compile(flex_attention), created once per process: that is how torch turns it into one fused kernel.
+    dynamo then keeps one graph per variant of mods and flags (and goes dynamic over sequence lengths)."""
+    return torch.compile(_flex_api().flex_attention)
+
+
+# dynamo keeps at most `recompile_limit` (8) graphs per function and runs anything beyond them eagerly — for
+# flex, the unfused path that materialises the scores. One graph per variant (mods, GQA, LSE, grad, dtype) can
+# pass 8 in a process that sees many kinds of calls, so calls into the compiled flex raise the limit to this.
+_RECOMPILE_LIMIT = 64
+
+
+def _call_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    config = torch._dynamo.config
+    prior = config.recompile_limit
+    if prior >= _RECOMPILE_LIMIT:
+        return _compiled_flex()(q, k, v, **kwargs)
+    config.recompile_limit = _RECOMPILE_LIMIT
+    try:
+        return _compiled_flex()(q, k, v, **kwargs)
+    finally:
+        config.recompile_limit = prior
+
+
+def _aux_request() -> Any:
+    """`return_aux=AuxRequest(lse=True)` where torch has it (return_lse is deprecated there), else None."""
+    request = getattr(_flex_api(), "AuxRequest", None)
+    return None if request is None else request(lse=True)
+
+
+# -- positional masks -----------------------------------------------------------------------------------------
+
+class _Positions:
+    """The positional pattern of one call, as tensors the mods capture.
+
+    Dense calls: query i sits at aligned position i + offset, key j at j. Varlen calls: per-token tables of the
+    document, the aligned position within the document (i - start_q + offset_doc) and the key position within
+    its document (j - start_k).
+    """
+
+    __slots__ = ("offset", "left", "right", "doc_q", "doc_k", "qpos", "kpos", "mask_mod", "block_mask")
+
+    def __init__(self) -> None:
+        self.offset = self.left = self.right = None
+        self.doc_q = self.doc_k = self.qpos = self.kpos = None
+        self.mask_mod: Callable[..., Any] | None = None
+        self.block_mask: Any = None
+
+    def distance(self, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        """j - (i + o): negative for keys before the aligned diagonal."""
+        if self.qpos is not None:
+            return self.kpos[ki] - self.qpos[qi]
+        return ki - qi - self.offset
+
+
+def _positional_mask_mod(pos: _Positions, causal: bool, has_left: bool, has_right: bool,
+                         varlen: bool) -> Callable[..., Any] | None:
+    """mask_mod for causal / window / document: True where query qi may see key ki."""
+    if not (causal or has_left or has_right or varlen):
+        return None
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        rel = pos.distance(qi, ki)
+        clauses = []
+        if varlen:
+            clauses.append(pos.doc_q[qi] == pos.doc_k[ki])
+        if causal:
+            clauses.append(rel <= 0)
+        if has_left:
+            clauses.append(rel >= -pos.left)
+        if has_right:
+            clauses.append(rel <= pos.right)
+        keep = clauses[0]
+        for clause in clauses[1:]:
+            keep = keep & clause
+        return keep
+
+    return mask_mod
+
+
+def _int_scalar(value: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.int32, device=device)
+
+
+class _BlockMaskCache:
+    """A bounded LRU of dense positional patterns: one `create_block_mask` per (causal, window, alignment
+    offset, sq, sk, device), with batch and heads None (the pattern does not depend on them)."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple[Any, ...], _Positions] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[Any, ...], build: Callable[[], _Positions], limit: int) -> _Positions:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit
+        value = build()
+        if limit > 0:
+            with self._lock:
+                self._entries[key] = value
+                while len(self._entries) > limit:
+                    self._entries.popitem(last=False)
+        return value
+
+
+# -- score mods ---------------------------------------------------------------------------------------------
+
+def _broadcast_index(t: torch.Tensor, target: tuple[int, ...]) -> Callable[..., torch.Tensor]:
+    """Read a (b, h, sq, sk)-broadcastable tensor at (b, h, qi, ki) without expanding it: size-1 dims read 0."""
+    t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
+    full = tuple(size != 1 or want == 1 for size, want in zip(t4.shape, target))
+    fb, fh, fq, fk = full
+
+    def read(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        return t4[b if fb else 0, h if fh else 0, qi if fq else 0, ki if fk else 0]
+
+    return read
+
+
+def _score_mod(call: AttentionCall, pos: _Positions, q_bhsd_shape: tuple[int, ...],
+               sk: int) -> Callable[..., Any] | None:
+    """softcap · tanh(s / softcap), then -slope · |i + o - j|, then the additive bias — reference.math's order."""
+    device = call.q.device
+    softcap = torch.tensor(call.softcap, dtype=torch.float32, device=device) if call.softcap > 0 else None
+    slopes = call.alibi_slopes
+    per_batch_slopes = slopes is not None and slopes.dim() == 2
+    if slopes is not None:
+        # Slopes are constants of the model; flex would otherwise accumulate their gradient with atomics.
+        slopes = slopes.detach()
+    varlen = call.varlen
+    bias = None
+    if call.attn_bias is not None:
+        b, h, sq = q_bhsd_shape[0], q_bhsd_shape[1], q_bhsd_shape[2]
+        bias = _broadcast_index(call.attn_bias, (b, h, sq, sk))
+    if softcap is None and slopes is None and bias is None:
+        return None
+
+    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor,
+                  ki: torch.Tensor) -> torch.Tensor:
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        if slopes is not None:
+            if per_batch_slopes:
+                slope = slopes[pos.doc_q[qi] if varlen else b, h]
+            else:
+                slope = slopes[h]
+            score = score - slope * pos.distance(qi, ki).abs().to(torch.float32)
+        if bias is not None:
+            score = score + bias(b, h, qi, ki)
+        return score
+
+    return score_mod
+
+
+# -- the implementation ------------------------------------------------------------------------------------
+
+class TorchFlexAttention(AttentionImpl):
+    vendor: ClassVar[str] = "torch"
+    name: ClassVar[str] = "flex"
+    priority: ClassVar[int] = -50  # a fallback: after every fused vendor kernel, before the pure-torch oracle
+    description: ClassVar[str] = ("torch.compile(flex_attention): fused Triton fallback for softcap, ALiBi, odd head "
+                                  "dims, windows with features, deterministic training, varlen (block masks)")
+    # Triton builds of torch: CUDA (NVIDIA, and ROCm builds, which also use device type "cuda") and Intel XPU
+    # (flex's Triton templates run there too; not measured by this project). The CPU is opt-in (options.cpu).
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda", "xpu", "cpu"})
+    options_model: ClassVar[type[BaseModel]] = FlexOptions
+    # torch >= 2.11: the versions whose flex source these capabilities were read from (2.11, 2.13) and the GPU
+    # tests ran on; older flex lacked non-power-of-two head dims and return_aux and had other LSE paths.
+    requires = (
+        Requirement("torch", "torch", "2.11", key="torch", install_hint="pip install 'torch>=2.11'"),
+        _AcceleratorRequirement("triton", "triton", None, key="triton",
+                                install_hint="install the triton build that matches torch (CUDA/ROCm/XPU wheels "
+                                             "of torch bring it)"),
+    )
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        # fp32 runs the same kernel (TF32 dots where torch allows them); fp64 is not a Triton flex dtype.
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        head_dim_min=_MIN_HEAD_DIM, head_dim_max=None, head_dim_v_differs=True,
+        layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}),
+        causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, softcap=True,
+        alibi=True, dropout=False, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, backward=True,
+        # Deterministic by the kernels' structure (torch 2.13 templates in torch/_inductor/kernel/flex/templates):
+        # forward — one program per (query tile, head) loops over its key tiles in a fixed order; the decode
+        # kernel splits the keys into a count fixed by (batch, kv heads, seqlen_k, SM count) and combines the
+        # splits in a fixed order; no atomics. Backward — dQ programs loop over key tiles, dK/dV programs loop
+        # over query tiles and over the GQA group's query heads inside one program; plain stores, no atomics.
+        # The one atomic path is the gradient of a captured tensor (attn_bias with grad: a Scatter with
+        # atomic_add), declined for deterministic calls in extra_reasons.
+        deterministic_forward=True, deterministic_backward=True,
+    )
+
+    def __init__(self) -> None:
+        self._masks = _BlockMaskCache()
+
+    # -- selection --------------------------------------------------------------------------------------------
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        opts = self.options
+        reasons = []
+        if device.type == "cpu":
+            if not opts.cpu:
+                reasons.append("off on the CPU (cpu.flash is faster there); enable with "
+                               "ops.attention.options.'torch.flex': {cpu: true}")
+            elif call.requires_grad:
+                reasons.append("no backward on the CPU: torch's flex_attention refuses CPU inputs that require grad")
+        if call.head_dim_v < _MIN_HEAD_DIM:
+            reasons.append(f"v head_dim {call.head_dim_v} below {_MIN_HEAD_DIM}: flex's Triton kernel needs q/k and v "
+                           f"head dims >= {_MIN_HEAD_DIM} (tl.dot)")
+        largest = max(call.head_dim, call.head_dim_v)
+        if largest > opts.max_head_dim:
+            reasons.append(f"head_dim {call.head_dim}/{call.head_dim_v} (q·k/v) above max_head_dim={opts.max_head_dim}: "
+                           "flex tunes its tiles up to 256 only; raise ops.attention.options.'torch.flex'.max_head_dim "
+                           "after checking the shape on this device (tests/gpu/test_flex_gpu.py)")
+        if (call.deterministic and call.requires_grad and call.attn_bias is not None
+                and call.attn_bias.requires_grad):
+            reasons.append("deterministic=True with a gradient for attn_bias: flex accumulates the gradient of a "
+                           "captured tensor with atomic adds")
+        return reasons
+
+    def selection_key(self, call: AttentionCall) -> Any:
+        # extra_reasons reads the device, the options (both part of every decision key), head dims, flags and
+        # whether attn_bias requires grad — no sizes.
+        return (call.attn_bias is not None and call.attn_bias.requires_grad,)
+
+    # -- running ---------------------------------------------------------------------------------------------
+    def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if call.dropout_p > 0:
+            raise ValueError(f"torch.flex: dropout_p={call.dropout_p:g} is not supported (flex_attention has no "
+                             "dropout); use dropout_p=0 or another implementation")
+        if call.varlen:
+            # (total, heads, dim) -> (1, heads, total, dim): views; packed sequences are one batch row with a
+            # document mask.
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (call.q, call.k, call.v))
+            pos = self._varlen_positions(call)
+        else:
+            q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+            pos = self._dense_positions(call, q.shape[2], k.shape[2])
+        block_mask = pos.block_mask
+        if call.attn_mask is not None:
+            block_mask = self._data_block_mask(call, pos, tuple(q.shape), k.shape[2])
+        score_mod = _score_mod(call, pos, tuple(q.shape), k.shape[2])
+        kwargs: dict[str, Any] = dict(score_mod=score_mod, block_mask=block_mask, scale=call.scale,
+                                      enable_gqa=call.heads_q != call.heads_kv)
+        aux = _aux_request() if call.return_lse else None
+        if aux is not None:
+            kwargs["return_aux"] = aux
+        elif call.return_lse:
+            kwargs["return_lse"] = True
+        if self.options.compile:
+            result = _call_compiled(q, k, v, kwargs)
+        else:
+            result = _flex_api().flex_attention(q, k, v, **kwargs)
+        if not call.return_lse:
+            return self._layout_out(call, result)
+        out, lse = result
+        if aux is not None:
+            lse = lse.lse
+        return self._layout_out(call, out), (lse[0] if call.varlen else lse)
+
+    @staticmethod
+    def _layout_out(call: AttentionCall, out: torch.Tensor) -> torch.Tensor:
+        if call.varlen:
+            return out[0].transpose(0, 1)
+        return call.from_bhsd(out)
+
+    def _create_block_mask(self, mask_mod: Callable[..., Any], b: int | None, h: int | None, sq: int, sk: int,
+                           device: torch.device) -> Any:
+        # Compiled mask creation evaluates mask_mod fused, tile by tile; eager creation materialises a
+        # (b, h, sq, sk) boolean first (fine for tests, not for 32k x 32k).
+        return _flex_api().create_block_mask(mask_mod, b, h, sq, sk, device=device,
+                                             _compile=self.options.compile)
+
+    def _dense_positions(self, call: AttentionCall, sq: int, sk: int) -> _Positions:
+        offset = sk - sq if call.causal_alignment == "bottom_right" else 0
+        left, right = call.window if call.window is not None else (-1, -1)
+        key = (call.causal, left, right, offset, sq, sk, call.q.device)
+
+        def build() -> _Positions:
+            pos = _Positions()
+            device = call.q.device
+            pos.offset = _int_scalar(offset, device)
+            pos.left, pos.right = _int_scalar(left, device), _int_scalar(right, device)
+            pos.mask_mod = _positional_mask_mod(pos, call.causal, left >= 0, right >= 0, varlen=False)
+            if pos.mask_mod is not None:
+                pos.block_mask = self._create_block_mask(pos.mask_mod, None, None, sq, sk, device)
+            return pos
+
+        if not (call.causal or call.window is not None or call.alibi_slopes is not None):
+            return _Positions()  # nothing positional: no mask, no offset needed
+        return self._masks.get(key, build, self.options.block_mask_cache)
+
+    def _varlen_positions(self, call: AttentionCall) -> _Positions:
+        """Document tables from cu_seqlens, rebuilt on every call: they depend on the values of cu_seqlens (which
+        a caller may rewrite in place), so no cache key can stand for them. Cost per call: a few O(total tokens)
+        kernels for the tables, then create_block_mask, which evaluates the mask on every (query, key) pair —
+        O(total_q · total_k) work, fused and without that memory when compiled — and writes
+        O(total_q · total_k / 128²) block indices. The attention kernel then visits only the tiles that touch a
+        document's own keys."""
+        assert call.cu_seqlens_q is not None and call.cu_seqlens_k is not None
+        device = call.q.device
+        cu_q = call.cu_seqlens_q.to(torch.int64)
+        cu_k = call.cu_seqlens_k.to(torch.int64)
+        total_q, total_k = call.q.shape[0], call.k.shape[0]
+        pos = _Positions()
+        tok_q = torch.arange(total_q, device=device)
+        tok_k = torch.arange(total_k, device=device)
+        # The document of a token: how many sequence ends lie at or before it (empty sequences own no token).
+        doc_q = torch.searchsorted(cu_q[1:], tok_q, right=True)
+        doc_k = torch.searchsorted(cu_k[1:], tok_k, right=True)
+        if call.causal_alignment == "bottom_right":
+            offset = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
+        else:
+            offset = torch.zeros_like(cu_q[1:])
+        pos.doc_q, pos.doc_k = doc_q.to(torch.int32), doc_k.to(torch.int32)
+        pos.qpos = (tok_q - cu_q[doc_q] + offset[doc_q]).to(torch.int32)
+        pos.kpos = (tok_k - cu_k[doc_k]).to(torch.int32)
+        left, right = call.window if call.window is not None else (-1, -1)
+        pos.left, pos.right = _int_scalar(left, device), _int_scalar(right, device)
+        pos.mask_mod = _positional_mask_mod(pos, call.causal, left >= 0, right >= 0, varlen=True)
+        pos.block_mask = self._create_block_mask(pos.mask_mod, None, None, total_q, total_k, device)
+        return pos
+
+    def _data_block_mask(self, call: AttentionCall, pos: _Positions, q_shape: tuple[int, ...], sk: int) -> Any:
+        """A boolean attn_mask (and the positional pattern, if any) as one block mask, built per call: it
+        depends on the mask's values. Batch and head dims stay None where the mask broadcasts over them."""
+        mask = call.attn_mask
+        assert mask is not None
+        b, h, sq = q_shape[0], q_shape[1], q_shape[2]
+        read = _broadcast_index(mask, (b, h, sq, sk))
+        positional = pos.mask_mod
+        if positional is None:
+            def mask_mod(bi: torch.Tensor, hi: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+                return read(bi, hi, qi, ki)
+        else:
+            def mask_mod(bi: torch.Tensor, hi: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+                return read(bi, hi, qi, ki) & positional(bi, hi, qi, ki)
+        m4_shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+        mb = b if m4_shape[0] != 1 else None
+        mh = h if m4_shape[1] != 1 else None
+        return self._create_block_mask(mask_mod, mb, mh, sq, sk, call.q.device)
+
+    def describe_capabilities(self) -> dict[str, Any]:
+        out = super().describe_capabilities()
+        out["options"] = self.options.model_dump()
+        return out
