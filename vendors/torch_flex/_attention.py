@@ -57,6 +57,10 @@ class FlexOptions(BaseModel):
     max_head_dim: int = Field(
         default=256, ge=_MIN_HEAD_DIM,
         description="largest q/k or v head dim taken; flex's tuned tiles stop at 256 (MLA's 576/512 needs more)")
+    kernel_options: dict[str, Any] | None = Field(
+        default=None, description="passed to flex_attention as kernel_options (tile sizes, stages, "
+                                  "FORCE_USE_FLEX_ATTENTION to skip the split-KV decoding kernel); None: torch's "
+                                  "own choice")
     block_mask_cache: int = Field(
         default=64, ge=0, description="how many positional block masks (per shape, window, alignment, device) "
                                       "to keep; 0 rebuilds them every call")
@@ -330,6 +334,8 @@ class TorchFlexAttention(AttentionImpl):
         score_mod = _score_mod(call, pos, tuple(q.shape), k.shape[2])
         kwargs: dict[str, Any] = dict(score_mod=score_mod, block_mask=block_mask, scale=call.scale,
                                       enable_gqa=call.heads_q != call.heads_kv)
+        if self.options.kernel_options:
+            kwargs["kernel_options"] = dict(self.options.kernel_options)
         aux = _aux_request() if call.return_lse else None
         if aux is not None:
             kwargs["return_aux"] = aux
