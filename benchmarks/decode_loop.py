@@ -1,0 +1,230 @@
+"""What a decode loop costs per call: a growing KV cache through `opdispatch.attention`, side by side with the
+same call at a repeated signature, the kernels bound before the loop (the floor), and torch's own SDPA.
+
+A model decoding `--steps` tokens calls attention with one query and a KV cache one key longer each step (k/v
+are slices of a preallocated cache, as real caches are). Every variant runs the same number of calls; the
+repeated-signature variant uses the loop's mean length, so kernel time is the same on average. Variants run
+round-robin `--repeat` times; each figure is the median of the per-round means (µs per call, wall clock with the
+device synchronised at the ends of a round: on a GPU machine with a small cache this is the host's launch cost).
+
+    python benchmarks/decode_loop.py                       # CUDA if present, else CPU
+    python benchmarks/decode_loop.py --device cpu --steps 500 --out decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import opdispatch
+
+
+class _CountDecisions(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "chose" in record.getMessage():
+            self.lines += 1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                           else platform.processor() or platform.machine(),
+                           "torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=Path(__file__).resolve().parent, check=False).stdout.strip() or None
+    except OSError:
+        env["commit"] = None
+    return env
+
+
+def build_variants(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, Callable[[], None]], dict]:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    gen = torch.Generator(device=device).manual_seed(0)
+    longest = args.start + args.steps
+    cache_k = torch.randn(args.batch, longest, args.kv_heads, args.head_dim, generator=gen, device=device, dtype=dtype)
+    cache_v = torch.randn(args.batch, longest, args.kv_heads, args.head_dim, generator=gen, device=device, dtype=dtype)
+    q = torch.randn(args.batch, 1, args.heads, args.head_dim, generator=gen, device=device, dtype=dtype)
+    lengths = range(args.start + 1, longest + 1)
+    mean = args.start + (args.steps + 1) // 2
+    attention = opdispatch.attention
+    decode = dict(causal=True, causal_alignment="bottom_right")
+    info: dict[str, Any] = {}
+
+    def grow(**kw: Any) -> Callable[[], None]:
+        def loop() -> None:
+            for n in lengths:
+                attention(q, cache_k[:, :n], cache_v[:, :n], **kw)
+        return loop
+
+    def fixed(**kw: Any) -> Callable[[], None]:
+        k, v = cache_k[:, :mean], cache_v[:, :mean]
+
+        def loop() -> None:
+            for _ in lengths:
+                attention(q, k, v, **kw)
+        return loop
+
+    def prebound(impl: str | None) -> Callable[[], None]:
+        # The floor: the same kernels with every length bound before the loop (no validation, no lookup).
+        plans = [opdispatch.plan(q, cache_k[:, :n], cache_v[:, :n], impl=impl, **decode) for n in lengths]
+        views = [(cache_k[:, :n], cache_v[:, :n]) for n in lengths]
+        info[f"prebound {impl or 'policy'}"] = plans[0].decision.chosen_id
+
+        def loop() -> None:
+            for fn, (k, v) in zip(plans, views):
+                fn(q, k, v)
+        return loop
+
+    qt = q.transpose(1, 2)
+    kts = [cache_k[:, :n].transpose(1, 2) for n in lengths]
+    vts = [cache_v[:, :n].transpose(1, 2) for n in lengths]
+
+    def torch_sdpa() -> None:
+        for k, v in zip(kts, vts):
+            F.scaled_dot_product_attention(qt, k, v, enable_gqa=args.heads != args.kv_heads)
+
+    variants: dict[str, Callable[[], None]] = {
+        "growing, attention(causal bottom-right)": grow(**decode),
+        "growing, attention(not causal)": grow(),
+        "repeated signature, attention(causal bottom-right)": fixed(**decode),
+        "growing, kernels bound before the loop (floor)": prebound(None),
+        "growing, torch SDPA": torch_sdpa,
+    }
+    if device.type == "cuda":
+        for impl in args.pin:
+            try:
+                variants[f"growing, {impl} bound before the loop"] = prebound(impl)
+            except Exception as exc:  # not eligible on this device: say so in the output, keep going
+                info[f"prebound {impl}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    info["decision"] = opdispatch.explain(q, cache_k[:, :mean], cache_v[:, :mean], **decode).chosen_id
+    return variants, info
+
+
+def measure(variants: dict[str, Callable[[], None]], device: torch.device, steps: int,
+            repeat: int) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeat):
+        for name, loop in variants.items():
+            _sync(device)
+            start = time.perf_counter()
+            loop()
+            _sync(device)
+            samples[name].append((time.perf_counter() - start) / steps * 1e6)
+    return samples
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    manager = opdispatch.get_manager()
+    variants, info = build_variants(args, device)
+    for loop in variants.values():  # warm-up: decisions, kernel caches, cuDNN graphs of the first lengths
+        loop()
+    counter = _CountDecisions()
+    log = logging.getLogger("opdispatch")
+    log.addHandler(counter)
+    previous = log.level
+    log.setLevel(logging.INFO)
+    opdispatch.get_manager().clear_cache()  # the counted loop starts with no decision cached
+    made = manager.decisions_made
+    variants["growing, attention(causal bottom-right)"]()
+    decisions, lines = manager.decisions_made - made, counter.lines
+    log.removeHandler(counter)
+    log.setLevel(previous)
+    samples = measure(variants, device, args.steps, args.repeat)
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    growing = medians["growing, attention(causal bottom-right)"]
+    repeated = medians["repeated signature, attention(causal bottom-right)"]
+    return {
+        "environment": environment(device), "args": vars(args), "info": info,
+        "per_call_us": medians, "samples_us": samples,
+        "growing_over_repeated": growing / repeated,
+        "overhead_over_floor_us": growing - medians["growing, kernels bound before the loop (floor)"],
+        "decisions_in_loop": decisions, "info_log_lines_in_loop": lines,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env, args = result["environment"], result["args"]
+    lines = [f"# Decode loop: {args['steps']} steps, growing KV from {args['start']}",
+             "",
+             f"{env['device']}; torch {env['torch']}" + (f", CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}"
+                                                         if "cuda" in env else "")
+             + (f", triton {env['triton']}" if "triton" in env else "") + f"; commit {env.get('commit')}",
+             f"batch {args['batch']}, {args['heads']} q heads / {args['kv_heads']} kv heads, head_dim "
+             f"{args['head_dim']}, {args['dtype']}; median of {args['repeat']} rounds",
+             f"decision: {result['info']['decision']}; "
+             + "; ".join(f"{k}: {v}" for k, v in result["info"].items() if k != "decision"),
+             "",
+             "| variant | µs per call |", "|---|---:|"]
+    for name, value in result["per_call_us"].items():
+        lines.append(f"| {name} | {value:.1f} |")
+    lines += ["",
+              f"- growing / repeated signature: **{result['growing_over_repeated']:.2f}x** (target <= 1.5x)",
+              f"- growing, over the floor (kernels bound before the loop): {result['overhead_over_floor_us']:+.1f} µs",
+              f"- decisions made in the {args['steps']}-step loop: **{result['decisions_in_loop']}**; INFO log "
+              f"lines: {result['info_log_lines_in_loop']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cuda = torch.cuda.is_available()
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--start", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--pin", action="append", default=None,
+                   help="also time this implementation bound before the loop (CUDA; default nvidia.flash and "
+                        "nvidia.cudnn)")
+    p.add_argument("--out", type=Path, help="write the figures as JSON here (and markdown beside it)")
+    args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device.startswith("cuda") else "fp32"
+    if args.pin is None:
+        args.pin = ["nvidia.flash", "nvidia.cudnn"]
+    result = run(args)
+    text = markdown(result)
+    sys.stdout.write(text)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+        args.out.with_suffix(".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

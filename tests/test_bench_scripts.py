@@ -1,0 +1,35 @@
+"""benchmarks/decode_loop.py and benchmarks/side_by_side.py on the CPU with tiny sizes: every variant and cell is
+timed, the figures are finite and positive, a decode loop makes one decision, and the JSON carries the device."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from .conftest import REPO
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_loop_times_every_variant_and_makes_one_decision(basic_manager, tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    assert load("decode_loop").main(["--device", "cpu", "--steps", "40", "--start", "8", "--heads", "4",
+                                     "--kv-heads", "2", "--head-dim", "16", "--repeat", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["per_call_us"]) == {
+        "growing, attention(causal bottom-right)", "growing, attention(not causal)",
+        "repeated signature, attention(causal bottom-right)", "growing, kernels bound before the loop (floor)",
+        "growing, torch SDPA"}
+    assert all(math.isfinite(v) and v > 0 for v in result["per_call_us"].values())
+    assert result["decisions_in_loop"] == 1 and result["info_log_lines_in_loop"] == 1
+    assert result["info"]["decision"] == "cpu.flash" and result["environment"]["torch"]
+    text = capsys.readouterr().out
+    assert "growing / repeated signature: **" in text and (tmp_path / "decode.md").read_text() == text
