@@ -33,3 +33,26 @@ def test_decode_loop_times_every_variant_and_makes_one_decision(basic_manager, t
     assert result["info"]["decision"] == "cpu.flash" and result["environment"]["torch"]
     text = capsys.readouterr().out
     assert "growing / repeated signature: **" in text and (tmp_path / "decode.md").read_text() == text
+
+
+def test_side_by_side_reports_every_cell_with_torchs_best_way(basic_manager, tmp_path, capsys):
+    out = tmp_path / "sbs.json"
+    script = load("side_by_side")
+    assert script.main(["--tiny", "--cells", "window,alibi,varlen,mla", "--reps", "1", "--warmup", "1",
+                        "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["cell"], r["mode"]) for r in rows] == [
+        ("sliding window 1024", "fwd"), ("sliding window 1024", "fwd+bwd"), ("ALiBi MHA", "fwd"),
+        ("ALiBi MHA", "fwd+bwd"), ("varlen causal", "fwd"), ("varlen causal", "fwd+bwd"), ("MLA decode 576/512", "fwd")]
+    for row in rows:
+        assert "failed" not in row, row
+        assert row["opdispatch_ms"] > 0 and row["torch_best_ms"] > 0 and row["pick"]
+        # both answers agree with reference.math on the first batch row
+        assert row["errors"]["opdispatch"] < 1e-5 and row["errors"]["torch"] < 1e-5, row
+    assert rows[0]["torch_best"] == "SDPA + boolean mask" and rows[4]["torch_best"].startswith("SDPA")
+    assert "| sliding window 1024 | fwd |" in capsys.readouterr().out
+
+
+def test_side_by_side_rejects_unknown_cells():
+    with pytest.raises(SystemExit):
+        load("side_by_side").main(["--tiny", "--cells", "nope"])

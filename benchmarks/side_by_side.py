@@ -1,0 +1,360 @@
+"""opdispatch vs torch's own best way to express the same attention call, forward and forward+backward.
+
+For each cell (a kind of call users make) this times `opdispatch.attention` through the default policy and every
+way torch itself offers for that call — `F.scaled_dot_product_attention` (torch picks its backend), SDPA with an
+explicit boolean or additive mask, `flex_attention` compiled with a block mask and score_mod, and for varlen a
+per-sequence SDPA loop and padded SDPA — and reports torch's fastest. Compilation and warm-up are excluded from the
+timings (each callable runs `--warmup` times first). Times: CUDA events, median of `--reps`. Errors: max |Δ| of
+each output against reference.math (fp32 compute) on the first batch row.
+
+    python benchmarks/side_by_side.py --out side_by_side.json           # GPU, bf16, every cell
+    python benchmarks/side_by_side.py --tiny --cells dense,softcap      # CPU smoke run, tiny sizes, fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import opdispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_loop import environment  # noqa: E402  (one environment block for every benchmark)
+
+# name: (batch, sq, sk, heads_q, heads_kv, head_dim, head_dim_v, options, modes)
+FULL: dict[str, dict[str, Any]] = {
+    "dense causal GQA 4:1": dict(b=2, sq=4096, sk=4096, hq=32, hkv=8, d=128, kw=dict(causal=True)),
+    "sliding window 1024": dict(b=1, sq=8192, sk=8192, hq=16, hkv=16, d=128, kw=dict(causal=True, window=(1024, 0))),
+    "softcap 30": dict(b=2, sq=4096, sk=4096, hq=16, hkv=8, d=128, kw=dict(causal=True, softcap=30.0)),
+    "ALiBi MHA": dict(b=2, sq=4096, sk=4096, hq=16, hkv=16, d=128, kw=dict(causal=True), alibi=True),
+    "ALiBi GQA 4:1": dict(b=2, sq=4096, sk=4096, hq=32, hkv=8, d=128, kw=dict(causal=True), alibi=True),
+    "varlen causal": dict(lens=[3000, 1200, 700, 5000, 2100, 4384], hq=16, hkv=4, d=128, kw=dict(causal=True)),
+    "decode GQA 4:1": dict(b=8, sq=1, sk=4096, hq=32, hkv=8, d=128, kw={}, modes=("fwd",)),
+    "deterministic": dict(b=2, sq=2048, sk=2048, hq=16, hkv=16, d=128, kw=dict(causal=True, deterministic=True),
+                          modes=("fwd+bwd",)),
+    "head_dim 72": dict(b=2, sq=4096, sk=4096, hq=16, hkv=16, d=72, kw=dict(causal=True)),
+    "head_dim 96": dict(b=2, sq=4096, sk=4096, hq=16, hkv=16, d=96, kw=dict(causal=True)),
+    "head_dim 100": dict(b=2, sq=4096, sk=4096, hq=16, hkv=16, d=100, kw=dict(causal=True)),
+    "MLA decode 576/512": dict(b=4, sq=1, sk=4096, hq=128, hkv=1, d=576, dv=512, kw={}, modes=("fwd",)),
+}
+KEYS = {"dense": "dense causal GQA 4:1", "window": "sliding window 1024", "softcap": "softcap 30",
+        "alibi": "ALiBi MHA", "alibi_gqa": "ALiBi GQA 4:1", "varlen": "varlen causal", "decode": "decode GQA 4:1",
+        "deterministic": "deterministic", "hd72": "head_dim 72", "hd96": "head_dim 96", "hd100": "head_dim 100",
+        "mla": "MLA decode 576/512"}
+
+
+def tiny(cell: dict[str, Any]) -> dict[str, Any]:
+    """The same cell with tiny sizes (CPU smoke runs)."""
+    cell = dict(cell)
+    if "lens" in cell:
+        cell["lens"] = [max(1, n // 256) for n in cell["lens"]]
+    else:
+        cell["b"] = 1
+        cell["sq"] = 1 if cell["sq"] == 1 else 24
+        cell["sk"] = 24
+    ratio = cell["hq"] // cell["hkv"]
+    cell["hkv"] = 2 if ratio == 1 else 1
+    cell["hq"] = cell["hkv"] * min(ratio, 4)
+    if "window" in cell["kw"]:
+        cell["kw"] = dict(cell["kw"], window=(6, 0))
+    if "dv" in cell:
+        cell["d"], cell["dv"] = 36, 32
+    return cell
+
+
+# -- timing -------------------------------------------------------------------------------------------------
+
+def timed(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
+    """Median milliseconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+# -- inputs and torch's ways --------------------------------------------------------------------------------
+
+def alibi_slopes(heads: int, device: torch.device) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes (power-of-two head counts)."""
+    start = 2.0 ** (-8.0 / heads)
+    return torch.tensor([start ** (i + 1) for i in range(heads)], dtype=torch.float32, device=device)
+
+
+def make_inputs(cell: dict[str, Any], device: torch.device, dtype: torch.dtype, grad: bool) -> dict[str, Any]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    d, dv = cell["d"], cell.get("dv", cell["d"])
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype).requires_grad_(grad)
+
+    if "lens" in cell:
+        total = sum(cell["lens"])
+        cu = torch.tensor([0, *torch.tensor(cell["lens"]).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        kw = dict(cell["kw"], layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(cell["lens"]),
+                  max_seqlen_k=max(cell["lens"]))
+        return dict(q=t(total, cell["hq"], d), k=t(total, cell["hkv"], d), v=t(total, cell["hkv"], dv), kw=kw)
+    kw = dict(cell["kw"])
+    if cell.get("alibi"):
+        kw["alibi_slopes"] = alibi_slopes(cell["hq"], device)
+    return dict(q=t(cell["b"], cell["sq"], cell["hq"], d), k=t(cell["b"], cell["sk"], cell["hkv"], d),
+                v=t(cell["b"], cell["sk"], cell["hkv"], dv), kw=kw)
+
+
+def _positions(sq: int, sk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.arange(sq, device=device)[:, None], torch.arange(sk, device=device)[None, :]
+
+
+def torch_ways(inputs: dict[str, Any], device: torch.device, compile_flex: bool) -> dict[str, Callable[[], Any]]:
+    """Every way torch itself can compute this call, as zero-argument callables over bhsd views."""
+    q, k, v, kw = inputs["q"], inputs["k"], inputs["v"], inputs["kw"]
+    causal, window, softcap = kw.get("causal", False), kw.get("window"), kw.get("softcap", 0.0)
+    slopes = kw.get("alibi_slopes")
+    ways: dict[str, Callable[[], Any]] = {}
+    if kw.get("layout") == "thd":
+        cu = kw["cu_seqlens_q"].tolist()
+        spans = list(zip(cu, cu[1:]))
+        gqa = q.shape[1] != k.shape[1]
+
+        def per_sequence() -> torch.Tensor:
+            outs = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
+                                                   v[a:b].transpose(0, 1)[None], is_causal=causal,
+                                                   enable_gqa=gqa)[0].transpose(0, 1) for a, b in spans]
+            return torch.cat(outs)
+
+        ways["SDPA per sequence"] = per_sequence
+        longest = max(b - a for a, b in spans)
+        index = torch.cat([torch.arange(a, b, device=device) for a, b in spans])
+        rows = torch.cat([torch.full((b - a,), i, device=device) for i, (a, b) in enumerate(spans)])
+        cols = torch.cat([torch.arange(b - a, device=device) for a, b in spans])
+        lengths = torch.tensor([b - a for a, b in spans], device=device)
+        i, j = _positions(longest, longest, device)
+        mask = (j[None] < lengths[:, None, None]) & ((j <= i)[None] if causal else True)
+        mask = mask | (i[None] >= lengths[:, None, None])  # padded queries see something: no NaN rows
+
+        def padded() -> torch.Tensor:
+            def pad(t: torch.Tensor) -> torch.Tensor:
+                out = t.new_zeros(len(spans), longest, *t.shape[1:])
+                out[rows, cols] = t[index]
+                return out.transpose(1, 2)
+            o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=mask[:, None], enable_gqa=gqa)
+            return o.transpose(1, 2)[rows, cols]
+
+        ways["SDPA padded + mask"] = padded
+        return ways
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    sq, sk = qt.shape[2], kt.shape[2]
+    gqa = qt.shape[1] != kt.shape[1]
+    scale = kw.get("scale")
+    plain = window is None and slopes is None and not softcap
+    if plain:
+        ways["SDPA"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+    if not softcap:
+        i, j = _positions(sq, sk, device)
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+        if causal:
+            keep &= j <= i
+        if window is not None:
+            keep &= j >= i - window[0]
+        if slopes is not None:
+            bias = (-slopes[:, None, None] * (i - j).abs()[None].float()).masked_fill(~keep, float("-inf"))
+            bias = bias[None].to(q.dtype)
+            ways["SDPA + additive bias"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias,
+                                                                                   enable_gqa=gqa)
+        elif window is not None:
+            ways["SDPA + boolean mask"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep,
+                                                                                  enable_gqa=gqa)
+    if (causal or window is not None or slopes is not None or softcap) and qt.shape[-1] >= 16:
+        ways["flex_attention"] = _flex_way(qt, kt, vt, causal, window, softcap, slopes, gqa, scale, device,
+                                           compile_flex)
+    return ways
+
+
+def _flex_way(qt, kt, vt, causal, window, softcap, slopes, gqa, scale, device, compile_flex):  # noqa: ANN001
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention) if compile_flex else flex_attention
+
+    def mask_mod(b, h, i, j):  # noqa: ANN001
+        keep = j <= i if causal else j >= 0
+        if window is not None:
+            keep = keep & (j >= i - window[0])
+        return keep
+
+    block_mask = create_block_mask(mask_mod, None, None, qt.shape[2], kt.shape[2], device=device,
+                                   _compile=compile_flex) if (causal or window is not None) else None
+
+    def score_mod(score, b, h, i, j):  # noqa: ANN001
+        if softcap:
+            score = softcap * torch.tanh(score / softcap)
+        if slopes is not None:
+            score = score - slopes[h] * (i - j).abs()
+        return score
+
+    use_score = softcap or slopes is not None
+    return lambda: flex(qt, kt, vt, score_mod=score_mod if use_score else None, block_mask=block_mask,
+                        enable_gqa=gqa, scale=scale)
+
+
+def to_bshd(out: Any, layout_thd: bool) -> torch.Tensor:
+    return out if layout_thd else out.transpose(1, 2)
+
+
+# -- one cell -----------------------------------------------------------------------------------------------
+
+def run_cell(name: str, cell: dict[str, Any], mode: str, device: torch.device, dtype: torch.dtype,
+             warmup: int, reps: int, compile_flex: bool) -> dict[str, Any]:
+    grad = mode == "fwd+bwd"
+    inputs = make_inputs(cell, device, dtype, grad)
+    q, k, v, kw = inputs["q"], inputs["k"], inputs["v"], inputs["kw"]
+    thd = kw.get("layout") == "thd"
+    row: dict[str, Any] = {"cell": name, "mode": mode}
+    row["pick"] = opdispatch.explain(q, k, v, **kw).chosen_id
+    ours = lambda: opdispatch.attention(q, k, v, **kw)  # noqa: E731
+    ways = torch_ways(inputs, device, compile_flex)
+    if grad:
+        grad_out = torch.randn_like(ours())
+
+        def with_backward(fn: Callable[[], Any], bshd: bool) -> Callable[[], Any]:
+            def step() -> None:
+                out = fn()
+                out = out if bshd else to_bshd(out, thd)
+                out.backward(grad_out)
+            return step
+
+        timed_ours = with_backward(ours, True)
+        timed_ways = {n: with_backward(f, False) for n, f in ways.items()}
+    else:
+        timed_ours, timed_ways = ours, ways
+    if kw.get("deterministic"):
+        previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+    try:
+        row["opdispatch_ms"] = timed(timed_ours, device, warmup, reps)
+        row["torch_ms"] = {}
+        for way, fn in timed_ways.items():
+            try:
+                row["torch_ms"][way] = timed(fn, device, warmup, reps)
+            except Exception as exc:  # a way torch cannot run here: named in the row, not fatal
+                row["torch_ms"][way] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    finally:
+        if kw.get("deterministic"):
+            torch.use_deterministic_algorithms(previous)
+    measured = {w: t for w, t in row["torch_ms"].items() if isinstance(t, float)}
+    if measured:
+        best = min(measured, key=measured.get)
+        row["torch_best"], row["torch_best_ms"] = best, measured[best]
+        row["speedup"] = measured[best] / row["opdispatch_ms"]
+    row["errors"] = errors(q, k, v, kw, ours, ways.get(row.get("torch_best", ""), None), thd)
+    return row
+
+
+def errors(q, k, v, kw, ours, best, thd):  # noqa: ANN001
+    """max |Δ| against reference.math on the first batch row (the whole call for varlen)."""
+    with torch.no_grad():
+        if thd:
+            ref = opdispatch.attention(q, k, v, impl="reference.math", **kw).float()
+            got = {"opdispatch": ours().float()}
+            if best is not None:
+                got["torch"] = best().float()
+        else:
+            one = {name: value[:1] if name == "alibi_slopes" and value.dim() == 2 else value
+                   for name, value in kw.items()}
+            ref = opdispatch.attention(q[:1], k[:1], v[:1], impl="reference.math", **one).float()
+            got = {"opdispatch": ours()[:1].float()}
+            if best is not None:
+                got["torch"] = to_bshd(best(), False)[:1].float()
+    return {name: (out - ref).abs().max().item() for name, out in got.items()}
+
+
+# -- report -------------------------------------------------------------------------------------------------
+
+def markdown(rows: list[dict[str, Any]], env: dict[str, Any], dtype: str) -> str:
+    lines = ["# opdispatch vs torch's best way, side by side", "",
+             f"{env['device']}; torch {env['torch']}" + (f", CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}"
+                                                         if "cuda" in env else "")
+             + (f", triton {env['triton']}" if "triton" in env else "") + f"; {dtype}; commit {env.get('commit')}",
+             "", "| cell | mode | opdispatch pick | opdispatch ms | torch's best way | torch ms | torch / opdispatch "
+             "| max err opd / torch | other torch ways |", "|---|---|---|---:|---|---:|---:|---|---|"]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['cell']} | {r['mode']} | {r.get('pick', '-')} | failed: {r['failed']} | | | | | |")
+            continue
+        others = "; ".join(f"{w} {t:.3f}" if isinstance(t, float) else f"{w}: {t}" for w, t in r["torch_ms"].items()
+                           if w != r.get("torch_best"))
+        speed = r.get("speedup")
+        flag = "" if speed is None or speed >= 0.97 else " **slower**"
+        errs = " / ".join(f"{r['errors'].get(n, float('nan')):.3g}" for n in ("opdispatch", "torch"))
+        lines.append(f"| {r['cell']} | {r['mode']} | {r['pick']} | {r['opdispatch_ms']:.3f} | "
+                     f"{r.get('torch_best', '-')} | {r.get('torch_best_ms', math.nan):.3f} | "
+                     f"{'-' if speed is None else f'{speed:.2f}x'}{flag} | {errs} | {others} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU in fp32 (smoke run)")
+    p.add_argument("--cells", help="comma-separated cell keys: " + ",".join(KEYS))
+    p.add_argument("--fwd-only", action="store_true")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", type=Path, help="JSON here, markdown beside it")
+    args = p.parse_args(argv)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    keys = args.cells.split(",") if args.cells else list(KEYS)
+    unknown = [key for key in keys if key not in KEYS]
+    if unknown:
+        p.error(f"unknown cells {unknown}; known: {', '.join(KEYS)}")
+    env = environment(device)
+    rows = []
+    for key in keys:
+        name = KEYS[key]
+        cell = tiny(FULL[name]) if args.tiny else FULL[name]
+        modes = [m for m in cell.get("modes", ("fwd", "fwd+bwd")) if not (args.fwd_only and m != "fwd")]
+        for mode in modes:
+            try:
+                row = run_cell(name, cell, mode, device, dtype, args.warmup, args.reps,
+                               compile_flex=device.type != "cpu")
+            except Exception as exc:  # one cell's failure (OOM, unsupported) is reported in its row
+                row = {"cell": name, "mode": mode, "failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+                traceback.print_exc(file=sys.stderr)
+            rows.append(row)
+            print(json.dumps(row, default=str), file=sys.stderr, flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    text = markdown(rows, env, str(dtype).replace("torch.", ""))
+    sys.stdout.write(text)
+    if args.out:
+        args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1, default=str))
+        args.out.with_suffix(".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
