@@ -189,7 +189,8 @@ def torch_ways(inputs: dict[str, Any], device: torch.device, compile_flex: bool)
         elif window is not None:
             ways["SDPA + boolean mask"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=keep,
                                                                                   enable_gqa=gqa)
-    if (causal or window is not None or slopes is not None or softcap) and qt.shape[-1] >= 16:
+    # flex only where SDPA needs a materialised mask or cannot express the call (plain causal: SDPA's own kernels).
+    if (window is not None or slopes is not None or softcap) and qt.shape[-1] >= 16:
         ways["flex_attention"] = _flex_way(qt, kt, vt, causal, window, softcap, slopes, gqa, scale, device,
                                            compile_flex)
     return ways
