@@ -30,7 +30,7 @@ if [ "$phase" = tests ]; then
     -k "(bf16 and (softcap_gqa4 or alibi_gqa4 or decode_gqa4 or d100 or varlen_causal)) or dispatch or long_call or (bitwise and causal)" \
     2>&1 | tee "$out/flex-tests.txt" | grep -E "PASS|FAIL|ERROR|Error|assert|passed|failed" | tail -30
   t 60 python3 "$repo/benchmarks/flex_probe.py" --sq 100 --sk 333 --alignment bottom_right 2>&1 | tail -4
-  t 60 python3 "$repo/benchmarks/flex_probe.py" --sq 1 --sk 4096 --alignment top_left 2>&1 | tail -4
+  t 60 python3 "$repo/benchmarks/flex_probe.py" --sq 16 --sk 1000 --alignment bottom_right 2>&1 | tail -4
   t 120 python3 "$repo/benchmarks/decode_loop.py" --out "$out/decode_loop-gpu.json" 2>&1 | tail -22
   t 60 taskset -c 2 python3 "$repo/benchmarks/decode_loop.py" --device cpu --steps 500 \
     --out "$out/decode_loop-gpu-host-cpu.json" 2>&1 | tail -14
