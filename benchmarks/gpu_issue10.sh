@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Issue 10 measurements on the lent GPU machine, in one `run` call (run from the repo root; results under $OUT or
-# ./issue10-out). Phase "tests": GPU tests (existing, torch.flex subset, NVIDIA extras and compile if present), the
-# flex probe and the decode loop. Phase "sbs": the side-by-side table. Each step has its own timeout.
+# ./issue10-out): the cost of a first call at a new shape, the decode loop, the GPU tests of the NVIDIA extras and
+# compile (when present), two torch.flex cases, and the side-by-side table.
 set -u
-phase=${1:-tests}
 out=${OUT:-issue10-out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1
@@ -19,21 +18,16 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.bac
       "triton", triton.__version__, "python", platform.python_version())
 PY
 t() { local secs=$1; shift; timeout "$secs" "$@"; echo "[exit $? after step: $*]" | cut -c1-200; }
-if [ "$phase" = tests ]; then
-  gpu=("$repo/tests/gpu/test_bound_plans.py" "$repo/tests/gpu/test_cuda_graphs.py" "$repo/tests/gpu/test_gpu_attention.py")
-  for extra in test_nvidia_extras.py test_compile_gpu.py; do
-    [ -f "$repo/tests/gpu/$extra" ] && gpu+=("$repo/tests/gpu/$extra")
-  done
-  t 200 python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider --rootdir "$repo" "${gpu[@]}" 2>&1 \
-    | tee "$out/gpu-tests.txt" | tail -25
-  t 200 python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --rootdir "$repo" "$repo/tests/gpu/test_flex_gpu.py" \
-    -k "(bf16 and (softcap_gqa4 or alibi_gqa4 or decode_gqa4 or d100 or varlen_causal)) or dispatch or long_call or (bitwise and causal)" \
-    2>&1 | tee "$out/flex-tests.txt" | grep -E "PASS|FAIL|ERROR|Error|assert|passed|failed" | tail -30
-  t 60 python3 "$repo/benchmarks/flex_probe.py" --sq 100 --sk 333 --alignment bottom_right 2>&1 | tail -4
-  t 60 python3 "$repo/benchmarks/flex_probe.py" --sq 16 --sk 1000 --alignment bottom_right 2>&1 | tail -4
-  t 120 python3 "$repo/benchmarks/decode_loop.py" --out "$out/decode_loop-gpu.json" 2>&1 | tail -22
-  t 60 taskset -c 2 python3 "$repo/benchmarks/decode_loop.py" --device cpu --steps 500 \
-    --out "$out/decode_loop-gpu-host-cpu.json" 2>&1 | tail -14
-else
-  t 560 python3 "$repo/benchmarks/side_by_side.py" --out "$out/side_by_side.json" 2>"$out/side_by_side.log" | tail -30
+# Each step has a timeout so one slow step cannot eat the call; the order puts what decides the most first.
+t 45 python3 "$repo/benchmarks/new_shape_cost.py" --out "$out/new_shape_cost.json" 2>&1 | tail -9
+t 100 python3 "$repo/benchmarks/decode_loop.py" --budget 3 --out "$out/decode_loop.json" 2>&1 | tail -16
+extra=()
+for f in test_nvidia_extras.py test_compile_gpu.py; do [ -f "$repo/tests/gpu/$f" ] && extra+=("$repo/tests/gpu/$f"); done
+if [ ${#extra[@]} -gt 0 ]; then
+  t 90 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir "$repo" "${extra[@]}" 2>&1 \
+    | tee "$out/gpu-tests-extra.txt" | tail -15
 fi
+t 60 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir "$repo" "$repo/tests/gpu/test_flex_gpu.py" \
+  -k "bf16 and (bottom_right_sq or top_left_sq)" 2>&1 | tee "$out/flex-sq-lt-sk.txt" | grep -E "Error|assert|passed|failed" | tail -8
+t ${SBS_SECONDS:-300} python3 "$repo/benchmarks/side_by_side.py" --reps 8 --warmup 2 --out "$out/side_by_side.json" \
+  2>"$out/side_by_side.log" | tail -32
