@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc(file=sys.stderr)
             rows.append(row)
             print(json.dumps(row, default=str), file=sys.stderr, flush=True)
+            if args.out:  # after every row: a run cut short by its time limit still leaves its table
+                args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1, default=str))
+                args.out.with_suffix(".md").write_text(markdown(rows, env, str(dtype).replace("torch.", "")))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     text = markdown(rows, env, str(dtype).replace("torch.", ""))
