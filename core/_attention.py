@@ -596,11 +596,14 @@ def _to_4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def additive_bias(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, *, fold_causal: bool,
-                  fold_alibi: bool) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
+                  fold_alibi: bool, dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
     """For kernels that take one additive mask: the float bias (q's dtype, 4-D) carrying the boolean mask, the
     user bias, the window, bottom-right causal alignment, ALiBi (with `fold_alibi`) and — with `fold_causal` —
     the plain causal pattern too; the `is_causal` flag left for the kernel (top-left only); and the boolean
-    `allowed` pattern that went into the bias (None if none did), for finding queries that see no key."""
+    `allowed` pattern that went into the bias (None if none did), for finding queries that see no key. `dtype`:
+    the bias's dtype (default q's; float32 lets a caller shift rows before rounding to the kernel's dtype)."""
+    dtype = dtype or q.dtype
     sq, sk = q.shape[2], k.shape[2]
     offset = sk - sq if call.causal_alignment == "bottom_right" else 0
     is_causal = call.causal
@@ -612,13 +615,13 @@ def additive_bias(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, *, fold
         allowed = call.attn_mask if allowed is None else allowed & call.attn_mask
     bias = None
     if allowed is not None:
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=q.device)
         bias.masked_fill_(~allowed, float("-inf"))
     if call.attn_bias is not None:
-        user = call.attn_bias.to(q.dtype)
+        user = call.attn_bias.to(dtype)
         bias = user if bias is None else bias + user
     if fold_alibi and call.alibi_slopes is not None:
-        ab = alibi_bias(call.alibi_slopes, sq, sk, offset, torch.float32).to(q.dtype)
+        ab = alibi_bias(call.alibi_slopes, sq, sk, offset, torch.float32).to(dtype)
         bias = ab if bias is None else bias + ab
     return (None if bias is None else _to_4d(bias)), is_causal, allowed
 

@@ -311,3 +311,28 @@ def test_compiled_size_tests_agree_with_the_policy_matcher(text):
     spec = IntSpec.parse(yaml.safe_load(text))
     predicate = _predicate(spec)
     assert [predicate(n) for n in range(0, 64)] == [spec.matches(n) for n in range(0, 64)]
+
+
+def test_every_builtin_with_extra_checks_declares_what_they_read(manager):
+    from opdispatch._attention import AttentionImpl as Base
+
+    manager.ensure_initialized()
+    exact = [r.impl.id for r in manager.registry.for_op("attention")
+             if type(r.impl).extra_reasons is not Base.extra_reasons
+             and type(r.impl).selection_key is Base.selection_key]
+    assert exact == []  # none falls back to deciding per exact shape
+
+
+@pytest.mark.parametrize("device", ["h100", "a100", "mi300x", "p800", "bi-v150"])
+def test_simulated_decode_loop_makes_one_decision_per_device(manager, device):
+    info = opdispatch.load_device_descriptor(device_descriptor(device))
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    chosen = set()
+    made = manager.decisions_made
+    for length in range(100, 400, 7):
+        q = torch.empty(4, 1, 32, 128, **meta)
+        k = v = torch.empty(4, length, 8, 128, **meta)
+        call = opdispatch.validate_attention(q, k, v, causal=True, causal_alignment="bottom_right",
+                                             check_values=False)
+        chosen.add(manager.resolve("attention", call, device=info).chosen_id)
+    assert manager.decisions_made - made == 1 and len(chosen) == 1

@@ -262,3 +262,86 @@ def test_d64_sliding_window_inference_prefers_flagos(manager):
     assert chosen("h200", q, k, v, causal=True, window=(1024, 0)).chosen_id == "nvidia.flash"
     q, k, v = qkv(b=1, sq=8192, hq=32, hkv=8, d=64, grad=True)
     assert chosen("h200", q, k, v, causal=True, window=(1024, 0)).chosen_id == "nvidia.flash"
+
+
+def _fake_efficient_sdpa(calls):
+    """torch's _scaled_dot_product_efficient_attention signature, computed in float64 by this test (no GQA: the
+    kernel refuses unequal head counts; LSE padded to a multiple of 32 queries, as the kernel does)."""
+    def fake(q, k, v, bias, need_lse, dropout_p, is_causal, scale=None):
+        assert q.shape[1] == k.shape[1] == v.shape[1], "the kernel has no GQA"
+        assert bias is None and not is_causal and dropout_p == 0.0
+        calls.append(tuple(q.shape))
+        scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+        lse = torch.logsumexp(scores, -1)
+        out = (torch.softmax(scores, -1) @ v.double()).to(q.dtype)
+        padded = torch.full((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), float("nan"), dtype=torch.float32)
+        padded[:, :, : lse.shape[2]] = lse
+        return out, padded if need_lse else torch.empty(0), None, None
+    return fake
+
+
+@pytest.mark.parametrize("sq,hq,hkv,d,dv", [(1, 8, 2, 16, 16), (3, 6, 3, 8, 24), (1, 16, 1, 72, 64)])
+def test_mem_efficient_folds_gqa_groups_into_queries(monkeypatch, rng, sq, hq, hkv, d, dv):
+    from opdispatch.vendors.nvidia import _attention as nv
+
+    calls = []
+    monkeypatch.setattr(nv, "_efficient_sdpa", _fake_efficient_sdpa(calls))
+    q = randn(2, sq, hq, d, gen=rng)
+    k, v = randn(2, 11, hkv, d, gen=rng), randn(2, 11, hkv, dv, gen=rng)
+    call = validate_attention(q, k, v, return_lse=True, causal=sq == 1, causal_alignment="bottom_right")
+    out, lse = nv.MemEfficientAttention().run(call)
+    assert calls == [(2, hkv, (hq // hkv) * sq, d)]  # one MHA call over kv heads, the group stacked as queries
+    # Independent float64 oracle: every q head against its own kv head.
+    kx = k.double().repeat_interleave(hq // hkv, 2)
+    vx = v.double().repeat_interleave(hq // hkv, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), kx) * d ** -0.5
+    torch.testing.assert_close(out.double(), torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), vx),
+                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_mem_efficient_takes_mla_absorbed_decode_and_refuses_positional_gqa(manager):
+    mla = qkv(b=4, sq=1, sk=4096, hq=128, hkv=1, d=576, dv=512)
+    decision = chosen("h100", *mla, causal=True, causal_alignment="bottom_right")
+    assert decision.chosen_id == "nvidia.mem_efficient"
+    prefill = chosen("h100", *qkv(b=1, sq=64, sk=4096, hq=128, hkv=1, d=576, dv=512), causal=True,
+                     causal_alignment="bottom_right")
+    reasons = "; ".join(prefill.candidate("nvidia.mem_efficient").reasons)
+    assert "grouped-query attention (128 q heads over 1 kv heads) only without causal" in reasons
+
+
+def _fake_efficient_with_bias(q, k, v, bias, need_lse, dropout_p, is_causal, scale=None):
+    """The kernel's contract in float64: scores + the bias exactly as given (already rounded to q's dtype)."""
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.double()
+    if is_causal:
+        i, j = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None]
+        scores = scores.masked_fill(j > i, -math.inf)
+    lse = torch.logsumexp(scores, -1)
+    padded = torch.zeros((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), dtype=torch.float32)
+    padded[:, :, : lse.shape[2]] = lse
+    return (torch.softmax(scores, -1) @ v.double()).to(q.dtype), padded, None, None
+
+
+def test_mem_efficient_alibi_keeps_bf16_precision(monkeypatch, rng):
+    from opdispatch.vendors.nvidia import _attention as nv
+    from opdispatch._attention import additive_bias
+    from tests.test_numerics import naive_attention
+
+    monkeypatch.setattr(nv, "_efficient_sdpa", _fake_efficient_with_bias)
+    q, k, v = randn(2, 96, 4, 32, gen=rng), randn(2, 24, 4, 32, gen=rng), randn(2, 24, 4, 32, gen=rng)
+    slopes = torch.tensor([0.9, 0.5, 0.25, 0.125])
+    call = validate_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), alibi_slopes=slopes,
+                              causal_alignment="bottom_right", return_lse=True)
+    out, lse = nv.MemEfficientAttention().run(call)
+    ref_out, ref_lse = naive_attention(*(call.bhsd(t).double() for t in (call.q, call.k, call.v)),
+                                       scale=32 ** -0.5, alignment="bottom_right", alibi=slopes)
+    err = (call.bhsd(out).double() - ref_out).abs().max().item()
+    assert err < 0.02, err  # bf16 rounding of the output itself is ~0.008
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-2, rtol=0)
+    # The same bias rounded to bf16 without the row shift loses the visible keys' differences.
+    qb, kb, vb = (call.bhsd(t) for t in (call.q, call.k, call.v))
+    bias, _, _ = additive_bias(call, qb, kb, fold_causal=False, fold_alibi=True)
+    naive = _fake_efficient_with_bias(qb, kb, vb, bias, False, 0.0, False, scale=call.scale)[0]
+    assert (naive.double() - ref_out).abs().max().item() > 0.1

@@ -144,7 +144,13 @@ class CudnnAttention(AttentionImpl):
         dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, head_dim_v_differs=True,
         layouts=_ALL_LAYOUTS, causal_alignments=frozenset({"top_left"}), gqa=True, dropout=True, attn_mask=True,
         attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=False,
+        # Measured on an H200: fp16 decode-like calls (sq 1, sk 239, d 160, batch 60) gave a different output in
+        # 73 of 100 repeats — cuDNN picks split-KV plans per shape and reduces their partial results unordered.
+        deterministic_forward=False,
     )
+
+    def selection_key(self, call: AttentionCall) -> Any:
+        return (call.seqlen_k == 1, call.seqlen_q == 1)  # the sizes extra_reasons reads
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
@@ -292,6 +298,9 @@ class TorchFlashAttention(AttentionImpl):
         lse=True, backward=True, deterministic_backward=False,
     )
 
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads head dims, flags, alignment and the device: no sizes
+
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
         why = _sm86_89_or_120_training_head_dim(call, device)
@@ -356,12 +365,18 @@ class MemEfficientAttention(AttentionImpl):
     # extra_reasons, the alignment depends on arch and dtype), d_v may differ; no GQA; dropout; an additive bias
     # with gradient. Causal is top-left natively; windows, bottom-right causal, bool masks and ALiBi are folded
     # into the additive bias (materialised, batch x heads x seqlen_q x seqlen_k at most).
+    # GQA: only where nothing depends on a query's position (no causal, window, ALiBi, mask, bias, dropout) — the
+    # query heads of a group are then stacked as extra queries of their kv head, which is exact and reads each kv
+    # head once: decode (sq 1) and MLA absorbed decode (576/512, one kv head) take this path.
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dim_v_differs=True,
-        layouts=_DENSE, causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=False, window=True,
+        layouts=_DENSE, causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True,
         alibi=True, dropout=True, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, backward=True,
         deterministic_backward=False,
     )
+
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads head dims, flags, alignment and the device: no sizes
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
@@ -379,11 +394,27 @@ class MemEfficientAttention(AttentionImpl):
         for what, d in (("head_dim", call.head_dim), ("v head_dim", call.head_dim_v)):
             if d % align:
                 reasons.append(f"{what} {d} is not a multiple of {align} ({call.dtype} on {device.arch})")
+        if call.heads_q != call.heads_kv and not _gqa_folds(call):
+            reasons.append(f"grouped-query attention ({call.heads_q} q heads over {call.heads_kv} kv heads) only "
+                           "without causal, window, ALiBi, mask, bias or dropout (the kernel has no GQA; the "
+                           "group's query heads are stacked as queries, which needs position-free scores)")
         return reasons
 
     def run(self, call: AttentionCall) -> Any:
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
-        bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True)
+        if call.heads_q != call.heads_kv:
+            return _run_gqa_folded(call, q, k, v)
+        alibi = call.alibi_slopes is not None
+        bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True,
+                                           dtype=torch.float32 if alibi else None)
+        shift = None
+        if alibi:
+            # ALiBi scores reach -slope * seqlen: rounded to bf16 as they are, the visible keys' biases lose their
+            # differences (output errors of 0.3-2.6 measured, sq > sk). Softmax is invariant to a per-row constant:
+            # subtract each row's maximum in fp32, round, and add it back to the LSE.
+            shift = bias.detach().amax(dim=-1, keepdim=True)
+            shift = shift.masked_fill(shift == -math.inf, 0.0)
+            bias = (bias - shift).to(q.dtype)
         if bias is not None:
             bias = _aligned(bias, 8).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         need_lse = call.return_lse or call.requires_grad
@@ -392,11 +423,34 @@ class MemEfficientAttention(AttentionImpl):
         if not call.return_lse:
             return out
         lse = res[1][:, :, : q.shape[2]]  # the kernel pads LSE to a multiple of 32 queries
+        if shift is not None:
+            lse = lse + shift[..., 0]
         if bias is not None:
             # A query whose keys are all masked: the kernel's LSE is not -inf there (measured); the convention is.
             blind = (bias == -math.inf).all(dim=-1)
             lse = lse.masked_fill(blind, -math.inf)
         return out, lse
+
+
+def _gqa_folds(call: AttentionCall) -> bool:
+    """Whether a GQA call can run as MHA over kv heads with the group's query heads stacked as queries: exact when
+    no score depends on the query's position or head beyond the shared k/v."""
+    return not (call.causal or call.window is not None or call.alibi_slopes is not None
+                or call.attn_mask is not None or call.attn_bias is not None or call.dropout_p > 0)
+
+
+def _run_gqa_folded(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+    """(b, hq, sq, d) queries as (b, hkv, group * sq, d): query head i uses kv head i // group, so the heads of a
+    group are consecutive and stack in order (a view when sq == 1, a copy otherwise)."""
+    b, hq, sq, _ = q.shape
+    hkv = k.shape[1]
+    folded = q.reshape(b, hkv, (hq // hkv) * sq, q.shape[3])
+    need_lse = call.return_lse or call.requires_grad
+    res = _efficient_sdpa(folded, k, v, None, need_lse, 0.0, False, scale=call.scale)
+    out = call.from_bhsd(res[0].reshape(b, hq, sq, v.shape[3]))
+    if not call.return_lse:
+        return out
+    return out, res[1][:, :, : folded.shape[2]].reshape(b, hq, sq)  # the kernel pads LSE to 32 queries
 
 
 # -- the flash-attn package -----------------------------------------------------------------------------------
@@ -419,6 +473,9 @@ class FlashAttn2(AttentionImpl):
         gqa=True, window=True, softcap=True, alibi=True, dropout=True, lse=True, backward=True,
         deterministic_backward=True,
     )
+
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads head dims, flags, alignment and the device: no sizes
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = [r for r in (_sm86_89_or_120_training_head_dim(call, device), _alibi_alignment(call),
