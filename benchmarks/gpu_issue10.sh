@@ -22,9 +22,9 @@ t() { local secs=$1; shift; timeout "$secs" "$@"; echo "[exit $? after step: $*]
 t 45 python3 "$repo/benchmarks/new_shape_cost.py" --out "$out/new_shape_cost.json" 2>&1 | tail -9
 t 100 python3 "$repo/benchmarks/decode_loop.py" --budget 3 --out "$out/decode_loop.json" 2>&1 | tail -16
 extra=()
-for f in test_nvidia_extras.py test_compile_gpu.py; do [ -f "$repo/tests/gpu/$f" ] && extra+=("$repo/tests/gpu/$f"); done
+for f in test_issue10_gpu.py test_nvidia_extras.py test_compile_gpu.py; do [ -f "$repo/tests/gpu/$f" ] && extra+=("$repo/tests/gpu/$f"); done
 if [ ${#extra[@]} -gt 0 ]; then
-  t 90 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir "$repo" "${extra[@]}" 2>&1 \
+  t 120 python3 -m pytest -q -s -rfE --tb=short -p no:cacheprovider --rootdir "$repo" "${extra[@]}" 2>&1 \
     | tee "$out/gpu-tests-extra.txt" | tail -15
 fi
 t 60 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir "$repo" "$repo/tests/gpu/test_flex_gpu.py" \
