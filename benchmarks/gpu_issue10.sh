@@ -8,7 +8,7 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site . || exit 1
 repo=$(pwd)
 cd /tmp  # import the installed package, not the checkout's folders
 python3 - <<'PY' | tee "$out/environment.txt"
@@ -18,7 +18,9 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.bac
       "triton", triton.__version__, "python", platform.python_version())
 PY
 t() { local secs=$1; shift; timeout "$secs" "$@"; echo "[exit $? after step: $*]" | cut -c1-200; }
-# Each step has a timeout so one slow step cannot eat the call; the order puts what decides the most first.
+# Each step has a timeout so one slow step cannot eat the call. $1 = measure (default) or sbs (the table alone).
+phase=${1:-measure}
+if [ "$phase" = measure ]; then
 t 45 python3 "$repo/benchmarks/new_shape_cost.py" --out "$out/new_shape_cost.json" 2>&1 | tail -9
 t 100 python3 "$repo/benchmarks/decode_loop.py" --budget 3 --out "$out/decode_loop.json" 2>&1 | tail -16
 extra=()
@@ -29,5 +31,8 @@ if [ ${#extra[@]} -gt 0 ]; then
 fi
 t 60 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir "$repo" "$repo/tests/gpu/test_flex_gpu.py" \
   -k "bf16 and (bottom_right_sq or top_left_sq)" 2>&1 | tee "$out/flex-sq-lt-sk.txt" | grep -E "Error|assert|passed|failed" | tail -8
-t ${SBS_SECONDS:-300} python3 "$repo/benchmarks/side_by_side.py" --reps 8 --warmup 2 --out "$out/side_by_side.json" \
+fi
+if [ "$phase" = sbs ]; then
+t ${SBS_SECONDS:-540} python3 "$repo/benchmarks/side_by_side.py" --reps 8 --warmup 2 --out "$out/side_by_side.json" \
   2>"$out/side_by_side.log" | tail -32
+fi
