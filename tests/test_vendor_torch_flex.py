@@ -463,3 +463,29 @@ def test_declarations_and_options():
     plain = validate_attention(torch.empty(1, 8, 2, 32, device="meta"), torch.empty(1, 8, 2, 32, device="meta"),
                                torch.empty(1, 8, 2, 32, device="meta"))
     assert impl.selection_key(other) == impl.selection_key(plain) != impl.selection_key(call)
+
+
+def test_compiled_flex_retries_with_the_regular_kernel_when_decoding_has_no_valid_choice(monkeypatch):
+    from opdispatch.vendors.torch_flex import _attention as flex_module
+
+    seen = []
+
+    def fake_compiled(q, k, v, kwargs):
+        seen.append(kwargs.get("kernel_options"))
+        if not kwargs.get("kernel_options"):
+            raise RuntimeError("LoweringException: NoValidChoicesError: No choices to select")
+        return "out"
+
+    monkeypatch.setattr(flex_module, "_call_compiled", fake_compiled)
+    impl = flex_module.TorchFlexAttention()
+    q, k = torch.empty(2, 8, 100, 128), torch.empty(2, 2, 333, 128)
+    assert impl._run_compiled(q, k, k, {}) == "out"
+    assert impl._run_compiled(q, k, k, {}) == "out"  # remembered: straight to the regular kernel
+    assert seen == [None, {"FORCE_USE_FLEX_ATTENTION": True}, {"FORCE_USE_FLEX_ATTENTION": True}]
+
+    def other_failure(q, k, v, kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(flex_module, "_call_compiled", other_failure)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        flex_module.TorchFlexAttention()._run_compiled(q, k, k, {})

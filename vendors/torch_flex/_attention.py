@@ -285,6 +285,7 @@ class TorchFlexAttention(AttentionImpl):
 
     def __init__(self) -> None:
         self._masks = _BlockMaskCache()
+        self._regular_kernel: set[tuple[Any, ...]] = set()  # shape families the decoding kernel cannot compile
 
     # -- selection --------------------------------------------------------------------------------------------
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
@@ -342,7 +343,7 @@ class TorchFlexAttention(AttentionImpl):
         elif call.return_lse:
             kwargs["return_lse"] = True
         if self.options.compile:
-            result = _call_compiled(q, k, v, kwargs)
+            result = self._run_compiled(q, k, v, kwargs)
         else:
             result = _flex_api().flex_attention(q, k, v, **kwargs)
         if not call.return_lse:
@@ -351,6 +352,21 @@ class TorchFlexAttention(AttentionImpl):
         if aux is not None:
             lse = lse.lse
         return self._layout_out(call, out), (lse[0] if call.varlen else lse)
+
+    def _run_compiled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        """The compiled kernel; where torch's split-KV decoding kernel (short queries) has no valid tile
+        configuration — measured on an H100, torch 2.11: GQA 8/2, d128, 100 queries over 333 keys fails with
+        inductor's NoValidChoicesError — run flex's regular kernel instead, and remember that shape family."""
+        family = (q.shape[1], k.shape[1], q.shape[3], v.shape[3], q.dtype, q.device.type)
+        if family in self._regular_kernel and "kernel_options" not in kwargs:
+            kwargs = dict(kwargs, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
+        try:
+            return _call_compiled(q, k, v, kwargs)
+        except Exception as exc:
+            if "NoValidChoicesError" not in f"{type(exc).__name__}: {exc}" or "kernel_options" in kwargs:
+                raise
+            self._regular_kernel.add(family)
+            return _call_compiled(q, k, v, dict(kwargs, kernel_options={"FORCE_USE_FLEX_ATTENTION": True}))
 
     @staticmethod
     def _layout_out(call: AttentionCall, out: torch.Tensor) -> torch.Tensor:
