@@ -295,9 +295,9 @@ def test_policy_parse_keeps_thresholds_readable():
     from opdispatch._classes import DecisionClasses
 
     classes = DecisionClasses("attention", policy, [])
-    # The user's layer first, then the shipped default's rules (its short-varlen rule reads seqlen_q).
+    # The user's layer first, then the shipped default's rules (its decode rule reads seqlen_q).
     assert [(f, str(s)) for f, s in classes.size_tests][:3] == [("batch", ">=8"), ("heads_kv", "[1, 2]"),
-                                                               ("seqlen_q", "<=1024")]
+                                                               ("seqlen_q", "<=16")]
 
 
 @pytest.mark.parametrize("text", ["'>=32'", "'<=32'", "'>32'", "'<32'", "'==32'", "'!=32'", "'>=8,<40'", "[8, 32]",
