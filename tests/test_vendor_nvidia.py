@@ -43,7 +43,7 @@ def test_dense_prefill_goes_to_cudnn(manager, device):
 def test_features_route_to_the_kernels_that_have_them(manager):
     q, k, v = qkv()
     assert chosen("h100", q, k, v, causal=True, window=(256, 0)).chosen_id == "nvidia.flash"
-    assert chosen("h100", q, k, v, causal=True, softcap=30.0).chosen_id == "flagos.triton"
+    assert chosen("h100", q, k, v, causal=True, softcap=30.0).chosen_id == "torch.flex"  # measured faster
     assert chosen("a100", q, k, v, causal=True, softcap=30.0).chosen_id == "nvidia.flash_attn"
     # bottom-right causal with sq != sk: cuDNN's mask is top-left → FlashAttention-2.
     q2, k2, v2 = qkv(sq=128, sk=1024)
