@@ -300,14 +300,41 @@ def test_mem_efficient_folds_gqa_groups_into_queries(monkeypatch, rng, sq, hq, h
     torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
 
 
-def test_mem_efficient_takes_mla_absorbed_decode_and_refuses_positional_gqa(manager):
+def test_mem_efficient_takes_mla_absorbed_decode_and_prefill(manager):
     mla = qkv(b=4, sq=1, sk=4096, hq=128, hkv=1, d=576, dv=512)
-    decision = chosen("h100", *mla, causal=True, causal_alignment="bottom_right")
-    assert decision.chosen_id == "nvidia.mem_efficient"
+    assert chosen("h100", *mla, causal=True, causal_alignment="bottom_right").chosen_id == "nvidia.mem_efficient"
     prefill = chosen("h100", *qkv(b=1, sq=64, sk=4096, hq=128, hkv=1, d=576, dv=512), causal=True,
                      causal_alignment="bottom_right")
-    reasons = "; ".join(prefill.candidate("nvidia.mem_efficient").reasons)
-    assert "grouped-query attention (128 q heads over 1 kv heads) only without causal" in reasons
+    assert prefill.chosen_id == "nvidia.mem_efficient"  # positional: k/v heads copied per query head
+
+
+def test_mem_efficient_positional_gqa_and_the_cached_alibi_bias(monkeypatch, rng):
+    from opdispatch.vendors.nvidia import _attention as nv
+    from tests.test_numerics import naive_attention
+
+    monkeypatch.setattr(nv, "_efficient_sdpa", _fake_efficient_with_bias)
+    impl = nv.MemEfficientAttention()
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    q = randn(2, 20, 4, 16, gen=rng, requires_grad=True)
+    k, v = randn(2, 20, 2, 16, gen=rng, requires_grad=True), randn(2, 20, 2, 16, gen=rng, requires_grad=True)
+    outs = []
+    for _ in range(2):  # the second call reuses the prepared bias
+        call = validate_attention(q, k, v, causal=True, alibi_slopes=slopes, return_lse=True)
+        outs.append(impl.run(call))
+    assert len(impl._alibi_cache) == 1
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = naive_attention(*(t.transpose(1, 2) for t in leaves), scale=0.25, causal=True, alibi=slopes)
+    out, lse = outs[1]
+    torch.testing.assert_close(out.double(), ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    g = torch.randn(out.shape, generator=rng, dtype=torch.float64)
+    got = torch.autograd.grad(out.double(), (q, k, v), g)
+    want = torch.autograd.grad(ref.transpose(1, 2), leaves, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+    slopes.mul_(2)  # in place: a new version of the slopes is a new bias
+    impl.run(validate_attention(q, k, v, causal=True, alibi_slopes=slopes))
+    assert len(impl._alibi_cache) == 2
 
 
 def _fake_efficient_with_bias(q, k, v, bias, need_lse, dropout_p, is_causal, scale=None):
@@ -345,3 +372,63 @@ def test_mem_efficient_alibi_keeps_bf16_precision(monkeypatch, rng):
     bias, _, _ = additive_bias(call, qb, kb, fold_causal=False, fold_alibi=True)
     naive = _fake_efficient_with_bias(qb, kb, vb, bias, False, 0.0, False, scale=call.scale)[0]
     assert (naive.double() - ref_out).abs().max().item() > 0.1
+
+
+def _fake_kernel(calls, *, same_v):
+    """cuDNN's / FA2's aten ops as the adapters call them, in float64: head dims must be multiples of 8."""
+    def attention(q, k, v, causal, scale):
+        assert q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0, "the kernel needs head dims in multiples of 8"
+        assert not same_v or v.shape[-1] == q.shape[-1]
+        calls.append((q.shape[-1], v.shape[-1]))
+        scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+        if causal:
+            i, j = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None]
+            scores = scores.masked_fill(j > i, -math.inf)
+        return (scores.softmax(-1) @ v.double()).to(q.dtype), scores.logsumexp(-1).float()
+
+    def cudnn(q, k, v, bias, need_lse, dropout_p, is_causal, return_debug, scale=None):
+        out, lse = attention(q, k, v, is_causal, scale)
+        return out, lse, None, None
+
+    def flash(q, k, v, dropout_p, is_causal, return_debug, scale=None):
+        out, lse = attention(q, k, v, is_causal, scale)
+        return out, lse, None, None
+    return cudnn if not same_v else flash
+
+
+@pytest.mark.parametrize("impl_name,attr,same_v", [("CudnnAttention", "_cudnn_sdpa", False),
+                                                    ("TorchFlashAttention", "_flash_sdpa", True)])
+@pytest.mark.parametrize("d,dv", [(100, 100), (20, 36), (4, 4), (130, 130)])
+def test_head_dims_off_the_kernels_grid_are_padded_exactly(monkeypatch, rng, impl_name, attr, same_v, d, dv):
+    from opdispatch.vendors.nvidia import _attention as nv
+    from tests.test_numerics import naive_attention
+
+    if same_v and d != dv:
+        pytest.skip("FA2 takes one head dim for q/k and v")
+    calls = []
+    monkeypatch.setattr(nv, attr, _fake_kernel(calls, same_v=same_v))
+    impl = getattr(nv, impl_name)()
+    q = randn(2, 9, 4, d, gen=rng, requires_grad=True)
+    k, v = randn(2, 9, 4, d, gen=rng, requires_grad=True), randn(2, 9, 4, dv, gen=rng, requires_grad=True)
+    call = validate_attention(q, k, v, causal=True, return_lse=True)
+    out, lse = impl.run(call)
+    pad = -(-d // 8) * 8
+    assert calls == [(max(pad, -(-dv // 8) * 8) if same_v else pad, -(-dv // 8) * 8 if not same_v else
+                      max(pad, -(-dv // 8) * 8))]
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = naive_attention(*(t.transpose(1, 2) for t in leaves), scale=d ** -0.5, causal=True)
+    assert out.shape == (2, 9, 4, dv)
+    torch.testing.assert_close(out.double(), ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    g = torch.randn(out.shape, generator=rng, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out.double(), (q, k, v), g),
+                    torch.autograd.grad(ref.transpose(1, 2), leaves, g)):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
+    fn = impl.bind(validate_attention(q.detach(), k.detach(), v.detach(), causal=True))
+    torch.testing.assert_close(fn(q.detach(), k.detach(), v.detach()).double(), ref.transpose(1, 2).detach(),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_head_dim_100_reaches_cudnn_not_a_fallback(manager):
+    assert chosen("h100", *qkv(d=100), causal=True).chosen_id == "nvidia.cudnn"
+    assert chosen("h100", *qkv(d=100, grad=True), causal=True).chosen_id == "nvidia.cudnn"

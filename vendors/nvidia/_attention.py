@@ -13,6 +13,7 @@ measured on an H100/H200; see tests/gpu/ and benchmarks/results/.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any, ClassVar
 
 import torch
@@ -141,7 +142,8 @@ class CudnnAttention(AttentionImpl):
     # Varlen (thd) goes through aten _cudnn_attention_forward with cumulative offsets; what it takes is narrower
     # than the dense path and is declared in extra_reasons (see _VARLEN_* below).
     caps: ClassVar[AttentionCaps] = AttentionCaps(
-        dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, head_dim_v_differs=True,
+        # head dims: the kernel needs multiples of 8 up to 256; others are zero-padded up to one (_run_padded).
+        dtypes=_LOW, head_dim_max=256, head_dim_v_differs=True,
         layouts=_ALL_LAYOUTS, causal_alignments=frozenset({"top_left"}), gqa=True, dropout=True, attn_mask=True,
         attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=False,
         # Measured on an H200: fp16 decode-like calls (sq 1, sk 239, d 160, batch 60) gave a different output in
@@ -172,13 +174,18 @@ class CudnnAttention(AttentionImpl):
 
     def bind(self, call: AttentionCall) -> Any:
         if (call.varlen or call.return_lse or call.dropout_p > 0 or call.attn_mask is not None
-                or call.attn_bias is not None or call.window is not None):
+                or call.attn_bias is not None or call.window is not None or _needs_padding(call)):
             return super().bind(call)
         # Plain dense calls bind the aten op itself: no call object per call (the per-call fast path and plan()).
         kernel, need_lse, causal, scale = _cudnn_sdpa, call.requires_grad, call.causal, call.scale
         return bind_dense(call, lambda q, k, v: kernel(q, k, v, None, need_lse, 0.0, causal, False, scale=scale)[0])
 
     def run(self, call: AttentionCall) -> Any:
+        if _needs_padding(call):
+            return _run_padded(self._run, call, same_v=False)
+        return self._run(call)
+
+    def _run(self, call: AttentionCall) -> Any:
         if call.varlen:
             return _cudnn_varlen(call)
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
@@ -293,7 +300,8 @@ class TorchFlashAttention(AttentionImpl):
     # alibi_slopes but torch's build raises "This flash attention build does not support alibi." (measured on
     # torch 2.11+cu130, H200).
     caps: ClassVar[AttentionCaps] = AttentionCaps(
-        dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, layouts=_ALL_LAYOUTS,
+        # head dims: multiples of 8 up to 256 in the kernel; others are zero-padded up to one (_run_padded).
+        dtypes=_LOW, head_dim_max=256, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, dropout=True,
         lse=True, backward=True, deterministic_backward=False,
     )
@@ -311,12 +319,17 @@ class TorchFlashAttention(AttentionImpl):
         return reasons
 
     def bind(self, call: AttentionCall) -> Any:
-        if call.varlen or call.window is not None or call.return_lse or call.dropout_p > 0:
+        if call.varlen or call.window is not None or call.return_lse or call.dropout_p > 0 or _needs_padding(call):
             return super().bind(call)
         kernel, causal, scale = _flash_sdpa, call.causal, call.scale
         return bind_dense(call, lambda q, k, v: kernel(q, k, v, 0.0, causal, False, scale=scale)[0])
 
     def run(self, call: AttentionCall) -> Any:
+        if _needs_padding(call):
+            return _run_padded(self._run, call, same_v=True)
+        return self._run(call)
+
+    def _run(self, call: AttentionCall) -> Any:
         if not call.varlen and call.window is None:
             q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
             res = _flash_sdpa(q, k, v, call.dropout_p, call.causal, False, scale=call.scale)
@@ -365,9 +378,10 @@ class MemEfficientAttention(AttentionImpl):
     # extra_reasons, the alignment depends on arch and dtype), d_v may differ; no GQA; dropout; an additive bias
     # with gradient. Causal is top-left natively; windows, bottom-right causal, bool masks and ALiBi are folded
     # into the additive bias (materialised, batch x heads x seqlen_q x seqlen_k at most).
-    # GQA: only where nothing depends on a query's position (no causal, window, ALiBi, mask, bias, dropout) — the
-    # query heads of a group are then stacked as extra queries of their kv head, which is exact and reads each kv
-    # head once: decode (sq 1) and MLA absorbed decode (576/512, one kv head) take this path.
+    # GQA (the kernel has none): where nothing depends on a query's position (no causal, window, ALiBi, mask, bias,
+    # dropout) the query heads of a group are stacked as extra queries of their kv head — exact, and each kv head
+    # is read once: decode (sq 1) and MLA absorbed decode (576/512, one kv head). Otherwise k/v heads are copied
+    # per query head.
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dim_v_differs=True,
         layouts=_DENSE, causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True,
@@ -394,27 +408,33 @@ class MemEfficientAttention(AttentionImpl):
         for what, d in (("head_dim", call.head_dim), ("v head_dim", call.head_dim_v)):
             if d % align:
                 reasons.append(f"{what} {d} is not a multiple of {align} ({call.dtype} on {device.arch})")
-        if call.heads_q != call.heads_kv and not _gqa_folds(call):
-            reasons.append(f"grouped-query attention ({call.heads_q} q heads over {call.heads_kv} kv heads) only "
-                           "without causal, window, ALiBi, mask, bias or dropout (the kernel has no GQA; the "
-                           "group's query heads are stacked as queries, which needs position-free scores)")
         return reasons
+
+    def __init__(self) -> None:
+        # The ALiBi bias of the last calls, prepared (shifted, rounded, aligned): building it costs more than the
+        # kernel at 4k (measured 7.9 vs 3.5 ms fwd+bwd). Keyed on the slopes tensor's identity and version — the
+        # entry holds the tensor, so its id cannot be reused while cached — and on everything else the bias reads.
+        # Two entries: each is heads x seqlen_q x seqlen_k in the input dtype (512 MiB at 16 x 4k x 4k x bf16).
+        self._alibi_cache: OrderedDict[tuple[Any, ...], tuple[Any, ...]] = OrderedDict()
 
     def run(self, call: AttentionCall) -> Any:
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
         if call.heads_q != call.heads_kv:
-            return _run_gqa_folded(call, q, k, v)
+            if _gqa_folds(call):
+                return _run_gqa_folded(call, q, k, v)
+            # Positional scores: every query head needs its kv head as a head of its own (a copy; autograd sums
+            # the copies' gradients back).
+            group = call.heads_q // call.heads_kv
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         alibi = call.alibi_slopes is not None
-        bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True,
-                                           dtype=torch.float32 if alibi else None)
         shift = None
-        if alibi:
-            # ALiBi scores reach -slope * seqlen: rounded to bf16 as they are, the visible keys' biases lose their
-            # differences (output errors of 0.3-2.6 measured, sq > sk). Softmax is invariant to a per-row constant:
-            # subtract each row's maximum in fp32, round, and add it back to the LSE.
-            shift = bias.detach().amax(dim=-1, keepdim=True)
-            shift = shift.masked_fill(shift == -math.inf, 0.0)
-            bias = (bias - shift).to(q.dtype)
+        if alibi and call.attn_mask is None and call.attn_bias is None:
+            bias, is_causal, shift = self._alibi_bias(call, q, k)
+        else:
+            bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True,
+                                               dtype=torch.float32 if alibi else None)
+            if alibi:
+                bias, shift = _shift_rows(bias, q.dtype)
         if bias is not None:
             bias = _aligned(bias, 8).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         need_lse = call.return_lse or call.requires_grad
@@ -430,6 +450,60 @@ class MemEfficientAttention(AttentionImpl):
             blind = (bias == -math.inf).all(dim=-1)
             lse = lse.masked_fill(blind, -math.inf)
         return out, lse
+
+
+    def _alibi_bias(self, call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> tuple[Any, bool, Any]:
+        slopes = call.alibi_slopes
+        assert slopes is not None
+        key = (id(slopes), slopes._version, q.shape[2], k.shape[2], call.causal, call.window,
+               call.causal_alignment, q.dtype, q.device)
+        cache = self._alibi_cache
+        hit = cache.get(key)
+        if hit is not None and hit[0] is slopes:
+            cache.move_to_end(key)
+            return hit[1], hit[2], hit[3]
+        bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True, dtype=torch.float32)
+        bias, shift = _shift_rows(bias, q.dtype)
+        cache[key] = (slopes, bias, is_causal, shift)
+        while len(cache) > 2:
+            cache.popitem(last=False)
+        return bias, is_causal, shift
+
+
+def _shift_rows(bias: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """ALiBi scores reach -slope * seqlen: rounded to bf16 as they are, the visible keys' biases lose their
+    differences (output errors of 0.3-2.6 measured, sq > sk). Softmax is invariant to a per-row constant: subtract
+    each row's maximum in fp32, round, and return the shift to add back to the LSE."""
+    shift = bias.detach().amax(dim=-1, keepdim=True)
+    shift = shift.masked_fill(shift == -math.inf, 0.0)
+    return (bias - shift).to(dtype), shift
+
+
+def _needs_padding(call: AttentionCall) -> bool:
+    return bool(call.head_dim % 8 or call.head_dim_v % 8)
+
+
+def _run_padded(run: Any, call: AttentionCall, *, same_v: bool) -> Any:
+    """Run a kernel that needs head dims in multiples of 8 on zero-padded q/k/v, then slice the output back.
+
+    Exact: zero columns add nothing to q·k (the scale stays the call's, from the original head dim) and padded v
+    columns only produce output columns that are sliced off; the LSE is unchanged. Autograd flows through the pad
+    and the slice. `same_v`: the kernel needs v's head dim equal to q/k's (FA2).
+    """
+    d, dv = -(-call.head_dim // 8) * 8, -(-call.head_dim_v // 8) * 8
+    if same_v:
+        d = dv = max(d, dv)
+    padded = call.with_tensors(_pad_last(call.q, d), _pad_last(call.k, d), _pad_last(call.v, dv))
+    padded.head_dim, padded.head_dim_v = d, dv
+    result = run(padded)
+    if call.return_lse:
+        out, lse = result
+        return out[..., : call.head_dim_v], lse
+    return result[..., : call.head_dim_v]
+
+
+def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
+    return t if t.shape[-1] == size else torch.nn.functional.pad(t, (0, size - t.shape[-1]))
 
 
 def _gqa_folds(call: AttentionCall) -> bool:
