@@ -33,9 +33,8 @@ t 60 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir "$repo" 
   -k "bf16 and (bottom_right_sq or top_left_sq)" 2>&1 | tee "$out/flex-sq-lt-sk.txt" | grep -E "Error|assert|passed|failed" | tail -8
 fi
 if [ "$phase" = sbs ]; then
-t 90 python3 "$repo/benchmarks/decode_loop.py" --budget 2 --out "$out/decode_loop.json" 2>&1 | tail -16
-t 75 python3 -m pytest -q -rfE --tb=line -p no:cacheprovider --rootdir "$repo" "$repo/tests/gpu/test_flex_gpu.py" \
-  -k "bf16 and (bottom_right_sq or top_left_sq)" 2>&1 | tee "$out/flex-sq-lt-sk.txt" | grep -E "Error|passed|failed" | tail -4
+t 100 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir "$repo" "$repo/tests/gpu/test_issue10_gpu.py" \
+  -k "padded or alibi" 2>&1 | tee "$out/gpu-tests-padding.txt" | tail -8
 t ${SBS_SECONDS:-370} python3 "$repo/benchmarks/side_by_side.py" --reps 8 --warmup 2 --out "$out/side_by_side.json" \
   2>"$out/side_by_side.log" | tail -32
 fi

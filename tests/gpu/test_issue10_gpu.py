@@ -103,3 +103,33 @@ def test_forwards_declared_deterministic_are_bitwise_repeatable(shape):
             differing[impl.id] = differ
     print(f"{shape}: bitwise repeatable {checked}; declared non-deterministic (repeats that differed): {differing}")
     assert checked
+
+
+@pytest.mark.parametrize("impl", ["nvidia.cudnn", "nvidia.flash"])
+@pytest.mark.parametrize("d", [20, 100, 130])
+def test_padded_head_dims_match_float64_forward_and_backward(impl, d):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (rand(2, 256, 8, d, gen=gen).requires_grad_() for _ in range(3))
+    out = opdispatch.attention(q, k, v, causal=False, impl=impl)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = oracle(*leaves, d ** -0.5)
+    assert out.shape == q.shape and rel(out, ref) < 1e-2
+    g = torch.randn(out.shape, generator=gen, device="cuda", dtype=torch.float32).to(out.dtype)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, leaves, g.double())):
+        assert rel(a, b) < 3e-2
+
+
+def test_alibi_gqa_training_on_mem_efficient_matches_float64():
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q = rand(2, 300, 16, 64, gen=gen).requires_grad_()
+    k, v = rand(2, 300, 4, 64, gen=gen).requires_grad_(), rand(2, 300, 4, 64, gen=gen).requires_grad_()
+    slopes = torch.tensor([2 ** -(i / 2 + 1) for i in range(16)], device="cuda")
+    kw = dict(alibi_slopes=slopes, causal_alignment="bottom_right")
+    assert opdispatch.explain(q, k, v, **kw).chosen_id == "nvidia.mem_efficient"
+    out = opdispatch.attention(q, k, v, **kw)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = oracle(*leaves, 64 ** -0.5, alibi=slopes)
+    assert rel(out, ref) < 1e-2
+    g = torch.randn(out.shape, generator=gen, device="cuda", dtype=torch.float32).to(out.dtype)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, leaves, g.double())):
+        assert rel(a, b) < 3e-2
