@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -60,6 +61,10 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["triton"] = triton.__version__
     except ImportError:
         pass
+    # The GPU machine's copy of the repo may carry a stale .git: the caller can name the commit it sent.
+    env["commit"] = os.environ.get("BENCH_COMMIT")
+    if env["commit"]:
+        return env
     try:
         env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                        cwd=Path(__file__).resolve().parent, check=False).stdout.strip() or None
