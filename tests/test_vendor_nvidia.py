@@ -432,3 +432,17 @@ def test_head_dims_off_the_kernels_grid_are_padded_exactly(monkeypatch, rng, imp
 def test_head_dim_100_reaches_cudnn_not_a_fallback(manager):
     assert chosen("h100", *qkv(d=100), causal=True).chosen_id == "nvidia.cudnn"
     assert chosen("h100", *qkv(d=100, grad=True), causal=True).chosen_id == "nvidia.cudnn"
+
+
+def test_deterministic_training_takes_mem_efficient_only_under_torchs_flag(manager):
+    q, k, v = qkv(b=2, sq=2048, hq=16, hkv=16, grad=True)
+    plain = chosen("h100", q, k, v, causal=True, deterministic=True)
+    assert plain.chosen_id == "torch.flex"
+    assert "torch.use_deterministic_algorithms(True)" in "; ".join(
+        plain.candidate("nvidia.mem_efficient").reasons)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert chosen("h100", q, k, v, causal=True).chosen_id == "nvidia.mem_efficient"
+    finally:
+        torch.use_deterministic_algorithms(previous)

@@ -133,3 +133,35 @@ def test_alibi_gqa_training_on_mem_efficient_matches_float64():
     g = torch.randn(out.shape, generator=gen, device="cuda", dtype=torch.float32).to(out.dtype)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, leaves, g.double())):
         assert rel(a, b) < 3e-2
+
+
+def test_mem_efficient_backward_is_bitwise_repeatable_under_torchs_flag():
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (rand(2, 1024, 16, 128, gen=gen).requires_grad_() for _ in range(3))
+    g = rand(2, 1024, 16, 128, gen=gen)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert opdispatch.explain(q, k, v, causal=True).chosen_id == "nvidia.mem_efficient"
+        grads = [torch.autograd.grad(opdispatch.attention(q, k, v, causal=True), (q, k, v), g)
+                 for _ in range(20)]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    differ = sum(not all(torch.equal(a, b) for a, b in zip(grads[0], other)) for other in grads[1:])
+    assert differ == 0, f"gradients differed in {differ} of 19 repeats"
+
+
+def test_flex_training_speed_in_a_fresh_process_is_printed():
+    import time
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q, k, v = (rand(2, 2048, 16, 128, gen=gen).requires_grad_() for _ in range(3))
+    for label, kw in [("causal", dict(causal=True)), ("causal deterministic", dict(causal=True, deterministic=True))]:
+        for _ in range(3):
+            opdispatch.attention(q, k, v, impl="torch.flex", **kw).sum().backward()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            opdispatch.attention(q, k, v, impl="torch.flex", **kw).sum().backward()
+        torch.cuda.synchronize()
+        print(f"torch.flex fwd+bwd {label}: {(time.perf_counter() - start) / 10 * 1e3:.3f} ms")

@@ -386,11 +386,14 @@ class MemEfficientAttention(AttentionImpl):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dim_v_differs=True,
         layouts=_DENSE, causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True,
         alibi=True, dropout=True, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, backward=True,
-        deterministic_backward=False,
+        # Deterministic only under torch.use_deterministic_algorithms(True), which the aten backward reads when it
+        # runs (it then reduces dK/dV without atomics): extra_reasons asks for that flag.
+        deterministic_backward=True,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
-        return ()  # extra_reasons reads head dims, flags, alignment and the device: no sizes
+        # No sizes; torch's global determinism flag, which extra_reasons reads for deterministic training.
+        return (call.deterministic and call.requires_grad and torch.are_deterministic_algorithms_enabled(),)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
@@ -408,6 +411,9 @@ class MemEfficientAttention(AttentionImpl):
         for what, d in (("head_dim", call.head_dim), ("v head_dim", call.head_dim_v)):
             if d % align:
                 reasons.append(f"{what} {d} is not a multiple of {align} ({call.dtype} on {device.arch})")
+        if call.deterministic and call.requires_grad and not torch.are_deterministic_algorithms_enabled():
+            reasons.append("deterministic=True training: its backward is deterministic only under "
+                           "torch.use_deterministic_algorithms(True) (read when the backward runs); set it")
         return reasons
 
     def __init__(self) -> None:
