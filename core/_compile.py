@@ -95,12 +95,12 @@ def _representative(known: dict[str, int], symbolic: tuple[str, ...],
 
     Candidates are 0 to 3 and each threshold +-1: enough to reach every region the atoms cut out.
     """
-    candidates: dict[str, set[int]] = {f: {0, 1, 2, 3} for f in symbolic}
-    for (field, _op, n), _ in outcomes:
-        if field in candidates and isinstance(n, int):
-            candidates[field].update(x for x in (n - 1, n, n + 1) if x >= 0)
-    for field in symbolic:  # an equality with a known field
-        candidates[field].update(v for v in known.values() if v >= 0)
+    # One pool for every field: a field tied to another (seqlen_q == seqlen_k) must reach the other's thresholds.
+    pool = {0, 1, 2, 3} | {v for v in known.values() if v >= 0}
+    for (_field, _op, n), _ in outcomes:
+        if isinstance(n, int):
+            pool.update(x for x in (n - 1, n, n + 1) if x >= 0)
+    candidates = {f: pool for f in symbolic}
 
     def holds(sizes: dict[str, int]) -> bool:
         for (field, op, n), outcome in outcomes:

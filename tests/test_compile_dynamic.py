@@ -1,14 +1,27 @@
-"""torch.compile through changing shapes: no error, no graph break, outputs equal to eager, few recompiles."""
+"""torch.compile through changing shapes, scopes and overrides.
+
+Fullgraph compiles survive new batch sizes and sequence lengths with no error and no graph break, outputs equal a
+float64 oracle, and recompiles happen only when the decision class changes; `opdispatch.scope()` and
+`policy_override()` are honoured whether entered outside the compiled function, inside it, or changed between
+calls.
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import opdispatch
+from opdispatch import AttentionCaps, AttentionImpl
+from opdispatch import _compile
 
 from .conftest import TOLERANCES, randn
+from .test_numerics import naive_attention
+
+DYNAMICS = pytest.mark.parametrize("dynamic", [None, True, False], ids=["auto", "dynamic", "static"])
 
 
 @pytest.fixture(autouse=True)
@@ -19,15 +32,172 @@ def _fresh_dynamo(basic_manager: opdispatch.OpManager):
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The implementation ids the compiled op's kernels ran, in order (forward and backward)."""
+    seen: list[str] = []
+    original = _compile._impl
+
+    def spy(impl_id):
+        seen.append(impl_id)
+        return original(impl_id)
+
+    monkeypatch.setattr(_compile, "_impl", spy)
+    return seen
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def _breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def oracle(q, k, v, causal=False):
+    """float64 attention of bshd tensors, independent of every implementation."""
+    out, _ = naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=q.shape[-1] ** -0.5,
+                             causal=causal)
+    return out.transpose(1, 2)
+
+
+def _check(got, q, k, v, causal=False):
+    torch.testing.assert_close(got.double(), oracle(q, k, v, causal=causal), atol=2e-5, rtol=2e-5)
+
+
 def _attend(q, k, v):
     return opdispatch.attention(q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("dynamic", [None, True, False], ids=["auto", "dynamic", "static"])
-def test_fullgraph_through_changing_seqlens_and_batches(dynamic):
+# (batch, seqlen). Heads (4, 2) and the head dim (16) are specialised; with dynamic=True Dynamo gives equal sizes
+# one symbol (duck sizing), so a first call whose batch or length equals one of them would specialise that too
+# (one extra graph): the first shape avoids them.
+SHAPES = [(3, 8), (5, 12), (2, 20), (4, 33), (3, 40), (5, 64), (2, 9)]
+
+
+def _qkv(batch, seqlen, gen, heads=4, kv_heads=2, seqlen_q=None):
+    q = randn(batch, seqlen_q or seqlen, heads, 16, gen=gen)
+    # k/v as strided views of a wider buffer: the op must not assume contiguity
+    kv = randn(batch, seqlen, 2, kv_heads, 16, gen=gen)
+    return q, kv[:, :, 0], kv[:, :, 1]
+
+
+@DYNAMICS
+def test_fullgraph_through_changing_seqlens_and_batches(dynamic, ran):
     fn = torch.compile(_attend, backend="eager", fullgraph=True, dynamic=dynamic)
     gen = torch.Generator().manual_seed(0)
-    for batch, seqlen in [(1, 8), (2, 12), (3, 20), (2, 33), (4, 7), (1, 64)]:
-        q, k, v = (randn(batch, seqlen, 4, 16, gen=gen) for _ in range(3))
-        torch.testing.assert_close(fn(q, k, v), _attend(q, k, v), **TOLERANCES[torch.float32])
-    assert sum(counters["graph_break"].values()) == 0
+    shapes = SHAPES + ([(1, 5), (5, 1)] if dynamic is not False else [])  # static: within the recompile limit
+    for batch, seqlen in shapes:
+        q, k, v = _qkv(batch, seqlen, gen)
+        _check(fn(q, k, v), q, k, v, causal=True)
+    assert _breaks() == 0
+    assert set(ran) == {"cpu.flash"}
+    # No size threshold in the basic policy: auto = the first static graph, one dynamic graph, and one each for
+    # batch 1 and length 1 (Dynamo specialises 0 and 1); dynamic = the last three; static = one per shape.
+    assert _graphs() == {None: 4, True: 3, False: len(SHAPES)}[dynamic]
+
+
+def test_module_and_explain_report_no_graph_break():
+    attn = opdispatch.Attention(causal=True)
+    gen = torch.Generator().manual_seed(1)
+    fn = torch.compile(attn, backend="eager", fullgraph=True, dynamic=True)
+    for batch, seqlen in SHAPES:
+        q, k, v = _qkv(batch, seqlen, gen)
+        _check(fn(q, k, v), q, k, v, causal=True)
+    report = torch._dynamo.explain(_attend)(*_qkv(2, 24, gen))
+    assert report.graph_break_count == 0 and report.graph_count == 1
+
+
+def _threshold_policy(manager, tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text("version: 1\nops:\n  attention:\n    rules:\n"
+                    "      - name: long-kv-to-reference\n        when: {seqlen_k: '>=32'}\n"
+                    "        prefer: [reference.math]\n")
+    manager.set_policy(path)
+
+
+@DYNAMICS
+def test_recompiles_only_when_the_decision_class_changes(dynamic, basic_manager, tmp_path, ran):
+    _threshold_policy(basic_manager, tmp_path)
+    fn = torch.compile(_attend, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    gen = torch.Generator().manual_seed(2)
+    for batch, seqlen in SHAPES:
+        q, k, v = _qkv(batch, seqlen, gen)
+        _check(fn(q, k, v), q, k, v, causal=True)
+    assert ran == ["reference.math" if s >= 32 else "cpu.flash" for _, s in SHAPES]
+    assert _breaks() == 0
+    # auto: a static graph for the first shape, then one dynamic graph per side of seqlen_k >= 32;
+    # dynamic: one per side; static: one per shape.
+    assert _graphs() == {None: 3, True: 2, False: len(SHAPES)}[dynamic]
+
+
+class _ShortOnly(AttentionImpl):
+    """A test kernel limited to short sequences by data (caps.max_seqlen), computing in float64."""
+
+    vendor: ClassVar[str] = "test"
+    name: ClassVar[str] = "short"
+    priority: ClassVar[int] = 1000
+    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, max_seqlen=20,
+                                                  backward=True)
+
+    def run(self, call):
+        q, k, v = (call.bhsd(t).double() for t in (call.q, call.k, call.v))
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+        p = torch.softmax(q @ k.transpose(-1, -2) * call.scale, -1)
+        return call.from_bhsd((p @ v).to(call.dtype))
+
+
+class _EvenKeysOnly(_ShortOnly):
+    """Extra limits written as code that reads sizes, with no selection_key: the graph cannot guard them."""
+
+    name: ClassVar[str] = "even"
+    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, backward=True)
+
+    def extra_reasons(self, call, device):
+        return [] if call.seqlen_k % 2 == 0 else [f"seqlen_k {call.seqlen_k} is odd"]
+
+
+def _prefer_test_impls(manager, tmp_path):
+    path = tmp_path / "order.yaml"
+    path.write_text("version: 1\nops:\n  attention:\n    order: ['test.*', cpu.flash, reference.math]\n")
+    manager.set_policy(path)
+
+
+def test_caps_max_seqlen_is_a_guarded_predicate(basic_manager, tmp_path, ran):
+    basic_manager.register_impl(_ShortOnly())
+    _prefer_test_impls(basic_manager, tmp_path)
+    fn = torch.compile(lambda q, k, v: opdispatch.attention(q, k, v), backend="aot_eager", fullgraph=True,
+                       dynamic=True)
+    gen = torch.Generator().manual_seed(3)
+    lengths = (5, 12, 20, 21, 40, 6)
+    for s in lengths:
+        q, k, v = _qkv(3, s, gen)
+        _check(fn(q, k, v), q, k, v)
+    assert ran == ["test.short" if s <= 20 else "cpu.flash" for s in lengths]
+    assert _graphs() == 2 and _breaks() == 0
+
+
+def test_size_checks_the_graph_cannot_guard_are_rechecked_per_call(basic_manager, tmp_path, ran):
+    basic_manager.register_impl(_EvenKeysOnly())
+    _prefer_test_impls(basic_manager, tmp_path)
+    fn = torch.compile(lambda q, k, v: opdispatch.attention(q, k, v), backend="aot_eager", fullgraph=True,
+                       dynamic=True)
+    gen = torch.Generator().manual_seed(4)
+    lengths = (6, 5, 8, 7, 10)
+    for s in lengths:
+        q, k, v = _qkv(3, s, gen)
+        _check(fn(q, k, v), q, k, v)
+    assert ran == ["test.even" if s % 2 == 0 else "cpu.flash" for s in lengths]
+    assert _graphs() == 1
+
+
+def test_decode_shapes_with_dynamic_cache_length(ran):
+    """One query against a growing cache, bottom-right causal (canonicalised to non-causal for one query)."""
+    fn = torch.compile(lambda q, k, v: opdispatch.attention(q, k, v, causal=True, causal_alignment="bottom_right"),
+                       backend="eager", fullgraph=True, dynamic=None)
+    gen = torch.Generator().manual_seed(5)
+    for length in (8, 9, 17, 30):
+        q, k, v = _qkv(2, length, gen, seqlen_q=1)
+        _check(fn(q, k, v), q, k, v)  # one query at the bottom right sees every key
+    assert _graphs() <= 2 and _breaks() == 0
