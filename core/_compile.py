@@ -132,8 +132,9 @@ def _meta(key: tuple[Any, ...] | None, sizes: dict[str, int]) -> Tensor | None:
 class _TraceContext(NamedTuple):
     """What a trace decided under, beyond sizes: the kernel re-decides when the running context differs."""
 
-    overrides: Any
+    overrides: Any  # OVERRIDES and MODULE around the compiled function when it was traced
     module: Optional[str]
+    inner: tuple[Any, ...]  # scope()/policy_override() entered inside the traced function (see _inner_scopes)
     requires_grad: bool
     impl: Optional[str]
     recheck: bool  # the decision may depend on sizes beyond the guarded predicates: re-check every call
@@ -154,8 +155,8 @@ def _token(context: _TraceContext) -> int:
 
 @torch.compiler.assume_constant_result
 def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad_enabled: bool,
-                       impl: Optional[str], epoch: int = 0,
-                       sizes: tuple[Any, ...] = ((), (), ())) -> tuple[str, int]:
+                       impl: Optional[str], epoch: int = 0, sizes: tuple[Any, ...] = ((), (), ()),
+                       inner: tuple[Any, ...] = ()) -> tuple[str, int]:
     """(implementation id, context token) for this call; run once per trace (the result is a graph constant).
 
     `tensors` holds (shape recipe, dtype, device, requires_grad) of q, k, v, alibi_slopes, attn_mask, attn_bias,
@@ -163,8 +164,9 @@ def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any],
     entries are ints or the name of a size field. `sizes` is (known field sizes, symbolic fields, predicate
     outcomes): symbolic fields take representative values that reproduce every outcome, so the decision is a
     function of exactly what Dynamo guards on. `options` are the remaining keyword arguments as sorted
-    (name, value) pairs. The call is rebuilt on the meta device (nothing is computed), validated like any call
-    in the active scope, and resolved for the tensors' real device under the active overrides.
+    (name, value) pairs. `inner` are the scopes and overrides entered inside the traced function, outermost
+    first. The call is rebuilt on the meta device (nothing is computed), validated like any call in the active
+    scope, and resolved for the tensors' real device under the active overrides.
     """
     import opdispatch
 
@@ -181,29 +183,40 @@ def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any],
     if symbolic and kwargs.get("layout") == "thd":
         kwargs["max_seqlen_q"], kwargs["max_seqlen_k"] = values["seqlen_q"], values["seqlen_k"]
     q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
-    module = MODULE.get()
-    with torch.set_grad_enabled(grad_enabled):
-        call = opdispatch.validate_attention(q, k, v, check_values=False, module=module, **kwargs)
+    outer = (OVERRIDES.get(), MODULE.get())
+    with torch.set_grad_enabled(grad_enabled), _entered(inner):
+        call = opdispatch.validate_attention(q, k, v, check_values=False, module=MODULE.get(), **kwargs)
         manager = opdispatch.get_manager()
         device = manager.device_info(torch.device(tensors[0][2]))
         decision = manager.resolve(_OP, call, device=device, impl=impl)
     assert decision.chosen_id is not None
     _unused, unlisted = size_predicates(tensors[0][2], epoch)
-    context = _TraceContext(OVERRIDES.get(), module, bool(call.requires_grad), impl, unlisted)
+    context = _TraceContext(outer[0], outer[1], tuple(inner), bool(call.requires_grad), impl, unlisted)
     return decision.chosen_id, _token(context)
+
+
+@contextlib.contextmanager
+def _entered(inner: tuple[Any, ...]) -> Iterator[None]:
+    """Enter, for real, the scopes and overrides a traced function entered (recorded by `_inner_scopes`)."""
+    from .policies._overrides import policy_override, scope
+
+    with contextlib.ExitStack() as stack:
+        for kind, args in inner:
+            stack.enter_context(scope(args) if kind == "scope" else policy_override(**dict(args)))
+        yield
 
 
 def _runtime_choice(token: int, impl_id: str, call: Any) -> str:
     """The implementation for this run: the traced one, unless the overrides or scope now active differ from
     the trace's (or the decision may read more of the sizes than the graph guards); then decide again."""
     context = _CONTEXTS[token]
-    overrides, module = OVERRIDES.get(), MODULE.get()
-    if context.recheck or overrides != context.overrides or module != context.module:
+    if context.recheck or OVERRIDES.get() != context.overrides or MODULE.get() != context.module:
         import opdispatch
 
-        call.module = module
-        call.requires_grad = context.requires_grad  # compiled forwards run without autograd; the trace knew
-        impl_id = opdispatch.get_manager().resolve(_OP, call, impl=context.impl).chosen_id
+        with _entered(context.inner):
+            call.module = MODULE.get()
+            call.requires_grad = context.requires_grad  # compiled forwards run without autograd; the trace knew
+            impl_id = opdispatch.get_manager().resolve(_OP, call, impl=context.impl).chosen_id
     _LAST_CHOICE[token] = impl_id
     return impl_id
 
@@ -402,6 +415,44 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple[A
 compiled_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
+# -- scope() and policy_override() inside a traced function --------------------------------------------------
+
+# Dynamo cannot trace ContextVar.set, so while it traces, `scope` and `policy_override` are replaced by versions
+# that record their arguments here (a plain list Dynamo tracks); each attention call passes the record to the
+# decision, which enters the real context managers around it. Outside tracing the originals run unchanged.
+_inner_scopes: list[tuple[str, Any]] = []
+
+
+def _install_traced_scopes() -> None:
+    from .policies import _overrides
+
+    @torch._dynamo.substitute_in_graph(_overrides.scope)  # type: ignore[misc]
+    @contextlib.contextmanager
+    def scope(module: str) -> Iterator[str]:
+        if not isinstance(module, str) or not module:
+            raise ValueError(f"scope(module={module!r}): give a non-empty dotted module name")
+        _inner_scopes.append(("scope", module))
+        try:
+            yield module
+        finally:
+            _inner_scopes.pop()
+
+    @torch._dynamo.substitute_in_graph(_overrides.policy_override)  # type: ignore[misc]
+    @contextlib.contextmanager
+    def policy_override(*, prefer: Any = None, deny: Any = None, require: Any = None, pin: Any = None,
+                        op: Any = None) -> Iterator[None]:
+        args = tuple((name, tuple(value) if isinstance(value, list) else value) for name, value in (
+            ("prefer", prefer), ("deny", deny), ("require", require), ("pin", pin), ("op", op)))
+        _inner_scopes.append(("override", args))
+        try:
+            yield None  # the Override object exists only when the decision enters the real override
+        finally:
+            _inner_scopes.pop()
+
+
+_install_traced_scopes()
+
+
 # -- the entry point ---------------------------------------------------------------------------------------
 
 # Where batch and sequence sit in each dense layout; every other dim (heads, head dim) is specialised.
@@ -556,7 +607,8 @@ def attention_for_compile(
                ("max_seqlen_q", None if symbolic_max else static_max_q), ("return_lse", return_lse),
                ("scale", _float_class(scale)), ("softcap", _float_class(softcap)),
                ("window", None if window is None else tuple(window)))
-    impl_id, token = decide_for_compile(keys, options, grad_enabled, impl, DECISION_EPOCH, sizes)
+    impl_id, token = decide_for_compile(keys, options, grad_enabled, impl, DECISION_EPOCH, sizes,
+                                        tuple(_inner_scopes))
     head_dim = _static(q.shape[-1])
     if window is None:
         left, right = -1, -1

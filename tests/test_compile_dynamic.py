@@ -201,3 +201,124 @@ def test_decode_shapes_with_dynamic_cache_length(ran):
         q, k, v = _qkv(2, length, gen, seqlen_q=1)
         _check(fn(q, k, v), q, k, v)  # one query at the bottom right sees every key
     assert _graphs() <= 2 and _breaks() == 0
+
+
+# -- scopes and overrides ------------------------------------------------------------------------------------
+
+
+class _Recording(_ShortOnly):
+    """A float64 test kernel that only a scoped policy rule picks; records every call it computes."""
+
+    name: ClassVar[str] = "record"
+    priority: ClassVar[int] = -1000
+    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, causal=True,
+                                                  backward=True)
+    calls: ClassVar[list[tuple[int, ...]]] = []
+
+    def run(self, call):
+        _Recording.calls.append(tuple(call.q.shape))
+        q, k, v = (call.bhsd(t).double() for t in (call.q, call.k, call.v))
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+        scores = q @ k.transpose(-1, -2) * call.scale
+        if call.causal:
+            n, m = scores.shape[-2:]
+            scores = scores.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
+        return call.from_bhsd((torch.softmax(scores, -1) @ v).to(call.dtype))
+
+
+@pytest.fixture
+def scoped(basic_manager, tmp_path):
+    """A policy sending module 'model.attn*' to test.record; everything else keeps the default order."""
+    basic_manager.register_impl(_Recording())
+    path = tmp_path / "scoped.yaml"
+    path.write_text("version: 1\nops:\n  attention:\n    rules:\n"
+                    "      - name: attn-to-record\n        when: {module: 'model.attn*'}\n"
+                    "        prefer: [test.record]\n")
+    basic_manager.set_policy(path)
+    _Recording.calls.clear()
+    return basic_manager
+
+
+@pytest.mark.parametrize("trace_in_scope", [False, True], ids=["traced-outside", "traced-inside"])
+def test_scope_entered_outside_the_compiled_fn_is_honoured_per_call(scoped, ran, trace_in_scope):
+    fn = torch.compile(_attend, backend="aot_eager", fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(6)
+    expected = []
+    for i, (batch, seqlen) in enumerate(SHAPES[:4]):
+        q, k, v = _qkv(batch, seqlen, gen)
+        in_scope = (i % 2 == 0) == trace_in_scope
+        if in_scope:
+            with opdispatch.scope("model.attn.0"):
+                out = fn(q, k, v)
+        else:
+            out = fn(q, k, v)
+        _check(out, q, k, v, causal=True)
+        expected.append("test.record" if in_scope else "cpu.flash")
+    assert ran == expected
+    assert len(_Recording.calls) == expected.count("test.record")
+    assert _graphs() == 1 and _breaks() == 0  # a scope change re-decides in the kernel, never re-traces
+
+
+def test_policy_override_outside_the_compiled_fn_is_honoured_per_call(basic_manager, ran):
+    fn = torch.compile(_attend, backend="aot_eager", fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = _qkv(3, 10, gen)
+    _check(fn(q, k, v), q, k, v, causal=True)
+    with opdispatch.policy_override(pin="reference.math"):
+        _check(fn(q, k, v), q, k, v, causal=True)
+    _check(fn(q, k, v), q, k, v, causal=True)
+    assert ran == ["cpu.flash", "reference.math", "cpu.flash"]
+    assert _graphs() == 1
+
+
+def test_scope_and_override_entered_inside_the_compiled_fn(scoped, ran):
+    def layer(q, k, v):
+        with opdispatch.scope("model.attn.3"):
+            a = opdispatch.attention(q, k, v, causal=True)
+        with opdispatch.policy_override(pin="reference.math"):
+            b = opdispatch.attention(q, k, v, causal=True)
+        return a, b, opdispatch.attention(q, k, v, causal=True)
+
+    fn = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(8)
+    for batch, seqlen in SHAPES[:3]:
+        q, k, v = _qkv(batch, seqlen, gen)
+        for out in fn(q, k, v):
+            _check(out, q, k, v, causal=True)
+    assert ran == ["test.record", "reference.math", "cpu.flash"] * 3
+    # An override entered outside, between calls, stacks under the ones inside: its pin takes all three calls.
+    ran.clear()
+    with opdispatch.policy_override(pin="reference.math"):
+        for out in fn(q, k, v):
+            _check(out, q, k, v, causal=True)
+    assert ran == ["reference.math"] * 3
+    ran.clear()
+    with opdispatch.scope("model.attn.9"):  # an outer scope: the inner one still names the first call
+        fn(q, k, v)
+    assert ran == ["test.record", "reference.math", "test.record"]
+    assert _breaks() == 0 and _graphs() == 1
+
+
+def test_backward_recomputes_what_the_scoped_forward_ran(scoped, ran):
+    model = torch.nn.Linear(16, 16).double()
+    gen = torch.Generator().manual_seed(9)
+
+    def step(x):
+        y = model(x).float().view(3, 10, 4, 16)
+        return opdispatch.attention(y, y[:, :, :2], y[:, :, 2:], causal=True)
+
+    fn = torch.compile(step, backend="aot_eager", fullgraph=True)
+    x = randn(3, 10, 4, 16, gen=gen, dtype=torch.float64).view(3, 10, 64 // 16 * 16 // 16, 16)
+    x = x.reshape(3 * 10 * 4, 16)
+    with opdispatch.scope("model.attn.1"):
+        loss = fn(x).square().sum()
+    ran.clear()
+    loss.backward()  # outside the scope: the backward must still recompute test.record
+    assert ran == ["test.record"]
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with opdispatch.scope("model.attn.1"):
+        step(x).square().sum().backward()  # eager, same scope
+    for g, e in zip(got, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(g, e, **TOLERANCES[torch.float32])
