@@ -1,19 +1,45 @@
 """torch.compile support: attention as one opaque custom op whose implementation is chosen at trace time.
 
 Under ``torch.compile`` the decision cannot be made per call: the graph would break on the manager's Python.
-Instead `attention_for_compile` reduces the call to plain constants (shapes, dtypes, flags), asks the manager
-once while Dynamo traces (`torch.compiler.assume_constant_result`), and emits ``opdispatch::attention`` with
-the chosen implementation id baked into the graph as a string constant. The op has a fake (meta) kernel for
-every layout and an autograd formula whose backward is a second opaque op, ``opdispatch::attention_backward``,
-that recomputes the chosen implementation's forward under autograd — so every implementation that declares
+Instead `attention_for_compile` reduces the call to plain constants, asks the manager once while Dynamo traces
+(`torch.compiler.assume_constant_result`), and emits ``opdispatch::attention`` with the chosen implementation id
+baked into the graph as a string constant. The op has a fake (meta) kernel for every layout (symbolic sizes
+welcome) and an autograd formula whose backward is a second opaque op, ``opdispatch::attention_backward``, that
+recomputes the forward's implementation under autograd — so every implementation that declares
 ``backward=True`` works, with no per-implementation backward code.
+
+What is guarded, and when it recompiles. Batch and sequence lengths may be dynamic (``dynamic=None`` makes them
+so on the second shape, ``dynamic=True`` at once). A decision depends on them only through a few predicates
+(`size_predicates`, read from `opdispatch._classes.DecisionClasses` once per trace): the policy rules'
+thresholds on batch/seqlen_q/seqlen_k, each candidate's ``caps.max_seqlen``, ``seqlen_q == seqlen_k``, and
+``== 0`` / ``== 1``. Each is evaluated on the (possibly symbolic) sizes as a Python branch, so Dynamo guards on
+exactly that predicate; the decision then runs on meta tensors of representative sizes that give every
+predicate the same outcome (`_representative`). A compiled graph is therefore reused across all sizes of one
+decision class and re-traced only when a predicate flips (e.g. seqlen_k crosses a policy's ``'>=4096'``). Head
+counts, head dims, dtypes, devices, flags and mask/bias broadcast patterns are specialised (a new value
+recompiles). With ``dynamic=True``, Dynamo gives equal sizes one symbol, so a batch or length equal to a head
+count or head dim on the first call is specialised with it (one extra graph when it changes). Where a decision
+may read sizes in ways no predicate lists (an autotune table, an implementation's own `selection_key`/
+`extra_reasons`), the kernel re-checks the decision on every call (a cached lookup) instead of guarding.
+`invalidate_compiled_decisions` (called on policy and plugin changes) makes every graph re-trace.
+
+How scopes and overrides are honoured. The decision records the `scope()` module and the `policy_override()`
+stack active when the graph was traced, as a context token (a small int constant in the graph). The op's
+kernel runs eagerly on every call: when the overrides or module active then differ from the token's, it decides
+again for the current context (outputs never depend on which implementation runs, so the graph stays valid),
+with no re-trace. `scope()`/`policy_override()` entered *inside* a traced function are replaced while Dynamo
+traces (`substitute_in_graph`) by stand-ins that record their arguments; the decision and the kernel enter the
+real context managers around the call, stacked over the caller's context. The backward recomputes the
+implementation the latest forward of the same token ran (it may run outside the scope): two forwards of one
+graph under different contexts, both before their backwards, recompute with the latter's implementation (the
+same function; gradients agree within the implementations' tolerance).
 
 In eager mode nothing here is on the hot path: a custom op costs ~16 µs per call, so eager calls go straight
 to the implementation. `attention_for_compile` still works eagerly (tests compare it with eager attention).
 
 Limits: dropout with autograd is refused (recomputing the forward would draw a different dropout mask); a
 ``thd`` call needs ``max_seqlen_q``/``max_seqlen_k`` (reading ``cu_seqlens`` would be a data-dependent host
-sync); shapes are specialised (a dynamic dimension is made static by the trace-time decision).
+sync); the backward recomputes the forward (no residuals are saved).
 """
 
 from __future__ import annotations
