@@ -322,3 +322,46 @@ def test_backward_recomputes_what_the_scoped_forward_ran(scoped, ran):
         step(x).square().sum().backward()  # eager, same scope
     for g, e in zip(got, (p.grad for p in model.parameters())):
         torch.testing.assert_close(g, e, **TOLERANCES[torch.float32])
+
+
+# -- optional tensors and packed sequences under changing sizes ------------------------------------------------
+
+
+def test_broadcast_bias_and_mask_follow_the_dynamic_lengths(ran):
+    def fn(q, k, v, bias, mask):
+        return opdispatch.attention(q, k, v, attn_bias=bias, attn_mask=mask)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=None)
+    gen = torch.Generator().manual_seed(10)
+    for batch, seqlen in SHAPES[:4]:
+        q, k, v = _qkv(batch, seqlen, gen)
+        bias = randn(1, 4, seqlen, seqlen, gen=gen)  # per-head bias, broadcast over the batch
+        mask = torch.rand(batch, 1, 1, seqlen, generator=gen) > 0.3  # key padding, broadcast over heads/queries
+        mask[..., 0] = True
+        expected = opdispatch.attention(q, k, v, attn_bias=bias, attn_mask=mask, impl="reference.math")
+        ref, _ = naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=0.25,
+                                 bias=bias, mask=mask)
+        got = compiled(q, k, v, bias, mask)
+        torch.testing.assert_close(got.double(), ref.transpose(1, 2), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got, expected, **TOLERANCES[torch.float32])
+    assert _breaks() == 0 and _graphs() == 2  # the first static graph, then one dynamic
+
+
+def test_packed_sequences_with_changing_token_counts(ran):
+    def fn(q, k, v, cu, max_len):
+        return opdispatch.attention(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                    max_seqlen_k=max_len, causal=True)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=None)
+    gen = torch.Generator().manual_seed(11)
+    for lengths in ([3, 5], [7, 2, 6], [9, 4, 4, 3], [5, 11, 2]):
+        total = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        q = randn(total, 4, 16, gen=gen)
+        kv = randn(total, 2, 2, 16, gen=gen)
+        k, v = kv[:, 0], kv[:, 1]
+        got = compiled(q, k, v, cu, max(lengths))
+        for i, n in enumerate(lengths):  # each sequence against the float64 oracle on its own
+            s = slice(int(cu[i]), int(cu[i + 1]))
+            _check(got[s].unsqueeze(0), q[s].unsqueeze(0), k[s].unsqueeze(0), v[s].unsqueeze(0), causal=True)
+    assert _breaks() == 0 and _graphs() == 2  # the first static graph, then one dynamic
