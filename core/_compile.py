@@ -632,7 +632,9 @@ def attention_for_compile(
                ("max_seqlen_k", None if symbolic_max else static_max_k),
                ("max_seqlen_q", None if symbolic_max else static_max_q), ("return_lse", return_lse),
                ("scale", _float_class(scale)), ("softcap", _float_class(softcap)),
-               ("window", None if window is None else tuple(window)))
+               # the window is exact in every decision class: a symbolic bound is specialised
+               ("window", tuple(_static(w) if isinstance(w, int) and not isinstance(w, bool) else w for w in window)
+                if isinstance(window, (tuple, list)) else window))
     impl_id, token = decide_for_compile(keys, options, grad_enabled, impl, DECISION_EPOCH, sizes,
                                         tuple(_inner_scopes))
     head_dim = _static(q.shape[-1])

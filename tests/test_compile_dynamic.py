@@ -365,3 +365,28 @@ def test_packed_sequences_with_changing_token_counts(ran):
             s = slice(int(cu[i]), int(cu[i + 1]))
             _check(got[s].unsqueeze(0), q[s].unsqueeze(0), k[s].unsqueeze(0), v[s].unsqueeze(0), causal=True)
     assert _breaks() == 0 and _graphs() == 2  # the first static graph, then one dynamic
+
+
+def test_float_and_window_arguments_that_change_between_calls(ran):
+    def fn(q, k, v, scale, left):
+        return opdispatch.attention(q, k, v, scale=scale, window=(left, 0), causal=True, softcap=30.0)
+
+    compiled = torch.compile(fn, backend="eager", fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(12)
+    for (batch, seqlen), scale, left in zip(SHAPES[:4], (0.3, 0.2, 0.25, 0.3), (3, 5, 7, 3)):
+        q, k, v = _qkv(batch, seqlen, gen)
+        expected = opdispatch.attention(q, k, v, scale=scale, window=(left, 0), causal=True, softcap=30.0,
+                                        impl="reference.math")
+        bhsd = [t.transpose(1, 2) for t in (q, k, v)]
+        ref, _ = naive_attention(*bhsd, scale=scale, causal=True, window=(left, 0), softcap=30.0)
+        got = compiled(q, k, v, scale, left)
+        torch.testing.assert_close(got.double(), ref.transpose(1, 2), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got, expected, **TOLERANCES[torch.float32])
+    assert _breaks() == 0
+
+
+def test_invalid_window_is_reported_while_tracing():
+    fn = torch.compile(lambda q: opdispatch.attention(q, q, q, window=(1.5, 0)), backend="eager", fullgraph=True,
+                       dynamic=True)
+    with pytest.raises(Exception, match="window"):
+        fn(randn(3, 8, 4, 16))
