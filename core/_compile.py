@@ -27,9 +27,10 @@ How scopes and overrides are honoured. The decision records the `scope()` module
 stack active when the graph was traced, as a context token (a small int constant in the graph). The op's
 kernel runs eagerly on every call: when the overrides or module active then differ from the token's, it decides
 again for the current context (outputs never depend on which implementation runs, so the graph stays valid),
-with no re-trace. `scope()`/`policy_override()` entered *inside* a traced function are replaced while Dynamo
-traces (`substitute_in_graph`) by stand-ins that record their arguments; the decision and the kernel enter the
-real context managers around the call, stacked over the caller's context. The backward recomputes the
+with no re-trace. `scope()`/`policy_override()` entered *inside* a traced function defer, while Dynamo traces
+(Dynamo cannot trace ``ContextVar.set``), to stand-ins that record their arguments (`traced_scope`,
+`traced_policy_override`); the decision and the kernel enter the real context managers around each call,
+stacked over the caller's context. The backward recomputes the
 implementation the latest forward of the same token ran (it may run outside the scope): two forwards of one
 graph under different contexts, both before their backwards, recompute with the latter's implementation (the
 same function; gradients agree within the implementations' tolerance).
@@ -443,40 +444,34 @@ compiled_attention.register_autograd(_backward, setup_context=_setup_context)
 
 # -- scope() and policy_override() inside a traced function --------------------------------------------------
 
-# Dynamo cannot trace ContextVar.set, so while it traces, `scope` and `policy_override` are replaced by versions
-# that record their arguments here (a plain list Dynamo tracks); each attention call passes the record to the
-# decision, which enters the real context managers around it. Outside tracing the originals run unchanged.
+# Dynamo cannot trace ContextVar.set, so while it traces, `scope` and `policy_override` (policies/_overrides.py)
+# defer to these stand-ins, which record their arguments here (a plain list Dynamo tracks); each attention call
+# passes the record to the decision, which enters the real context managers around it (`_entered`).
 _inner_scopes: list[tuple[str, Any]] = []
 
 
-def _install_traced_scopes() -> None:
-    from .policies import _overrides
-
-    @torch._dynamo.substitute_in_graph(_overrides.scope)  # type: ignore[misc]
-    @contextlib.contextmanager
-    def scope(module: str) -> Iterator[str]:
-        if not isinstance(module, str) or not module:
-            raise ValueError(f"scope(module={module!r}): give a non-empty dotted module name")
-        _inner_scopes.append(("scope", module))
-        try:
-            yield module
-        finally:
-            _inner_scopes.pop()
-
-    @torch._dynamo.substitute_in_graph(_overrides.policy_override)  # type: ignore[misc]
-    @contextlib.contextmanager
-    def policy_override(*, prefer: Any = None, deny: Any = None, require: Any = None, pin: Any = None,
-                        op: Any = None) -> Iterator[None]:
-        args = tuple((name, tuple(value) if isinstance(value, list) else value) for name, value in (
-            ("prefer", prefer), ("deny", deny), ("require", require), ("pin", pin), ("op", op)))
-        _inner_scopes.append(("override", args))
-        try:
-            yield None  # the Override object exists only when the decision enters the real override
-        finally:
-            _inner_scopes.pop()
+@contextlib.contextmanager
+def traced_scope(module: str) -> Iterator[str]:
+    """`opdispatch.scope` while Dynamo traces: recorded for the attention calls traced inside it."""
+    _inner_scopes.append(("scope", module))
+    try:
+        yield module
+    finally:
+        _inner_scopes.pop()
 
 
-_install_traced_scopes()
+@contextlib.contextmanager
+def traced_policy_override(*, prefer: Any = None, deny: Any = None, require: Any = None, pin: Any = None,
+                           op: Any = None) -> Iterator[None]:
+    """`opdispatch.policy_override` while Dynamo traces: recorded for the attention calls traced inside it. Its
+    arguments are checked when a decision enters the real override; the ``as`` target is None here."""
+    args = tuple((name, tuple(value) if isinstance(value, list) else value) for name, value in (
+        ("prefer", prefer), ("deny", deny), ("require", require), ("pin", pin), ("op", op)))
+    _inner_scopes.append(("override", args))
+    try:
+        yield None
+    finally:
+        _inner_scopes.pop()
 
 
 # -- the entry point ---------------------------------------------------------------------------------------

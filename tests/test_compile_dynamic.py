@@ -388,5 +388,36 @@ def test_float_and_window_arguments_that_change_between_calls(ran):
 def test_invalid_window_is_reported_while_tracing():
     fn = torch.compile(lambda q: opdispatch.attention(q, q, q, window=(1.5, 0)), backend="eager", fullgraph=True,
                        dynamic=True)
-    with pytest.raises(Exception, match="window"):
+    with pytest.raises(Exception, match="window must be None or a pair of ints"):
         fn(randn(3, 8, 4, 16))
+
+
+@pytest.mark.slow
+def test_scope_inside_a_compiled_fn_works_in_a_fresh_process(tmp_path):
+    """The first thing Dynamo traces is scope(), before opdispatch._compile was ever imported."""
+    import os
+    import subprocess
+    import sys
+
+    policy = tmp_path / "scoped.yaml"
+    policy.write_text("version: 1\nops:\n  attention:\n    rules:\n"
+                      "      - name: attn-to-reference\n        when: {module: 'model.attn*'}\n"
+                      "        prefer: [reference.math]\n")
+    script = f"""
+import sys, torch, opdispatch
+assert "opdispatch._compile" not in sys.modules
+opdispatch.get_manager().set_policy({str(policy)!r})
+def layer(q):
+    with opdispatch.scope("model.attn.0"):
+        a = opdispatch.attention(q, q, q)
+    return a, opdispatch.attention(q, q, q)
+q = torch.randn(3, 8, 2, 16)
+a, b = torch.compile(layer, backend="eager", fullgraph=True)(q)
+torch.testing.assert_close(a, b)
+from opdispatch import _compile
+print(sorted(set(_compile._LAST_CHOICE.values())))
+"""
+    env = dict(os.environ, OPDISPATCH_PLUGINS="cpu,reference")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "['cpu.flash', 'reference.math']"
