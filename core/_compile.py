@@ -116,14 +116,14 @@ def size_predicates(device: str, epoch: int = 0) -> tuple[tuple[tuple[str, str, 
     return tuple(dict.fromkeys(atoms)), unlisted
 
 
-def _representative(known: dict[str, int], symbolic: tuple[str, ...],
+def _representative(symbolic: tuple[str, ...],
                     outcomes: tuple[tuple[tuple[str, str, Any], bool], ...]) -> dict[str, int]:
     """Concrete sizes for the `symbolic` fields that give every predicate its recorded outcome.
 
     Candidates are 0 to 3 and each threshold +-1: enough to reach every region the atoms cut out.
     """
     # One pool for every field: a field tied to another (seqlen_q == seqlen_k) must reach the other's thresholds.
-    pool = {0, 1, 2, 3} | {v for v in known.values() if v >= 0}
+    pool = {0, 1, 2, 3}
     for (_field, _op, n), _ in outcomes:
         if isinstance(n, int):
             pool.update(x for x in (n - 1, n, n + 1) if x >= 0)
@@ -137,10 +137,10 @@ def _representative(known: dict[str, int], symbolic: tuple[str, ...],
         return True
 
     for values in itertools.product(*(sorted(candidates[f]) for f in symbolic)):
-        sizes = {**known, **dict(zip(symbolic, values))}
+        sizes = dict(zip(symbolic, values))
         if holds(sizes):
             return sizes
-    raise RuntimeError(f"opdispatch::attention: no sizes satisfy the guarded predicates {outcomes} with {known}; "
+    raise RuntimeError(f"opdispatch::attention: no sizes satisfy the guarded predicates {outcomes}; "
                        "this is a bug in opdispatch._compile, please report it with the call's shapes")
 
 
@@ -182,23 +182,23 @@ def _token(context: _TraceContext) -> int:
 
 @torch.compiler.assume_constant_result
 def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad_enabled: bool,
-                       impl: Optional[str], epoch: int = 0, sizes: tuple[Any, ...] = ((), (), ()),
+                       impl: Optional[str], epoch: int = 0, sizes: tuple[Any, ...] = ((), ()),
                        inner: tuple[Any, ...] = ()) -> tuple[str, int]:
     """(implementation id, context token) for this call; run once per trace (the result is a graph constant).
 
     `tensors` holds (shape recipe, dtype, device, requires_grad) of q, k, v, alibi_slopes, attn_mask, attn_bias,
     cu_seqlens_q, cu_seqlens_k (None where absent; cu_seqlens_k is "same" when it is cu_seqlens_q); a recipe's
-    entries are ints or the name of a size field. `sizes` is (known field sizes, symbolic fields, predicate
-    outcomes): symbolic fields take representative values that reproduce every outcome, so the decision is a
-    function of exactly what Dynamo guards on. `options` are the remaining keyword arguments as sorted
+    entries are ints or the name of a size field. `sizes` is (size fields, predicate outcomes), or empty when
+    every shape is exact: the fields take representative values that reproduce every outcome, so the decision
+    is a function of exactly what Dynamo guards on. `options` are the remaining keyword arguments as sorted
     (name, value) pairs. `inner` are the scopes and overrides entered inside the traced function, outermost
     first. The call is rebuilt on the meta device (nothing is computed), validated like any call in the active
     scope, and resolved for the tensors' real device under the active overrides.
     """
     import opdispatch
 
-    known, symbolic, outcomes = sizes
-    values = _representative(dict(known), tuple(symbolic), tuple(outcomes)) if symbolic else dict(known)
+    symbolic, outcomes = sizes
+    values = _representative(tuple(symbolic), tuple(outcomes)) if symbolic else {}
     values.setdefault("tokens_q", values.get("batch", 1) * values.get("seqlen_q", 1))
     values.setdefault("tokens_k", values.get("batch", 1) * values.get("seqlen_k", 1))
     values["batch+1"] = values.get("batch", 0) + 1  # cu_seqlens hold batch + 1 offsets
@@ -476,8 +476,8 @@ def traced_policy_override(*, prefer: Any = None, deny: Any = None, require: Any
 
 # -- the entry point ---------------------------------------------------------------------------------------
 
-# Where batch and sequence sit in each dense layout; every other dim (heads, head dim) is specialised.
-_DENSE_DIMS = {"bshd": (0, 1), "bhsd": (0, 2), "sbhd": (1, 0)}
+# Where batch, sequence and heads sit in each dense layout; every dim but batch and sequence is specialised.
+_DENSE_DIMS = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "sbhd": (1, 0, 2)}
 
 
 def _static(n: Any) -> Any:
@@ -551,20 +551,19 @@ def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, at
     if layout == "thd" and cu_seqlens_q is not None and max_seqlen_q is not None and max_seqlen_k is not None \
             and q.dim() == 3 and k.dim() == 3 and v.dim() == 3:
         field_sizes = {"batch": cu_seqlens_q.shape[0] - 1, "seqlen_q": max_seqlen_q, "seqlen_k": max_seqlen_k}
-        consistent = _truth(v.shape[0] == k.shape[0]) and (
-            cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q or _truth(cu_seqlens_k.shape[0] == cu_seqlens_q.shape[0]))
+        consistent = _truth(v.shape[0] == k.shape[0]) and (cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+                                                           or _truth(cu_seqlens_k.shape[0] == cu_seqlens_q.shape[0]))
         cu_recipe = ("batch+1",)
         recipes = [_recipe(q, {0: "tokens_q"}), _recipe(k, {0: "tokens_k"}), _recipe(v, {0: "tokens_k"}),
                    None, None, None, cu_recipe, "same" if cu_seqlens_k is cu_seqlens_q else cu_recipe]
         consistent = consistent and alibi_slopes is None and attn_mask is None and attn_bias is None
     elif layout in _DENSE_DIMS and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and cu_seqlens_q is None \
             and cu_seqlens_k is None:
-        b, s = _DENSE_DIMS[layout]
+        b, s, h = _DENSE_DIMS[layout]
         field_sizes = {"batch": q.shape[b], "seqlen_q": q.shape[s], "seqlen_k": k.shape[s]}
         consistent = _truth(k.shape[b] == q.shape[b]) and _truth(v.shape[b] == q.shape[b]) and _truth(
             v.shape[s] == k.shape[s])
-        heads_q = _static(q.shape[3 - b - s if layout != "bshd" else 2])
-        full = ("batch", _static(heads_q), "seqlen_q", "seqlen_k")
+        full = ("batch", _static(q.shape[h]), "seqlen_q", "seqlen_k")
         recipes = [_recipe(q, {b: "batch", s: "seqlen_q"}), _recipe(k, {b: "batch", s: "seqlen_k"}),
                    _recipe(v, {b: "batch", s: "seqlen_k"})]
         for t, targets in ((alibi_slopes, full[:2]), (attn_mask, full), (attn_bias, full)):
@@ -582,8 +581,7 @@ def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, at
         keys = tuple(_tensor_key(t, None if t is None else tuple(_static(n) for n in t.shape)) for t in tensors)
         if cu_seqlens_k is not None and cu_seqlens_k is cu_seqlens_q:
             keys = keys[:7] + ("same",)
-        return keys, ((), (), ()), (_static(max_seqlen_q), _static(max_seqlen_k))
-    known: tuple[tuple[str, int], ...] = ()
+        return keys, ((), ()), (_static(max_seqlen_q), _static(max_seqlen_k))
     atoms, _unlisted = size_predicates(str(q.device), DECISION_EPOCH)
     outcomes = []
     for atom in atoms:
@@ -594,7 +592,7 @@ def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, at
     keys = tuple(_tensor_key(t, r if isinstance(r, tuple) else None) for t, r in zip(tensors, recipes))
     if recipes[7] == "same":
         keys = keys[:7] + ("same",)
-    return keys, (known, symbolic, tuple(outcomes)), (max_seqlen_q, max_seqlen_k)
+    return keys, (symbolic, tuple(outcomes)), (max_seqlen_q, max_seqlen_k)
 
 
 def attention_for_compile(
@@ -621,7 +619,7 @@ def attention_for_compile(
                          "dropout_p=0.0 or run this call eagerly")
     keys, sizes, (static_max_q, static_max_k) = _size_class(
         q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k)
-    symbolic_max = _truth(sizes[1]) and layout == "thd"
+    symbolic_max = bool(sizes[0]) and layout == "thd"
     options = (("causal", causal), ("causal_alignment", causal_alignment), ("deterministic", deterministic),
                ("dropout_p", _float_class(dropout_p)), ("layout", layout),
                ("max_seqlen_k", None if symbolic_max else static_max_k),
