@@ -1,30 +1,61 @@
 """torch.compile support: attention as one opaque custom op whose implementation is chosen at trace time.
 
 Under ``torch.compile`` the decision cannot be made per call: the graph would break on the manager's Python.
-Instead `attention_for_compile` reduces the call to plain constants (shapes, dtypes, flags), asks the manager
-once while Dynamo traces (`torch.compiler.assume_constant_result`), and emits ``opdispatch::attention`` with
-the chosen implementation id baked into the graph as a string constant. The op has a fake (meta) kernel for
-every layout and an autograd formula whose backward is a second opaque op, ``opdispatch::attention_backward``,
-that recomputes the chosen implementation's forward under autograd — so every implementation that declares
+Instead `attention_for_compile` reduces the call to plain constants, asks the manager once while Dynamo traces
+(`torch.compiler.assume_constant_result`), and emits ``opdispatch::attention`` with the chosen implementation id
+baked into the graph as a string constant. The op has a fake (meta) kernel for every layout (symbolic sizes
+welcome) and an autograd formula whose backward is a second opaque op, ``opdispatch::attention_backward``, that
+recomputes the forward's implementation under autograd — so every implementation that declares
 ``backward=True`` works, with no per-implementation backward code.
+
+What is guarded, and when it recompiles. Batch and sequence lengths may be dynamic (``dynamic=None`` makes them
+so on the second shape, ``dynamic=True`` at once). A decision depends on them only through a few predicates
+(`size_predicates`, read from `opdispatch._classes.DecisionClasses` once per trace): the policy rules'
+thresholds on batch/seqlen_q/seqlen_k, each candidate's ``caps.max_seqlen``, ``seqlen_q == seqlen_k``, and
+``== 0`` / ``== 1``. Each is evaluated on the (possibly symbolic) sizes as a Python branch, so Dynamo guards on
+exactly that predicate; the decision then runs on meta tensors of representative sizes that give every
+predicate the same outcome (`_representative`). A compiled graph is therefore reused across all sizes of one
+decision class and re-traced only when a predicate flips (e.g. seqlen_k crosses a policy's ``'>=4096'``). Head
+counts, head dims, dtypes, devices, flags and mask/bias broadcast patterns are specialised (a new value
+recompiles). With ``dynamic=True``, Dynamo gives equal sizes one symbol, so a batch or length equal to a head
+count or head dim on the first call is specialised with it (one extra graph when it changes). Where a decision
+may read sizes in ways no predicate lists (an autotune table, an implementation's own `selection_key`/
+`extra_reasons`), the kernel re-checks the decision on every call (a cached lookup) instead of guarding.
+`invalidate_compiled_decisions` (called on policy and plugin changes) makes every graph re-trace.
+
+How scopes and overrides are honoured. The decision records the `scope()` module and the `policy_override()`
+stack active when the graph was traced, as a context token (a small int constant in the graph). The op's
+kernel runs eagerly on every call: when the overrides or module active then differ from the token's, it decides
+again for the current context (outputs never depend on which implementation runs, so the graph stays valid),
+with no re-trace. `scope()`/`policy_override()` entered *inside* a traced function defer, while Dynamo traces
+(Dynamo cannot trace ``ContextVar.set``), to stand-ins that record their arguments (`traced_scope`,
+`traced_policy_override`); the decision and the kernel enter the real context managers around each call,
+stacked over the caller's context. The backward recomputes the
+implementation the latest forward of the same token ran (it may run outside the scope): two forwards of one
+graph under different contexts, both before their backwards, recompute with the latter's implementation (the
+same function; gradients agree within the implementations' tolerance).
 
 In eager mode nothing here is on the hot path: a custom op costs ~16 µs per call, so eager calls go straight
 to the implementation. `attention_for_compile` still works eagerly (tests compare it with eager attention).
 
 Limits: dropout with autograd is refused (recomputing the forward would draw a different dropout mask); a
 ``thd`` call needs ``max_seqlen_q``/``max_seqlen_k`` (reading ``cu_seqlens`` would be a data-dependent host
-sync); shapes are specialised (a dynamic dimension is made static by the trace-time decision).
+sync); the backward recomputes the forward (no residuals are saved).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import operator
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
+
+from .policies._overrides import MODULE, OVERRIDES
 
 __all__ = ["attention_for_compile", "compiled_attention", "decide_for_compile", "fake_outputs",
            "invalidate_compiled_decisions"]
@@ -44,43 +75,177 @@ def invalidate_compiled_decisions() -> None:
 # -- the trace-time decision -------------------------------------------------------------------------------
 
 
-def _tensor_key(t: Tensor | None) -> tuple[Any, ...] | None:
-    """What a decision may read from a tensor: shape, dtype, device, requires_grad (all constant under Dynamo)."""
-    if t is None:
-        return None
-    return (tuple(int(s) for s in t.shape), t.dtype, str(t.device), bool(t.requires_grad))
+_SIZE_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq,
+             "!=": operator.ne}
+_FIELDS = ("batch", "seqlen_q", "seqlen_k")  # the sizes that may change between calls (may be symbolic)
 
 
-def _meta(key: tuple[Any, ...] | None) -> Tensor | None:
+@torch.compiler.assume_constant_result
+def size_predicates(device: str, epoch: int = 0) -> tuple[tuple[tuple[str, str, Any], ...], bool]:
+    """The size comparisons a decision may depend on, as ``((field, op, n), ...)``, and whether it may read more.
+
+    From `opdispatch._classes.DecisionClasses`: every policy rule's IntSpec on batch/seqlen_q/seqlen_k (a value
+    list becomes one ``==`` per value), each candidate's ``caps.max_seqlen`` (``<=`` on both lengths), and
+    ``seqlen_q == seqlen_k``. The flag is True when the decision may also depend on sizes in ways not listed
+    (an autotune table's buckets, an implementation's own `selection_key`, an op without classes): the kernel
+    then re-checks the decision on every call. Heads and head dims are specialised, so their rules need no atom.
+    """
+    import opdispatch
+
+    from ._classes import DecisionClasses
+
+    manager = opdispatch.get_manager()
+    manager.ensure_initialized()
+    classes = DecisionClasses(_OP, manager.policy, [r.impl for r in manager.registry.for_op(_OP)])
+    # 0 and 1 are special to validation and canonicalisation (one query); on symbolic sizes (>= 2) they are
+    # statically false and cost no guard.
+    atoms: list[tuple[str, str, Any]] = [("seqlen_q", "==", "seqlen_k")]
+    atoms += [(f, "==", n) for f in _FIELDS for n in (0, 1)]
+    for field, spec in classes.size_tests:
+        if field not in _FIELDS:
+            continue
+        if spec.values is not None:
+            atoms.extend((field, "==", n) for n in sorted(spec.values))
+        else:
+            atoms.extend((field, op, n) for op, n in spec.comps)
+    for m in classes.max_seqlens:
+        atoms.extend((("seqlen_q", "<=", m), ("seqlen_k", "<=", m)))
+    info = manager.device_info(torch.device(device))
+    keyed = [i for i in classes.keyed if manager.availability(i, info) is None]
+    unlisted = classes.tuned or classes.generic or bool(keyed)
+    return tuple(dict.fromkeys(atoms)), unlisted
+
+
+def _representative(symbolic: tuple[str, ...],
+                    outcomes: tuple[tuple[tuple[str, str, Any], bool], ...]) -> dict[str, int]:
+    """Concrete sizes for the `symbolic` fields that give every predicate its recorded outcome.
+
+    Candidates are 0 to 3 and each threshold +-1: enough to reach every region the atoms cut out.
+    """
+    # One pool for every field: a field tied to another (seqlen_q == seqlen_k) must reach the other's thresholds.
+    pool = {0, 1, 2, 3}
+    for (_field, _op, n), _ in outcomes:
+        if isinstance(n, int):
+            pool.update(x for x in (n - 1, n, n + 1) if x >= 0)
+    candidates = {f: pool for f in symbolic}
+
+    def holds(sizes: dict[str, int]) -> bool:
+        for (field, op, n), outcome in outcomes:
+            other = sizes[n] if isinstance(n, str) else n
+            if _SIZE_OPS[op](sizes[field], other) != outcome:
+                return False
+        return True
+
+    for values in itertools.product(*(sorted(candidates[f]) for f in symbolic)):
+        sizes = dict(zip(symbolic, values))
+        if holds(sizes):
+            return sizes
+    raise RuntimeError(f"opdispatch::attention: no sizes satisfy the guarded predicates {outcomes}; "
+                       "this is a bug in opdispatch._compile, please report it with the call's shapes")
+
+
+def _shape(recipe: tuple[Any, ...] | None, sizes: dict[str, int]) -> tuple[int, ...] | None:
+    return None if recipe is None else tuple(sizes[d] if isinstance(d, str) else d for d in recipe)
+
+
+def _meta(key: tuple[Any, ...] | None, sizes: dict[str, int]) -> Tensor | None:
     if key is None:
         return None
-    shape, dtype, _device, grad = key
-    t = torch.empty(shape, dtype=dtype, device="meta")
+    recipe, dtype, _device, grad = key
+    t = torch.empty(_shape(recipe, sizes), dtype=dtype, device="meta")  # type: ignore[arg-type]
     return t.requires_grad_(grad) if (grad and dtype.is_floating_point) else t
+
+
+class _TraceContext(NamedTuple):
+    """What a trace decided under, beyond sizes: the kernel re-decides when the running context differs."""
+
+    overrides: Any  # OVERRIDES and MODULE around the compiled function when it was traced
+    module: Optional[str]
+    inner: tuple[Any, ...]  # scope()/policy_override() entered inside the traced function (see _inner_scopes)
+    requires_grad: bool
+    impl: Optional[str]
+    recheck: bool  # the decision may depend on sizes beyond the guarded predicates: re-check every call
+
+
+_CONTEXTS: list[_TraceContext] = []  # a token is an index into this list (a plain int in the graph)
+_CONTEXT_TOKENS: dict[_TraceContext, int] = {}
+_LAST_CHOICE: dict[int, str] = {}  # token -> implementation the latest forward ran (its backward recomputes it)
+
+
+def _token(context: _TraceContext) -> int:
+    token = _CONTEXT_TOKENS.get(context)
+    if token is None:
+        token = _CONTEXT_TOKENS[context] = len(_CONTEXTS)
+        _CONTEXTS.append(context)
+    return token
 
 
 @torch.compiler.assume_constant_result
 def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad_enabled: bool,
-                       impl: Optional[str], epoch: int = 0) -> str:
-    """The id of the implementation that takes this call; run once per trace (its result is a graph constant).
+                       impl: Optional[str], epoch: int = 0, sizes: tuple[Any, ...] = ((), ()),
+                       inner: tuple[Any, ...] = ()) -> tuple[str, int]:
+    """(implementation id, context token) for this call; run once per trace (the result is a graph constant).
 
-    `tensors` holds `_tensor_key` of q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k;
-    `options` the remaining keyword arguments as sorted (name, value) pairs. The call is rebuilt on the meta
-    device (nothing is computed) and validated like any call, then resolved for the tensors' real device.
+    `tensors` holds (shape recipe, dtype, device, requires_grad) of q, k, v, alibi_slopes, attn_mask, attn_bias,
+    cu_seqlens_q, cu_seqlens_k (None where absent; cu_seqlens_k is "same" when it is cu_seqlens_q); a recipe's
+    entries are ints or the name of a size field. `sizes` is (size fields, predicate outcomes), or empty when
+    every shape is exact: the fields take representative values that reproduce every outcome, so the decision
+    is a function of exactly what Dynamo guards on. `options` are the remaining keyword arguments as sorted
+    (name, value) pairs. `inner` are the scopes and overrides entered inside the traced function, outermost
+    first. The call is rebuilt on the meta device (nothing is computed), validated like any call in the active
+    scope, and resolved for the tensors' real device under the active overrides.
     """
     import opdispatch
 
+    symbolic, outcomes = sizes
+    values = _representative(tuple(symbolic), tuple(outcomes)) if symbolic else {}
+    values.setdefault("tokens_q", values.get("batch", 1) * values.get("seqlen_q", 1))
+    values.setdefault("tokens_k", values.get("batch", 1) * values.get("seqlen_k", 1))
+    values["batch+1"] = values.get("batch", 0) + 1  # cu_seqlens hold batch + 1 offsets
     names = ("q", "k", "v", "alibi_slopes", "attn_mask", "attn_bias", "cu_seqlens_q", "cu_seqlens_k")
-    kwargs: dict[str, Any] = {name: _meta(key) for name, key in zip(names, tensors)}
+    same_cu = tensors[7] == "same"
+    kwargs: dict[str, Any] = {name: _meta(key, values) for name, key in zip(names, tensors[:7])}
+    kwargs["cu_seqlens_k"] = kwargs["cu_seqlens_q"] if same_cu else _meta(tensors[7], values)
     kwargs.update(dict(options))
+    if symbolic and kwargs.get("layout") == "thd":
+        kwargs["max_seqlen_q"], kwargs["max_seqlen_k"] = values["seqlen_q"], values["seqlen_k"]
     q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
-    with torch.set_grad_enabled(grad_enabled):
-        call = opdispatch.validate_attention(q, k, v, check_values=False, **kwargs)
+    outer = (OVERRIDES.get(), MODULE.get())
+    with torch.set_grad_enabled(grad_enabled), _entered(inner):
+        call = opdispatch.validate_attention(q, k, v, check_values=False, module=MODULE.get(), **kwargs)
         manager = opdispatch.get_manager()
         device = manager.device_info(torch.device(tensors[0][2]))
         decision = manager.resolve(_OP, call, device=device, impl=impl)
     assert decision.chosen_id is not None
-    return decision.chosen_id
+    _unused, unlisted = size_predicates(tensors[0][2], epoch)
+    context = _TraceContext(outer[0], outer[1], tuple(inner), bool(call.requires_grad), impl, unlisted)
+    return decision.chosen_id, _token(context)
+
+
+@contextlib.contextmanager
+def _entered(inner: tuple[Any, ...]) -> Iterator[None]:
+    """Enter, for real, the scopes and overrides a traced function entered (recorded by `_inner_scopes`)."""
+    from .policies._overrides import policy_override, scope
+
+    with contextlib.ExitStack() as stack:
+        for kind, args in inner:
+            stack.enter_context(scope(args) if kind == "scope" else policy_override(**dict(args)))
+        yield
+
+
+def _runtime_choice(token: int, impl_id: str, call: Any) -> str:
+    """The implementation for this run: the traced one, unless the overrides or scope now active differ from
+    the trace's (or the decision may read more of the sizes than the graph guards); then decide again."""
+    context = _CONTEXTS[token]
+    if context.recheck or OVERRIDES.get() != context.overrides or MODULE.get() != context.module:
+        import opdispatch
+
+        with _entered(context.inner):
+            call.module = MODULE.get()
+            call.requires_grad = context.requires_grad  # compiled forwards run without autograd; the trace knew
+            impl_id = opdispatch.get_manager().resolve(_OP, call, impl=context.impl).chosen_id
+    _LAST_CHOICE[token] = impl_id
+    return impl_id
 
 
 # -- the custom ops ----------------------------------------------------------------------------------------
@@ -171,22 +336,24 @@ def compiled_attention(
     attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], layout: str,
     causal: bool, causal_alignment: str, window_left: int, window_right: int, scale: float, dropout_p: float,
     softcap: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], return_lse: bool,
-    deterministic: bool, impl_id: str,
+    deterministic: bool, impl_id: str, token: int,
 ) -> tuple[Tensor, Tensor]:
     """Attention computed by implementation `impl_id`; returns (out, lse), lse of shape (0,) unless return_lse.
 
-    The window is (window_left, window_right) with (-1, -1) meaning none; `scale` is already resolved.
+    The window is (window_left, window_right) with (-1, -1) meaning none; `scale` is already resolved. `token`
+    names the trace's context (`_CONTEXTS`): under other overrides or another scope the call is decided again.
     """
     call = _rebuild_call(q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal,
                          causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q,
                          max_seqlen_k, return_lse, deterministic)
+    impl_id = _runtime_choice(token, impl_id, call)
     return _split(_impl(impl_id).run(call), q, v, layout, return_lse)
 
 
 @compiled_attention.register_fake
 def _(q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal,  # type: ignore[no-untyped-def]
       causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q, max_seqlen_k,
-      return_lse, deterministic, impl_id):
+      return_lse, deterministic, impl_id, token):
     return fake_outputs(q, v, layout, return_lse)
 
 
@@ -208,12 +375,16 @@ def _attention_backward(
     attn_mask: Optional[Tensor], attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor], layout: str, causal: bool, causal_alignment: str, window_left: int,
     window_right: int, scale: float, dropout_p: float, softcap: float, max_seqlen_q: Optional[int],
-    max_seqlen_k: Optional[int], return_lse: bool, deterministic: bool, impl_id: str, bias_grad: bool,
+    max_seqlen_k: Optional[int], return_lse: bool, deterministic: bool, impl_id: str, token: int,
+    bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dbias) by recomputing implementation `impl_id`'s forward under autograd.
 
-    dbias has shape (0,) unless `bias_grad`. Opaque to the compiler like the forward.
+    dbias has shape (0,) unless `bias_grad`. Opaque to the compiler like the forward. It recomputes the
+    implementation the latest forward of this context token ran (which may differ from `impl_id` when that
+    forward ran under another scope or override); the backward itself may run outside that scope.
     """
+    impl_id = _LAST_CHOICE.get(token, impl_id)
     with _autograd_reenabled():
         leaves = [q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()]
         bias = attn_bias
@@ -240,7 +411,7 @@ def _attention_backward(
 @_attention_backward.register_fake
 def _(grad_out, grad_lse, q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout,  # type: ignore[no-untyped-def]
       causal, causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q, max_seqlen_k,
-      return_lse, deterministic, impl_id, bias_grad):
+      return_lse, deterministic, impl_id, token, bias_grad):
     dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format) if (
         bias_grad and attn_bias is not None) else q.new_empty((0,))
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -250,7 +421,7 @@ def _(grad_out, grad_lse, q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlen
 
 _TENSOR_ARGS = ("q", "k", "v", "alibi_slopes", "attn_mask", "attn_bias", "cu_seqlens_q", "cu_seqlens_k")
 _SCALAR_ARGS = ("layout", "causal", "causal_alignment", "window_left", "window_right", "scale", "dropout_p",
-                "softcap", "max_seqlen_q", "max_seqlen_k", "return_lse", "deterministic", "impl_id")
+                "softcap", "max_seqlen_q", "max_seqlen_k", "return_lse", "deterministic", "impl_id", "token")
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -271,7 +442,157 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple[A
 compiled_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
+# -- scope() and policy_override() inside a traced function --------------------------------------------------
+
+# Dynamo cannot trace ContextVar.set, so while it traces, `scope` and `policy_override` (policies/_overrides.py)
+# defer to these stand-ins, which record their arguments here (a plain list Dynamo tracks); each attention call
+# passes the record to the decision, which enters the real context managers around it (`_entered`).
+_inner_scopes: list[tuple[str, Any]] = []
+
+
+@contextlib.contextmanager
+def traced_scope(module: str) -> Iterator[str]:
+    """`opdispatch.scope` while Dynamo traces: recorded for the attention calls traced inside it."""
+    _inner_scopes.append(("scope", module))
+    try:
+        yield module
+    finally:
+        _inner_scopes.pop()
+
+
+@contextlib.contextmanager
+def traced_policy_override(*, prefer: Any = None, deny: Any = None, require: Any = None, pin: Any = None,
+                           op: Any = None) -> Iterator[None]:
+    """`opdispatch.policy_override` while Dynamo traces: recorded for the attention calls traced inside it. Its
+    arguments are checked when a decision enters the real override; the ``as`` target is None here."""
+    args = tuple((name, tuple(value) if isinstance(value, list) else value) for name, value in (
+        ("prefer", prefer), ("deny", deny), ("require", require), ("pin", pin), ("op", op)))
+    _inner_scopes.append(("override", args))
+    try:
+        yield None
+    finally:
+        _inner_scopes.pop()
+
+
 # -- the entry point ---------------------------------------------------------------------------------------
+
+# Where batch, sequence and heads sit in each dense layout; every dim but batch and sequence is specialised.
+_DENSE_DIMS = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "sbhd": (1, 0, 2)}
+
+
+def _static(n: Any) -> Any:
+    """`n` as a plain int: a symbolic size is specialised (Dynamo guards on its exact value)."""
+    return None if n is None else operator.index(n)  # int() would stay symbolic inside Dynamo
+
+
+def _recipe(t: Tensor, fields: dict[int, str]) -> tuple[Any, ...]:
+    """t's shape with the dims in `fields` named by their size field and every other dim specialised."""
+    return tuple(fields[i] if i in fields else _static(n) for i, n in enumerate(t.shape))
+
+
+def _broadcast_recipe(t: Tensor, sizes: dict[str, Any], targets: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A mask/bias/alibi shape right-aligned to `targets` (field names or ints): 1 or the target per dim; None
+    if a dim is neither (the exact path then raises validation's own error)."""
+    shape = tuple(t.shape)
+    if len(shape) > len(targets):
+        return None
+    out: list[Any] = []
+    for n, target in zip(shape, targets[len(targets) - len(shape):]):
+        if isinstance(target, str):
+            if n == 1:
+                out.append(1)
+            elif n == sizes[target]:
+                out.append(target)
+            else:
+                return None
+        else:
+            out.append(_static(n))
+    return tuple(out)
+
+
+def _float_class(x: Any) -> Any:
+    """A float option as the decision sees it: Dynamo may trace floats as symbolic, and only their side of
+    0 and 1 matters to selection and validation (the kernel validates the exact value again when it runs)."""
+    if x is None or not torch.compiler.is_compiling() or not isinstance(x, (int, float)):
+        return x
+    if x == 0:
+        return 0.0
+    if x < 0:
+        return -1.0
+    return 0.5 if x < 1 else 1.0
+
+
+def _tensor_key(t: Tensor | None, recipe: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """What a decision may read from a tensor: shape recipe, dtype, device, requires_grad (constant in a graph)."""
+    if t is None:
+        return None
+    return (recipe, t.dtype, str(t.device), bool(t.requires_grad))
+
+
+def _truth(predicate: Any) -> bool:
+    """A (possibly symbolic) predicate as a plain bool; Dynamo guards on the branch taken (``bool()`` of a
+    symbolic predicate would stay symbolic inside Dynamo and could not reach an assume_constant_result)."""
+    return True if predicate else False
+
+
+def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, attn_mask: Tensor | None,
+                attn_bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, layout: str,
+                max_seqlen_q: Any, max_seqlen_k: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], Any]:
+    """(tensor keys, sizes, (max_seqlen_q, max_seqlen_k)) for `decide_for_compile`, traced by Dynamo.
+
+    Batch and sequence lengths may be symbolic: they enter the decision only through the outcomes of
+    `size_predicates`, each evaluated with ``_truth()`` so that Dynamo guards on exactly that predicate. Calls
+    whose sizes are inconsistent (validation would reject them) are specialised so the error names real sizes.
+    """
+    tensors = (q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k)
+    field_sizes: dict[str, Any] = {}
+    recipes: list[Any] = []
+    consistent = True
+    if layout == "thd" and cu_seqlens_q is not None and max_seqlen_q is not None and max_seqlen_k is not None \
+            and q.dim() == 3 and k.dim() == 3 and v.dim() == 3:
+        field_sizes = {"batch": cu_seqlens_q.shape[0] - 1, "seqlen_q": max_seqlen_q, "seqlen_k": max_seqlen_k}
+        consistent = _truth(v.shape[0] == k.shape[0]) and (cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+                                                           or _truth(cu_seqlens_k.shape[0] == cu_seqlens_q.shape[0]))
+        cu_recipe = ("batch+1",)
+        recipes = [_recipe(q, {0: "tokens_q"}), _recipe(k, {0: "tokens_k"}), _recipe(v, {0: "tokens_k"}),
+                   None, None, None, cu_recipe, "same" if cu_seqlens_k is cu_seqlens_q else cu_recipe]
+        consistent = consistent and alibi_slopes is None and attn_mask is None and attn_bias is None
+    elif layout in _DENSE_DIMS and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and cu_seqlens_q is None \
+            and cu_seqlens_k is None:
+        b, s, h = _DENSE_DIMS[layout]
+        field_sizes = {"batch": q.shape[b], "seqlen_q": q.shape[s], "seqlen_k": k.shape[s]}
+        consistent = _truth(k.shape[b] == q.shape[b]) and _truth(v.shape[b] == q.shape[b]) and _truth(
+            v.shape[s] == k.shape[s])
+        full = ("batch", _static(q.shape[h]), "seqlen_q", "seqlen_k")
+        recipes = [_recipe(q, {b: "batch", s: "seqlen_q"}), _recipe(k, {b: "batch", s: "seqlen_k"}),
+                   _recipe(v, {b: "batch", s: "seqlen_k"})]
+        for t, targets in ((alibi_slopes, full[:2]), (attn_mask, full), (attn_bias, full)):
+            recipe = None if t is None else _broadcast_recipe(t, field_sizes, targets)
+            consistent = consistent and (t is None or recipe is not None)
+            recipes.append(recipe)
+        recipes += [None, None]
+    else:
+        consistent = False
+    # Dynamo cannot tell a symbolic size from a constant in traced code (isinstance says int), so every field
+    # goes through the predicates; on constants they are plain Python and add no guard.
+    symbolic = _FIELDS
+    if not consistent:
+        # Exact: every size a constant (specialised where symbolic); validation sees the real shapes.
+        keys = tuple(_tensor_key(t, None if t is None else tuple(_static(n) for n in t.shape)) for t in tensors)
+        if cu_seqlens_k is not None and cu_seqlens_k is cu_seqlens_q:
+            keys = keys[:7] + ("same",)
+        return keys, ((), ()), (_static(max_seqlen_q), _static(max_seqlen_k))
+    atoms, _unlisted = size_predicates(str(q.device), DECISION_EPOCH)
+    outcomes = []
+    for atom in atoms:
+        field, op, n = atom
+        if field in symbolic or n in symbolic:
+            other = field_sizes[n] if isinstance(n, str) else n
+            outcomes.append((atom, _truth(_SIZE_OPS[op](field_sizes[field], other))))
+    keys = tuple(_tensor_key(t, r if isinstance(r, tuple) else None) for t, r in zip(tensors, recipes))
+    if recipes[7] == "same":
+        keys = keys[:7] + ("same",)
+    return keys, (symbolic, tuple(outcomes)), (max_seqlen_q, max_seqlen_k)
 
 
 def attention_for_compile(
@@ -287,8 +608,6 @@ def attention_for_compile(
     Same arguments and results as `opdispatch.attention`. Validation and the decision run once per trace on
     meta tensors (errors are the same as in eager mode); the graph keeps only ``opdispatch::attention``.
     """
-    tensors = (q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k)
-    keys = tuple(_tensor_key(t) for t in tensors)
     if layout == "thd" and (max_seqlen_q is None or max_seqlen_k is None):
         raise ValueError("attention() under torch.compile with layout='thd' needs max_seqlen_q and max_seqlen_k: "
                          "computing them from cu_seqlens is a data-dependent host sync; pass the longest "
@@ -298,12 +617,20 @@ def attention_for_compile(
         raise ValueError("attention() under torch.compile does not support dropout_p > 0 with autograd: the "
                          "backward recomputes the forward, which would draw a different dropout mask; use "
                          "dropout_p=0.0 or run this call eagerly")
+    keys, sizes, (static_max_q, static_max_k) = _size_class(
+        q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k)
+    symbolic_max = bool(sizes[0]) and layout == "thd"
     options = (("causal", causal), ("causal_alignment", causal_alignment), ("deterministic", deterministic),
-               ("dropout_p", dropout_p), ("layout", layout), ("max_seqlen_k", max_seqlen_k),
-               ("max_seqlen_q", max_seqlen_q), ("return_lse", return_lse), ("scale", scale),
-               ("softcap", softcap), ("window", None if window is None else tuple(window)))
-    impl_id = decide_for_compile(keys, options, grad_enabled, impl, DECISION_EPOCH)
-    head_dim = q.shape[-1]
+               ("dropout_p", _float_class(dropout_p)), ("layout", layout),
+               ("max_seqlen_k", None if symbolic_max else static_max_k),
+               ("max_seqlen_q", None if symbolic_max else static_max_q), ("return_lse", return_lse),
+               ("scale", _float_class(scale)), ("softcap", _float_class(softcap)),
+               # the window is exact in every decision class: a symbolic bound is specialised
+               ("window", tuple(_static(w) if isinstance(w, int) and not isinstance(w, bool) else w for w in window)
+                if isinstance(window, (tuple, list)) else window))
+    impl_id, token = decide_for_compile(keys, options, grad_enabled, impl, DECISION_EPOCH, sizes,
+                                        tuple(_inner_scopes))
+    head_dim = _static(q.shape[-1])
     if window is None:
         left, right = -1, -1
     else:
@@ -315,5 +642,5 @@ def attention_for_compile(
     out, lse = compiled_attention(
         q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal, causal_alignment,
         left, right, float(scale) if scale is not None else 1.0 / math.sqrt(head_dim), float(dropout_p),
-        float(softcap), max_seqlen_q, max_seqlen_k, return_lse, deterministic, impl_id)
+        float(softcap), max_seqlen_q, max_seqlen_k, return_lse, deterministic, impl_id, token)
     return (out, lse) if return_lse else out

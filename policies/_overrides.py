@@ -8,6 +8,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+import torch
+
 from ._schema import check_impl_pattern, is_glob
 
 
@@ -58,6 +60,12 @@ def policy_override(*, prefer: Sequence[str] | str | None = None, deny: Sequence
     Outranks env vars and YAML; the per-call ``impl=`` still outranks it. Nested scopes stack, the innermost
     first. ``op=None`` applies to every op.
     """
+    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace ContextVar.set: opdispatch._compile records it
+        from opdispatch._compile import traced_policy_override
+
+        with traced_policy_override(prefer=prefer, deny=deny, require=require, pin=pin, op=op) as recorded:
+            yield recorded
+        return
     if pin is not None:
         (pin,) = _patterns("pin", [pin])
         if is_glob(pin):
@@ -76,6 +84,12 @@ def scope(module: str) -> Iterator[str]:
     """Name the calling module (e.g. ``model.layers.3.self_attn``) so `when: {module: ...}` rules can target it."""
     if not isinstance(module, str) or not module:
         raise ValueError(f"scope(module={module!r}): give a non-empty dotted module name")
+    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace ContextVar.set: opdispatch._compile records it
+        from opdispatch._compile import traced_scope
+
+        with traced_scope(module):
+            yield module
+        return
     token = MODULE.set(module)
     try:
         yield module
