@@ -25,7 +25,22 @@ DYNAMICS = pytest.mark.parametrize("dynamic", [None, True, False], ids=["auto", 
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo(basic_manager: opdispatch.OpManager):
+def _default_policy_without_rules(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The graph counts below depend on the size thresholds in force: pin them to those each test declares, not to
+    the rules the shipped default policy happens to hold (its order stays)."""
+    import yaml
+
+    from opdispatch.policies import _policy
+
+    shipped = yaml.safe_load(_policy.default_policy_path().read_text())
+    shipped["ops"]["attention"]["rules"] = []
+    path = tmp_path / "default-without-rules.yaml"
+    path.write_text(yaml.safe_dump(shipped))
+    monkeypatch.setattr(_policy, "default_policy_path", lambda: path)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(_default_policy_without_rules: None, basic_manager: opdispatch.OpManager):
     torch._dynamo.reset()
     counters.clear()
     yield
