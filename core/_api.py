@@ -12,7 +12,7 @@ import torch
 from ._attention import validate_attention
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
-from ._graphs import is_capturing
+from ._graphs import is_capturing, raise_if_capturing
 from ._manager import CACHE_LIMIT, OpManager
 from .policies._overrides import MODULE, OVERRIDES
 
@@ -122,6 +122,9 @@ def _attention_slow(manager: OpManager, key: Any, q: Any, k: Any, v: Any, layout
         _bounded_put(checked, varlen_key, call.cu_seqlens_k is call.cu_seqlens_q)
     if key is None:
         return manager.call("attention", call, impl=impl)
+    # A dense signature first seen inside CUDA graph capture: its class may be decided, but a kernel's first call
+    # at a new shape may build a plan (cuDNN builds a graph per shape), which must not happen inside capture.
+    raise_if_capturing("attention", call)
     fn = manager.bind("attention", call, impl=impl)
     # Store only if no policy swap happened meanwhile (the swap replaced `fast`; the hash tells).
     if fn.decision.policy_hash == manager.policy.hash:

@@ -35,8 +35,9 @@ def is_capturing(device: Any) -> bool:
 def _capture_error(op: str, call: Any) -> CaptureError:
     describe = call.describe() if hasattr(call, "describe") else repr(call)
     return CaptureError(
-        f"{op}: no cached decision for this call while a CUDA graph is being captured; deciding during capture "
-        f"is not allowed (it probes devices and libraries, and may sync with the host).\n"
+        f"{op}: a call signature first seen while a CUDA graph is being captured; deciding or a kernel's first "
+        f"call at a new shape during capture is not allowed (it probes devices and libraries, may build a "
+        f"kernel plan, and may sync with the host).\n"
         f"call: {describe}\n"
         f"Fix: run the model once eagerly with the same shapes, dtypes and flags before capture (the usual "
         f"warm-up iterations on a side stream do this), or bind the call up front with opdispatch.plan(...).")

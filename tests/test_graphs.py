@@ -57,3 +57,18 @@ def test_uses_the_managers_cache_peek_when_it_has_one(monkeypatch):
     assert hit.asked == [("attention", "cpu.flash")]
     with pytest.raises(CaptureError):
         ensure_capture_safe(Manager(False), "attention", _call())
+
+
+def test_a_new_signature_inside_capture_raises_even_when_its_class_is_decided(basic_manager, monkeypatch):
+    from opdispatch import _graphs as graphs
+
+    q = torch.randn(1, 6, 2, 8)
+    opdispatch.attention(q, q, q)  # warm-up: this exact signature is bound, its class decided
+    q2 = torch.randn(1, 7, 2, 8)  # same class, new shape: a kernel may build a plan on its first call
+    assert basic_manager.cached_decision("attention", opdispatch.validate_attention(q2, q2, q2)) is not None
+    expected = opdispatch.attention(q, q, q, impl="reference.math")
+    monkeypatch.setattr(graphs, "is_capturing", lambda device: True)
+    out = opdispatch.attention(q, q, q)  # the warmed signature runs from the per-call cache
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(CaptureError, match="a call signature first seen while a CUDA graph is being captured"):
+        opdispatch.attention(q2, q2, q2)
