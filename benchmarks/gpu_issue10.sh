@@ -3,20 +3,7 @@
 # ./issue10-out): the cost of a first call at a new shape, the decode loop, the GPU tests of the NVIDIA extras and
 # compile (when present), two torch.flex cases, and the side-by-side table.
 set -u
-out=${OUT:-issue10-out}
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site . || exit 1
-repo=$(pwd)
-cd /tmp  # import the installed package, not the checkout's folders
-python3 - <<'PY' | tee "$out/environment.txt"
-import platform, torch, triton
-print("device:", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
-print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
-      "triton", triton.__version__, "python", platform.python_version())
-PY
+source "$(dirname "$0")/_gpu_setup.sh" issue10-out
 t() { local secs=$1; shift; timeout "$secs" "$@"; echo "[exit $? after step: $*]" | cut -c1-200; }
 # Each step has a timeout so one slow step cannot eat the call. $1 = measure (default) or sbs (the table alone).
 phase=${1:-measure}

@@ -18,6 +18,7 @@ import opdispatch
 from opdispatch import AttentionCaps, AttentionImpl
 from opdispatch import _compile
 
+from tests._test_impls import EvenKeysOnly, ShortOnly, prefer_test_impls
 from .conftest import TOLERANCES, randn
 from .test_numerics import naive_attention
 
@@ -146,42 +147,9 @@ def test_recompiles_only_when_the_decision_class_changes(dynamic, basic_manager,
     assert _graphs() == {None: 3, True: 2, False: len(SHAPES)}[dynamic]
 
 
-class _ShortOnly(AttentionImpl):
-    """A test kernel limited to short sequences by data (caps.max_seqlen), computing in float64."""
-
-    vendor: ClassVar[str] = "test"
-    name: ClassVar[str] = "short"
-    priority: ClassVar[int] = 1000
-    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, max_seqlen=20,
-                                                  backward=True)
-
-    def run(self, call):
-        q, k, v = (call.bhsd(t).double() for t in (call.q, call.k, call.v))
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
-        p = torch.softmax(q @ k.transpose(-1, -2) * call.scale, -1)
-        return call.from_bhsd((p @ v).to(call.dtype))
-
-
-class _EvenKeysOnly(_ShortOnly):
-    """Extra limits written as code that reads sizes, with no selection_key: the graph cannot guard them."""
-
-    name: ClassVar[str] = "even"
-    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, backward=True)
-
-    def extra_reasons(self, call, device):
-        return [] if call.seqlen_k % 2 == 0 else [f"seqlen_k {call.seqlen_k} is odd"]
-
-
-def _prefer_test_impls(manager, tmp_path):
-    path = tmp_path / "order.yaml"
-    path.write_text("version: 1\nops:\n  attention:\n    order: ['test.*', cpu.flash, reference.math]\n")
-    manager.set_policy(path)
-
-
 def test_caps_max_seqlen_is_a_guarded_predicate(basic_manager, tmp_path, ran):
-    basic_manager.register_impl(_ShortOnly())
-    _prefer_test_impls(basic_manager, tmp_path)
+    basic_manager.register_impl(ShortOnly())
+    prefer_test_impls(basic_manager, tmp_path)
     fn = torch.compile(lambda q, k, v: opdispatch.attention(q, k, v), backend="aot_eager", fullgraph=True,
                        dynamic=True)
     gen = torch.Generator().manual_seed(3)
@@ -194,8 +162,8 @@ def test_caps_max_seqlen_is_a_guarded_predicate(basic_manager, tmp_path, ran):
 
 
 def test_size_checks_the_graph_cannot_guard_are_rechecked_per_call(basic_manager, tmp_path, ran):
-    basic_manager.register_impl(_EvenKeysOnly())
-    _prefer_test_impls(basic_manager, tmp_path)
+    basic_manager.register_impl(EvenKeysOnly())
+    prefer_test_impls(basic_manager, tmp_path)
     fn = torch.compile(lambda q, k, v: opdispatch.attention(q, k, v), backend="aot_eager", fullgraph=True,
                        dynamic=True)
     gen = torch.Generator().manual_seed(4)
@@ -221,7 +189,7 @@ def test_decode_shapes_with_dynamic_cache_length(ran):
 # -- scopes and overrides ------------------------------------------------------------------------------------
 
 
-class _Recording(_ShortOnly):
+class _Recording(ShortOnly):
     """A float64 test kernel that only a scoped policy rule picks; records every call it computes."""
 
     name: ClassVar[str] = "record"

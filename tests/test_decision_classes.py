@@ -15,6 +15,7 @@ from opdispatch import _manager as manager_module
 from opdispatch.policies import parse_policy
 
 from tests._vendor_helpers import real_device
+from tests._test_impls import EvenKeysOnly, ShortOnly, prefer_test_impls
 from tests.conftest import device_descriptor
 from tests.fakes import install
 from tests.fakes import kunlun_ops as fake_kunlun
@@ -78,40 +79,8 @@ def test_policy_thresholds_split_classes(basic_manager, rng, tmp_path):
     assert basic_manager.decisions_made == 2  # one per side of the threshold
 
 
-def prefer_test_impls(manager, tmp_path):
-    path = tmp_path / "order.yaml"
-    path.write_text("version: 1\nops:\n  attention:\n    order: ['test.*', cpu.flash, reference.math]\n")
-    manager.set_policy(path)
-
-
-class _ShortOnly(AttentionImpl):
-    """A test kernel limited to short sequences, declared as data."""
-
-    vendor: ClassVar[str] = "test"
-    name: ClassVar[str] = "short"
-    priority: ClassVar[int] = 1000
-    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, max_seqlen=20)
-
-    def run(self, call):
-        q, k, v = (call.bhsd(t).double() for t in (call.q, call.k, call.v))
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
-        p = torch.softmax(q @ k.transpose(-1, -2) * call.scale, -1)
-        return call.from_bhsd((p @ v).to(call.dtype))
-
-
-class _EvenKeysOnly(_ShortOnly):
-    """Extra limits written as code that reads sizes, with no selection_key: must be keyed on exact shapes."""
-
-    name: ClassVar[str] = "even"
-    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True)
-
-    def extra_reasons(self, call, device):
-        return [] if call.seqlen_k % 2 == 0 else [f"seqlen_k {call.seqlen_k} is odd"]
-
-
 def test_caps_limits_split_classes(basic_manager, rng, tmp_path):
-    basic_manager.register_impl(_ShortOnly())
+    basic_manager.register_impl(ShortOnly())
     prefer_test_impls(basic_manager, tmp_path)
     picks = []
     for sk in (4, 12, 20, 21, 40, 6):
@@ -124,7 +93,7 @@ def test_caps_limits_split_classes(basic_manager, rng, tmp_path):
 
 
 def test_extra_reasons_without_a_selection_key_decide_per_exact_shape(basic_manager, rng, tmp_path):
-    basic_manager.register_impl(_EvenKeysOnly())
+    basic_manager.register_impl(EvenKeysOnly())
     prefer_test_impls(basic_manager, tmp_path)
     for sk in (4, 5, 6, 7):
         q, k, v = bshd(1, 2, 2, 8, rng), bshd(1, sk, 2, 8, rng), bshd(1, sk, 2, 8, rng)
@@ -263,7 +232,7 @@ def test_reference_on_the_cpu_does_not_warn(basic_manager, rng, caplog):
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
-class _NondeterministicForward(_ShortOnly):
+class _NondeterministicForward(ShortOnly):
     name: ClassVar[str] = "racy"
     caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True,
                                                   deterministic_forward=False)

@@ -1,0 +1,17 @@
+# Sourced by the GPU scripts (run from the repo root on the lent GPU machine): installs the wheels the machine lacks
+# (carried in .whl/) and opdispatch itself into /tmp/site, sets $out (results: $OUT or the given default) and $repo,
+# moves to /tmp so the installed package is imported, not the checkout's folders, and records device and versions.
+out=${OUT:-$1}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site . || exit 1
+repo=$(pwd)
+cd /tmp
+python3 - <<'PY' | tee "$out/environment.txt"
+import platform, torch, triton
+print("device:", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
+      "triton", triton.__version__, "python", platform.python_version())
+PY
