@@ -621,7 +621,7 @@ def additive_bias(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, *, fold
         user = call.attn_bias.to(dtype)
         bias = user if bias is None else bias + user
     if fold_alibi and call.alibi_slopes is not None:
-        ab = alibi_bias(call.alibi_slopes, sq, sk, offset, torch.float32).to(dtype)
+        ab = alibi_bias(call.alibi_slopes, sq, sk, offset, torch.promote_types(dtype, torch.float32)).to(dtype)
         bias = ab if bias is None else bias + ab
     return (None if bias is None else _to_4d(bias)), is_causal, allowed
 

@@ -29,12 +29,13 @@ class CpuFlashAttention(AttentionImpl):
     # kv heads dividing q heads, causal aligned top-left.
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
-        causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, attn_mask=True,
+        causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, alibi=True, attn_mask=True,
         attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=True,
     )
 
     def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
-        if call.positional_mask or call.attn_mask is not None or call.attn_bias is not None:
+        if (call.positional_mask or call.attn_mask is not None or call.attn_bias is not None
+                or call.alibi_slopes is not None):
             return super().bind(call)
         # The common case binds the kernel itself: no call object, no branches per call.
         kernel, causal, scale = _kernel, call.causal, call.scale
@@ -52,13 +53,24 @@ class CpuFlashAttention(AttentionImpl):
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
-        # The kernel takes is_causal or a mask, not both: with a mask or bias, causal is folded into it too.
+        alibi = call.alibi_slopes is not None
+        # The kernel takes is_causal or a mask, not both: with a mask, bias or ALiBi, causal is folded into it too.
         additive, is_causal, allowed = additive_bias(
-            call, q, k, fold_causal=call.attn_mask is not None or call.attn_bias is not None, fold_alibi=False)
+            call, q, k, fold_causal=call.attn_mask is not None or call.attn_bias is not None or alibi,
+            fold_alibi=True, dtype=torch.promote_types(q.dtype, torch.float32) if alibi else None)
+        shift = None
+        if alibi:
+            # ALiBi biases reach -slope * seqlen: subtract each row's maximum in fp32 before rounding to the input
+            # dtype (softmax does not change) and add it back to the LSE.
+            shift = additive.detach().amax(dim=-1, keepdim=True)
+            shift = shift.masked_fill(shift == float("-inf"), 0.0)
+            additive = (additive - shift).to(q.dtype)
         out, lse = _kernel(q, k, v, 0.0, is_causal, attn_mask=additive, scale=call.scale)
         out = call.from_bhsd(out)
         if not call.return_lse:
             return out
+        if shift is not None:
+            lse = lse + shift[..., 0]
         if allowed is not None:
             # The kernel reports lse 0 for a query that sees no key; the convention is -inf.
             blind = ~allowed.any(dim=-1)
