@@ -190,7 +190,7 @@ class AttentionCall:
 
     def class_key(self) -> tuple[Any, ...]:
         """What selection may read of this call except its sizes: dtype, layout, head dims, GQA ratio, every
-        feature flag, whether the causal alignment matters, and the broadcast pattern of masks and biases.
+        feature flag, whether the lengths are equal, and the broadcast pattern of masks and biases.
 
         Sizes (batch, sequence lengths, head counts) join the decision key only through the thresholds that
         the policy and the candidates' limits compare them with (see `opdispatch._classes`)."""
@@ -455,9 +455,7 @@ def canonicalize(call: AttentionCall, *, varlen_rewritten: bool = False) -> None
             call.window = None if window[0] == -1 else (window[0], -1)
         rewrites.append("causal=True bottom_right with one query (hides no key)")
     uses_alignment = call.causal or call.window is not None or call.alibi_slopes is not None
-    same_lengths = (call.cu_seqlens_q is call.cu_seqlens_k) if call.layout == "thd" else (
-        call.seqlen_q == call.seqlen_k)
-    if call.causal_alignment != "top_left" and (same_lengths or not uses_alignment):
+    if call.causal_alignment != "top_left" and (call.same_lengths or not uses_alignment):
         call.causal_alignment = "top_left"
         if uses_alignment:
             rewrites.append("causal_alignment=bottom_right with equal lengths")
@@ -624,6 +622,15 @@ def additive_bias(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, *, fold
         ab = alibi_bias(call.alibi_slopes, sq, sk, offset, torch.promote_types(dtype, torch.float32)).to(dtype)
         bias = ab if bias is None else bias + ab
     return (None if bias is None else _to_4d(bias)), is_causal, allowed
+
+
+def shift_rows(bias: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A wide-range additive bias (ALiBi reaches -slope * seqlen) rounded to a kernel's `dtype` without losing the
+    visible keys' differences: subtract each row's maximum in the bias's own (fp32/fp64) precision first — softmax
+    does not change — and return the shift, to be added back to the LSE. Rows that see no key keep a shift of 0."""
+    shift = bias.detach().amax(dim=-1, keepdim=True)
+    shift = shift.masked_fill(shift == float("-inf"), 0.0)
+    return (bias - shift).to(dtype), shift
 
 
 def bind_dense(call: AttentionCall,

@@ -283,7 +283,7 @@ class OpManager:
         policy = self.policy
         overrides = OVERRIDES.get()
         cache = self._cache
-        key = (op, self.decision_class(op, call, policy, device), device.key, impl, overrides, policy.hash)
+        key = self._cache_key(op, call, device, impl, overrides, policy)
         if use_cache:
             decision = cache.get(key)
             if decision is not None:
@@ -317,8 +317,12 @@ class OpManager:
         """The cached decision for `call`'s class, or None; never decides (safe during CUDA graph capture)."""
         policy = self.policy
         device = self.device_info(call.device)
-        key = (op, self.decision_class(op, call, policy, device), device.key, impl, OVERRIDES.get(), policy.hash)
-        return self._cache.get(key)
+        return self._cache.get(self._cache_key(op, call, device, impl, OVERRIDES.get(), policy))
+
+    def _cache_key(self, op: str, call: Any, device: DeviceInfo, impl: str | None, overrides: Any,
+                   policy: Any) -> tuple[Any, ...]:
+        """What a cached decision stands for: the call's class on this device, the pin, the overrides, the policy."""
+        return (op, self.decision_class(op, call, policy, device), device.key, impl, overrides, policy.hash)
 
     def decision_class(self, op: str, call: Any, policy: Any = None, device: DeviceInfo | None = None) -> Any:
         """The class of `call` under the active policy: calls of one class share one decision (see _classes)."""

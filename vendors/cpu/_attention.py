@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch._attention import additive_bias
+from opdispatch._attention import additive_bias, shift_rows
 
 _kernel = torch._scaled_dot_product_flash_attention_for_cpu
 
@@ -60,11 +60,7 @@ class CpuFlashAttention(AttentionImpl):
             fold_alibi=True, dtype=torch.promote_types(q.dtype, torch.float32) if alibi else None)
         shift = None
         if alibi:
-            # ALiBi biases reach -slope * seqlen: subtract each row's maximum in fp32 before rounding to the input
-            # dtype (softmax does not change) and add it back to the LSE.
-            shift = additive.detach().amax(dim=-1, keepdim=True)
-            shift = shift.masked_fill(shift == float("-inf"), 0.0)
-            additive = (additive - shift).to(q.dtype)
+            additive, shift = shift_rows(additive, q.dtype)
         out, lse = _kernel(q, k, v, 0.0, is_causal, attn_mask=additive, scale=call.scale)
         out = call.from_bhsd(out)
         if not call.return_lse:

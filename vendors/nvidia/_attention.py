@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch._attention import additive_bias, bind_dense
+from opdispatch._attention import additive_bias, bind_dense, shift_rows
 
 from ._fa2 import causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 
@@ -440,7 +440,7 @@ class MemEfficientAttention(AttentionImpl):
             bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True,
                                                dtype=torch.float32 if alibi else None)
             if alibi:
-                bias, shift = _shift_rows(bias, q.dtype)
+                bias, shift = shift_rows(bias, q.dtype)
         if bias is not None:
             bias = _aligned(bias, 8).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         need_lse = call.return_lse or call.requires_grad
@@ -469,20 +469,11 @@ class MemEfficientAttention(AttentionImpl):
             cache.move_to_end(key)
             return hit[1], hit[2], hit[3]
         bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True, dtype=torch.float32)
-        bias, shift = _shift_rows(bias, q.dtype)
+        bias, shift = shift_rows(bias, q.dtype)
         cache[key] = (slopes, bias, is_causal, shift)
         while len(cache) > 2:
             cache.popitem(last=False)
         return bias, is_causal, shift
-
-
-def _shift_rows(bias: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """ALiBi scores reach -slope * seqlen: rounded to bf16 as they are, the visible keys' biases lose their
-    differences (output errors of 0.3-2.6 measured, sq > sk). Softmax is invariant to a per-row constant: subtract
-    each row's maximum in fp32, round, and return the shift to add back to the LSE."""
-    shift = bias.detach().amax(dim=-1, keepdim=True)
-    shift = shift.masked_fill(shift == -math.inf, 0.0)
-    return (bias - shift).to(dtype), shift
 
 
 def _needs_padding(call: AttentionCall) -> bool:
