@@ -5,7 +5,9 @@
 set -u
 source "$(dirname "$0")/_gpu_setup.sh" issue10-out
 t() { local secs=$1; shift; timeout "$secs" "$@"; echo "[exit $? after step: $*]" | cut -c1-200; }
-# Each step has a timeout so one slow step cannot eat the call. $1 = measure (default) or sbs (the table alone).
+# Each step has a timeout so one slow step cannot eat the call. $1 = measure (default), sbs (the table alone) or
+# backward (the compiled backward from saved out/LSE and cuDNN ALiBi: their GPU tests, compiled_training.py, the
+# ALiBi cells of the table).
 phase=${1:-measure}
 if [ "$phase" = measure ]; then
 t 45 python3 "$repo/benchmarks/new_shape_cost.py" --out "$out/new_shape_cost.json" 2>&1 | tail -9
@@ -24,4 +26,13 @@ t 100 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir "$repo"
   -k "padded or alibi" 2>&1 | tee "$out/gpu-tests-padding.txt" | tail -8
 t ${SBS_SECONDS:-370} python3 "$repo/benchmarks/side_by_side.py" --reps 8 --warmup 2 --out "$out/side_by_side.json" \
   2>"$out/side_by_side.log" | tail -32
+fi
+if [ "$phase" = backward ]; then
+t 150 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --rootdir "$repo" \
+  "$repo/tests/gpu/test_compiled_backward_gpu.py" "$repo/tests/gpu/test_issue10_gpu.py" -k "backward or alibi or padded" \
+  2>&1 | tee "$out/gpu-tests-backward.txt" | tail -12
+t 200 python3 "$repo/benchmarks/compiled_training.py" --reps 10 --out "$out/compiled_training.json" \
+  2>"$out/compiled_training.log" | tail -9
+t 150 python3 "$repo/benchmarks/side_by_side.py" --reps 8 --warmup 2 --cells alibi,alibi_gqa \
+  --out "$out/side_by_side_alibi.json" 2>"$out/side_by_side_alibi.log" | tail -8
 fi

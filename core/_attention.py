@@ -750,6 +750,25 @@ class AttentionImpl(Impl):
 
         return bound
 
+    def backward(self, call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(dq, dk, dv) from this implementation's own forward results, without computing the forward again.
+
+        Used by the compiled path (``opdispatch::attention_backward``): `call` is the forward's call with
+        ``return_lse=True`` (its tensors do not require grad), `out` and `lse` are what `run(call)` returned,
+        `grad_out` is the gradient of `out`; each gradient has its input's shape, in `call.layout`. Not used when
+        the caller asked for the LSE (its gradient would be dropped) or for a bias gradient. Return None for a
+        call this does not cover: the compiled backward then recomputes the forward under autograd (always
+        correct, one more forward). Eager calls never come here: autograd differentiates what `run` called.
+        Default: None.
+        """
+        return None
+
+    @property
+    def saves_for_backward(self) -> bool:
+        """Whether `backward` is overridden (the compiled forward then keeps the LSE for it)."""
+        return type(self).backward is not AttentionImpl.backward
+
     def describe_capabilities(self) -> dict[str, Any]:
         out = super().describe_capabilities()
         out.update(self.caps.as_dict())

@@ -4,9 +4,11 @@ Under ``torch.compile`` the decision cannot be made per call: the graph would br
 Instead `attention_for_compile` reduces the call to plain constants, asks the manager once while Dynamo traces
 (`torch.compiler.assume_constant_result`), and emits ``opdispatch::attention`` with the chosen implementation id
 baked into the graph as a string constant. The op has a fake (meta) kernel for every layout (symbolic sizes
-welcome) and an autograd formula whose backward is a second opaque op, ``opdispatch::attention_backward``, that
-recomputes the forward's implementation under autograd — so every implementation that declares
-``backward=True`` works, with no per-implementation backward code.
+welcome) and an autograd formula whose backward is a second opaque op, ``opdispatch::attention_backward``. When
+the chosen implementation has its own `AttentionImpl.backward` (gradients from the forward's out and LSE, as
+torch's and flash-attn's kernels do), the forward keeps out and LSE and the backward calls it: one forward per
+training step. Otherwise the backward recomputes the forward's implementation under autograd — so every
+implementation that declares ``backward=True`` works, with no per-implementation backward code.
 
 What is guarded, and when it recompiles. Batch and sequence lengths may be dynamic (``dynamic=None`` makes them
 so on the second shape, ``dynamic=True`` at once). A decision depends on them only through a few predicates
@@ -40,7 +42,8 @@ to the implementation. `attention_for_compile` still works eagerly (tests compar
 
 Limits: dropout with autograd is refused (recomputing the forward would draw a different dropout mask); a
 ``thd`` call needs ``max_seqlen_q``/``max_seqlen_k`` (reading ``cu_seqlens`` would be a data-dependent host
-sync); the backward recomputes the forward (no residuals are saved).
+sync); an implementation without its own `backward` (or a call it declines, or one returning its LSE or
+differentiating a bias) has its forward recomputed by the backward.
 """
 
 from __future__ import annotations
@@ -183,8 +186,11 @@ def _token(context: _TraceContext) -> int:
 @torch.compiler.assume_constant_result
 def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad_enabled: bool,
                        impl: Optional[str], epoch: int = 0, sizes: tuple[Any, ...] = ((), ()),
-                       inner: tuple[Any, ...] = ()) -> tuple[str, int]:
-    """(implementation id, context token) for this call; run once per trace (the result is a graph constant).
+                       inner: tuple[Any, ...] = ()) -> tuple[str, int, bool]:
+    """(implementation id, context token, save_lse) for this call; run once per trace (a graph constant).
+
+    `save_lse`: the call is differentiated (and does not return its LSE) and the implementation has its own
+    `backward`: the forward then keeps out and LSE, and the backward calls that instead of recomputing.
 
     `tensors` holds (shape recipe, dtype, device, requires_grad) of q, k, v, alibi_slopes, attn_mask, attn_bias,
     cu_seqlens_q, cu_seqlens_k (None where absent; cu_seqlens_k is "same" when it is cu_seqlens_q); a recipe's
@@ -219,7 +225,8 @@ def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any],
     assert decision.chosen_id is not None
     _unused, unlisted = size_predicates(tensors[0][2], epoch)
     context = _TraceContext(outer[0], outer[1], tuple(inner), bool(call.requires_grad), impl, unlisted)
-    return decision.chosen_id, _token(context)
+    save_lse = bool(call.requires_grad and not call.return_lse and _impl(decision.chosen_id).saves_for_backward)
+    return decision.chosen_id, _token(context), save_lse
 
 
 @contextlib.contextmanager
@@ -336,25 +343,26 @@ def compiled_attention(
     attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], layout: str,
     causal: bool, causal_alignment: str, window_left: int, window_right: int, scale: float, dropout_p: float,
     softcap: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], return_lse: bool,
-    deterministic: bool, impl_id: str, token: int,
+    deterministic: bool, impl_id: str, token: int, save_lse: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Attention computed by implementation `impl_id`; returns (out, lse), lse of shape (0,) unless return_lse.
+    """Attention computed by implementation `impl_id`; returns (out, lse), lse of shape (0,) unless return_lse
+    or `save_lse` (kept for the implementation's own `backward`, see `decide_for_compile`).
 
     The window is (window_left, window_right) with (-1, -1) meaning none; `scale` is already resolved. `token`
     names the trace's context (`_CONTEXTS`): under other overrides or another scope the call is decided again.
     """
     call = _rebuild_call(q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal,
                          causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q,
-                         max_seqlen_k, return_lse, deterministic)
+                         max_seqlen_k, return_lse or save_lse, deterministic)
     impl_id = _runtime_choice(token, impl_id, call)
-    return _split(_impl(impl_id).run(call), q, v, layout, return_lse)
+    return _split(_impl(impl_id).run(call), q, v, layout, return_lse or save_lse)
 
 
 @compiled_attention.register_fake
 def _(q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal,  # type: ignore[no-untyped-def]
       causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q, max_seqlen_k,
-      return_lse, deterministic, impl_id, token):
-    return fake_outputs(q, v, layout, return_lse)
+      return_lse, deterministic, impl_id, token, save_lse):
+    return fake_outputs(q, v, layout, return_lse or save_lse)
 
 
 @contextlib.contextmanager
@@ -369,22 +377,42 @@ def _autograd_reenabled() -> Iterator[None]:
         yield
 
 
+def _check_grads(impl_id: str, grads: Any, inputs: tuple[Tensor, Tensor, Tensor]) -> None:
+    if not (isinstance(grads, (tuple, list)) and len(grads) == 3 and all(
+            isinstance(g, Tensor) and g.shape == x.shape and g.dtype == x.dtype for g, x in zip(grads, inputs))):
+        got = [(tuple(g.shape), g.dtype) if isinstance(g, Tensor) else type(g).__name__ for g in grads] \
+            if isinstance(grads, (tuple, list)) else type(grads).__name__
+        raise RuntimeError(f"{impl_id}.backward must return (dq, dk, dv) with the shapes and dtypes of q, k, v "
+                           f"{[(tuple(x.shape), x.dtype) for x in inputs]}; got {got}")
+
+
 @torch.library.custom_op("opdispatch::attention_backward", mutates_args=())
 def _attention_backward(
-    grad_out: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
+    grad_out: Tensor, grad_lse: Optional[Tensor], out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
     attn_mask: Optional[Tensor], attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor], layout: str, causal: bool, causal_alignment: str, window_left: int,
     window_right: int, scale: float, dropout_p: float, softcap: float, max_seqlen_q: Optional[int],
     max_seqlen_k: Optional[int], return_lse: bool, deterministic: bool, impl_id: str, token: int,
-    bias_grad: bool,
+    save_lse: bool, bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dbias) by recomputing implementation `impl_id`'s forward under autograd.
+    """(dq, dk, dv, dbias) of implementation `impl_id`'s forward.
 
-    dbias has shape (0,) unless `bias_grad`. Opaque to the compiler like the forward. It recomputes the
-    implementation the latest forward of this context token ran (which may differ from `impl_id` when that
-    forward ran under another scope or override); the backward itself may run outside that scope.
+    From the forward's `out` and `lse` through the implementation's own `backward` when the forward saved them
+    (`save_lse`) and it covers the call; otherwise by recomputing the forward under autograd. dbias has shape
+    (0,) unless `bias_grad`. Opaque to the compiler like the forward. It uses the implementation the latest
+    forward of this context token ran (which may differ from `impl_id` when that forward ran under another
+    scope or override); the backward itself may run outside that scope.
     """
     impl_id = _LAST_CHOICE.get(token, impl_id)
+    if save_lse and not bias_grad:
+        call = _rebuild_call(q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal,
+                             causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q,
+                             max_seqlen_k, True, deterministic)
+        impl = _impl(impl_id)
+        grads = impl.backward(call, out, lse, grad_out)
+        if grads is not None:
+            _check_grads(impl_id, grads, (q, k, v))
+            return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), q.new_empty((0,))
     with _autograd_reenabled():
         leaves = [q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()]
         bias = attn_bias
@@ -409,9 +437,9 @@ def _attention_backward(
 
 
 @_attention_backward.register_fake
-def _(grad_out, grad_lse, q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout,  # type: ignore[no-untyped-def]
-      causal, causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q, max_seqlen_k,
-      return_lse, deterministic, impl_id, token, bias_grad):
+def _(grad_out, grad_lse, out, lse, q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k,  # type: ignore[no-untyped-def]
+      layout, causal, causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q,
+      max_seqlen_k, return_lse, deterministic, impl_id, token, save_lse, bias_grad):
     dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format) if (
         bias_grad and attn_bias is not None) else q.new_empty((0,))
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -421,20 +449,25 @@ def _(grad_out, grad_lse, q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlen
 
 _TENSOR_ARGS = ("q", "k", "v", "alibi_slopes", "attn_mask", "attn_bias", "cu_seqlens_q", "cu_seqlens_k")
 _SCALAR_ARGS = ("layout", "causal", "causal_alignment", "window_left", "window_right", "scale", "dropout_p",
-                "softcap", "max_seqlen_q", "max_seqlen_k", "return_lse", "deterministic", "impl_id", "token")
+                "softcap", "max_seqlen_q", "max_seqlen_k", "return_lse", "deterministic", "impl_id", "token",
+                "save_lse")
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     tensors = inputs[:len(_TENSOR_ARGS)]
-    ctx.save_for_backward(*(t if t is not None else None for t in tensors))
+    out, lse = output
+    # out and lse only when the implementation's backward reads them (save_lse); else nothing beyond the inputs.
+    ctx.save_for_backward(*tensors, *((out, lse) if inputs[-1] else ()))
     ctx.scalars = inputs[len(_TENSOR_ARGS):]
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple[Any, ...]:
-    tensors = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    tensors = saved[:len(_TENSOR_ARGS)]
+    out, lse = saved[len(_TENSOR_ARGS):] or (grad_out.new_empty((0,)), grad_out.new_empty((0,)))
     bias_grad = bool(ctx.needs_input_grad[5])
-    dq, dk, dv, dbias = torch.ops.opdispatch.attention_backward(grad_out, grad_lse, *tensors, *ctx.scalars,
-                                                                bias_grad)
+    dq, dk, dv, dbias = torch.ops.opdispatch.attention_backward(grad_out, grad_lse, out, lse, *tensors,
+                                                                *ctx.scalars, bias_grad)
     grads: list[Any] = [dq, dk, dv, None, None, dbias if bias_grad else None, None, None]
     return (*grads, *([None] * len(_SCALAR_ARGS)))
 
@@ -628,8 +661,8 @@ def attention_for_compile(
                # the window is exact in every decision class: a symbolic bound is specialised
                ("window", tuple(_static(w) if isinstance(w, int) and not isinstance(w, bool) else w for w in window)
                 if isinstance(window, (tuple, list)) else window))
-    impl_id, token = decide_for_compile(keys, options, grad_enabled, impl, DECISION_EPOCH, sizes,
-                                        tuple(_inner_scopes))
+    impl_id, token, save_lse = decide_for_compile(keys, options, grad_enabled, impl, DECISION_EPOCH, sizes,
+                                                  tuple(_inner_scopes))
     head_dim = _static(q.shape[-1])
     if window is None:
         left, right = -1, -1
@@ -642,5 +675,5 @@ def attention_for_compile(
     out, lse = compiled_attention(
         q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal, causal_alignment,
         left, right, float(scale) if scale is not None else 1.0 / math.sqrt(head_dim), float(dropout_p),
-        float(softcap), max_seqlen_q, max_seqlen_k, return_lse, deterministic, impl_id, token)
+        float(softcap), max_seqlen_q, max_seqlen_k, return_lse, deterministic, impl_id, token, save_lse)
     return (out, lse) if return_lse else out

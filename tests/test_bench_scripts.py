@@ -56,3 +56,14 @@ def test_side_by_side_reports_every_cell_with_torchs_best_way(basic_manager, tmp
 def test_side_by_side_rejects_unknown_cells():
     with pytest.raises(SystemExit):
         load("side_by_side").main(["--tiny", "--cells", "nope"])
+
+
+@pytest.mark.slow
+def test_compiled_training_counts_one_forward_per_step_with_the_kernels_backward(basic_manager, tmp_path):
+    out = tmp_path / "compiled.json"
+    assert load("compiled_training").main(["--tiny", "--reps", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["pick"] == "cpu.flash" and row["saves_for_backward"]
+    assert row["opdispatch forwards per step"] == 1
+    assert row["opdispatch (backward recomputes) forwards per step"] == 2
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in row if k.endswith(" ms"))

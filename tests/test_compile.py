@@ -236,3 +236,100 @@ def test_inductor_fullgraph_matches_eager():
     torch.testing.assert_close(got, expected, **TOLERANCES[torch.float32])
     for g, e in zip(_grads(model, compiled(x).square().mean()), expected_grads):
         torch.testing.assert_close(g, e, **TOLERANCES[torch.float32])
+
+
+# -- the compiled backward: the implementation's own backward, or a recompute ----------------------------------
+
+@pytest.fixture
+def cpu_flash_calls(basic_manager: opdispatch.OpManager, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often cpu.flash's run() and backward() are entered (wrapping the real ones)."""
+    from opdispatch.vendors.cpu._attention import CpuFlashAttention
+
+    counts = {"run": 0, "backward": 0, "backward_used": 0}
+    run, backward = CpuFlashAttention.run, CpuFlashAttention.backward
+
+    def counting_run(self, call):
+        counts["run"] += 1
+        return run(self, call)
+
+    def counting_backward(self, call, out, lse, grad_out):
+        counts["backward"] += 1
+        grads = backward(self, call, out, lse, grad_out)
+        counts["backward_used"] += grads is not None
+        return grads
+
+    monkeypatch.setattr(CpuFlashAttention, "run", counting_run)
+    monkeypatch.setattr(CpuFlashAttention, "backward", counting_backward)
+    return counts
+
+
+def _oracle_grads(q, k, v, grad_out, layout, causal=False, mask=None):
+    """float64 gradients of the oracle (naive row-by-row attention) for tensors in `layout`."""
+    from .test_numerics import naive_attention
+
+    to_bhsd = {"bshd": lambda t: t.transpose(1, 2), "bhsd": lambda t: t,
+               "sbhd": lambda t: t.permute(1, 2, 0, 3)}[layout]
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, _ = naive_attention(*(to_bhsd(t) for t in leaves), scale=q.shape[-1] ** -0.5, causal=causal, mask=mask)
+    return torch.autograd.grad(out, leaves, to_bhsd(grad_out.double()))
+
+
+@pytest.mark.parametrize("layout,shape,kv_heads", [("bshd", (2, 7, 4, 8), 2), ("bhsd", (1, 4, 6, 16), 4),
+                                                   ("sbhd", (5, 2, 4, 8), 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_op", "compiled"])
+def test_backward_uses_the_implementations_own_backward(layout, shape, kv_heads, causal, compiled,
+                                                        cpu_flash_calls):
+    gen = torch.Generator().manual_seed(11)
+    heads_dim = {"bshd": 2, "bhsd": 1, "sbhd": 2}[layout]
+    kv_shape = list(shape)
+    kv_shape[heads_dim] = kv_heads
+    # Strided inputs: each tensor is a slice of a wider one.
+    q = randn(*shape[:-1], 2 * shape[-1], gen=gen, dtype=torch.float64)[..., ::2].requires_grad_()
+    k, v = (randn(*kv_shape, gen=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad_out = randn(*shape, gen=gen, dtype=torch.float64)
+    fn = lambda q, k, v: attention_for_compile(q, k, v, layout=layout, causal=causal)  # noqa: E731
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    out = fn(q, k, v)
+    grads = torch.autograd.grad(out, [q, k, v], grad_out)
+    # One forward: the backward came from cpu.flash's own backward, not from running the forward again.
+    assert cpu_flash_calls == {"run": 1, "backward": 1, "backward_used": 1}
+    for got, want in zip(grads, _oracle_grads(q, k, v, grad_out, layout, causal=causal)):
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float64])
+
+
+def test_a_declined_backward_recomputes_the_forward(cpu_flash_calls):
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (randn(1, 6, 2, 8, gen=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.rand(6, 6, generator=gen) > 0.3
+    mask[:, 0] = True  # every query sees a key
+    grad_out = randn(1, 6, 2, 8, gen=gen, dtype=torch.float64)
+    out = attention_for_compile(q, k, v, attn_mask=mask)
+    grads = torch.autograd.grad(out, [q, k, v], grad_out)
+    # cpu.flash declines masked calls (its LSE is adjusted there): the backward ran the forward again.
+    assert cpu_flash_calls == {"run": 2, "backward": 1, "backward_used": 0}
+    for got, want in zip(grads, _oracle_grads(q, k, v, grad_out, "bshd", mask=mask)):
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float64])
+
+
+def test_a_call_returning_its_lse_recomputes_the_forward(cpu_flash_calls):
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (randn(1, 5, 2, 8, gen=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad_out = randn(1, 5, 2, 8, gen=gen, dtype=torch.float64)
+    out, _lse = attention_for_compile(q, k, v, return_lse=True, causal=True)
+    grads = torch.autograd.grad(out, [q, k, v], grad_out)
+    # The caller holds the LSE: an implementation's own backward (which takes no LSE gradient) is not used.
+    assert cpu_flash_calls["backward"] == 0 and cpu_flash_calls["run"] == 2
+    for got, want in zip(grads, _oracle_grads(q, k, v, grad_out, "bshd", causal=True)):
+        torch.testing.assert_close(got, want, **TOLERANCES[torch.float64])
+
+
+def test_a_backward_returning_the_wrong_shapes_is_a_clear_error(basic_manager, monkeypatch):
+    from opdispatch.vendors.cpu._attention import CpuFlashAttention
+
+    monkeypatch.setattr(CpuFlashAttention, "backward", lambda self, call, out, lse, grad_out: (grad_out,))
+    q, k, v = (randn(1, 5, 2, 8, requires_grad=True) for _ in range(3))
+    out = attention_for_compile(q, k, v)
+    with pytest.raises(RuntimeError, match=r"cpu\.flash\.backward must return \(dq, dk, dv\)"):
+        out.sum().backward()

@@ -283,3 +283,33 @@ def test_cpu_flash_alibi_keeps_bf16_precision_and_its_gradients(manager, rng):
     g = torch.randn(got[0].shape, generator=rng)
     for a, b in zip(torch.autograd.grad(got[0], (qg, kg, vg), g), torch.autograd.grad(want[0], leaves, g.double())):
         torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4)
+
+
+def _head_dim_strided_views(gen):
+    """(name, q) pairs of bshd (2, 6, 4, 8) float64 views whose head dim is not unit-stride."""
+    base = torch.randn(2, 6, 4, 16, generator=gen, dtype=torch.float64)
+    channels_last = torch.randn(2, 6, 4, 8, generator=gen, dtype=torch.float64).contiguous(
+        memory_format=torch.channels_last)
+    d_outer = torch.randn(2, 8, 6, 4, generator=gen, dtype=torch.float64).permute(0, 2, 3, 1)
+    scalar = torch.tensor(0.75, dtype=torch.float64).expand(2, 6, 4, 8)
+    return [("every_other", base[..., ::2]), ("channels_last", channels_last), ("head_dim_outermost", d_outer),
+            ("expanded_scalar", scalar)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_flash_takes_inputs_whose_head_dim_is_not_unit_stride(manager, causal):
+    gen = torch.Generator().manual_seed(21)
+    k, v = (torch.randn(2, 6, 4, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    contiguous_q = torch.randn(2, 6, 4, 8, generator=gen, dtype=torch.float64)
+    opdispatch.attention(contiguous_q, k, v, causal=causal)  # warm the per-call fast path on contiguous inputs
+    for name, q in _head_dim_strided_views(gen):
+        assert q.stride(-1) != 1, name
+        assert opdispatch.explain(q, k, v, causal=causal).chosen_id == "cpu.flash"
+        want, _ = naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=8 ** -0.5,
+                                  causal=causal)
+        for qq, kk, vv in ((q, k, v), (q, q, q)):
+            got = opdispatch.attention(qq, kk, vv, causal=causal)
+            if qq is q and kk is k:
+                torch.testing.assert_close(got, want.transpose(1, 2), **TOLERANCES[torch.float64], msg=name)
+            ref = opdispatch.attention(qq, kk, vv, causal=causal, impl="reference.math")
+            torch.testing.assert_close(got, ref, **TOLERANCES[torch.float64], msg=name)

@@ -321,7 +321,7 @@ def test_mem_efficient_positional_gqa_and_the_cached_alibi_bias(monkeypatch, rng
     for _ in range(2):  # the second call reuses the prepared bias
         call = validate_attention(q, k, v, causal=True, alibi_slopes=slopes, return_lse=True)
         outs.append(impl.run(call))
-    assert len(impl._alibi_cache) == 1
+    assert len(impl._alibi._cache) == 1
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref, ref_lse = naive_attention(*(t.transpose(1, 2) for t in leaves), scale=0.25, causal=True, alibi=slopes)
     out, lse = outs[1]
@@ -334,7 +334,7 @@ def test_mem_efficient_positional_gqa_and_the_cached_alibi_bias(monkeypatch, rng
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
     slopes.mul_(2)  # in place: a new version of the slopes is a new bias
     impl.run(validate_attention(q, k, v, causal=True, alibi_slopes=slopes))
-    assert len(impl._alibi_cache) == 2
+    assert len(impl._alibi._cache) == 2
 
 
 def _fake_efficient_with_bias(q, k, v, bias, need_lse, dropout_p, is_causal, scale=None):
@@ -446,3 +446,151 @@ def test_deterministic_training_takes_mem_efficient_only_under_torchs_flag(manag
         assert chosen("h100", q, k, v, causal=True).chosen_id == "nvidia.mem_efficient"
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+# -- backward() from the saved out and LSE (the compiled path), against fake aten backward ops ----------------
+
+def _explicit_backward(grad_out, q, k, v, out, lse, *, causal, scale, bottom_right, window=None):
+    """FlashAttention's backward written out over (b, h, s, d) float64 tensors, from the given LSE (not from
+    autograd): P = exp(S - lse) with masked scores at -inf, dS = P * (dP - rowsum(dO * O))."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    sq, sk = q.shape[2], k.shape[2]
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    offset = sk - sq if bottom_right else 0
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i + offset
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep &= j >= i + offset - left
+        if right >= 0:
+            keep &= j <= i + offset + right
+    scores = (q @ kk.transpose(-1, -2) * scale).masked_fill(~keep, -math.inf)
+    p = torch.exp(scores - lse[..., None])  # a blind row needs lse +inf here (the kernels' convention)
+    d_v = p.transpose(-1, -2) @ grad_out
+    d_s = p * (grad_out @ vv.transpose(-1, -2) - (grad_out * out).sum(-1, keepdim=True))
+    d_q = d_s @ kk * scale
+    d_k = d_s.transpose(-1, -2) @ q * scale
+    b, hk = k.shape[:2]
+    return d_q, d_k.view(b, hk, group, sk, -1).sum(2), d_v.view(b, hk, group, sk, -1).sum(2)
+
+
+def _fake_sdpa_backward(seen, bottom_right):
+    def fake(grad_out, q, k, v, out, lse, *args, scale):
+        is_causal = next(a for a in args if isinstance(a, bool))
+        seen.append(q.shape)
+        return _explicit_backward(grad_out, q, k, v, out, lse, causal=is_causal, scale=scale,
+                                  bottom_right=bottom_right)
+    return fake
+
+
+def _fake_flash_backward(seen):
+    def fake(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, causal, rng, unused, *, scale,
+             window_size_left=-1, window_size_right=-1):
+        seen.append(q.shape)
+        window = (window_size_left, window_size_right)
+        if cu_q is None:  # dense bshd
+            grads = _explicit_backward(grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2),
+                                       v.transpose(1, 2), out.transpose(1, 2), lse, causal=causal, scale=scale,
+                                       bottom_right=True, window=window)
+            return tuple(g.transpose(1, 2) for g in grads)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        for b in range(len(cu_q) - 1):
+            sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            one = [t[None].transpose(1, 2) for t in (grad_out[sq], q[sq], k[sk], v[sk], out[sq])]
+            part = _explicit_backward(*one[:4], one[4], lse[None, :, sq], causal=causal, scale=scale,
+                                      bottom_right=True, window=window)
+            for g, x, rows in zip(grads, part, (sq, sk, sk)):
+                g[rows] = x[0].transpose(0, 1)
+        return tuple(grads)
+    return fake
+
+
+def _oracle_forward_and_grads(q, k, v, grad_out, **kw):
+    """(out, lse, (dq, dk, dv)) of the float64 oracle over bhsd tensors; autograd through the oracle."""
+    from tests.test_numerics import naive_attention
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = naive_attention(*leaves, **kw)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    return out.detach(), lse, grads
+
+
+@pytest.mark.parametrize("impl_name,kw", [
+    ("cudnn", dict(causal=True, hkv=2, d=16)),
+    ("cudnn", dict(causal=False, hkv=4, d=20, dv=12)),  # head dims padded to 24 / 16
+    ("flash", dict(causal=True, hkv=2, d=16, sq=9, sk=5)),  # bottom-right: the first 4 queries see no key
+    ("flash", dict(causal=False, hkv=1, d=12)),
+    ("flash", dict(causal=True, hkv=2, d=16, window=(2, 0))),
+], ids=["cudnn-causal-gqa", "cudnn-padded", "flash-blind-rows", "flash-padded-mqa", "flash-window"])
+def test_nvidia_backward_from_saved_out_and_lse(monkeypatch, rng, impl_name, kw):
+    import opdispatch.vendors.nvidia._attention as nv
+
+    seen: list = []
+    monkeypatch.setattr(nv, "_cudnn_sdpa_backward", _fake_sdpa_backward(seen, bottom_right=False))
+    monkeypatch.setattr(nv, "_flash_sdpa_backward", _fake_sdpa_backward(seen, bottom_right=True))
+    monkeypatch.setattr(nv, "_flash_backward", _fake_flash_backward(seen))
+    b, hq, sq, sk = 2, 4, kw.get("sq", 6), kw.get("sk", kw.get("sq", 6))
+    d, dv = kw["d"], kw.get("dv", kw["d"])
+    q = torch.randn(b, sq, hq, d, generator=rng, dtype=torch.float64)
+    k = torch.randn(b, sk, kw["hkv"], d, generator=rng, dtype=torch.float64)
+    v = torch.randn(b, sk, kw["hkv"], dv, generator=rng, dtype=torch.float64)
+    grad_out = torch.randn(b, sq, hq, dv, generator=rng, dtype=torch.float64)
+    alignment = "bottom_right" if impl_name == "flash" else "top_left"
+    call = validate_attention(q, k, v, causal=kw["causal"], causal_alignment=alignment, window=kw.get("window"),
+                              return_lse=True)
+    out, lse, want = _oracle_forward_and_grads(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), grad_out.transpose(1, 2), scale=d ** -0.5,
+        causal=kw["causal"], alignment=call.causal_alignment, window=kw.get("window"))
+    impl = {"cudnn": nv.CudnnAttention, "flash": nv.TorchFlashAttention}[impl_name]()
+    assert impl.saves_for_backward
+    grads = impl.backward(call, out.transpose(1, 2).contiguous(), lse, grad_out)
+    assert len(seen) == 1  # the backward op, once; no forward
+    for got, w, x in zip(grads, want, (q, k, v)):
+        assert got.shape == x.shape
+        torch.testing.assert_close(got, w.transpose(1, 2), atol=1e-10, rtol=1e-10)
+
+
+def test_flash_varlen_backward_from_saved_out_and_lse(monkeypatch, rng):
+    import opdispatch.vendors.nvidia._attention as nv
+
+    seen: list = []
+    monkeypatch.setattr(nv, "_flash_backward", _fake_flash_backward(seen))
+    monkeypatch.setattr(nv, "_PACKED_VARLEN_LSE", True)
+    lengths_q, lengths_k = [3, 5], [4, 7]
+    cu_q = torch.tensor([0, 3, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 11], dtype=torch.int32)
+    q = torch.randn(8, 4, 16, generator=rng, dtype=torch.float64)
+    k, v = (torch.randn(11, 2, 16, generator=rng, dtype=torch.float64) for _ in range(2))
+    grad_out = torch.randn(8, 4, 16, generator=rng, dtype=torch.float64)
+    call = validate_attention(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5,
+                              max_seqlen_k=7, causal=True, causal_alignment="bottom_right", return_lse=True)
+    outs, lses, want = [], [], [[], [], []]
+    for b in range(2):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        out, lse, grads = _oracle_forward_and_grads(
+            *(t[None].transpose(1, 2) for t in (q[rq], k[rk], v[rk], grad_out[rq])), scale=0.25, causal=True,
+            alignment="bottom_right")
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+        for acc, g in zip(want, grads):
+            acc.append(g[0].transpose(0, 1))
+    grads = nv.TorchFlashAttention().backward(call, torch.cat(outs), torch.cat(lses, dim=1), grad_out)
+    assert len(seen) == 1 and lengths_q and lengths_k
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got, torch.cat(w), atol=1e-10, rtol=1e-10)
+
+
+def test_nvidia_backward_declines_what_it_does_not_cover(rng):
+    import opdispatch.vendors.nvidia._attention as nv
+
+    q = torch.randn(1, 4, 2, 8, generator=rng)
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    assert nv.CudnnAttention().backward(validate_attention(q, q, q, attn_mask=mask, return_lse=True), q, q, q) is None
+    assert nv.CudnnAttention().backward(validate_attention(q, q, q, window=(1, 0), causal=True, return_lse=True),
+                                        q, q, q) is None
+    assert nv.TorchFlashAttention().backward(validate_attention(q, q, q, dropout_p=0.1, return_lse=True),
+                                             q, q, q) is None
+    assert not nv.MemEfficientAttention().saves_for_backward

@@ -402,11 +402,11 @@ def test_selection_on_simulated_devices(manager):
     # the cases: softcap training and ALiBi + GQA training left only reference.math before
     d = _explain("h100", 2, 1024, 16, 128, grad=True, causal=True, softcap=30.0)
     assert d.chosen_id == "torch.flex"
-    # ALiBi + GQA training: mem_efficient with kv heads copied (measured 6.7 ms for torch's own SDPA + bias vs
-    # 131 ms for flex's backward on an H100), flex behind it
+    # ALiBi + GQA training: cuDNN with the prepared ALiBi bias and native GQA (measured 6.7 ms for torch's own
+    # SDPA + bias vs 131 ms for flex's backward on an H100), flex behind it
     d = _explain("h100", 2, 512, 16, 72, kv=(2, 512, 4, 72), grad=True,
                  alibi_slopes=torch.ones(16, device="meta"))
-    assert d.chosen_id == "nvidia.mem_efficient" and _flex_candidate(d).status == "eligible"
+    assert d.chosen_id == "nvidia.cudnn" and _flex_candidate(d).status == "eligible"
     # fused vendor kernels stay first where they can take the call
     assert _explain("h100", 2, 1024, 16, 128, causal=True).chosen_id == "nvidia.cudnn"
     # MLA absorbed decode: above the default max_head_dim, with a reason that says how to raise it

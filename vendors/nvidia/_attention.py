@@ -38,6 +38,11 @@ _FLASH_FORWARD_ARGS = frozenset(a.name for a in _flash_forward._schema.arguments
 # _cudnn_attention_forward: the cuDNN entry that takes packed (total, heads, dim) tensors with cumulative offsets
 # (torch.nn.attention.varlen's cuDNN path). Absent from older torch builds.
 _cudnn_forward = getattr(getattr(torch.ops.aten, "_cudnn_attention_forward", None), "default", None)
+# The backward ops (no torch.* bindings), for `backward()` from a compiled forward's saved out and LSE: the ones
+# autograd calls for the forwards above (derivatives.yaml). Philox seed/offset are unread without dropout.
+_cudnn_sdpa_backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+_flash_sdpa_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+_flash_backward = torch.ops.aten._flash_attention_backward.default
 
 
 def _version_tuple(text: str | None) -> tuple[int, ...]:
@@ -145,11 +150,15 @@ class CudnnAttention(AttentionImpl):
         # head dims: the kernel needs multiples of 8 up to 256; others are zero-padded up to one (_run_padded).
         dtypes=_LOW, head_dim_max=256, head_dim_v_differs=True,
         layouts=_ALL_LAYOUTS, causal_alignments=frozenset({"top_left"}), gqa=True, dropout=True, attn_mask=True,
-        attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=False,
+        # ALiBi: dense only, as the prepared additive bias mem_efficient uses (rows shifted in fp32, _PreparedAlibi)
+        attn_bias=True, bias_grad=False, alibi=True, lse=True, backward=True, deterministic_backward=False,
         # Measured on an H200: fp16 decode-like calls (sq 1, sk 239, d 160, batch 60) gave a different output in
         # 73 of 100 repeats — cuDNN picks split-KV plans per shape and reduces their partial results unordered.
         deterministic_forward=False,
     )
+
+    def __init__(self) -> None:
+        self._alibi = _PreparedAlibi()
 
     def selection_key(self, call: AttentionCall) -> Any:
         return (call.seqlen_k == 1, call.seqlen_q == 1)  # the sizes extra_reasons reads
@@ -163,6 +172,8 @@ class CudnnAttention(AttentionImpl):
                            f"{device.libraries.get('cudnn')})")
         if call.varlen:
             reasons.extend(_cudnn_varlen_reasons(call, device, self.options.varlen))
+            if call.alibi_slopes is not None:
+                reasons.append("ALiBi with packed varlen (thd) is not supported (cuDNN's varlen op takes no bias)")
         if call.seqlen_k == 1:
             reasons.append("seqlen_k == 1 is rejected by cuDNN SDPA (check_cudnn_tensor_shapes)")
         if call.dropout_p > 0:
@@ -174,7 +185,8 @@ class CudnnAttention(AttentionImpl):
 
     def bind(self, call: AttentionCall) -> Any:
         if (call.varlen or call.return_lse or call.dropout_p > 0 or call.attn_mask is not None
-                or call.attn_bias is not None or call.window is not None or _needs_padding(call)):
+                or call.attn_bias is not None or call.positional_mask or call.alibi_slopes is not None
+                or _needs_padding(call)):
             return super().bind(call)
         # Plain dense calls bind the aten op itself: no call object per call (the per-call fast path and plan()).
         kernel, need_lse, causal, scale = _cudnn_sdpa, call.requires_grad, call.causal, call.scale
@@ -185,11 +197,26 @@ class CudnnAttention(AttentionImpl):
             return _run_padded(self._run, call, same_v=False)
         return self._run(call)
 
+    def backward(self, call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        # Plain dense calls (causal or not, GQA, padded head dims); masks, biases and windows recompute.
+        if (call.varlen or call.dropout_p > 0 or call.attn_mask is not None or call.attn_bias is not None
+                or call.positional_mask or call.alibi_slopes is not None):
+            return None
+        return _padded_backward(_cudnn_dense_backward, call, out, lse, grad_out, same_v=False)
+
     def _run(self, call: AttentionCall) -> Any:
         if call.varlen:
             return _cudnn_varlen(call)
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
-        bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=False)
+        shift = None
+        if call.alibi_slopes is not None and call.attn_mask is None and call.attn_bias is None:
+            bias, is_causal, shift = self._alibi.bias(call, q, k)
+        elif call.alibi_slopes is not None:
+            bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True, dtype=torch.float32)
+            bias, shift = shift_rows(bias, q.dtype)
+        else:
+            bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=False)
         if bias is not None:
             bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         need_lse = call.return_lse or call.requires_grad
@@ -200,6 +227,10 @@ class CudnnAttention(AttentionImpl):
         lse = res[1]
         if lse.dim() == 4:  # some versions report (b, h, s, 1)
             lse = lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2])
+        if shift is not None:
+            lse = lse + shift[..., 0]
+            blind = (bias == -math.inf).all(dim=-1)  # a query that sees no key: LSE -inf by convention
+            lse = lse.masked_fill(blind, -math.inf)
         return out, lse
 
 
@@ -352,10 +383,76 @@ class TorchFlashAttention(AttentionImpl):
         return (out, _fix_empty_rows(res[1])) if call.return_lse else out
 
 
+    def backward(self, call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        # Every call run() takes without dropout: dense, window (bottom-right), varlen, padded head dims.
+        if call.dropout_p > 0 or (call.varlen and not _PACKED_VARLEN_LSE):
+            return None
+        return _padded_backward(_flash_dense_backward, call, out, lse, grad_out, same_v=True)
+
+
+def _cudnn_dense_backward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
+                          grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+    unused = torch.zeros((), dtype=torch.int64, device=q.device)
+    # cuDNN wants dO with O's strides: both contiguous in the call's layout, seen as bhsd.
+    grads = _cudnn_sdpa_backward(call.bhsd(grad_out.contiguous()), q, k, v, call.bhsd(out.contiguous()), lse,
+                                 unused, unused, None, None, None, q.shape[2], k.shape[2], 0.0, call.causal,
+                                 scale=call.scale)
+    return call.from_bhsd(grads[0]), call.from_bhsd(grads[1]), call.from_bhsd(grads[2])
+
+
+def _flash_dense_backward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
+                          grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # run() reported a query that sees no key with LSE -inf; the kernel wrote (and its backward reads) +inf.
+    lse = lse.masked_fill(lse == -math.inf, math.inf)
+    grad_out, out = grad_out.contiguous(), out.contiguous()
+    if not call.varlen and call.window is None:
+        q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+        unused = torch.zeros((), dtype=torch.int64, device=q.device)
+        grads = _flash_sdpa_backward(call.bhsd(grad_out), q, k, v, call.bhsd(out), lse, None, None, q.shape[2],
+                                     k.shape[2], 0.0, call.causal, unused, unused, scale=call.scale)
+        return call.from_bhsd(grads[0]), call.from_bhsd(grads[1]), call.from_bhsd(grads[2])
+    kwargs: dict[str, Any] = {"scale": call.scale}
+    if call.window is not None:
+        kwargs["window_size_left"], kwargs["window_size_right"] = call.window
+    rng_state = torch.zeros(2, dtype=torch.int64, device=call.q.device)
+    if call.varlen:
+        return tuple(_flash_backward(grad_out, call.q, call.k, call.v, out, lse, call.cu_seqlens_q,  # type: ignore[return-value]
+                                     call.cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k, 0.0, call.causal,
+                                     rng_state, rng_state, **kwargs))
+    q, k, v = call.bshd(call.q), call.bshd(call.k), call.bshd(call.v)
+    grads = _flash_backward(call.bshd(grad_out), q, k, v, call.bshd(out), lse, None, None, q.shape[1], k.shape[1],
+                            0.0, call.causal, rng_state, rng_state, **kwargs)
+    return call.from_bshd(grads[0]), call.from_bshd(grads[1]), call.from_bshd(grads[2])
+
+
+def _padded_backward(backward: Any, call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
+                     grad_out: torch.Tensor, *, same_v: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`backward` on the zero-padded tensors `_run_padded` ran the forward on, gradients sliced back (exact: the
+    padded columns of out and grad_out are zero and contribute nothing)."""
+    if not _needs_padding(call):
+        return backward(call, out, lse, grad_out)
+    d, dv = -(-call.head_dim // 8) * 8, -(-call.head_dim_v // 8) * 8
+    if same_v:
+        d = dv = max(d, dv)
+    padded = call.with_tensors(_pad_last(call.q, d), _pad_last(call.k, d), _pad_last(call.v, dv))
+    padded.head_dim, padded.head_dim_v = d, dv
+    dq, dk, dv_ = backward(padded, _pad_last(out, dv), lse, _pad_last(grad_out, dv))
+    return dq[..., : call.head_dim], dk[..., : call.head_dim], dv_[..., : call.head_dim_v]
+
+
+# Whether this torch's varlen FlashAttention reports the LSE packed, (heads_q, total_q), as its backward then
+# reads it: `backward` hands it back only then (older builds pad it per sequence; their calls recompute).
+_PACKED_VARLEN_LSE = False
+
+
 def _varlen_lse(lse: torch.Tensor, call: AttentionCall) -> torch.Tensor:
     """Varlen LSE as (heads_q, total_q); older FlashAttention builds pad it to (batch, heads, max_seqlen_q)."""
+    global _PACKED_VARLEN_LSE
     total_q = call.q.shape[0]
     if lse.dim() == 2 and lse.shape[1] == total_q:
+        _PACKED_VARLEN_LSE = True
         return lse
     assert call.cu_seqlens_q is not None
     cu = call.cu_seqlens_q.tolist()
@@ -417,11 +514,7 @@ class MemEfficientAttention(AttentionImpl):
         return reasons
 
     def __init__(self) -> None:
-        # The ALiBi bias of the last calls, prepared (shifted, rounded, aligned): building it costs more than the
-        # kernel at 4k (measured 7.9 vs 3.5 ms fwd+bwd). Keyed on the slopes tensor's identity and version — the
-        # entry holds the tensor, so its id cannot be reused while cached — and on everything else the bias reads.
-        # Two entries: each is heads x seqlen_q x seqlen_k in the input dtype (512 MiB at 16 x 4k x 4k x bf16).
-        self._alibi_cache: OrderedDict[tuple[Any, ...], tuple[Any, ...]] = OrderedDict()
+        self._alibi = _PreparedAlibi()
 
     def run(self, call: AttentionCall) -> Any:
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
@@ -435,7 +528,7 @@ class MemEfficientAttention(AttentionImpl):
         alibi = call.alibi_slopes is not None
         shift = None
         if alibi and call.attn_mask is None and call.attn_bias is None:
-            bias, is_causal, shift = self._alibi_bias(call, q, k)
+            bias, is_causal, shift = self._alibi.bias(call, q, k)
         else:
             bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True,
                                                dtype=torch.float32 if alibi else None)
@@ -458,21 +551,34 @@ class MemEfficientAttention(AttentionImpl):
         return out, lse
 
 
-    def _alibi_bias(self, call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> tuple[Any, bool, Any]:
+class _PreparedAlibi:
+    """The ALiBi bias of the last calls, prepared for a kernel that takes an additive bias (fp32, rows shifted,
+    rounded to the input dtype): building it costs more than the kernel at 4k (measured 7.9 vs 3.5 ms fwd+bwd).
+
+    Keyed on the slopes tensor's identity and version — the entry holds the tensor, so its id cannot be reused
+    while cached — and on everything else the bias reads. Two entries: each is heads x seqlen_q x seqlen_k in the
+    input dtype (512 MiB at 16 x 4k x 4k x bf16).
+    """
+
+    def __init__(self) -> None:
+        self._cache: OrderedDict[tuple[Any, ...], tuple[Any, ...]] = OrderedDict()
+
+    def bias(self, call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> tuple[Any, bool, Any]:
+        """(bias, is_causal left to the kernel, per-row shift to add to the LSE) for an ALiBi call, no mask/bias."""
         slopes = call.alibi_slopes
         assert slopes is not None
         key = (id(slopes), slopes._version, q.shape[2], k.shape[2], call.causal, call.window,
                call.causal_alignment, q.dtype, q.device)
-        cache = self._alibi_cache
-        hit = cache.get(key)
+        hit = self._cache.get(key)
         if hit is not None and hit[0] is slopes:
-            cache.move_to_end(key)
+            self._cache.move_to_end(key)
             return hit[1], hit[2], hit[3]
         bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True, dtype=torch.float32)
         bias, shift = shift_rows(bias, q.dtype)
-        cache[key] = (slopes, bias, is_causal, shift)
-        while len(cache) > 2:
-            cache.popitem(last=False)
+        bias = _aligned(bias, 8)
+        self._cache[key] = (slopes, bias, is_causal, shift)
+        while len(self._cache) > 2:
+            self._cache.popitem(last=False)
         return bias, is_causal, shift
 
 
