@@ -477,10 +477,13 @@ def _explicit_backward(grad_out, q, k, v, out, lse, *, causal, scale, bottom_rig
     return d_q, d_k.view(b, hk, group, sk, -1).sum(2), d_v.view(b, hk, group, sk, -1).sum(2)
 
 
-def _fake_sdpa_backward(seen, bottom_right):
+def _fake_sdpa_backward(seen, bottom_right, stats_4d=False):
     def fake(grad_out, q, k, v, out, lse, *args, scale):
         is_causal = next(a for a in args if isinstance(a, bool))
         seen.append(q.shape)
+        if stats_4d:  # cuDNN: "The dim for input_names::Stats is invalid" unless (b, h, s, 1)
+            assert lse.shape == (*q.shape[:3], 1), lse.shape
+            lse = lse[..., 0]
         return _explicit_backward(grad_out, q, k, v, out, lse, causal=is_causal, scale=scale,
                                   bottom_right=bottom_right)
     return fake
@@ -529,7 +532,7 @@ def test_nvidia_backward_from_saved_out_and_lse(monkeypatch, rng, impl_name, kw)
     import opdispatch.vendors.nvidia._attention as nv
 
     seen: list = []
-    monkeypatch.setattr(nv, "_cudnn_sdpa_backward", _fake_sdpa_backward(seen, bottom_right=False))
+    monkeypatch.setattr(nv, "_cudnn_sdpa_backward", _fake_sdpa_backward(seen, bottom_right=False, stats_4d=True))
     monkeypatch.setattr(nv, "_flash_sdpa_backward", _fake_sdpa_backward(seen, bottom_right=True))
     monkeypatch.setattr(nv, "_flash_backward", _fake_flash_backward(seen))
     b, hq, sq, sk = 2, 4, kw.get("sq", 6), kw.get("sk", kw.get("sq", 6))

@@ -396,7 +396,9 @@ def _cudnn_dense_backward(call: AttentionCall, out: torch.Tensor, lse: torch.Ten
     q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
     unused = torch.zeros((), dtype=torch.int64, device=q.device)
     # cuDNN wants dO with O's strides: both contiguous in the call's layout, seen as bhsd.
-    grads = _cudnn_sdpa_backward(call.bhsd(grad_out.contiguous()), q, k, v, call.bhsd(out.contiguous()), lse,
+    # cuDNN's Stats tensor is (b, h, s, 1) (its forward writes that; run() reports (b, h, s)).
+    grads = _cudnn_sdpa_backward(call.bhsd(grad_out.contiguous()), q, k, v, call.bhsd(out.contiguous()),
+                                 lse.contiguous().unsqueeze(-1),
                                  unused, unused, None, None, None, q.shape[2], k.shape[2], 0.0, call.causal,
                                  scale=call.scale)
     return call.from_bhsd(grads[0]), call.from_bhsd(grads[1]), call.from_bhsd(grads[2])
