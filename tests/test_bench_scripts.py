@@ -61,7 +61,7 @@ def test_side_by_side_rejects_unknown_cells():
 @pytest.mark.slow
 def test_compiled_training_counts_one_forward_per_step_with_the_kernels_backward(basic_manager, tmp_path):
     out = tmp_path / "compiled.json"
-    assert load("compiled_training").main(["--tiny", "--reps", "2", "--out", str(out)]) == 0
+    assert load("compiled_training").main(["--tiny", "--reps", "2", "--inner", "2", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["pick"] == "cpu.flash" and row["saves_for_backward"]
     assert row["opdispatch forwards per step"] == 1

@@ -597,3 +597,14 @@ def test_nvidia_backward_declines_what_it_does_not_cover(rng):
     assert nv.TorchFlashAttention().backward(validate_attention(q, q, q, dropout_p=0.1, return_lse=True),
                                              q, q, q) is None
     assert not nv.MemEfficientAttention().saves_for_backward
+
+
+def test_alibi_routes_to_flex_except_gqa_training_which_takes_cudnn(manager):
+    slopes = torch.empty(16, device="meta", dtype=torch.float32)
+    for grad, hkv, want in ((False, 16, "torch.flex"), (True, 16, "torch.flex"), (False, 4, "torch.flex"),
+                            (True, 4, "nvidia.cudnn")):
+        q, k, v = qkv(sq=4096, hq=16, hkv=hkv, grad=grad)
+        d = chosen("h100", q, k, v, causal=True, alibi_slopes=slopes)
+        assert d.chosen_id == want, (grad, hkv, str(d))
+    q, k, v = qkv(sq=1, sk=4096, hq=16, hkv=4)
+    assert chosen("h100", q, k, v, alibi_slopes=slopes).chosen_id != "reference.math"
