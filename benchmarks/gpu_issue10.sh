@@ -36,3 +36,9 @@ t 200 python3 "$repo/benchmarks/compiled_training.py" --reps 10 --out "$out/comp
 t 150 python3 "$repo/benchmarks/side_by_side.py" --reps 8 --warmup 2 --cells alibi,alibi_gqa \
   --out "$out/side_by_side_alibi.json" 2>"$out/side_by_side_alibi.log" | tail -8
 fi
+if [ "$phase" = d64 ]; then  # head_dim 64 training: the default pick, then with nvidia.flash preferred
+t 100 python3 "$repo/benchmarks/side_by_side.py" --reps 10 --warmup 3 --cells hd64,hd72,dense \
+  --out "$out/side_by_side_d64.json" 2>"$out/side_by_side_d64.log" | tail -8
+OPDISPATCH_PREFER=nvidia.flash t 100 python3 "$repo/benchmarks/side_by_side.py" --reps 10 --warmup 3 \
+  --cells hd64,hd72,dense --out "$out/side_by_side_d64_flash.json" 2>"$out/side_by_side_d64_flash.log" | tail -8
+fi

@@ -43,6 +43,7 @@ FULL: dict[str, dict[str, Any]] = {
     "decode GQA 4:1": dict(b=8, sq=1, sk=4096, hq=32, hkv=8, d=128, kw={}, modes=("fwd",)),
     "deterministic": dict(b=2, sq=2048, sk=2048, hq=16, hkv=16, d=128, kw=dict(causal=True, deterministic=True),
                           modes=("fwd+bwd",)),
+    "head_dim 64 MHA": dict(b=4, sq=2048, sk=2048, hq=16, hkv=16, d=64, kw=dict(causal=True)),
     "head_dim 72": dict(b=2, sq=4096, sk=4096, hq=16, hkv=16, d=72, kw=dict(causal=True)),
     "head_dim 96": dict(b=2, sq=4096, sk=4096, hq=16, hkv=16, d=96, kw=dict(causal=True)),
     "head_dim 100": dict(b=2, sq=4096, sk=4096, hq=16, hkv=16, d=100, kw=dict(causal=True)),
@@ -50,7 +51,7 @@ FULL: dict[str, dict[str, Any]] = {
 }
 KEYS = {"dense": "dense causal GQA 4:1", "window": "sliding window 1024", "softcap": "softcap 30",
         "alibi": "ALiBi MHA", "alibi_gqa": "ALiBi GQA 4:1", "varlen": "varlen causal", "decode": "decode GQA 4:1",
-        "deterministic": "deterministic", "hd72": "head_dim 72", "hd96": "head_dim 96", "hd100": "head_dim 100",
+        "deterministic": "deterministic", "hd64": "head_dim 64 MHA", "hd72": "head_dim 72", "hd96": "head_dim 96", "hd100": "head_dim 100",
         "mla": "MLA decode 576/512"}
 
 
