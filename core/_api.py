@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ._attention import validate_attention
+from ._rms_norm import validate_rms_norm
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
 from ._graphs import is_capturing, raise_if_capturing
@@ -219,3 +220,26 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | No
 
 def _is_meta(t: torch.Tensor) -> bool:
     return t.device.type == "meta"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+             residual: torch.Tensor | None = None, *, impl: str | None = None) -> Any:
+    """RMSNorm over the last dim by the best implementation the device and the policy allow.
+
+    ``y = x / sqrt(mean(x**2, -1) + eps) * weight``; with `residual`, normalises ``h = x + residual`` and returns
+    ``(y, h)`` (fused add-and-norm; the inputs are never modified). Statistics in float32 (float64 for float64);
+    `y` has x's dtype. `impl` pins an implementation id (an error if it cannot take the call). The policy section
+    is ``ops.rms_norm`` (`when:` keys dtype, hidden_size, residual, weight, requires_grad, plus device keys); the
+    env pin ``OPDISPATCH_IMPL_RMS_NORM``.
+    """
+    call = validate_rms_norm(x, weight, eps, residual, module=_module())
+    return get_manager().call("rms_norm", call, impl=impl)
+
+
+def explain_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+                     residual: torch.Tensor | None = None, *, impl: str | None = None,
+                     device: DeviceInfo | str | os.PathLike[str] | None = None) -> Decision:
+    """Why `rms_norm` with these arguments goes where it goes (every candidate, its status and reasons). `device`
+    simulates another device, as for `explain`."""
+    call = validate_rms_norm(x, weight, eps, residual, module=_module())
+    return get_manager().explain("rms_norm", call, device=resolve_device(device), impl=impl)

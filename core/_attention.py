@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ._impl import Impl
+from ._ops import OpSpec, register_op
 
 if TYPE_CHECKING:
     from ._device import DeviceInfo
@@ -830,3 +831,28 @@ def capability_reasons(caps: AttentionCaps, call: AttentionCall) -> list[str]:
         reasons.append(f"sequence length {max(call.seqlen_q, call.seqlen_k)} above the supported "
                        f"maximum {caps.max_seqlen}")
     return reasons
+
+
+# -- the op ---------------------------------------------------------------------------------------------------
+
+def attention_features(call: AttentionCall) -> dict[str, Any]:
+    """The call-side values `when:` conditions of the attention policy compare against."""
+    return {
+        "dtype": call.dtype, "layout": call.layout, "head_dim": call.head_dim, "head_dim_v": call.head_dim_v,
+        "seqlen_q": call.seqlen_q, "seqlen_k": call.seqlen_k, "batch": call.batch, "heads_q": call.heads_q,
+        "heads_kv": call.heads_kv, "gqa_ratio": call.heads_q // call.heads_kv, "causal": call.causal,
+        "window": call.window is not None, "softcap": call.softcap > 0, "alibi": call.alibi_slopes is not None,
+        "dropout": call.dropout_p > 0, "mask": call.attn_mask is not None, "bias": call.attn_bias is not None,
+        "varlen": call.varlen, "requires_grad": call.requires_grad, "deterministic": call.deterministic,
+        "return_lse": call.return_lse,
+    }
+
+
+ATTENTION = register_op(OpSpec(
+    name="attention", impl_base=AttentionImpl, call_features=attention_features,
+    description="scaled dot-product attention (dense layouts and packed varlen)",
+    features={"dtype": "dtype", "layout": "name", **dict.fromkeys(
+        ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio"), "int"),
+        **dict.fromkeys(("causal", "window", "softcap", "alibi", "dropout", "mask", "bias", "varlen",
+                         "requires_grad", "deterministic", "return_lse"), "bool")},
+))

@@ -36,7 +36,7 @@ class DecisionClasses:
                     if int_spec is not None:
                         self.size_tests.append((field, int_spec))
         caps = [getattr(impl, "caps", None) for impl in impls]
-        self.max_seqlens = sorted({c.max_seqlen for c in caps if c is not None and c.max_seqlen is not None})
+        self.max_seqlens = sorted({m for m in (getattr(c, 'max_seqlen', None) for c in caps) if m is not None})
         # Only implementations whose checks read more than the class key contribute a selection key — and only
         # on devices where they are available (the manager filters per device: `keyed_on`).
         self.keyed = [impl for impl in impls if _reads_more(impl)]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ._errors import RegistrationError
 from ._impl import Impl
+from ._ops import known_ops, op_spec
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,15 @@ class Registry:
         if not isinstance(impl, Impl):
             raise RegistrationError(
                 f"{origin} registered {impl!r} ({type(impl).__name__}), which is not an opdispatch.Impl instance; "
-                "subclass opdispatch.AttentionImpl and register an instance", impl=impl)
+                "subclass the op's base class (opdispatch.AttentionImpl, opdispatch.RmsNormImpl, …) and register an "
+                "instance", impl=impl)
         problems = impl.check_declaration()
+        op = getattr(impl, "op", None)
+        if not problems and op not in known_ops():
+            problems = [f"op={op!r} is not a known op; known ops: {', '.join(known_ops())}"]
+        elif not problems and not isinstance(impl, op_spec(op).impl_base):
+            base = op_spec(op).impl_base
+            problems = [f"an implementation of op {op!r} must subclass opdispatch.{base.__name__}"]
         if problems:
             raise RegistrationError(
                 f"{origin} registered {type(impl).__module__}.{type(impl).__qualname__} with an invalid "

@@ -1,12 +1,12 @@
 """YAML policies: schema, loading with line numbers, rule matching, scoped overrides and tuning."""
 
 from ._overrides import Override, policy_override, scope
-from ._policy import (ENV_DENY, ENV_POLICY, ENV_PREFER, KNOWN_OPS, EnvOverrides, Policy, PolicyLayer, PolicyPlan,
+from ._policy import (ENV_DENY, ENV_POLICY, ENV_PREFER, EnvOverrides, Policy, PolicyLayer, PolicyPlan,
                       default_policy_path, load_policy, parse_policy, parse_policy_layer, read_policy_file)
 from ._schema import OpPolicy, PolicyFile, Rule, Settings, When
 
 __all__ = [
-    "ENV_DENY", "ENV_POLICY", "ENV_PREFER", "KNOWN_OPS", "EnvOverrides", "OpPolicy", "Override", "Policy",
+    "ENV_DENY", "ENV_POLICY", "ENV_PREFER", "EnvOverrides", "OpPolicy", "Override", "Policy",
     "PolicyFile", "PolicyLayer", "PolicyPlan", "Rule", "Settings", "When", "default_policy_path", "load_policy",
     "parse_policy", "parse_policy_layer", "policy_override", "read_policy_file", "reload", "scope",
 ]

@@ -21,16 +21,16 @@ from pydantic import ValidationError
 
 from opdispatch._decision import Provenance
 from opdispatch._errors import PolicyError
+from opdispatch._ops import known_ops, op_spec
 
 from ._overrides import Override
-from ._schema import OpPolicy, PolicyFile, Rule, Settings, When
+from ._schema import ConditionError, OpPolicy, PolicyFile, Rule, Settings, When
 from ._yaml import LineMap, load_yaml_with_lines
 
 ENV_POLICY = "OPDISPATCH_POLICY"
 ENV_PREFER = "OPDISPATCH_PREFER"
 ENV_DENY = "OPDISPATCH_DENY"
 ENV_PIN_PREFIX = "OPDISPATCH_IMPL_"
-KNOWN_OPS = ("attention",)
 
 
 def default_policy_path() -> Path:
@@ -98,8 +98,8 @@ class EnvOverrides:
         for key, value in environ.items():
             if key.startswith(ENV_PIN_PREFIX) and value.strip():
                 op = key[len(ENV_PIN_PREFIX):].lower()
-                if op not in KNOWN_OPS:
-                    raise PolicyError(f"{key}={value!r}: unknown op {op!r}; known ops: {', '.join(KNOWN_OPS)} "
+                if op not in known_ops():
+                    raise PolicyError(f"{key}={value!r}: unknown op {op!r}; known ops: {', '.join(known_ops())} "
                                       f"(e.g. {ENV_PIN_PREFIX}ATTENTION=cpu.flash)", field=key)
                 pins[op] = check_impl_pattern(value.strip())
         return cls(pins=pins, prefer=patterns(ENV_PREFER), deny=patterns(ENV_DENY))
@@ -222,7 +222,7 @@ class Policy:
                 deny.append(([pattern], Provenance("policy", layer.where("ops", op, "deny", i),
                                                    note=f"deny {pattern!r}")))
             for r_i, rule in enumerate(spec.rules):
-                if call is not None and not rule_matches(rule.when, call, device):
+                if call is not None and not rule_matches(rule.when, call, device, op):
                     continue
                 plan.matched_rules.append(rule.name)
                 take(rule, Provenance("policy", layer.where("ops", op, "rules", r_i), rule=rule.name,
@@ -280,20 +280,9 @@ class Policy:
 
 # -- rule matching -------------------------------------------------------------------------------------------
 
-def call_features(call: Any) -> dict[str, Any]:
-    """The call-side values `when:` conditions compare against."""
-    return {
-        "dtype": call.dtype, "layout": call.layout, "head_dim": call.head_dim, "head_dim_v": call.head_dim_v,
-        "seqlen_q": call.seqlen_q, "seqlen_k": call.seqlen_k, "batch": call.batch, "heads_q": call.heads_q,
-        "heads_kv": call.heads_kv, "gqa_ratio": call.heads_q // call.heads_kv, "causal": call.causal,
-        "window": call.window is not None, "softcap": call.softcap > 0, "alibi": call.alibi_slopes is not None,
-        "dropout": call.dropout_p > 0, "mask": call.attn_mask is not None, "bias": call.attn_bias is not None,
-        "varlen": call.varlen, "requires_grad": call.requires_grad, "deterministic": call.deterministic,
-        "return_lse": call.return_lse, "module": call.module,
-    }
-
-
-def rule_matches(when: When, call: Any, device: Any) -> bool:
+def rule_matches(when: When, call: Any, device: Any, op: str = "attention") -> bool:
+    """Whether every condition of `when` holds for `call` (an `op` call record; its features are read through the
+    op's spec) on `device`."""
     conditions = when.conditions()
     if not conditions:
         return True
@@ -311,9 +300,11 @@ def rule_matches(when: When, call: Any, device: Any) -> bool:
             ok = device is not None and spec.matches(device.name)
         elif key == "libraries":
             ok = device is not None and all(s.matches(_library_version(device, lib)) for lib, s in spec.items())
+        elif key == "module":
+            ok = spec.matches(getattr(call, "module", None))
         else:
             if features is None:
-                features = call_features(call)
+                features = op_spec(op).call_features(call)
             ok = spec.matches(features[key])
         if not ok:
             return False
@@ -369,6 +360,11 @@ def parse_policy_layer(text: str, source: str) -> PolicyLayer:
         value = err.get("input")
         shown = "" if isinstance(value, (dict, list)) or err["type"] == "missing" else f"; got {value!r}"
         msg = err["msg"].removeprefix("Value error, ")
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, ConditionError):  # a `when:` key: point at that key's line
+            loc = (*loc, cause.key)
+            line = lines.line(loc)
+            shown = "" if isinstance(cause.value, (dict, list)) else f"; got {cause.value!r}"
         if err["type"] == "extra_forbidden":
             msg = f"unknown key {loc[-1]!r}; allowed keys here: {_allowed_keys(loc)}"
         raise PolicyError(f"{source}:{line}: field {_format_loc(loc)}: {msg}{shown}{more}", path=source, line=line,
@@ -383,10 +379,20 @@ def parse_policy_layer(text: str, source: str) -> PolicyLayer:
                                   f"rule {seen[rule.name]}); rule names must be unique per op", path=source, line=line,
                                   field=field)
             seen[rule.name] = i
-        if op not in KNOWN_OPS:
+        if op not in known_ops():
             line = lines.line(("ops", op))
-            raise PolicyError(f"{source}:{line}: field ops.{op}: unknown op {op!r}; known ops: {', '.join(KNOWN_OPS)}",
+            raise PolicyError(f"{source}:{line}: field ops.{op}: unknown op {op!r}; known ops: {', '.join(known_ops())}",
                               path=source, line=line, field=f"ops.{op}")
+        features = op_spec(op).features
+        for i, rule in enumerate(spec.rules):
+            for key in rule.when.feature_keys():
+                if key not in features:
+                    loc = ("ops", op, "rules", i, "when", key)
+                    line = lines.line(loc)
+                    raise PolicyError(
+                        f"{source}:{line}: field {_format_loc(loc)}: {key!r} is not a feature of op {op!r}; its "
+                        f"call features: {', '.join(sorted(features))} (device keys and module apply to every op)",
+                        path=source, line=line, field=_format_loc(loc))
     return PolicyLayer(model, source, lines, text)
 
 

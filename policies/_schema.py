@@ -41,8 +41,29 @@ class Settings(_Strict):
         default=False, description="implementation ids that match nothing registered are errors, not warnings")
 
 
+class ConditionError(ValueError):
+    """A bad `when:` condition, naming its key (policy errors then point at that key's line)."""
+
+    def __init__(self, key: str, message: str, value: Any) -> None:
+        super().__init__(message)
+        self.key = key
+        self.value = value
+
+
+# How each feature kind (opdispatch._ops.FEATURE_KINDS) is parsed into a matcher.
+_PARSERS: dict[str, Any] = {"int": IntSpec.parse, "bool": BoolSpec.parse, "name": NameSpec.parse,
+                            "dtype": DTypeSpec.parse, "glob": GlobSpec.parse}
+
+
 class When(_Strict):
-    """Conditions of a rule: all given keys must match (AND); a list value matches any of its items (OR)."""
+    """Conditions of a rule: all given keys must match (AND); a list value matches any of its items (OR).
+
+    The device keys and `module` are declared here; every other key is a call feature of some op (each op's spec,
+    `opdispatch._ops.OpSpec.features`, names its keys and their kinds), parsed by its kind. Whether a key belongs
+    to the op of the section it is in is checked when the file is read (`parse_policy_layer`).
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True, arbitrary_types_allowed=True)
 
     # device
     vendor: NameSpec | None = None
@@ -51,31 +72,35 @@ class When(_Strict):
     capability: CapabilitySpec | None = None
     device_name: GlobSpec | None = None
     libraries: dict[str, LibrarySpec] | None = None
-    # call
-    dtype: DTypeSpec | None = None
-    layout: NameSpec | None = None
-    head_dim: IntSpec | None = None
-    head_dim_v: IntSpec | None = None
-    seqlen_q: IntSpec | None = None
-    seqlen_k: IntSpec | None = None
-    batch: IntSpec | None = None
-    heads_q: IntSpec | None = None
-    heads_kv: IntSpec | None = None
-    gqa_ratio: IntSpec | None = None
-    causal: BoolSpec | None = None
-    window: BoolSpec | None = None
-    softcap: BoolSpec | None = None
-    alibi: BoolSpec | None = None
-    dropout: BoolSpec | None = None
-    mask: BoolSpec | None = None
-    bias: BoolSpec | None = None
-    varlen: BoolSpec | None = None
-    requires_grad: BoolSpec | None = None
-    deterministic: BoolSpec | None = None
-    return_lse: BoolSpec | None = None
+    # the module that made the call (opdispatch.scope), for every op
     module: GlobSpec | None = None
 
-    @field_validator("vendor", "device_type", "layout", mode="before")
+    @model_validator(mode="before")
+    @classmethod
+    def _op_features(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        from opdispatch._ops import all_features
+
+        kinds = all_features()
+        out = {}
+        for key, value in data.items():
+            if key in cls.model_fields:
+                out[key] = value
+                continue
+            kind = kinds.get(key)
+            if kind is None:
+                allowed = ", ".join([*cls.model_fields, *sorted(kinds)])
+                raise ConditionError(key, f"unknown key {key!r}; allowed keys here: {allowed}", value)
+            if value is None:
+                continue
+            try:
+                out[key] = _PARSERS[kind](value)
+            except ValueError as exc:
+                raise ConditionError(key, str(exc), value) from None
+        return out
+
+    @field_validator("vendor", "device_type", mode="before")
     @classmethod
     def _names(cls, value: Any) -> Any:
         return NameSpec.parse(value)
@@ -105,25 +130,22 @@ class When(_Strict):
                              "{cudnn: '>=9.0', flag_gems: '<5.1', flash_attn: installed}")
         return {str(k): LibrarySpec.parse(v) for k, v in value.items()}
 
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _dtype(cls, value: Any) -> Any:
-        return DTypeSpec.parse(value)
-
-    @field_validator("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio",
-                     mode="before")
-    @classmethod
-    def _ints(cls, value: Any) -> Any:
-        return IntSpec.parse(value)
-
-    @field_validator("causal", "window", "softcap", "alibi", "dropout", "mask", "bias", "varlen", "requires_grad",
-                     "deterministic", "return_lse", mode="before")
-    @classmethod
-    def _bools(cls, value: Any) -> Any:
-        return BoolSpec.parse(value)
-
     def conditions(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        out = {k: v for k, v in self.__dict__.items() if v is not None}
+        out.update((k, v) for k, v in (self.__pydantic_extra__ or {}).items() if v is not None)
+        return out
+
+    def feature_keys(self) -> list[str]:
+        """The op-feature keys this condition tests (those not declared here)."""
+        return [k for k, v in (self.__pydantic_extra__ or {}).items() if v is not None]
+
+    def __getattr__(self, name: str) -> Any:
+        # An op feature the rule does not test reads as None, like a declared key left out.
+        from opdispatch._ops import all_features
+
+        if name.startswith("_") or name not in all_features():
+            return super().__getattr__(name)  # type: ignore[misc]
+        return (self.__pydantic_extra__ or {}).get(name)
 
 
 class Rule(_Strict):

@@ -56,6 +56,28 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
     return o.transpose(1, 2), lse
 
 
+def _rms(x, weight, eps):
+    """RMSNorm as FlagGems' kernel computes it: float32 statistics, weight applied in float32, cast back."""
+    xf = x.float()
+    inv = (xf.pow(2).sum(-1, keepdim=True) / x.shape[-1] + eps) ** -0.5
+    return (xf * inv * weight.float()).to(x.dtype)
+
+
+def rms_norm(x, normalized_shape, weight, eps=1e-5):
+    assert list(normalized_shape) == [x.shape[-1]] and weight is not None
+    calls.append(("rms_norm", dict(eps=eps)))
+    return _rms(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, normalized_shape, weight, eps=1e-5):
+    """In place, like 5.0.2's: x becomes the normalised sum, residual the sum; returns (x, residual)."""
+    assert list(normalized_shape) == [x.shape[-1]]
+    calls.append(("fused_add_rms_norm", dict(eps=eps)))
+    residual.add_(x)
+    x.copy_(_rms(residual, weight, eps))
+    return x, residual
+
+
 def install(monkeypatch) -> types.ModuleType:
     """Put this fake into sys.modules as `flag_gems`, with `flag_gems.ops.attention`."""
     this = sys.modules[__name__]
@@ -66,6 +88,8 @@ def install(monkeypatch) -> types.ModuleType:
     fake = types.ModuleType("flag_gems")
     fake.__version__ = __version__
     fake.flash_attn_varlen_func = flash_attn_varlen_func
+    fake.rms_norm = rms_norm
+    fake.fused_add_rms_norm = fused_add_rms_norm
     fake.ops = ops
     monkeypatch.setitem(sys.modules, "flag_gems", fake)
     monkeypatch.setitem(sys.modules, "flag_gems.ops", ops)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from opdispatch import Impl, hookimpl
 
 from ._attention import ReferenceAttention
+from ._rms_norm import ReferenceRmsNorm, TorchRmsNorm
 
-__all__ = ["ReferenceAttention"]
+__all__ = ["ReferenceAttention", "ReferenceRmsNorm", "TorchRmsNorm"]
 
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
-    return [ReferenceAttention()]
+    return [ReferenceAttention(), ReferenceRmsNorm(), TorchRmsNorm()]

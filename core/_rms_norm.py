@@ -1,0 +1,169 @@
+"""The ``rms_norm`` op: RMSNorm with an optional weight and an optional fused residual add.
+
+``y = x / sqrt(mean(x**2, -1) + eps) * weight`` over the last dim. With ``residual`` the op first adds it
+(``h = x + residual``), normalises ``h`` and returns ``(y, h)`` — the fused add-and-norm of transformer blocks
+(vLLM's ``fused_add_rms_norm``, TransformerEngine's and FlagGems' ``fused_add_rms_norm``), so the caller keeps
+``h`` as the next residual. Statistics are computed in float32 (float64 for float64 inputs); the output has the
+input's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+from ._impl import Impl
+from ._ops import OpSpec, register_op
+
+__all__ = ["RmsNormCall", "RmsNormCaps", "RmsNormImpl", "validate_rms_norm"]
+
+_FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class RmsNormCall:
+    """A validated ``rms_norm`` call: the tensors and what selection reads from them."""
+
+    __slots__ = ("x", "weight", "residual", "eps", "hidden_size", "dtype", "device", "requires_grad", "module")
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor | None, residual: torch.Tensor | None, eps: float,
+                 module: str | None = None) -> None:
+        self.x, self.weight, self.residual, self.eps = x, weight, residual, eps
+        self.hidden_size = x.shape[-1]
+        self.dtype = x.dtype
+        self.device = x.device
+        self.requires_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, weight, residual))
+        self.module = module
+
+    @property
+    def stats_dtype(self) -> torch.dtype:
+        """The dtype the mean of squares is computed in."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    def signature(self) -> tuple[Any, ...]:
+        """Everything selection may depend on (no tensor data)."""
+        return (tuple(self.x.shape), self.dtype, str(self.device), self.weight is not None,
+                self.residual is not None, self.requires_grad, self.module)
+
+    def describe(self) -> str:
+        parts = [f"x {tuple(self.x.shape)} {_dtype_name(self.dtype)}", f"hidden {self.hidden_size}",
+                 f"eps {self.eps:g}"]
+        if self.weight is None:
+            parts.append("no weight")
+        if self.residual is not None:
+            parts.append("+ residual")
+        if self.requires_grad:
+            parts.append("grad")
+        return ", ".join(parts)
+
+
+def validate_rms_norm(x: Any, weight: Any = None, eps: Any = 1e-6, residual: Any = None, *,
+                      module: str | None = None) -> RmsNormCall:
+    """Check an ``rms_norm`` call; ValueError/TypeError naming the bad argument, its value, what is allowed."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"rms_norm: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT:
+        raise ValueError(f"rms_norm: x has dtype {_dtype_name(x.dtype)}; allowed: float16, bfloat16, float32, "
+                         "float64 (cast it, e.g. x.float())")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"rms_norm: x has shape {tuple(x.shape)}; it needs a non-empty last (hidden) dim")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"rms_norm: eps={eps!r}; it must be a finite number > 0 (e.g. 1e-6)")
+    hidden = x.shape[-1]
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"rms_norm: weight must be a torch.Tensor or None, got {type(weight).__name__}")
+        if tuple(weight.shape) != (hidden,):
+            raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}; it must be ({hidden},), the hidden "
+                             f"size of x {tuple(x.shape)}")
+        if weight.device != x.device:
+            raise ValueError(f"rms_norm: weight is on {weight.device} and x on {x.device}; move them to one device")
+        if weight.dtype not in _FLOAT:
+            raise ValueError(f"rms_norm: weight has dtype {_dtype_name(weight.dtype)}; allowed: a float dtype")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"rms_norm: residual must be a torch.Tensor or None, got {type(residual).__name__}")
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"rms_norm: residual is {tuple(residual.shape)} {_dtype_name(residual.dtype)} on "
+                             f"{residual.device}; it must match x: {tuple(x.shape)} {_dtype_name(x.dtype)} on "
+                             f"{x.device}")
+    return RmsNormCall(x, weight, residual, float(eps), module)
+
+
+@dataclass(frozen=True)
+class RmsNormCaps:
+    """What an ``rms_norm`` implementation supports, declared as data."""
+
+    dtypes: frozenset[torch.dtype]
+    weight_optional: bool = True   # takes calls without a weight
+    residual: bool = False         # the fused residual add
+    backward: bool = False         # autograd flows through run()
+    max_hidden_size: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = sorted(_dtype_name(d) for d in value) if f.name == "dtypes" else value
+        return out
+
+
+class RmsNormImpl(Impl):
+    """Base for ``rms_norm`` implementations: set `caps`, implement `run` (returns y, or (y, x + residual))."""
+
+    op: ClassVar[str] = "rms_norm"
+    caps: ClassVar[RmsNormCaps]
+
+    def check_declaration(self) -> list[str]:
+        problems = super().check_declaration()
+        caps = getattr(self, "caps", None)
+        if not isinstance(caps, RmsNormCaps):
+            problems.append(f"caps must be an opdispatch.RmsNormCaps, got {type(caps).__name__}")
+        elif not caps.dtypes or not all(isinstance(d, torch.dtype) for d in caps.dtypes):
+            problems.append("caps.dtypes must be a non-empty set of torch dtypes")
+        return problems
+
+    def not_supported_reasons(self, call: RmsNormCall, device: Any) -> list[str]:
+        caps = self.caps
+        reasons = []
+        if call.dtype not in caps.dtypes:
+            reasons.append(f"dtype {_dtype_name(call.dtype)} not supported "
+                           f"(supported: {', '.join(sorted(_dtype_name(d) for d in caps.dtypes))})")
+        if call.weight is None and not caps.weight_optional:
+            reasons.append("a call without weight not supported (pass weight=torch.ones(hidden))")
+        if call.residual is not None and not caps.residual:
+            reasons.append("the fused residual add not supported")
+        if call.requires_grad and not caps.backward:
+            reasons.append("backward not supported (forward only)")
+        if caps.max_hidden_size is not None and call.hidden_size > caps.max_hidden_size:
+            reasons.append(f"hidden size {call.hidden_size} above the supported maximum {caps.max_hidden_size}")
+        reasons.extend(self.extra_reasons(call, device))
+        return reasons
+
+    def extra_reasons(self, call: RmsNormCall, device: Any) -> list[str]:
+        """Override for limits `RmsNormCaps` cannot express."""
+        return []
+
+    def describe_capabilities(self) -> dict[str, Any]:
+        out = super().describe_capabilities()
+        out.update(self.caps.as_dict())
+        return out
+
+
+def rms_norm_features(call: RmsNormCall) -> dict[str, Any]:
+    return {"dtype": call.dtype, "hidden_size": call.hidden_size, "residual": call.residual is not None,
+            "weight": call.weight is not None, "requires_grad": call.requires_grad}
+
+
+RMS_NORM = register_op(OpSpec(
+    name="rms_norm", impl_base=RmsNormImpl, call_features=rms_norm_features,
+    description="RMSNorm over the last dim, optional weight and fused residual add",
+    features={"dtype": "dtype", "hidden_size": "int", "residual": "bool", "weight": "bool", "requires_grad": "bool"},
+))
