@@ -388,7 +388,8 @@ def _check_grads(impl_id: str, grads: Any, inputs: tuple[Tensor, Tensor, Tensor]
 
 @torch.library.custom_op("opdispatch::attention_backward", mutates_args=())
 def _attention_backward(
-    grad_out: Tensor, grad_lse: Optional[Tensor], out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor],
+    grad_out: Tensor, grad_lse: Optional[Tensor], out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
+    alibi_slopes: Optional[Tensor],
     attn_mask: Optional[Tensor], attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
     cu_seqlens_k: Optional[Tensor], layout: str, causal: bool, causal_alignment: str, window_left: int,
     window_right: int, scale: float, dropout_p: float, softcap: float, max_seqlen_q: Optional[int],

@@ -39,6 +39,11 @@ BACKWARD_REASON = ("flagos.triton is forward-only: flag_gems 5.0.2's SDPA backwa
                    "context) on every config measured on an H200; its varlen kernel has no backward")
 
 
+# What every FlagGems implementation needs (attention and rms_norm).
+FLAG_GEMS = Requirement(module="flag_gems", distribution="flag-gems", min_version="5.0.0", key="flag_gems",
+                        install_hint="pip install 'flag-gems>=5.0' (needs triton; imports only where a GPU is visible)")
+
+
 def uses_varlen_kernel(call: AttentionCall) -> bool:
     """Whether the call goes to flash_attn_varlen_func (else to the dense SDPA kernel)."""
     return call.varlen or call.positional_mask or call.softcap > 0 or call.alibi_slopes is not None
@@ -54,9 +59,7 @@ class FlagGemsAttention(AttentionImpl):
     # FlagGems has backends for other vendors too; this plugin has only been measured on NVIDIA.
     device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
     min_capability: ClassVar[tuple[int, int] | None] = (8, 0)
-    requires = (Requirement(module="flag_gems", distribution="flag-gems", min_version="5.0.0", key="flag_gems",
-                            install_hint="pip install 'flag-gems>=5.0' (needs triton; imports only where a GPU "
-                                         "is visible)"),)
+    requires = (FLAG_GEMS,)
     # Union of the two kernels' checks; extra_reasons narrows per kernel. fp16/bf16 ("FlashAttention only
     # support fp16 and bf16 data type"), head_dim <= 256 and a multiple of 8, one head dim for q/k/v, GQA,
     # no dropout (SDPA asserts dropout_p == 0), bool masks on the dense kernel only.

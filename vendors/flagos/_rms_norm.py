@@ -13,7 +13,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from opdispatch import Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
+from opdispatch import RmsNormCall, RmsNormCaps, RmsNormImpl
+
+from ._attention import FLAG_GEMS
 
 
 class FlagGemsRmsNorm(RmsNormImpl):
@@ -23,9 +25,7 @@ class FlagGemsRmsNorm(RmsNormImpl):
     description: ClassVar[str] = "FlagGems Triton RMSNorm (flag_gems.rms_norm / fused_add_rms_norm)"
     device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
     device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
-    requires = (Requirement(module="flag_gems", distribution="flag-gems", min_version="5.0.0", key="flag_gems",
-                            install_hint="pip install 'flag-gems>=5.0' (needs triton; imports only where a GPU "
-                                         "is visible)"),)
+    requires = (FLAG_GEMS,)
     caps: ClassVar[RmsNormCaps] = RmsNormCaps(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), weight_optional=False, residual=True,
         backward=True)
