@@ -209,14 +209,7 @@ class CudnnAttention(AttentionImpl):
         if call.varlen:
             return _cudnn_varlen(call)
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
-        shift = None
-        if call.alibi_slopes is not None and call.attn_mask is None and call.attn_bias is None:
-            bias, is_causal, shift = self._alibi.bias(call, q, k)
-        elif call.alibi_slopes is not None:
-            bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True, dtype=torch.float32)
-            bias, shift = shift_rows(bias, q.dtype)
-        else:
-            bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=False)
+        bias, is_causal, shift = self._alibi.bias_for(call, q, k)
         if bias is not None:
             bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         need_lse = call.return_lse or call.requires_grad
@@ -388,7 +381,7 @@ class TorchFlashAttention(AttentionImpl):
         # Every call run() takes without dropout: dense, window (bottom-right), varlen, padded head dims.
         if call.dropout_p > 0 or (call.varlen and not _PACKED_VARLEN_LSE):
             return None
-        return _padded_backward(_flash_dense_backward, call, out, lse, grad_out, same_v=True)
+        return _padded_backward(_flash_backward_from_saved, call, out, lse, grad_out, same_v=True)
 
 
 def _cudnn_dense_backward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
@@ -404,7 +397,7 @@ def _cudnn_dense_backward(call: AttentionCall, out: torch.Tensor, lse: torch.Ten
     return call.from_bhsd(grads[0]), call.from_bhsd(grads[1]), call.from_bhsd(grads[2])
 
 
-def _flash_dense_backward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
+def _flash_backward_from_saved(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
                           grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # run() reported a query that sees no key with LSE -inf; the kernel wrote (and its backward reads) +inf.
     lse = lse.masked_fill(lse == -math.inf, math.inf)
@@ -435,12 +428,8 @@ def _padded_backward(backward: Any, call: AttentionCall, out: torch.Tensor, lse:
     padded columns of out and grad_out are zero and contribute nothing)."""
     if not _needs_padding(call):
         return backward(call, out, lse, grad_out)
-    d, dv = -(-call.head_dim // 8) * 8, -(-call.head_dim_v // 8) * 8
-    if same_v:
-        d = dv = max(d, dv)
-    padded = call.with_tensors(_pad_last(call.q, d), _pad_last(call.k, d), _pad_last(call.v, dv))
-    padded.head_dim, padded.head_dim_v = d, dv
-    dq, dk, dv_ = backward(padded, _pad_last(out, dv), lse, _pad_last(grad_out, dv))
+    padded = _padded_call(call, same_v)
+    dq, dk, dv_ = backward(padded, _pad_last(out, padded.head_dim_v), lse, _pad_last(grad_out, padded.head_dim_v))
     return dq[..., : call.head_dim], dk[..., : call.head_dim], dv_[..., : call.head_dim_v]
 
 
@@ -527,15 +516,7 @@ class MemEfficientAttention(AttentionImpl):
             # the copies' gradients back).
             group = call.heads_q // call.heads_kv
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        alibi = call.alibi_slopes is not None
-        shift = None
-        if alibi and call.attn_mask is None and call.attn_bias is None:
-            bias, is_causal, shift = self._alibi.bias(call, q, k)
-        else:
-            bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True,
-                                               dtype=torch.float32 if alibi else None)
-            if alibi:
-                bias, shift = shift_rows(bias, q.dtype)
+        bias, is_causal, shift = self._alibi.bias_for(call, q, k)
         if bias is not None:
             bias = _aligned(bias, 8).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         need_lse = call.return_lse or call.requires_grad
@@ -565,10 +546,18 @@ class _PreparedAlibi:
     def __init__(self) -> None:
         self._cache: OrderedDict[tuple[Any, ...], tuple[Any, ...]] = OrderedDict()
 
-    def bias(self, call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> tuple[Any, bool, Any]:
-        """(bias, is_causal left to the kernel, per-row shift to add to the LSE) for an ALiBi call, no mask/bias."""
+    def bias_for(self, call: AttentionCall, q: torch.Tensor, k: torch.Tensor) -> tuple[Any, bool, Any]:
+        """The additive bias a bias-taking kernel gets for `call` (bhsd q, k): (bias or None, is_causal left to the
+        kernel, per-row shift to add to the LSE or None). ALiBi alone comes from the cache; ALiBi with a mask or
+        bias is built and shifted per call; without ALiBi, the folded mask/bias as it is."""
         slopes = call.alibi_slopes
-        assert slopes is not None
+        if slopes is None:
+            bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=False)
+            return bias, is_causal, None
+        if call.attn_mask is not None or call.attn_bias is not None:
+            bias, is_causal, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=True, dtype=torch.float32)
+            bias, shift = shift_rows(bias, q.dtype)
+            return bias, is_causal, shift
         key = (id(slopes), slopes._version, q.shape[2], k.shape[2], call.causal, call.window,
                call.causal_alignment, q.dtype, q.device)
         hit = self._cache.get(key)
@@ -595,16 +584,21 @@ def _run_padded(run: Any, call: AttentionCall, *, same_v: bool) -> Any:
     columns only produce output columns that are sliced off; the LSE is unchanged. Autograd flows through the pad
     and the slice. `same_v`: the kernel needs v's head dim equal to q/k's (FA2).
     """
+    result = run(_padded_call(call, same_v))
+    if call.return_lse:
+        out, lse = result
+        return out[..., : call.head_dim_v], lse
+    return result[..., : call.head_dim_v]
+
+
+def _padded_call(call: AttentionCall, same_v: bool) -> AttentionCall:
+    """`call` with q/k/v zero-padded to head dims in multiples of 8 (v's equal to q/k's with `same_v`)."""
     d, dv = -(-call.head_dim // 8) * 8, -(-call.head_dim_v // 8) * 8
     if same_v:
         d = dv = max(d, dv)
     padded = call.with_tensors(_pad_last(call.q, d), _pad_last(call.k, d), _pad_last(call.v, dv))
     padded.head_dim, padded.head_dim_v = d, dv
-    result = run(padded)
-    if call.return_lse:
-        out, lse = result
-        return out[..., : call.head_dim_v], lse
-    return result[..., : call.head_dim_v]
+    return padded
 
 
 def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
