@@ -679,15 +679,20 @@ class AttentionCaps:
     max_seqlen: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "dtypes":
-                value = sorted(dtype_name(d) for d in value)
-            elif isinstance(value, frozenset):
-                value = sorted(value)
-            out[f.name] = value
-        return out
+        return caps_as_dict(self)
+
+
+def caps_as_dict(caps: Any) -> dict[str, Any]:
+    """A capability dataclass (any op's) as plain data: dtypes by short name, sets sorted."""
+    out: dict[str, Any] = {}
+    for f in fields(caps):
+        value = getattr(caps, f.name)
+        if f.name == "dtypes":
+            value = sorted(dtype_name(d) for d in value)
+        elif isinstance(value, frozenset):
+            value = sorted(value)
+        out[f.name] = value
+    return out
 
 
 class AttentionImpl(Impl):

@@ -10,21 +10,18 @@ input's dtype.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from ._attention import caps_as_dict, dtype_name
 from ._impl import Impl
 from ._ops import OpSpec, register_op
 
 __all__ = ["RmsNormCall", "RmsNormCaps", "RmsNormImpl", "validate_rms_norm"]
 
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class RmsNormCall:
@@ -53,7 +50,7 @@ class RmsNormCall:
                 self.residual is not None, self.requires_grad, self.module)
 
     def describe(self) -> str:
-        parts = [f"x {tuple(self.x.shape)} {_dtype_name(self.dtype)}", f"hidden {self.hidden_size}",
+        parts = [f"x {tuple(self.x.shape)} {dtype_name(self.dtype)}", f"hidden {self.hidden_size}",
                  f"eps {self.eps:g}"]
         if self.weight is None:
             parts.append("no weight")
@@ -70,8 +67,8 @@ def validate_rms_norm(x: Any, weight: Any = None, eps: Any = 1e-6, residual: Any
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"rms_norm: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT:
-        raise ValueError(f"rms_norm: x has dtype {_dtype_name(x.dtype)}; allowed: float16, bfloat16, float32, "
-                         "float64 (cast it, e.g. x.float())")
+        raise ValueError(f"rms_norm: x has dtype {dtype_name(x.dtype)}; allowed: fp16, bf16, fp32, fp64 "
+                         "(cast it, e.g. x.float())")
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"rms_norm: x has shape {tuple(x.shape)}; it needs a non-empty last (hidden) dim")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
@@ -86,13 +83,13 @@ def validate_rms_norm(x: Any, weight: Any = None, eps: Any = 1e-6, residual: Any
         if weight.device != x.device:
             raise ValueError(f"rms_norm: weight is on {weight.device} and x on {x.device}; move them to one device")
         if weight.dtype not in _FLOAT:
-            raise ValueError(f"rms_norm: weight has dtype {_dtype_name(weight.dtype)}; allowed: a float dtype")
+            raise ValueError(f"rms_norm: weight has dtype {dtype_name(weight.dtype)}; allowed: a float dtype")
     if residual is not None:
         if not isinstance(residual, torch.Tensor):
             raise TypeError(f"rms_norm: residual must be a torch.Tensor or None, got {type(residual).__name__}")
         if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-            raise ValueError(f"rms_norm: residual is {tuple(residual.shape)} {_dtype_name(residual.dtype)} on "
-                             f"{residual.device}; it must match x: {tuple(x.shape)} {_dtype_name(x.dtype)} on "
+            raise ValueError(f"rms_norm: residual is {tuple(residual.shape)} {dtype_name(residual.dtype)} on "
+                             f"{residual.device}; it must match x: {tuple(x.shape)} {dtype_name(x.dtype)} on "
                              f"{x.device}")
     return RmsNormCall(x, weight, residual, float(eps), module)
 
@@ -108,11 +105,7 @@ class RmsNormCaps:
     max_hidden_size: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = sorted(_dtype_name(d) for d in value) if f.name == "dtypes" else value
-        return out
+        return caps_as_dict(self)
 
 
 class RmsNormImpl(Impl):
@@ -134,8 +127,8 @@ class RmsNormImpl(Impl):
         caps = self.caps
         reasons = []
         if call.dtype not in caps.dtypes:
-            reasons.append(f"dtype {_dtype_name(call.dtype)} not supported "
-                           f"(supported: {', '.join(sorted(_dtype_name(d) for d in caps.dtypes))})")
+            reasons.append(f"dtype {dtype_name(call.dtype)} not supported "
+                           f"(supported: {', '.join(sorted(dtype_name(d) for d in caps.dtypes))})")
         if call.weight is None and not caps.weight_optional:
             reasons.append("a call without weight not supported (pass weight=torch.ones(hidden))")
         if call.residual is not None and not caps.residual:

@@ -170,10 +170,10 @@ def test_the_env_pin_of_one_op_leaves_the_others_alone(basic_manager, monkeypatc
 
 
 @pytest.mark.parametrize("args,message", [
-    ((torch.ones(2, 4, dtype=torch.int32),), "dtype int32; allowed: float16"),
+    ((torch.ones(2, 4, dtype=torch.int32),), "dtype int32; allowed: fp16"),
     ((torch.ones(2, 4), torch.ones(5)), r"weight has shape \(5,\); it must be \(4,\)"),
     ((torch.ones(2, 4), None, 0.0), "eps=0.0; it must be a finite number > 0"),
-    ((torch.ones(2, 4), None, 1e-6, torch.ones(2, 5)), r"residual is \(2, 5\) float32 on cpu; it must match x"),
+    ((torch.ones(2, 4), None, 1e-6, torch.ones(2, 5)), r"residual is \(2, 5\) fp32 on cpu; it must match x"),
     ((torch.ones(2, 0),), "needs a non-empty last"),
 ])
 def test_validation_errors_name_the_value_and_the_fix(basic_manager, args, message):
