@@ -29,8 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_loop import environment  # noqa: E402
 from side_by_side import timed  # noqa: E402
 
-INNER = 10
-
 CELLS: dict[str, dict[str, Any]] = {
     "dense causal GQA 4:1 d128": dict(b=2, s=4096, hq=32, hkv=8, d=128, kw=dict(causal=True)),
     "dense causal MHA d64": dict(b=4, s=2048, hq=16, hkv=16, d=64, kw=dict(causal=True)),
@@ -49,7 +47,8 @@ def step_fn(attend: Any) -> Any:
     return step
 
 
-def measure(name: str, cell: dict[str, Any], device: torch.device, dtype: torch.dtype, reps: int) -> dict[str, Any]:
+def measure(name: str, cell: dict[str, Any], device: torch.device, dtype: torch.dtype, reps: int,
+            inner: int) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     b, s, hq, hkv, d = cell["b"], cell["s"], cell["hq"], cell["hkv"], cell["d"]
     q = torch.randn(b, s, hq, d, device=device, dtype=dtype, generator=gen).requires_grad_()
@@ -91,9 +90,9 @@ def measure(name: str, cell: dict[str, Any], device: torch.device, dtype: torch.
             row[f"{way} ms"] = timed(lambda: fn(q, k, v, grad), device, warmup=2, reps=reps)
 
             def steps() -> None:
-                for _ in range(INNER):
+                for _ in range(inner):
                     fn(q, k, v, grad)
-            row[f"{way} ms back to back"] = timed(steps, device, warmup=1, reps=reps) / INNER
+            row[f"{way} ms back to back"] = timed(steps, device, warmup=1, reps=reps) / inner
         finally:
             cls.run = original_run
             cls.backward = saved_backward
@@ -104,11 +103,11 @@ def measure(name: str, cell: dict[str, Any], device: torch.device, dtype: torch.
     return row
 
 
-def markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
+def markdown(rows: list[dict[str, Any]], env: dict[str, Any], inner: int) -> str:
     lines = [f"# Compiled training step (fwd+bwd, torch.compile fullgraph) — {env['device']}", "",
              f"torch {env['torch']}, cuda {env.get('cuda')}, cuDNN {env.get('cudnn')}, triton {env.get('triton')}, "
              f"commit {env.get('commit')}", "",
-             f"ms per step: one step synchronised / {INNER} steps back to back.", "",
+             f"ms per step: one step synchronised / {inner} steps back to back.", "",
              "| cell | pick | opdispatch ms (forwards/step) | backward recomputes ms (forwards/step) | torch SDPA compiled ms |",
              "|---|---|---|---|---|"]
     def ms(r: dict[str, Any], way: str) -> str:
@@ -132,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", default="")
     parser.add_argument("--inner", type=int, default=10, help="steps per timing in the back-to-back figure")
     args = parser.parse_args(argv)
-    global INNER
-    INNER = args.inner
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cells = TINY if args.tiny else CELLS
@@ -143,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, cell in cells.items():
         try:
-            rows.append(measure(name, cell, device, dtype, args.reps))
+            rows.append(measure(name, cell, device, dtype, args.reps, args.inner))
             print(json.dumps(rows[-1]), flush=True)
         except Exception as exc:  # one failing cell must not hide the others
             print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    text = markdown(rows, env)
+    text = markdown(rows, env, args.inner)
     print(text)
     if args.out:
         args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
