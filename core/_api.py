@@ -11,6 +11,7 @@ import torch
 
 from ._attention import validate_attention
 from ._rms_norm import validate_rms_norm
+from ._rotary import validate_rotary_embedding
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
 from ._graphs import is_capturing, raise_if_capturing
@@ -243,3 +244,33 @@ def explain_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: f
     simulates another device, as for `explain`."""
     call = validate_rms_norm(x, weight, eps, residual, module=_module())
     return get_manager().explain("rms_norm", call, device=resolve_device(device), impl=impl)
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                     positions: torch.Tensor | None = None, seqlen_offsets: int | torch.Tensor | None = None,
+                     interleaved: bool = False, layout: str = "bshd", cu_seqlens: torch.Tensor | None = None,
+                     max_seqlen: int | None = None, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q and k by the best implementation the device and the policy allow.
+
+    q/k: (batch, seqlen, heads, head_dim) for ``layout="bshd"``, or packed (total, heads, head_dim) for ``"thd"``
+    with int32 ``cu_seqlens`` and ``max_seqlen``; k may have fewer heads. cos/sin: (max_positions, rotary_dim / 2)
+    caches; the first rotary_dim channels rotate, the rest pass through. Pairs are (x[i], x[i + rotary_dim / 2])
+    (GPT-NeoX) or, with ``interleaved=True``, (x[2i], x[2i + 1]) (GPT-J). A token's position is its index in its
+    sequence plus ``seqlen_offsets`` (an int or one per sequence), or ``positions[token]``. Returns new
+    ``(q_out, k_out)``. The policy section is ``ops.rotary_embedding`` (`when:` keys dtype, head_dim, rotary_dim,
+    interleaved, varlen, positions, requires_grad, plus device keys); the env pin
+    ``OPDISPATCH_IMPL_ROTARY_EMBEDDING``.
+    """
+    call = validate_rotary_embedding(q, k, cos, sin, positions=positions, seqlen_offsets=seqlen_offsets,
+                                     interleaved=interleaved, layout=layout, cu_seqlens=cu_seqlens,
+                                     max_seqlen=max_seqlen, module=_module())
+    return get_manager().call("rotary_embedding", call, impl=impl)  # type: ignore[no-any-return]
+
+
+def explain_rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                             impl: str | None = None, device: DeviceInfo | str | os.PathLike[str] | None = None,
+                             **kwargs: Any) -> Decision:
+    """Why `rotary_embedding` with these arguments goes where it goes. `device` simulates another device, as for
+    `explain`; the tensors may then live on the ``meta`` device."""
+    call = validate_rotary_embedding(q, k, cos, sin, module=_module(), check_values=not _is_meta(q), **kwargs)
+    return get_manager().explain("rotary_embedding", call, device=resolve_device(device), impl=impl)

@@ -78,6 +78,40 @@ def fused_add_rms_norm(x, residual, normalized_shape, weight, eps=1e-5):
     return x, residual
 
 
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, rotary_interleaved=False, inplace=False):
+    """5.0.2's asserts and arithmetic: each channel is `x * cos + x[partner] * (+-sin)` in float32 (the kernel's
+    own formulation, not a pair rotation)."""
+    assert k.shape[-1] == q.shape[-1] and cos.shape[-1] == sin.shape[-1]
+    assert cos.shape[-1] * 2 == q.shape[-1], "cos/sin dim must be half of q/k dim"
+    assert cos.stride(-1) == 1 and sin.stride(-1) == 1
+    assert q.shape[:-2] == k.shape[:-2]
+    if position_ids is None:
+        assert q.dim() == 4, "q must have 4 dimensions if position_ids is not provided"
+        pos = torch.arange(q.shape[1]).expand(q.shape[:2])
+    else:
+        assert position_ids.shape == q.shape[:-2]
+        pos = position_ids
+    assert not inplace
+    calls.append(("apply_rotary_pos_emb", dict(position_ids=position_ids is not None,
+                                               rotary_interleaved=rotary_interleaved)))
+    d = q.shape[-1]
+    j = torch.arange(d)
+    if rotary_interleaved:
+        partner, freq = j + 1 - 2 * (j % 2), j // 2
+        sign = torch.where(j % 2 == 0, -1.0, 1.0)
+    else:
+        partner, freq = (j + d // 2) % d, j % (d // 2)
+        sign = torch.where(j < d // 2, -1.0, 1.0)
+    c = cos[pos][..., freq].float().unsqueeze(-2)
+    s = sin[pos][..., freq].float().unsqueeze(-2) * sign
+
+    def one(x):
+        xf = x.float()
+        return (xf * c + xf[..., partner] * s).to(x.dtype)
+
+    return one(q), one(k)
+
+
 def install(monkeypatch) -> types.ModuleType:
     """Put this fake into sys.modules as `flag_gems`, with `flag_gems.ops.attention`."""
     this = sys.modules[__name__]
@@ -90,6 +124,7 @@ def install(monkeypatch) -> types.ModuleType:
     fake.flash_attn_varlen_func = flash_attn_varlen_func
     fake.rms_norm = rms_norm
     fake.fused_add_rms_norm = fused_add_rms_norm
+    fake.apply_rotary_pos_emb = apply_rotary_pos_emb
     fake.ops = ops
     monkeypatch.setitem(sys.modules, "flag_gems", fake)
     monkeypatch.setitem(sys.modules, "flag_gems.ops", ops)

@@ -1,4 +1,4 @@
-"""Built-in plugin `flagos`: FlagGems (FlagOS) Triton attention kernels, forward only."""
+"""Built-in plugin `flagos`: FlagGems (FlagOS) Triton kernels (attention, rms_norm, rotary_embedding)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ from opdispatch import Impl, hookimpl
 
 from ._attention import FlagGemsAttention
 from ._rms_norm import FlagGemsRmsNorm
+from ._rotary import FlagGemsRotary
 
-__all__ = ["FlagGemsAttention", "FlagGemsRmsNorm"]
+__all__ = ["FlagGemsAttention", "FlagGemsRmsNorm", "FlagGemsRotary"]
 
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
-    return [FlagGemsAttention(), FlagGemsRmsNorm()]
+    return [FlagGemsAttention(), FlagGemsRmsNorm(), FlagGemsRotary()]

@@ -9,14 +9,15 @@ from opdispatch import DeviceInfo, Impl, hookimpl
 
 from ._attention import CudnnAttention, FlashAttn2, FlashAttn3, MemEfficientAttention, TorchFlashAttention
 from ._probe import probe_nvidia
+from ._rotary import FlashRotary
 
-__all__ = ["CudnnAttention", "FlashAttn2", "FlashAttn3", "MemEfficientAttention", "TorchFlashAttention",
+__all__ = ["CudnnAttention", "FlashAttn2", "FlashAttn3", "FlashRotary", "MemEfficientAttention", "TorchFlashAttention",
            "probe_nvidia"]
 
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
-    return [CudnnAttention(), TorchFlashAttention(), MemEfficientAttention(), FlashAttn2(), FlashAttn3()]
+    return [CudnnAttention(), TorchFlashAttention(), MemEfficientAttention(), FlashAttn2(), FlashAttn3(), FlashRotary()]
 
 
 @hookimpl

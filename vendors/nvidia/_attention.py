@@ -57,6 +57,9 @@ def _version_tuple(text: str | None) -> tuple[int, ...]:
     return tuple(out)
 
 
+FLASH_ATTN = Requirement(module="flash_attn", distribution="flash-attn", min_version="2.6.0", key="flash_attn",
+                         install_hint="pip install 'flash-attn>=2.6' --no-build-isolation")
+
 class _TorchBuildRequirement(Requirement):
     """A capability of the torch build (cuDNN), read from the probe's `libraries` instead of pip metadata."""
 
@@ -636,8 +639,7 @@ class FlashAttn2(AttentionImpl):
     device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
     device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
     min_capability: ClassVar[tuple[int, int] | None] = (8, 0)  # "FlashAttention only supports Ampere GPUs or newer."
-    requires = (Requirement(module="flash_attn", distribution="flash-attn", min_version="2.6.0", key="flash_attn",
-                            install_hint="pip install 'flash-attn>=2.6' --no-build-isolation"),)
+    requires = (FLASH_ATTN,)
     # csrc/flash_attn/flash_api.cpp: fp16/bf16; head_dim <= 256 (the Python wrapper pads to a multiple of 8);
     # one head dim for q, k, v; GQA; causal and window aligned bottom-right; softcap (not with dropout); ALiBi
     # (fp32, (h,) or (b, h)); dropout; deterministic backward on request.

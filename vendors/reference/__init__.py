@@ -6,10 +6,11 @@ from opdispatch import Impl, hookimpl
 
 from ._attention import ReferenceAttention
 from ._rms_norm import ReferenceRmsNorm, TorchRmsNorm
+from ._rotary import ReferenceRotary
 
-__all__ = ["ReferenceAttention", "ReferenceRmsNorm", "TorchRmsNorm"]
+__all__ = ["ReferenceAttention", "ReferenceRmsNorm", "ReferenceRotary", "TorchRmsNorm"]
 
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
-    return [ReferenceAttention(), ReferenceRmsNorm(), TorchRmsNorm()]
+    return [ReferenceAttention(), ReferenceRmsNorm(), TorchRmsNorm(), ReferenceRotary()]

@@ -1,0 +1,334 @@
+"""The ``rotary_embedding`` op: rotary position embedding (RoPE) applied to q and k.
+
+For each token at position ``p`` and each pair ``(x1, x2)`` of the first ``rotary_dim`` channels of a head,
+``(x1, x2) -> (x1 * cos[p] - x2 * sin[p], x2 * cos[p] + x1 * sin[p])``; channels beyond ``rotary_dim`` pass
+through. Pairs are ``(x[i], x[i + rotary_dim / 2])`` (GPT-NeoX, "half-rotated", the default) or ``(x[2i], x[2i + 1])``
+(GPT-J, ``interleaved=True``). ``cos``/``sin`` are caches of shape ``(max_positions, rotary_dim / 2)``, the
+convention of flash-attn's and FlagGems' kernels. A token's position is its index in its sequence, shifted by
+``seqlen_offsets`` (decode with a KV cache), or given explicitly by ``positions`` (vLLM's convention). Arithmetic
+in float32 (float64 for float64 inputs); outputs have the inputs' dtype; inputs are never modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ._attention import caps_as_dict, dtype_name
+from ._impl import Impl
+from ._ops import OpSpec, register_op
+
+__all__ = ["RotaryCall", "RotaryCaps", "RotaryImpl", "validate_rotary_embedding"]
+
+_FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_INDEX = frozenset({torch.int32, torch.int64})
+ROTARY_LAYOUTS = ("bshd", "thd")
+
+
+class RotaryCall:
+    """A validated ``rotary_embedding`` call: the tensors and what selection reads from them."""
+
+    __slots__ = ("q", "k", "cos", "sin", "positions", "seqlen_offsets", "interleaved", "layout", "cu_seqlens",
+                 "max_seqlen", "head_dim", "rotary_dim", "heads_q", "heads_k", "dtype", "device", "requires_grad",
+                 "module")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor | None, seqlen_offsets: int | torch.Tensor, interleaved: bool, layout: str,
+                 cu_seqlens: torch.Tensor | None, max_seqlen: int | None, module: str | None = None) -> None:
+        self.q, self.k, self.cos, self.sin = q, k, cos, sin
+        self.positions, self.seqlen_offsets = positions, seqlen_offsets
+        self.interleaved, self.layout = interleaved, layout
+        self.cu_seqlens, self.max_seqlen = cu_seqlens, max_seqlen
+        self.head_dim = q.shape[-1]
+        self.rotary_dim = 2 * cos.shape[-1]
+        self.heads_q, self.heads_k = q.shape[-2], k.shape[-2]
+        self.dtype = q.dtype
+        self.device = q.device
+        self.requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin))
+        self.module = module
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos.shape[0]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @property
+    def cos_sin_grad(self) -> bool:
+        """Whether a gradient must flow into the cos/sin caches (learned or scaled frequencies)."""
+        return torch.is_grad_enabled() and (self.cos.requires_grad or self.sin.requires_grad)
+
+    def with_tensors(self, q: torch.Tensor, k: torch.Tensor) -> RotaryCall:
+        """This call with other q/k of the same shapes, dtype and device (a bound plan's next call)."""
+        return RotaryCall(q, k, self.cos, self.sin, self.positions, self.seqlen_offsets, self.interleaved,
+                          self.layout, self.cu_seqlens, self.max_seqlen, self.module)
+
+    def token_positions(self) -> torch.Tensor:
+        """The position of every token, int64: (batch, seqlen) for bshd, (total,) for thd."""
+        if self.positions is not None:
+            return self.positions.long()
+        device = self.q.device
+        if self.cu_seqlens is None:
+            batch, seqlen = self.q.shape[:2]
+            pos = torch.arange(seqlen, device=device).expand(batch, seqlen)
+            offsets = self.seqlen_offsets
+            if isinstance(offsets, torch.Tensor):
+                return pos + offsets.long().unsqueeze(1)
+            return pos + offsets
+        total = self.q.shape[0]
+        cu = self.cu_seqlens.long()
+        starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+        # output_size: no device-to-host read of the lengths (no sync on accelerators)
+        first = torch.repeat_interleave(starts, lengths, output_size=total)
+        pos = torch.arange(total, device=device) - first
+        offsets = self.seqlen_offsets
+        if isinstance(offsets, torch.Tensor):
+            return pos + torch.repeat_interleave(offsets.long(), lengths, output_size=total)
+        return pos + offsets
+
+    def signature(self) -> tuple[Any, ...]:
+        """Everything selection may depend on (no tensor data)."""
+        offsets = self.seqlen_offsets
+        return (tuple(self.q.shape), tuple(self.k.shape), tuple(self.cos.shape), self.dtype, self.cos.dtype,
+                str(self.device), self.layout, self.interleaved, self.positions is not None,
+                isinstance(offsets, torch.Tensor), self.requires_grad, self.cos_sin_grad,
+                self.cos.stride(-1) == 1 and self.sin.stride(-1) == 1, self.module)
+
+    def describe(self) -> str:
+        parts = [f"q {tuple(self.q.shape)} k {tuple(self.k.shape)} {dtype_name(self.dtype)} {self.layout}",
+                 f"rotary_dim {self.rotary_dim}/{self.head_dim}", "interleaved" if self.interleaved else "neox",
+                 f"cos/sin ({self.max_positions}, {self.rotary_dim // 2}) {dtype_name(self.cos.dtype)}"]
+        if self.positions is not None:
+            parts.append("positions")
+        elif isinstance(self.seqlen_offsets, torch.Tensor) or self.seqlen_offsets:
+            parts.append("seqlen_offsets")
+        if self.requires_grad:
+            parts.append("grad")
+        return ", ".join(parts)
+
+
+def _check_tensor(name: str, t: Any, allowed: frozenset[torch.dtype], what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"rotary_embedding: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        raise ValueError(f"rotary_embedding: {name} has dtype {dtype_name(t.dtype)}; allowed: {what}")
+    return t
+
+
+def validate_rotary_embedding(q: Any, k: Any, cos: Any, sin: Any, *, positions: Any = None,
+                              seqlen_offsets: Any = None, interleaved: Any = False, layout: Any = "bshd",
+                              cu_seqlens: Any = None, max_seqlen: Any = None, module: str | None = None,
+                              check_values: bool | None = None) -> RotaryCall:
+    """Check a ``rotary_embedding`` call; ValueError/TypeError naming the bad argument, its value, what is allowed.
+
+    Position values are range-checked when the index tensors are on the CPU (or with ``check_values=True``);
+    reading accelerator tensors back would sync every call, so there, as in the vendor kernels, they are trusted.
+    """
+    float_names = "fp16, bf16, fp32, fp64"
+    q = _check_tensor("q", q, _FLOAT, float_names)
+    k = _check_tensor("k", k, _FLOAT, float_names)
+    cos = _check_tensor("cos", cos, _FLOAT, float_names)
+    sin = _check_tensor("sin", sin, _FLOAT, float_names)
+    if layout not in ROTARY_LAYOUTS:
+        raise ValueError(f"rotary_embedding: layout={layout!r}; allowed: {', '.join(ROTARY_LAYOUTS)} (bshd: (batch, "
+                         "seqlen, heads, head_dim); thd: packed (total, heads, head_dim) with cu_seqlens)")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"rotary_embedding: interleaved must be a bool, got {interleaved!r}")
+    rank = 4 if layout == "bshd" else 3
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != rank:
+            raise ValueError(f"rotary_embedding: {name} has shape {tuple(t.shape)}; layout {layout!r} needs "
+                             f"{rank} dims")
+    if k.dtype != q.dtype or k.device != q.device:
+        raise ValueError(f"rotary_embedding: k is {dtype_name(k.dtype)} on {k.device} and q {dtype_name(q.dtype)} "
+                         f"on {q.device}; they must match")
+    if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"rotary_embedding: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in every dim but "
+                         "heads")
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        raise ValueError(f"rotary_embedding: q {tuple(q.shape)} and k {tuple(k.shape)} need at least one head")
+    head_dim = q.shape[-1]
+    if cos.dim() != 2 or sin.shape != cos.shape:
+        raise ValueError(f"rotary_embedding: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both be "
+                         "(max_positions, rotary_dim / 2)")
+    if cos.device != q.device or sin.device != q.device:
+        raise ValueError(f"rotary_embedding: cos/sin are on {cos.device}/{sin.device} and q on {q.device}; move "
+                         "them to one device")
+    rotary_dim = 2 * cos.shape[1]
+    if rotary_dim == 0 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_embedding: cos/sin have {cos.shape[1]} columns, so rotary_dim is {rotary_dim}; it "
+                         f"must be in 2..head_dim ({head_dim}) (cos/sin hold rotary_dim / 2 frequencies)")
+    if cos.shape[0] == 0:
+        raise ValueError("rotary_embedding: cos/sin have no rows (max_positions is 0)")
+    if positions is not None and seqlen_offsets is not None:
+        raise ValueError("rotary_embedding: pass either positions (each token's position) or seqlen_offsets (a "
+                         "shift of each sequence's positions), not both")
+    batch = q.shape[0]
+    if layout == "thd":
+        cu_seqlens, max_seqlen = _check_varlen(q, cu_seqlens, max_seqlen)
+        batch = cu_seqlens.shape[0] - 1
+    elif cu_seqlens is not None or max_seqlen is not None:
+        raise ValueError("rotary_embedding: cu_seqlens/max_seqlen describe packed sequences; pass layout='thd' "
+                         "with them")
+    tokens = q.shape[:-2]
+    values_on_host = check_values if check_values is not None else q.device.type == "cpu"
+    if positions is not None:
+        positions = _check_tensor("positions", positions, _INDEX, "int32, int64")
+        if tuple(positions.shape) != tuple(tokens) or positions.device != q.device:
+            raise ValueError(f"rotary_embedding: positions is {tuple(positions.shape)} on {positions.device}; it "
+                             f"must be {tuple(tokens)} (one position per token) on {q.device}")
+        if values_on_host and positions.numel():
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0 or hi >= cos.shape[0]:
+                raise ValueError(f"rotary_embedding: positions span {lo}..{hi}; the cos/sin caches hold positions "
+                                 f"0..{cos.shape[0] - 1} (extend the caches or clamp the positions)")
+        offsets: int | torch.Tensor = 0
+    else:
+        offsets = _check_offsets(seqlen_offsets, batch, q.device)
+        longest = q.shape[1] if layout == "bshd" else max_seqlen
+        assert longest is not None
+        if isinstance(offsets, int):
+            top = offsets + longest - 1
+        elif values_on_host and offsets.numel():
+            top = int(offsets.max()) + longest - 1
+            if int(offsets.min()) < 0:
+                raise ValueError(f"rotary_embedding: seqlen_offsets hold {int(offsets.min())}; offsets must be >= 0")
+        else:
+            top = -1
+        if top >= cos.shape[0]:
+            raise ValueError(f"rotary_embedding: tokens reach position {top} (seqlen_offsets + seqlen - 1); the cos/sin "
+                             f"caches hold positions 0..{cos.shape[0] - 1} (extend the caches)")
+    return RotaryCall(q, k, cos, sin, positions, offsets, interleaved, layout, cu_seqlens, max_seqlen, module)
+
+
+def _check_varlen(q: torch.Tensor, cu_seqlens: Any, max_seqlen: Any) -> tuple[torch.Tensor, int]:
+    if cu_seqlens is None or max_seqlen is None:
+        raise ValueError("rotary_embedding: layout 'thd' needs cu_seqlens ((batch + 1,) int32 offsets of the packed "
+                         "sequences) and max_seqlen (the longest sequence)")
+    cu_seqlens = _check_tensor("cu_seqlens", cu_seqlens, frozenset({torch.int32}), "int32")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.device != q.device:
+        raise ValueError(f"rotary_embedding: cu_seqlens is {tuple(cu_seqlens.shape)} on {cu_seqlens.device}; it must "
+                         f"be (batch + 1,) with batch >= 1, on {q.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(f"rotary_embedding: max_seqlen={max_seqlen!r}; it must be an int >= 1")
+    if cu_seqlens.device.type == "cpu":
+        cu = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        if cu[0] != 0 or cu[-1] != q.shape[0] or min(lengths) < 0:
+            raise ValueError(f"rotary_embedding: cu_seqlens {cu} must start at 0, not decrease, and end at the token "
+                             f"count of q ({q.shape[0]})")
+        if max(lengths) > max_seqlen:
+            raise ValueError(f"rotary_embedding: a sequence has {max(lengths)} tokens but max_seqlen={max_seqlen}")
+    return cu_seqlens, max_seqlen
+
+
+def _check_offsets(offsets: Any, batch: int, device: torch.device) -> int | torch.Tensor:
+    if offsets is None:
+        return 0
+    if isinstance(offsets, torch.Tensor):
+        offsets = _check_tensor("seqlen_offsets", offsets, _INDEX, "int32, int64")
+        if tuple(offsets.shape) != (batch,) or offsets.device != device:
+            raise ValueError(f"rotary_embedding: seqlen_offsets is {tuple(offsets.shape)} on {offsets.device}; it "
+                             f"must be ({batch},) (one offset per sequence) on {device}, or an int")
+        return offsets
+    if isinstance(offsets, bool) or not isinstance(offsets, int) or offsets < 0:
+        raise ValueError(f"rotary_embedding: seqlen_offsets={offsets!r}; it must be an int >= 0 or a ({batch},) int "
+                         "tensor")
+    return offsets
+
+
+@dataclass(frozen=True)
+class RotaryCaps:
+    """What a ``rotary_embedding`` implementation supports, declared as data."""
+
+    dtypes: frozenset[torch.dtype]
+    neox: bool = True               # half-rotated pairs (x[i], x[i + rotary_dim / 2])
+    interleaved: bool = True        # GPT-J pairs (x[2i], x[2i + 1])
+    partial: bool = True            # rotary_dim < head_dim
+    varlen: bool = True             # layout thd with cu_seqlens
+    positions: bool = True          # explicit per-token positions
+    offsets: bool = True            # seqlen_offsets (int or per-sequence tensor)
+    gqa: bool = True                # k with fewer heads than q
+    backward: bool = False          # gradients for q and k
+    cos_sin_grad: bool = False      # gradients into the cos/sin caches
+    max_head_dim: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return caps_as_dict(self)
+
+
+class RotaryImpl(Impl):
+    """Base for ``rotary_embedding`` implementations: set `caps`, implement `run` (returns (q_out, k_out))."""
+
+    op: ClassVar[str] = "rotary_embedding"
+    caps: ClassVar[RotaryCaps]
+
+    def check_declaration(self) -> list[str]:
+        problems = super().check_declaration()
+        caps = getattr(self, "caps", None)
+        if not isinstance(caps, RotaryCaps):
+            problems.append(f"caps must be an opdispatch.RotaryCaps, got {type(caps).__name__}")
+        elif not caps.dtypes or not all(isinstance(d, torch.dtype) for d in caps.dtypes):
+            problems.append("caps.dtypes must be a non-empty set of torch dtypes")
+        return problems
+
+    def not_supported_reasons(self, call: RotaryCall, device: Any) -> list[str]:
+        caps = self.caps
+        reasons = []
+        if call.dtype not in caps.dtypes:
+            reasons.append(f"dtype {dtype_name(call.dtype)} not supported "
+                           f"(supported: {', '.join(sorted(dtype_name(d) for d in caps.dtypes))})")
+        if call.interleaved and not caps.interleaved:
+            reasons.append("interleaved (GPT-J) pairs not supported")
+        if not call.interleaved and not caps.neox:
+            reasons.append("half-rotated (GPT-NeoX) pairs not supported")
+        if call.rotary_dim < call.head_dim and not caps.partial:
+            reasons.append(f"partial rotary (rotary_dim {call.rotary_dim} < head_dim {call.head_dim}) not supported")
+        if call.varlen and not caps.varlen:
+            reasons.append("packed varlen (layout thd) not supported")
+        if call.positions is not None and not caps.positions:
+            reasons.append("explicit positions not supported (pass seqlen_offsets instead where they fit)")
+        offsets = call.seqlen_offsets
+        if (isinstance(offsets, torch.Tensor) or offsets) and not caps.offsets:
+            reasons.append("seqlen_offsets not supported")
+        if call.heads_k != call.heads_q and not caps.gqa:
+            reasons.append(f"k with {call.heads_k} heads and q with {call.heads_q} (GQA) not supported")
+        if call.requires_grad and not caps.backward:
+            reasons.append("backward not supported (forward only)")
+        if call.cos_sin_grad and not caps.cos_sin_grad:
+            reasons.append("gradients into cos/sin not supported (they are taken as constants)")
+        if caps.max_head_dim is not None and call.head_dim > caps.max_head_dim:
+            reasons.append(f"head_dim {call.head_dim} above the supported maximum {caps.max_head_dim}")
+        reasons.extend(self.extra_reasons(call, device))
+        return reasons
+
+    def extra_reasons(self, call: RotaryCall, device: Any) -> list[str]:
+        """Override for limits `RotaryCaps` cannot express."""
+        return []
+
+    def describe_capabilities(self) -> dict[str, Any]:
+        out = super().describe_capabilities()
+        out.update(self.caps.as_dict())
+        return out
+
+
+def rotary_features(call: RotaryCall) -> dict[str, Any]:
+    return {"dtype": call.dtype, "head_dim": call.head_dim, "rotary_dim": call.rotary_dim,
+            "interleaved": call.interleaved, "varlen": call.varlen, "positions": call.positions is not None,
+            "requires_grad": call.requires_grad}
+
+
+ROTARY_EMBEDDING = register_op(OpSpec(
+    name="rotary_embedding", impl_base=RotaryImpl, call_features=rotary_features,
+    description="rotary position embedding (RoPE) of q and k, NeoX or GPT-J pairs, cos/sin caches",
+    features={"dtype": "dtype", "head_dim": "int", "rotary_dim": "int", "interleaved": "bool",
+              "varlen": "bool", "positions": "bool", "requires_grad": "bool"},
+))
