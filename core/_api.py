@@ -230,7 +230,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     ``y = x / sqrt(mean(x**2, -1) + eps) * weight``; with `residual`, normalises ``h = x + residual`` and returns
     ``(y, h)`` (fused add-and-norm; the inputs are never modified). Statistics in float32 (float64 for float64);
     `y` has x's dtype. `impl` pins an implementation id (an error if it cannot take the call). The policy section
-    is ``ops.rms_norm`` (`when:` keys dtype, hidden_size, residual, weight, requires_grad, plus device keys); the
+    is ``ops.rms_norm`` (`when:` keys dtype, hidden_size, tokens (rows of x), residual, weight, requires_grad, plus
+    device keys); the
     env pin ``OPDISPATCH_IMPL_RMS_NORM``.
     """
     call = validate_rms_norm(x, weight, eps, residual, module=_module())

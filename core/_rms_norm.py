@@ -151,12 +151,14 @@ class RmsNormImpl(Impl):
 
 
 def rms_norm_features(call: RmsNormCall) -> dict[str, Any]:
-    return {"dtype": call.dtype, "hidden_size": call.hidden_size, "residual": call.residual is not None,
+    return {"dtype": call.dtype, "hidden_size": call.hidden_size, "tokens": call.x.numel() // call.hidden_size,
+            "residual": call.residual is not None,
             "weight": call.weight is not None, "requires_grad": call.requires_grad}
 
 
 RMS_NORM = register_op(OpSpec(
     name="rms_norm", impl_base=RmsNormImpl, call_features=rms_norm_features,
     description="RMSNorm over the last dim, optional weight and fused residual add",
-    features={"dtype": "dtype", "hidden_size": "int", "residual": "bool", "weight": "bool", "requires_grad": "bool"},
+    features={"dtype": "dtype", "hidden_size": "int", "tokens": "int", "residual": "bool", "weight": "bool",
+              "requires_grad": "bool"},
 ))

@@ -67,3 +67,20 @@ def test_compiled_training_counts_one_forward_per_step_with_the_kernels_backward
     assert row["opdispatch forwards per step"] == 1
     assert row["opdispatch (backward recomputes) forwards per step"] == 2
     assert all(math.isfinite(row[k]) and row[k] > 0 for k in row if k.endswith(" ms"))
+
+
+def test_op_bench_times_both_ops_and_says_why_a_pin_cannot_run(manager, tmp_path, capsys):
+    out = tmp_path / "ops.json"
+    assert load("op_bench").main(["--tiny", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert {r["op"] for r in rows} == {"rms_norm", "rotary_embedding"} and result["versions"]["device"] == "cpu"
+    timed = [r for r in rows if r["us"] is not None]
+    assert all(math.isfinite(r["us"]) and r["us"] > 0 for r in timed)
+    assert {r["variant"] for r in timed} >= {"opdispatch policy", "opdispatch torch.rms_norm", "torch F.rms_norm",
+                                             "opdispatch reference.rotary_embedding", "torch eager rotate_half"}
+    # the CPU has neither vendor kernel: each pinned row says why instead of a time
+    flagos = [r for r in rows if r["variant"] == "opdispatch flagos.rms_norm"]
+    assert flagos and all(r["us"] is None and "runs on device type 'cuda'" in r["note"] for r in flagos)
+    assert {r["chosen"] for r in rows if r["variant"] == "opdispatch policy"} == {
+        "torch.rms_norm", "reference.rotary_embedding"}

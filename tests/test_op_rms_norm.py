@@ -82,8 +82,7 @@ def test_flagos_adapter_against_a_fake_flag_gems(basic_manager, monkeypatch):
     impl = FlagGemsRmsNorm()
     before = (x.clone(), r.clone())
     y, h = impl.run(validate_rms_norm(x, w, 1e-5, r))
-    assert fake_flag_gems.calls[-1] == ("fused_add_rms_norm", {"eps": 1e-5})
-    # the kernel works in place; the adapter gave it copies
+    assert fake_flag_gems.calls[-1] == ("rms_norm", {"eps": 1e-5})  # of x + residual
     assert torch.equal(x, before[0]) and torch.equal(r, before[1])
     want_y, want_h = oracle(x, w, 1e-5, r)
     torch.testing.assert_close(y.double(), want_y, **TOLERANCES[torch.float32])
@@ -108,10 +107,13 @@ def test_selection_and_reasons_on_simulated_devices(manager):
     d = opdispatch.explain_rms_norm(x, None, device=h100, impl=None)
     flagos = next(c for c in d.candidates if c.impl_id == "flagos.rms_norm")
     assert "without weight not supported" in " ".join(flagos.reasons)
-    # training with the fused residual add: FlagGems' fused kernel has no backward
+    # training with the residual add: the add, then FlagGems' kernel with its backward
     d = opdispatch.explain_rms_norm(_meta(8, 4096, grad=True), w, residual=r, device=h100)
-    flagos = next(c for c in d.candidates if c.impl_id == "flagos.rms_norm")
-    assert "no backward" in " ".join(flagos.reasons)
+    assert next(c for c in d.candidates if c.impl_id == "flagos.rms_norm").status == "eligible"
+    # large inputs: FlagGems by the measured default-policy rule (tokens = rows of x)
+    d = opdispatch.explain_rms_norm(_meta(4, 8192, 4096), w, device=h100)
+    assert d.chosen_id == "flagos.rms_norm" and "flagos-for-large-rms-norm" in str(d)
+    assert opdispatch.explain_rms_norm(_meta(8191, 4096), w, device=h100).chosen_id == "torch.rms_norm"
     # on other devices FlagGems is not available; torch's kernel runs everywhere
     for device in ("mi300x", "bi-v150", "p800", "cpu"):
         assert opdispatch.explain_rms_norm(x, w, device=str(device_descriptor(device))).chosen_id == "torch.rms_norm"

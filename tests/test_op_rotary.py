@@ -154,14 +154,21 @@ def test_flagos_adapter_against_a_fake_flag_gems(basic_manager, monkeypatch, lay
     fake_flag_gems.install(monkeypatch)
     gen = torch.Generator().manual_seed(11)
     q, k, cos, sin, kwargs, pos = _case(layout, rotary_dim, head_dim, mode, dtype, gen, strided=True)
+    q, k = q.requires_grad_(), k.requires_grad_()
     call = validate_rotary_embedding(q, k, cos, sin, interleaved=interleaved, **kwargs)
-    assert FlagGemsRotary().not_supported_reasons(call, None) == []
+    assert call.requires_grad and FlagGemsRotary().not_supported_reasons(call, None) == []
     q_out, k_out = FlagGemsRotary().run(call)
     plain = layout == "bshd" and mode == "default"
     assert fake_flag_gems.calls[-1] == ("apply_rotary_pos_emb", {"position_ids": not plain,
                                                                  "rotary_interleaved": interleaved})
     torch.testing.assert_close(q_out.double(), oracle(q, pos, rotary_dim, interleaved), **TOLERANCES[dtype])
     torch.testing.assert_close(k_out.double(), oracle(k, pos, rotary_dim, interleaved), **TOLERANCES[dtype])
+    # backward: the same kernel with -sin, i.e. the inverse rotation of the incoming gradient (k's left unused)
+    gq = torch.randn(q.shape, generator=gen).to(dtype)
+    got_q, got_k = torch.autograd.grad(q_out, (q, k), gq)
+    assert fake_flag_gems.calls[-1][0] == "apply_rotary_pos_emb"
+    torch.testing.assert_close(got_q.double(), oracle(gq, -pos, rotary_dim, interleaved), **TOLERANCES[dtype])
+    assert torch.count_nonzero(got_k) == 0
 
 
 @pytest.mark.parametrize("layout,interleaved,rotary_dim,head_dim,mode", [c for c in CASES if c[4] != "positions"])
@@ -206,10 +213,10 @@ def test_selection_and_reasons_on_simulated_devices(manager):
     d = _explain("h100")
     assert d.chosen_id == "flagos.rotary_embedding"
     assert "not declared in the device descriptor" in _reasons(d, "nvidia.flash_rotary")
-    # training, partial rotary: FlagGems declines with reasons, the reference takes it
+    # training too (its backward is the inverse rotation); partial rotary: FlagGems declines, the reference takes it
+    assert _explain("h100", q=_meta(2, 16, 8, 128, grad=True)).chosen_id == "flagos.rotary_embedding"
     d = _explain("h100", q=_meta(2, 16, 8, 128, grad=True), cos_cols=32)
     assert d.chosen_id == "reference.rotary_embedding"
-    assert "backward not supported" in _reasons(d, "flagos.rotary_embedding")
     assert "partial rotary (rotary_dim 64 < head_dim 128)" in _reasons(d, "flagos.rotary_embedding")
     # MI300X with flash-attn's ROCm build: its Triton kernel, also for training and packed sequences
     assert _explain("mi300x").chosen_id == "nvidia.flash_rotary"

@@ -69,15 +69,6 @@ def rms_norm(x, normalized_shape, weight, eps=1e-5):
     return _rms(x, weight, eps)
 
 
-def fused_add_rms_norm(x, residual, normalized_shape, weight, eps=1e-5):
-    """In place, like 5.0.2's: x becomes the normalised sum, residual the sum; returns (x, residual)."""
-    assert list(normalized_shape) == [x.shape[-1]]
-    calls.append(("fused_add_rms_norm", dict(eps=eps)))
-    residual.add_(x)
-    x.copy_(_rms(residual, weight, eps))
-    return x, residual
-
-
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, rotary_interleaved=False, inplace=False):
     """5.0.2's asserts and arithmetic: each channel is `x * cos + x[partner] * (+-sin)` in float32 (the kernel's
     own formulation, not a pair rotation)."""
@@ -123,7 +114,6 @@ def install(monkeypatch) -> types.ModuleType:
     fake.__version__ = __version__
     fake.flash_attn_varlen_func = flash_attn_varlen_func
     fake.rms_norm = rms_norm
-    fake.fused_add_rms_norm = fused_add_rms_norm
     fake.apply_rotary_pos_emb = apply_rotary_pos_emb
     fake.ops = ops
     monkeypatch.setitem(sys.modules, "flag_gems", fake)

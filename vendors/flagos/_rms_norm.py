@@ -1,10 +1,10 @@
-"""`flagos.rms_norm`: FlagGems' Triton RMSNorm (`flag_gems.rms_norm`, with autograd) and fused add + RMSNorm
-(`flag_gems.fused_add_rms_norm`, forward only).
+"""`flagos.rms_norm`: FlagGems' Triton RMSNorm (`flag_gems.rms_norm`, an autograd Function).
 
-Signatures read from flag_gems 5.0.2: ``rms_norm(x, normalized_shape, weight, eps=1e-5)`` (an autograd Function;
-weight required) and ``fused_add_rms_norm(x, residual, normalized_shape, weight, eps=1e-5)``, which writes the
-normalised result into ``x`` and ``x + residual`` into ``residual`` **in place** and returns them. The adapter
-hands it copies, so the caller's tensors are never modified.
+Signature read from flag_gems 5.0.2: ``rms_norm(x, normalized_shape, weight, eps=1e-5)`` (weight required). With a
+residual the adapter adds it first (``h = x + residual``) and normalises ``h``. FlagGems' fused
+``fused_add_rms_norm(x, residual, normalized_shape, weight, eps)`` is not used: it writes both results into its
+inputs **in place** and has no backward, so keeping the caller's tensors intact would take two copies — measured
+slower on an H100 than the add plus the unfused kernel (benchmarks/results/op_bench-h100.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class FlagGemsRmsNorm(RmsNormImpl):
     vendor: ClassVar[str] = "flagos"
     name: ClassVar[str] = "rms_norm"
     priority: ClassVar[int] = 20
-    description: ClassVar[str] = "FlagGems Triton RMSNorm (flag_gems.rms_norm / fused_add_rms_norm)"
+    description: ClassVar[str] = "FlagGems Triton RMSNorm (flag_gems.rms_norm), autograd"
     device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
     device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
     requires = (FLAG_GEMS,)
@@ -30,21 +30,10 @@ class FlagGemsRmsNorm(RmsNormImpl):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), weight_optional=False, residual=True,
         backward=True)
 
-    def extra_reasons(self, call: RmsNormCall, device: Any) -> list[str]:
-        if call.residual is not None and call.requires_grad:
-            return ["fused_add_rms_norm has no backward (it works in place); training with a residual is not "
-                    "supported"]
-        return []
-
-    def selection_key(self, call: RmsNormCall) -> Any:
-        return ()  # extra_reasons reads flags only
-
     def run(self, call: RmsNormCall) -> Any:
         import flag_gems
 
         assert call.weight is not None
-        shape = [call.hidden_size]
-        if call.residual is None:
-            return flag_gems.rms_norm(call.x, shape, call.weight, call.eps)
-        y, h = flag_gems.fused_add_rms_norm(call.x.clone(), call.residual.clone(), shape, call.weight, call.eps)
-        return y, h
+        h = call.x if call.residual is None else call.x + call.residual
+        y = flag_gems.rms_norm(h, [call.hidden_size], call.weight, call.eps)
+        return y if call.residual is None else (y, h)
