@@ -231,11 +231,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     ``(y, h)`` (fused add-and-norm; the inputs are never modified). Statistics in float32 (float64 for float64);
     `y` has x's dtype. `impl` pins an implementation id (an error if it cannot take the call). The policy section
     is ``ops.rms_norm`` (`when:` keys dtype, hidden_size, tokens (rows of x), residual, weight, requires_grad, plus
-    device keys); the
-    env pin ``OPDISPATCH_IMPL_RMS_NORM``.
+    device keys); the env pin ``OPDISPATCH_IMPL_RMS_NORM``.
     """
+    if _is_compiling():
+        from ._compile_ops import rms_norm_for_compile
+
+        return rms_norm_for_compile(x, weight, eps, residual, impl=impl)
+    manager = _manager or get_manager()
+    try:  # the per-call fast path, as attention's: the key holds everything validation and selection read
+        key = ("rms_norm", x.shape, x.dtype, x.device, x.requires_grad, eps, _grad_enabled(), impl, _overrides(),
+               _module(), None if weight is None else (weight.shape, weight.dtype, weight.device, weight.requires_grad),
+               None if residual is None else (residual.shape, residual.dtype, residual.device, residual.requires_grad))
+        fn = manager.fast[key]
+    except KeyError:
+        pass
+    except (AttributeError, TypeError):  # not tensors, unhashable eps…: validation says what is wrong
+        key = None
+    else:
+        return fn(x, weight, residual)
     call = validate_rms_norm(x, weight, eps, residual, module=_module())
-    return get_manager().call("rms_norm", call, impl=impl)
+    if key is None:
+        return manager.call("rms_norm", call, impl=impl)
+    return _bind_and_remember(manager, "rms_norm", key, call, impl)(x, weight, residual)
+
+
+def _bind_and_remember(manager: OpManager, op: str, key: Any, call: Any, impl: str | None) -> Any:
+    """Bind `call`'s implementation and remember it under the fast-path `key` (unless a policy swap happened
+    meanwhile: the swap replaced `fast`, the hash tells)."""
+    raise_if_capturing(op, call)  # a kernel's first call at a new shape may build a plan: never inside capture
+    fn = manager.bind(op, call, impl=impl)
+    if fn.decision.policy_hash == manager.policy.hash:
+        _bounded_put(manager.fast, key, fn)
+    return fn
 
 
 def explain_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -262,10 +289,52 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     interleaved, varlen, positions, requires_grad, plus device keys); the env pin
     ``OPDISPATCH_IMPL_ROTARY_EMBEDDING``.
     """
+    if _is_compiling():
+        from ._compile_ops import rotary_embedding_for_compile
+
+        return rotary_embedding_for_compile(q, k, cos, sin, positions=positions, seqlen_offsets=seqlen_offsets,
+                                            interleaved=interleaved, layout=layout, cu_seqlens=cu_seqlens,
+                                            max_seqlen=max_seqlen, impl=impl)
+    manager = _manager or get_manager()
+    key = _rotary_key(q, k, cos, sin, positions, seqlen_offsets, interleaved, layout, cu_seqlens, max_seqlen, impl)
+    if key is not None:
+        fn = manager.fast.get(key)
+        if fn is not None:
+            return fn(q, k, cos, sin, positions, seqlen_offsets, cu_seqlens)  # type: ignore[no-any-return]
     call = validate_rotary_embedding(q, k, cos, sin, positions=positions, seqlen_offsets=seqlen_offsets,
                                      interleaved=interleaved, layout=layout, cu_seqlens=cu_seqlens,
                                      max_seqlen=max_seqlen, module=_module())
-    return get_manager().call("rotary_embedding", call, impl=impl)  # type: ignore[no-any-return]
+    if key is None:
+        return manager.call("rotary_embedding", call, impl=impl)  # type: ignore[no-any-return]
+    fn = _bind_and_remember(manager, "rotary_embedding", key, call, impl)
+    return fn(q, k, cos, sin, positions, seqlen_offsets, cu_seqlens)  # type: ignore[no-any-return]
+
+
+def _index_key(t: Any) -> Any:
+    """An index tensor's part of a rotary fast-path key; raises TypeError for one whose values validation must
+    read on every call (on the CPU, where reading them costs no sync)."""
+    if t is None or isinstance(t, int):
+        return t
+    if t.device.type == "cpu":
+        raise TypeError("checked per call")
+    return (t.shape, t.dtype, t.device)
+
+
+def _rotary_key(q: Any, k: Any, cos: Any, sin: Any, positions: Any, seqlen_offsets: Any, interleaved: Any,
+                layout: Any, cu_seqlens: Any, max_seqlen: Any, impl: Any) -> Any:
+    """The rotary fast-path key, or None when the call must be validated in full (CPU index tensors, whose values
+    are range-checked per call; anything that is not a tensor). An int offset is part of the key: validation
+    checks it against the caches."""
+    try:
+        key = ("rotary_embedding", q.shape, k.shape, q.dtype, k.dtype, q.device, k.device, cos.shape, sin.shape,
+               cos.dtype, sin.dtype, cos.device, sin.device, cos.stride(-1), sin.stride(-1), _grad_enabled(),
+               q.requires_grad, k.requires_grad, cos.requires_grad, sin.requires_grad, _index_key(positions),
+               _index_key(seqlen_offsets), _index_key(cu_seqlens), max_seqlen, interleaved, layout, impl,
+               _overrides(), _module())
+        hash(key)
+    except (AttributeError, TypeError, IndexError, RuntimeError):
+        return None
+    return key
 
 
 def explain_rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,

@@ -366,7 +366,7 @@ def _(q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, l
 
 
 @contextlib.contextmanager
-def _autograd_reenabled() -> Iterator[None]:
+def autograd_reenabled() -> Iterator[None]:
     """Record autograd again inside a custom op's kernel (which runs below the Autograd dispatch key)."""
     C = torch._C
     keys = C.DispatchKey
@@ -414,7 +414,7 @@ def _attention_backward(
         if grads is not None:
             _check_grads(impl_id, grads, (q, k, v))
             return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), q.new_empty((0,))
-    with _autograd_reenabled():
+    with autograd_reenabled():
         leaves = [q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()]
         bias = attn_bias
         if bias_grad and attn_bias is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -208,6 +208,17 @@ class Impl:
     def run(self, call: Any) -> Any:
         """Compute the op for a validated call."""
         raise NotImplementedError
+
+    def bind(self, call: Any) -> Callable[..., Any]:
+        """A function taking the tensors of calls of exactly `call`'s signature (the op's call record says which:
+        its `with_tensors`) — the per-call fast path and bound plans use it. Override to bind a kernel directly;
+        this default re-enters `run` with a copy of the call holding the new tensors."""
+        run, rebuild = self.run, call.with_tensors
+
+        def bound(*tensors: Any) -> Any:
+            return run(rebuild(*tensors))
+
+        return bound
 
     def describe_capabilities(self) -> dict[str, Any]:
         """Declared capabilities as plain data (for `opdispatch list --verbose` and docs)."""

@@ -454,7 +454,8 @@ class OpManager:
 
     # -- running ---------------------------------------------------------------------------------------------
     def bind(self, op: str, call: Any, *, impl: str | None = None) -> Any:
-        """A function `(q, k, v) -> result` bound to the implementation chosen for `call`'s signature.
+        """A function bound to the implementation chosen for `call`'s signature, taking the tensors the op's call
+        record names in its `with_tensors` (attention: q, k, v).
 
         It does no lookup per call; with settings.fallback_on_error (and no pin) it falls back like `call`.
         """
@@ -465,13 +466,13 @@ class OpManager:
         if impl is None and decision.pinned is None and self.policy.settings.fallback_on_error:
             primary = fn
 
-            def with_fallback(q: Any, k: Any, v: Any) -> Any:
+            def with_fallback(*tensors: Any) -> Any:
                 try:
-                    return primary(q, k, v)
+                    return primary(*tensors)
                 except Exception as exc:
-                    if is_capturing(q.device):  # a fallback inside capture would record a half-failed graph
+                    if is_capturing(call.device):  # a fallback inside capture would record a half-failed graph
                         raise
-                    return self._fallback(decision, call.with_tensors(q, k, v), exc)
+                    return self._fallback(decision, call.with_tensors(*tensors), exc)
 
             fn = with_fallback
         fn.decision = decision  # type: ignore[attr-defined]

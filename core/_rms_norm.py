@@ -39,6 +39,11 @@ class RmsNormCall:
             t is not None and t.requires_grad for t in (x, weight, residual))
         self.module = module
 
+    def with_tensors(self, x: torch.Tensor, weight: torch.Tensor | None,
+                     residual: torch.Tensor | None) -> RmsNormCall:
+        """This call with other tensors of the same signature (the per-call fast path's next call)."""
+        return RmsNormCall(x, weight, residual, self.eps, self.module)
+
     @property
     def stats_dtype(self) -> torch.dtype:
         """The dtype the mean of squares is computed in."""

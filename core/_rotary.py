@@ -66,10 +66,12 @@ class RotaryCall:
         """Whether a gradient must flow into the cos/sin caches (learned or scaled frequencies)."""
         return torch.is_grad_enabled() and (self.cos.requires_grad or self.sin.requires_grad)
 
-    def with_tensors(self, q: torch.Tensor, k: torch.Tensor) -> RotaryCall:
-        """This call with other q/k of the same shapes, dtype and device (a bound plan's next call)."""
-        return RotaryCall(q, k, self.cos, self.sin, self.positions, self.seqlen_offsets, self.interleaved,
-                          self.layout, self.cu_seqlens, self.max_seqlen, self.module)
+    def with_tensors(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     positions: torch.Tensor | None, seqlen_offsets: int | torch.Tensor | None,
+                     cu_seqlens: torch.Tensor | None) -> RotaryCall:
+        """This call with other tensors of the same signature (the per-call fast path's next call)."""
+        return RotaryCall(q, k, cos, sin, positions, 0 if seqlen_offsets is None else seqlen_offsets,
+                          self.interleaved, self.layout, cu_seqlens, self.max_seqlen, self.module)
 
     def token_positions(self) -> torch.Tensor:
         """The position of every token, int64: (batch, seqlen) for bshd, (total,) for thd."""

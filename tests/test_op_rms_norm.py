@@ -205,3 +205,23 @@ def test_registration_checks_the_op_and_its_base_class(basic_manager):
 
     with pytest.raises(RegistrationError, match="op='layer_norm' is not a known op; known ops: attention, rms_norm"):
         basic_manager.register_impl(UnknownOp())
+
+
+def test_repeated_calls_take_the_fast_path_and_a_policy_swap_resets_it(basic_manager, monkeypatch):
+    gen = torch.Generator().manual_seed(9)
+    x, w, r = _inputs((6, 40), torch.float32, gen)
+    for _ in range(3):
+        y, h = opdispatch.rms_norm(x, w, 1e-5, r)
+    assert basic_manager.decisions_made == 1 and len(basic_manager.fast) == 1
+    want_y, want_h = oracle(x, w, 1e-5, r)
+    torch.testing.assert_close(y.double(), want_y, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(h.double(), want_h, **TOLERANCES[torch.float32])
+    # a new signature (no residual, another eps) decides once more; an env pin swapped in applies at once
+    opdispatch.rms_norm(x, w, 1e-6)
+    assert basic_manager.decisions_made == 2
+    monkeypatch.setenv("OPDISPATCH_IMPL_RMS_NORM", "reference.rms_norm")
+    basic_manager.reload()
+    assert basic_manager.fast == {}
+    opdispatch.rms_norm(x, w, 1e-6)
+    fn = next(iter(basic_manager.fast.values()))
+    assert fn.decision.chosen_id == "reference.rms_norm"

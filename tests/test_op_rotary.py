@@ -300,3 +300,18 @@ def test_validation_errors_name_the_value_and_the_fix(basic_manager, args, kwarg
     with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")
                        .replace(".", r"\.").replace("+", r"\+")):
         opdispatch.rotary_embedding(*args, **kwargs)
+
+
+def test_repeated_calls_take_the_fast_path_but_cpu_positions_are_checked_every_call(basic_manager):
+    gen = torch.Generator().manual_seed(8)
+    q, k, cos, sin, kwargs, pos = _case("bshd", 16, 16, "offset_int", torch.float32, gen)
+    for _ in range(3):
+        q_out, _ = opdispatch.rotary_embedding(q, k, cos, sin, **kwargs)
+    assert basic_manager.decisions_made == 1 and len(basic_manager.fast) == 1
+    torch.testing.assert_close(q_out.double(), oracle(q, pos, 16, False), **TOLERANCES[torch.float32])
+    # explicit CPU positions are range-checked on every call: never cached
+    good = torch.zeros(q.shape[:2], dtype=torch.long)
+    opdispatch.rotary_embedding(q, k, cos, sin, positions=good)
+    with pytest.raises(ValueError, match="positions span 64..64; the cos/sin caches hold positions 0..63"):
+        opdispatch.rotary_embedding(q, k, cos, sin, positions=good + 64)
+    assert len(basic_manager.fast) == 1

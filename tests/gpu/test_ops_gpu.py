@@ -114,3 +114,31 @@ def test_default_policy_picks_fused_kernels_where_present():
     except Exception:
         return
     assert decision.chosen_id == "flagos.rotary_embedding"
+
+
+def test_both_ops_compiled_with_inductor_match_eager():
+    torch._dynamo.reset()
+
+    def block(x, w, r, q, k, cos, sin):
+        y, h = opdispatch.rms_norm(x, w, 1e-6, r)
+        q2, k2 = opdispatch.rotary_embedding(q, k, cos, sin, seqlen_offsets=5)
+        return y, h, q2, k2
+
+    compiled = torch.compile(block, fullgraph=True, dynamic=True)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    cos, sin = (c.cuda() for c in caches(8192, 128))
+    for rows in (64, 300):
+        x = torch.randn(rows, 4096, device="cuda", generator=gen, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(4096, device="cuda", generator=gen, dtype=torch.bfloat16, requires_grad=True)
+        r = torch.randn(rows, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+        q = torch.randn(2, rows, 32, 128, device="cuda", generator=gen, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(2, rows, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16, requires_grad=True)
+        got, want = compiled(x, w, r, q, k, cos, sin), block(x, w, r, q, k, cos, sin)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **TOL[torch.bfloat16])
+        grads = [torch.randn_like(t) for t in got]
+        got_g = torch.autograd.grad(got, (x, w, q, k), grads)
+        want_g = torch.autograd.grad(want, (x, w, q, k), grads)
+        for a, b in zip(got_g, want_g):
+            torch.testing.assert_close(a, b, atol=0.5, rtol=3e-2)
+    torch._dynamo.reset()
