@@ -15,7 +15,8 @@ from ._rotary import validate_rotary_embedding
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
 from ._graphs import is_capturing, raise_if_capturing
-from ._manager import CACHE_LIMIT, OpManager
+from ._manager import OpManager
+from ._state import bounded_put
 from .policies._overrides import MODULE, OVERRIDES
 
 _manager: OpManager | None = None
@@ -121,7 +122,7 @@ def _attention_slow(manager: OpManager, key: Any, q: Any, k: Any, v: Any, layout
         max_seqlen_k=max_seqlen_k, return_lse=return_lse, deterministic=deterministic, module=_module(),
         check_values=known_same is None, varlen_same=known_same)
     if varlen_key is not None and known_same is None:
-        _bounded_put(checked, varlen_key, call.cu_seqlens_k is call.cu_seqlens_q)
+        bounded_put(checked, varlen_key, call.cu_seqlens_k is call.cu_seqlens_q)
     if key is None:
         return manager.call("attention", call, impl=impl)
     # A dense signature first seen inside CUDA graph capture: its class may be decided, but a kernel's first call
@@ -130,19 +131,8 @@ def _attention_slow(manager: OpManager, key: Any, q: Any, k: Any, v: Any, layout
     fn = manager.bind("attention", call, impl=impl)
     # Store only if no policy swap happened meanwhile (the swap replaced `fast`; the hash tells).
     if fn.decision.policy_hash == manager.policy.hash:
-        _bounded_put(manager.fast, key, fn)
+        bounded_put(manager.fast, key, fn)
     return fn(q, k, v)
-
-
-def _bounded_put(cache: dict[Any, Any], key: Any, value: Any) -> None:
-    """Insert, dropping the oldest entries beyond CACHE_LIMIT (never a wholesale wipe). Hits on the per-call
-    path stay a plain dict subscript with no bookkeeping, so an evicted hot signature costs one re-validation."""
-    cache[key] = value
-    while len(cache) > CACHE_LIMIT:
-        try:
-            del cache[next(iter(cache))]
-        except (KeyError, RuntimeError, StopIteration):  # another thread changed it meanwhile
-            break
 
 
 def _varlen_signature(q: Any, k: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
@@ -261,7 +251,7 @@ def _bind_and_remember(manager: OpManager, op: str, key: Any, call: Any, impl: s
     raise_if_capturing(op, call)  # a kernel's first call at a new shape may build a plan: never inside capture
     fn = manager.bind(op, call, impl=impl)
     if fn.decision.policy_hash == manager.policy.hash:
-        _bounded_put(manager.fast, key, fn)
+        bounded_put(manager.fast, key, fn)
     return fn
 
 

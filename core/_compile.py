@@ -302,26 +302,15 @@ def _rebuild_call(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor
         deterministic=deterministic, check_values=False)
 
 
-_impl_cache: dict[tuple[int, str], Any] = {}
-
-
 def _impl(impl_id: str) -> Any:
+    """The implementation the trace chose, as the installed policy configures it."""
     import opdispatch
 
-    manager = opdispatch.get_manager()
-    key = (id(manager), impl_id)
-    impl = _impl_cache.get(key)
+    impl = opdispatch.get_manager().implementation(_OP, impl_id)
     if impl is None:
-        manager.ensure_initialized()
-        registered = manager.registry.get(_OP, impl_id)
-        if registered is None:
-            raise RuntimeError(f"opdispatch::attention: implementation {impl_id!r} was chosen when the graph was "
-                               "traced but is not registered in this process; re-trace (torch._dynamo.reset()) "
-                               "after changing plugins")
-        impl = registered.impl
-        if len(_impl_cache) > 64:
-            _impl_cache.clear()
-        _impl_cache[key] = impl
+        raise RuntimeError(f"opdispatch::attention: implementation {impl_id!r} was chosen when the graph was "
+                           "traced but is not registered in this process; re-trace (torch._dynamo.reset()) "
+                           "after changing plugins")
     return impl
 
 

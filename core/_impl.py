@@ -7,6 +7,7 @@ Vendor libraries are imported lazily: only `availability()` on a real device and
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import importlib.util
 import re
@@ -112,18 +113,24 @@ class Impl:
 
     @property
     def options(self) -> Any:
-        """The options the current policy sets for this implementation (defaults when it sets none)."""
+        """The options the installed policy gives this implementation (the model's defaults when it gives none)."""
         if self._options is None and self.options_model is not None:
-            self._options = self.options_model()
+            return self.options_model()
         return self._options
 
-    def configure(self, options: Mapping[str, Any] | None) -> None:
-        """Apply the policy's options; raises ValueError (pydantic's) naming the bad option."""
+    def with_options(self, options: Mapping[str, Any] | None) -> Impl:
+        """This implementation configured with a policy's options: a copy (the registered object never changes,
+        so a rejected policy leaves no trace and two policies never share options). Raises ValueError (pydantic's)
+        naming the bad option; returns self when there is nothing to configure."""
         if self.options_model is None:
             if options:
                 raise ValueError(f"implementation {self.id!r} takes no options, got {sorted(options)}")
-            return
-        self._options = self.options_model.model_validate(dict(options or {}))
+            return self
+        if not options:
+            return self
+        configured = copy.copy(self)
+        configured._options = self.options_model.model_validate(dict(options))
+        return configured
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id}>"

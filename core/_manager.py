@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import os
 import sys
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,13 +24,12 @@ from ._graphs import is_capturing, raise_if_capturing
 from ._errors import NoImplementationError, PinnedImplementationError, PolicyError
 from ._impl import Impl
 from ._registry import Origin, Registry
+from ._state import CACHE_LIMIT, DispatchState, bounded_put
 
 log = logging.getLogger("opdispatch")
 
 ENV_LOG_LEVEL = "OPDISPATCH_LOG_LEVEL"
-# Bounds of the caches: decisions (one per call class, least recently used goes first), bound functions of the
-# per-call fast path (one per exact signature, oldest goes first) and varlen signatures whose cu_seqlens were read.
-CACHE_LIMIT = 4096
+__all__ = ["CACHE_LIMIT", "OpManager"]
 
 
 def _configure_logging() -> None:
@@ -53,7 +50,8 @@ class OpManager:
     """Holds the registry of implementations per op and decides which one takes each call.
 
     Initialisation is lazy (plugins load on first use) and happens once per process; a forked child keeps the
-    loaded plugins but forgets device probes and cached decisions, which may not hold across a fork.
+    loaded plugins but forgets device probes and cached decisions, which may not hold across a fork. The policy,
+    the implementations configured with its options and every cache live in one `DispatchState`, replaced whole.
     """
 
     def __init__(self, *, load_entry_points: bool = True, entry_points: Iterable[Any] | None = None,
@@ -69,20 +67,14 @@ class OpManager:
         self.plugins: list[PluginRecord] = []
         self._pm = pluggy.PluginManager(_hookspec.PROJECT_NAME)
         self._pm.add_hookspecs(_hookspec)
-        self._cache: OrderedDict[Any, Decision] = OrderedDict()
-        self._classes: dict[str, DecisionClasses] = {}
-        # Per-call fast path of opdispatch.attention: argument key -> bound function. Replaced (never cleared in
-        # place) whenever decisions may change, so a reader holding the old dict only ever sees old entries.
+        self._state: DispatchState | None = None  # swapped whole (`_install`), never changed in place
+        # The state's per-call fast path and checked varlen signatures, kept as attributes of their own so the
+        # front doors reach them with one attribute read; `_install` replaces them together with the state.
         self.fast: dict[Any, Any] = {}
-        # Varlen signatures whose cu_seqlens values were checked once (accelerators only; see _api), each with
-        # whether cu_seqlens_k held the values of cu_seqlens_q.
         self.checked_varlen: dict[Any, bool] = {}
         # How many decisions were made (cache misses of `resolve`): a decode loop should make one.
         self.decisions_made = 0
-        self._warned_reference: set[Any] = set()
         self._devices: dict[Any, DeviceInfo] = {}
-        self._availability: dict[tuple[str, Any], str | None] = {}
-        self._policy: Any = None  # the active Policy; swapped whole, never mutated
         self._policy_object: Any = policy if isinstance(policy, Policy) else None
         self._policy_path: Any = None if isinstance(policy, Policy) else policy
         _MANAGERS.add(self)
@@ -147,26 +139,30 @@ class OpManager:
         self.clear_cache()
 
     def clear_cache(self) -> None:
-        """Forget decisions and availability answers (after a plugin or environment change)."""
-        _invalidate_compiled()
+        """Forget decisions and availability answers (after a plugin or environment change): a new state for the
+        installed policy."""
         with self._lock:
-            self._cache = OrderedDict()
-            self._classes = {}
-            self.fast = {}
-            self._availability = {}
-            if self._policy is not None:
-                self._configure_impls(self._policy)
+            if self._state is not None:
+                self._install(self._state.policy)
+            else:
+                _invalidate_compiled()
 
     # -- policy ----------------------------------------------------------------------------------------------
     @property
-    def policy(self) -> Any:
-        current = self._policy
+    def state(self) -> DispatchState:
+        """The installed policy with its configured implementations and caches (built on first use)."""
+        current = self._state
         if current is None:
             with self._lock:
-                if self._policy is None:
+                if self._state is None:
                     self._install(self._load_policy())
-                current = self._policy
+                current = self._state
+            assert current is not None
         return current
+
+    @property
+    def policy(self) -> Any:
+        return self.state.policy
 
     def _load_policy(self) -> Any:
         from opdispatch.policies import load_policy
@@ -177,14 +173,21 @@ class OpManager:
         return load_policy(self._policy_path, environ=self.environ)
 
     def _install(self, policy: Any) -> None:
+        """Build the state for `policy` (validating its options and ids: an error leaves the old state in place),
+        then swap it in."""
         self.ensure_initialized()
         with self._lock:
-            self._configure_impls(policy)
-            self._policy = policy  # one reference swap: readers see the old policy or the new one, never a mix
-            self._cache = OrderedDict()
-            self._classes = {}
-            self.fast = {}
+            state = DispatchState.build(policy, self.registry, lambda: _failed_plugins_text(self.plugins))
+            self._use(state)
         _invalidate_compiled()
+
+    def _use(self, state: DispatchState) -> None:
+        # The state is one reference: readers see the old one or the new one, never a mix. The fast-path aliases
+        # follow it; a reader pairing a new alias with the old state sees only fresh entries, which carry their
+        # own decisions.
+        self._state = state
+        self.fast = state.fast
+        self.checked_varlen = state.checked_varlen
 
     def set_policy(self, policy: Any) -> None:
         """Use `policy` (a Policy object, or the path of a YAML file) from now on; cached decisions are dropped.
@@ -205,30 +208,6 @@ class OpManager:
         The policy hash is part of every decision's cache key, so no decision made before survives.
         """
         self._install(self._load_policy())
-
-    def _configure_impls(self, policy: Any) -> None:
-        """Hand every implementation the options this policy gives it; check the ids it names."""
-        for op in self.registry.ops():
-            options = policy.options(op)
-            known = {r.impl.id: r.impl for r in self.registry.for_op(op)}
-            for impl_id, impl in known.items():
-                try:
-                    impl.configure(options.get(impl_id))
-                except ValueError as exc:
-                    where = next((w for p, what, w in policy.patterns(op) if what == "options" and p == impl_id),
-                                 policy.source)
-                    raise PolicyError(f"{where}: field ops.{op}.options.{impl_id}: {exc}",
-                                      field=f"ops.{op}.options.{impl_id}") from exc
-            unknown = [(p, what, where) for p, what, where in policy.patterns(op)
-                       if not any(fnmatch.fnmatchcase(i, p) for i in known)]
-            if unknown:
-                text = (f"the policy names implementations of {op!r} that are not registered: "
-                        + "; ".join(f"{where}: {what} {p!r}" for p, what, where in unknown)
-                        + f". Registered: {', '.join(sorted(known)) or 'none'}.")
-                if policy.settings.strict:
-                    raise PolicyError(text + _failed_plugins_text(self.plugins)
-                                      + "\n(settings.strict is on; turn it off to only warn)", field=f"ops.{op}")
-                log.debug("%s", text)
 
     # -- devices ---------------------------------------------------------------------------------------------
     def device_info(self, device: Any) -> DeviceInfo:
@@ -261,18 +240,28 @@ class OpManager:
                 return result
         return None
 
-    def availability(self, impl: Impl, device: DeviceInfo) -> str | None:
+    def availability(self, impl: Impl, device: DeviceInfo, state: DispatchState | None = None) -> str | None:
+        """Why `impl` cannot run on `device` (None if it can), cached in the state: it may depend on options."""
+        cache = (state or self.state).availability
         key = (impl.id, device.key)
         try:
-            return self._availability[key]
+            return cache[key]
         except KeyError:
             pass
         try:
             reason = impl.availability(device)
         except Exception as exc:  # an availability check must never take dispatch down
             reason = f"availability check raised {type(exc).__name__}: {exc}"
-        self._availability[key] = reason
+        bounded_put(cache, key, reason)
         return reason
+
+    def implementations(self, op: str) -> list[Impl]:
+        """The implementations of `op`, configured with the installed policy's options, in registry order."""
+        return list(self.state.impls.get(op, {}).values())
+
+    def implementation(self, op: str, impl_id: str) -> Impl | None:
+        """One implementation of `op` as the installed policy configures it, or None if not registered."""
+        return self.state.implementation(op, impl_id)
 
     # -- deciding --------------------------------------------------------------------------------------------
     def resolve(self, op: str, call: Any, *, device: DeviceInfo | None = None, impl: str | None = None,
@@ -280,34 +269,29 @@ class OpManager:
         """Decide which implementation takes `call`; raise NoImplementationError if none can."""
         if device is None:
             device = self.device_info(call.device)
-        policy = self.policy
+        state = self.state
         overrides = OVERRIDES.get()
-        cache = self._cache
-        key = self._cache_key(op, call, device, impl, overrides, policy)
+        cache = state.decisions
+        key = self._cache_key(op, call, device, impl, overrides, state)
         if use_cache:
             decision = cache.get(key)
             if decision is not None:
-                try:
-                    cache.move_to_end(key)
+                try:  # least recently used goes first: a hit moves to the end
+                    cache[key] = cache.pop(key)
                 except KeyError:  # evicted by another thread meanwhile: the decision is still valid
                     pass
-                return decision
+                return decision  # type: ignore[no-any-return]
         raise_if_capturing(op, call)  # deciding probes devices and may sync: never inside CUDA graph capture
-        decision = self._decide(op, call, device, impl, policy, overrides)
+        decision = self._decide(op, call, device, impl, state, overrides)
         self.decisions_made += 1
         if decision.chosen is None:
             raise _no_impl_error(decision, self.plugins)
         if use_cache:
-            cache[key] = decision
-            while len(cache) > CACHE_LIMIT:
-                try:
-                    cache.popitem(last=False)
-                except KeyError:
-                    break
+            bounded_put(cache, key, decision)
         log.info("%s: chose %s for [%s] on %s (decided by %s)", op, decision.chosen_id, decision.call,
                  device.describe(), decision.decided_by)
         if getattr(decision.chosen, "reference_fallback", False) and device.type != "cpu":
-            self._warn_reference(decision, key)
+            self._warn_reference(decision, key, state)
         if log.isEnabledFor(logging.DEBUG):
             for c in decision.candidates:
                 log.debug("  %s: %s%s", c.impl_id, c.status, (" — " + "; ".join(c.reasons)) if c.reasons else "")
@@ -315,36 +299,36 @@ class OpManager:
 
     def cached_decision(self, op: str, call: Any, *, impl: str | None = None) -> Decision | None:
         """The cached decision for `call`'s class, or None; never decides (safe during CUDA graph capture)."""
-        policy = self.policy
+        state = self.state
         device = self.device_info(call.device)
-        return self._cache.get(self._cache_key(op, call, device, impl, OVERRIDES.get(), policy))
+        return self.state.decisions.get(  # type: ignore[no-any-return]
+            self._cache_key(op, call, device, impl, OVERRIDES.get(), state))
 
     def _cache_key(self, op: str, call: Any, device: DeviceInfo, impl: str | None, overrides: Any,
-                   policy: Any) -> tuple[Any, ...]:
-        """What a cached decision stands for: the call's class on this device, the pin, the overrides, the policy."""
-        return (op, self.decision_class(op, call, policy, device), device.key, impl, overrides, policy.hash)
+                   state: DispatchState) -> tuple[Any, ...]:
+        """What a cached decision stands for: the call's class on this device, the pin, the overrides (the state
+        is the policy: each state has its own cache)."""
+        return (op, self.decision_class(op, call, state, device), device.key, impl, overrides)
 
-    def decision_class(self, op: str, call: Any, policy: Any = None, device: DeviceInfo | None = None) -> Any:
+    def decision_class(self, op: str, call: Any, state: DispatchState | None = None,
+                       device: DeviceInfo | None = None) -> Any:
         """The class of `call` under the active policy: calls of one class share one decision (see _classes)."""
-        policy = policy if policy is not None else self.policy
+        state = state if state is not None else self.state
         device = device if device is not None else self.device_info(call.device)
-        classes = self._classes.get(op)
-        if classes is None or classes.policy_hash != policy.hash:
-            self.ensure_initialized()
-            classes = DecisionClasses(op, policy, [r.impl for r in self.registry.for_op(op)])
-            self._classes[op] = classes
+        classes = state.classes.get(op)
+        if classes is None:
+            classes = state.classes[op] = DecisionClasses(op, state.policy, list(state.impls.get(op, {}).values()))
         keyed = classes.keyed_on.get(device.key)
         if keyed is None:  # an implementation unavailable on this device never reads the call
-            keyed = classes.keyed_on[device.key] = [i for i in classes.keyed if self.availability(i, device) is None]
+            keyed = classes.keyed_on[device.key] = [
+                i for i in classes.keyed if self.availability(i, device, state) is None]
         return classes.key(call, keyed)
 
-    def _warn_reference(self, decision: Decision, key: Any) -> None:
+    def _warn_reference(self, decision: Decision, key: Any, state: DispatchState) -> None:
         """Once per decision class: a reference implementation took a call on an accelerator (an O(S^2) cliff)."""
-        if key in self._warned_reference:
+        if key in state.warned_reference:
             return
-        if len(self._warned_reference) >= CACHE_LIMIT:
-            self._warned_reference.clear()
-        self._warned_reference.add(key)
+        bounded_put(state.warned_reference, key, None)
         others = [c for c in decision.candidates if c.impl_id != decision.chosen_id and c.status != UNAVAILABLE
                   and not c.impl_id.startswith("plugin:")]
         why = "; ".join(f"{c.impl_id}: {c.status}" + (f" ({'; '.join(c.reasons)})" if c.reasons else "")
@@ -357,7 +341,7 @@ class OpManager:
         """Like `resolve`, but never raises for lack of an implementation: the Decision says why."""
         if device is None:
             device = self.device_info(call.device)
-        return self._decide(op, call, device, impl, self.policy, OVERRIDES.get())
+        return self._decide(op, call, device, impl, self.state, OVERRIDES.get())
 
     def _tuned_order(self, op: str, call: Any, device: DeviceInfo, policy: Any, overrides: Any) -> Any:
         """Measured order for this call from the policy's `autotune:` table, or None.
@@ -374,25 +358,27 @@ class OpManager:
         table = tuned_table_for(path, device)
         if table is None:
             return None
-        base = policy.plan(op, [r.impl.id for r in self.registry.for_op(op)], call, device, overrides)
+        base = policy.plan(op, list(self.state.impls.get(op, {})), call, device, overrides)
         ranked = table.rank(call, [impl_id for impl_id, _ in base.order])
         if ranked is None:
             return None
         order, note = ranked
         return order, Provenance("policy", line, note=f"autotune {path.name}: {note}")
 
-    def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None, policy: Any,
+    def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None, state: DispatchState,
                 overrides: Any) -> Decision:
         self.ensure_initialized()
-        entries = self.registry.for_op(op)
-        origins = {r.impl.id: str(r.origin) for r in entries}
-        impls = {r.impl.id: r.impl for r in entries}
+        policy = state.policy
+        # The state's implementations (registered when it was built), so a plugin registering meanwhile cannot
+        # make this decision see an implementation its state has not configured.
+        impls = state.impls.get(op, {})
+        origins = {r.impl.id: str(r.origin) for r in self.registry.for_op(op)}
         candidates: list[Candidate] = []
         chosen: Impl | None = None
         decided_by: Provenance | None = None
 
         def evaluate(impl_obj: Impl, prov: Provenance) -> Candidate:
-            reason = self.availability(impl_obj, device)
+            reason = self.availability(impl_obj, device, state)
             if reason is not None:
                 return Candidate(impl_obj.id, UNAVAILABLE, [reason], prov, origins[impl_obj.id])
             try:
@@ -405,7 +391,7 @@ class OpManager:
         if impl is not None:
             pin: tuple[str, Provenance] | None = (impl, Provenance("argument", "impl=", note="pinned for this call"))
         else:
-            plan = policy.plan(op, [r.impl.id for r in entries], call, device, overrides,
+            plan = policy.plan(op, list(impls), call, device, overrides,
                                tuned=self._tuned_order(op, call, device, policy, overrides))
             pin = plan.pin
 
@@ -417,10 +403,10 @@ class OpManager:
                 raise _unknown_pin_error(op, pin_id, prov, sorted(impls), self.plugins, decision)
             cand = evaluate(target, prov)
             candidates.append(cand)
-            for other in entries:
-                if other.impl.id != pin_id:
-                    candidates.append(Candidate(other.impl.id, DENIED, [f"pinned to {pin_id} by {prov}"],
-                                                prov, origins[other.impl.id]))
+            for other_id in impls:
+                if other_id != pin_id:
+                    candidates.append(Candidate(other_id, DENIED, [f"pinned to {pin_id} by {prov}"],
+                                                prov, origins[other_id]))
             candidates.extend(self._failed_candidates())
             decision = Decision(op, call.describe(), device, None, candidates, prov, policy.source, policy.hash,
                                 pin_id)
@@ -496,13 +482,13 @@ class OpManager:
         for cand in decision.candidates:
             if cand.status != ELIGIBLE:
                 continue
-            registered = self.registry.get(decision.op, cand.impl_id)
+            registered = self.implementation(decision.op, cand.impl_id)
             if registered is None:
                 continue
             log.warning("%s: %s raised %s; falling back to %s (settings.fallback_on_error)", decision.op,
                         decision.chosen_id, exc, cand.impl_id)
             try:
-                return registered.impl.run(call)
+                return registered.run(call)
             except Exception as next_exc:
                 errors.append(f"{cand.impl_id}: {type(next_exc).__name__}: {next_exc}")
         raise RuntimeError(f"{decision.op}: every eligible implementation raised at run time: "
@@ -552,11 +538,8 @@ def _after_fork_in_child() -> None:
     for manager in list(_MANAGERS):
         manager._lock = threading.RLock()
         manager._devices = {}
-        manager._cache = OrderedDict()
-        manager._classes = {}
-        manager.fast = {}
-        manager.checked_varlen = {}
-        manager._availability = {}
+        if manager._state is not None:
+            manager._use(manager._state.fresh())
 
 
 if hasattr(os, "register_at_fork"):

@@ -11,7 +11,7 @@ import torch
 
 import opdispatch
 from opdispatch import AttentionCaps, AttentionImpl
-from opdispatch import _manager as manager_module
+from opdispatch import _state as state_module
 from opdispatch.policies import parse_policy
 
 from tests._vendor_helpers import real_device
@@ -102,13 +102,13 @@ def test_extra_reasons_without_a_selection_key_decide_per_exact_shape(basic_mana
 
 
 def test_decision_cache_is_a_bounded_lru(basic_manager, rng, monkeypatch):
-    monkeypatch.setattr(manager_module, "CACHE_LIMIT", 3)
+    monkeypatch.setattr(state_module, "CACHE_LIMIT", 3)
     hot = opdispatch.validate_attention(*(bshd(1, 4, 2, 8, rng) for _ in range(3)))
     basic_manager.resolve("attention", hot)
     for d in (16, 24, 32, 40, 48):  # head dims are exact in the class: five more classes
         basic_manager.resolve("attention", opdispatch.validate_attention(*(bshd(1, 4, 2, d, rng) for _ in range(3))))
         basic_manager.resolve("attention", hot)  # touched between inserts: stays
-    assert len(basic_manager._cache) == 3
+    assert len(basic_manager.state.decisions) == 3
     made = basic_manager.decisions_made
     basic_manager.resolve("attention", hot)
     assert basic_manager.decisions_made == made  # still cached
@@ -117,9 +117,7 @@ def test_decision_cache_is_a_bounded_lru(basic_manager, rng, monkeypatch):
 
 
 def test_fast_path_cache_drops_oldest_entries_not_everything(basic_manager, rng, monkeypatch):
-    from opdispatch import _api
-
-    monkeypatch.setattr(_api, "CACHE_LIMIT", 4)
+    monkeypatch.setattr(state_module, "CACHE_LIMIT", 4)
     cache_k, cache_v = bshd(1, 40, 2, 8, rng), bshd(1, 40, 2, 8, rng)
     q = bshd(1, 1, 2, 8, rng)
     for length in range(1, 11):

@@ -250,9 +250,14 @@ def test_manager_works_in_a_forked_child(manager):
     holder = threading.Thread(target=hold_lock)
     holder.start()
     lock_held.wait(5)
+    parent_state = manager.state
     pid = os.fork()
     if pid == 0:  # child: deciding must not deadlock on the inherited lock (kernels are not run: OpenMP
         try:      # thread pools do not survive fork, which is torch's matter, not the dispatcher's)
+            state = manager.state  # the whole state is new and empty, for the same policy
+            if (state is parent_state or state.decisions or state.fast or manager.fast is not state.fast
+                    or state.policy is not parent_state.policy):
+                os._exit(5)
             cached = manager.resolve("attention", opdispatch.validate_attention(q, k, v)).chosen_id
             fresh = manager.resolve("attention", opdispatch.validate_attention(q, k, v, causal=True)).chosen_id
             os._exit(0 if cached == fresh == "cpu.flash" else 3)

@@ -360,10 +360,12 @@ def test_options_reach_the_implementation(manager, tmp_path):
     path = tmp_path / "o.yaml"
     path.write_text("ops:\n  attention:\n    options:\n      rocm.aotriton: {fa_library: ck}\n")
     manager.set_policy(path)
-    impl = manager.registry.get("attention", "rocm.aotriton").impl
-    assert impl.options.fa_library == "ck"
+    assert manager.implementation("attention", "rocm.aotriton").options.fa_library == "ck"
+    # the registered object is not changed: the policy's options live in its own configured copy
+    assert manager.registry.get("attention", "rocm.aotriton").impl.options.fa_library == "aotriton"
     manager.set_policy(parse_policy("ops: {attention: {}}", "<none>"))
-    assert impl.options.fa_library == "aotriton"  # the default again once the policy stops setting it
+    # the default again once the policy stops setting it
+    assert manager.implementation("attention", "rocm.aotriton").options.fa_library == "aotriton"
 
 
 def test_explain_table_shows_rule_file_and_line(four, tmp_path):

@@ -70,7 +70,7 @@ def test_module_option_and_toplevel_fallback(monkeypatch, rng):
     q, k, v = dense_inputs("bshd", 1, 8, 8, 2, 2, 64, torch.float16, rng)
     impl.run(opdispatch.validate_attention(q, k, v))
     assert len(calls) == 1
-    impl.configure({"module": "ixformer.contrib.vllm_flash_attn"})
+    impl = impl.with_options({"module": "ixformer.contrib.vllm_flash_attn"})
     assert "no usable flash_attn_varlen_func" in impl.availability(dev)
 
 

@@ -76,7 +76,7 @@ def test_xtorch_ops_option(monkeypatch, rng):
     impl = KunlunxinPrefill()
     dev = real_device("kunlunxin", "xpu3", "P800", torch="2.5.1")
     assert "'kunlun_ops' is not installed" in impl.availability(dev)
-    impl.configure({"ops_module": "xtorch_ops"})
+    impl = impl.with_options({"ops_module": "xtorch_ops"})
     assert impl.requires[0].module == "xtorch_ops" and impl.availability(dev) is None
     q, k, v = dense_inputs("bshd", 1, 6, 6, 2, 2, 64, torch.float16, rng)
     impl.run(opdispatch.validate_attention(q, k, v))

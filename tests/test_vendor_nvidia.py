@@ -231,8 +231,8 @@ def test_cudnn_options_reject_unknown_keys(manager):
     manager.ensure_initialized()
     impl = manager.registry.get("attention", "nvidia.cudnn").impl
     with pytest.raises(ValueError):
-        impl.configure({"ragged": True})
-    impl.configure(None)
+        impl.with_options({"ragged": True})
+    assert impl.with_options(None) is impl
 
 
 def test_packed_lse_conversions():

@@ -91,12 +91,11 @@ def test_ck_varlen_contract(fa_calls, rng):
 
 
 def test_ck_deterministic_option(fa_calls, rng):
-    impl = RocmFlashAttnCK()
-    impl.configure({"deterministic_backward": True})
+    impl = RocmFlashAttnCK().with_options({"deterministic_backward": True})
     impl.run(_call("bshd", 8, 8, 2, 2, 64, {}, rng))
     assert fa_calls[-1][2]["deterministic"] is True
     with pytest.raises(ValueError):
-        impl.configure({"deterministic": True})  # unknown option name
+        impl.with_options({"deterministic": True})  # unknown option name
 
 
 def test_ck_rejects_what_ck_cannot_do(rng):
@@ -136,8 +135,7 @@ def test_aiter_softcap_dense_goes_through_varlen(aiter_calls, rng):
 def test_aiter_varlen_contract_and_options(aiter_calls, rng):
     t = varlen_inputs([6, 2], [6, 2], 4, 4, 64, BF16, rng)
     call = opdispatch.validate_attention(**t, layout="thd", causal=True, return_lse=True)
-    impl = RocmAiter()
-    impl.configure({"how_v3_bf16_cvt": 2, "deterministic_backward": True})
+    impl = RocmAiter().with_options({"how_v3_bf16_cvt": 2, "deterministic_backward": True})
     out, lse = impl.run(call)
     (name, args, kw), = aiter_calls
     assert name == "flash_attn_varlen_func" and args[3] is call.cu_seqlens_q and args[4] is call.cu_seqlens_k
@@ -209,17 +207,16 @@ def test_aotriton_varlen_and_library_option(aten_flash, rng):
     calls, preference = aten_flash
     t = varlen_inputs([4, 7], [4, 7], 4, 4, 64, torch.float16, rng)
     call = opdispatch.validate_attention(**t, layout="thd", causal=True)
-    impl = RocmAOTriton()
-    impl.configure({"fa_library": "ck"})
+    impl = RocmAOTriton().with_options({"fa_library": "ck"})
     out = impl.run(call)
     assert calls[-1]["cum_seq_q"] is call.cu_seqlens_q and (calls[-1]["max_q"], calls[-1]["max_k"]) == (7, 7)
     assert preference["sets"] == ["ck"]
     assert_matches_reference(call, out)
-    impl.configure({"fa_library": "default"})
+    impl = impl.with_options({"fa_library": "default"})
     impl.run(call)
     assert preference["sets"] == ["ck"]  # 'default' leaves torch's setting alone
     with pytest.raises(ValueError):
-        impl.configure({"fa_library": "triton"})
+        impl.with_options({"fa_library": "triton"})
 
 
 def test_aotriton_rejections(rng, monkeypatch):

@@ -95,9 +95,7 @@ def varlen_oracle(q, k, v, cu_q, cu_k, *, slopes=None, **kw):
 # -- helpers ------------------------------------------------------------------------------------------------
 
 def flex_impl(**options) -> TorchFlexAttention:
-    impl = TorchFlexAttention()
-    impl.configure({"compile": False, "cpu": True, **options})
-    return impl
+    return TorchFlexAttention().with_options({"compile": False, "cpu": True, **options})
 
 
 def rand(*shape, dtype=torch.float32, gen=None):
@@ -449,9 +447,9 @@ def test_declarations_and_options():
     impl = TorchFlexAttention()
     assert impl.id == "torch.flex" and impl.check_declaration() == []
     with pytest.raises(ValueError):
-        impl.configure({"compiled": True})
+        impl.with_options({"compiled": True})
     with pytest.raises(ValueError):
-        impl.configure({"max_head_dim": 8})
+        impl.with_options({"max_head_dim": 8})
     q = torch.empty(1, 8, 2, 32, device="meta", requires_grad=True)
     bias = torch.empty(8, 8, device="meta", requires_grad=True)
     call = validate_attention(q, q, q, attn_bias=bias, deterministic=True)
