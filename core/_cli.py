@@ -15,6 +15,8 @@ import torch
 from ._api import get_manager, resolve_device
 from ._attention import dtype_from_name, dtype_name, validate_attention
 from ._device import DeviceInfo
+from ._rms_norm import validate_rms_norm
+from ._rotary import validate_rotary_embedding
 from ._errors import OpDispatchError
 
 
@@ -116,12 +118,50 @@ def _explain_call_args(args: argparse.Namespace, device_type: str) -> dict[str, 
     return kw
 
 
+def _rms_norm_call(args: argparse.Namespace, dev: str) -> Any:
+    tokens, hidden = _ints(args.shape, 2, "--shape (TOKENS,HIDDEN for rms_norm)")
+    dtype = dtype_from_name(args.dtype)
+    x = torch.empty(tokens, hidden, dtype=dtype, device=dev, requires_grad=args.grad)
+    weight = None if args.no_weight else torch.empty(hidden, dtype=dtype, device=dev, requires_grad=args.grad)
+    residual = torch.empty(tokens, hidden, dtype=dtype, device=dev) if args.residual else None
+    return validate_rms_norm(x, weight, 1e-6, residual)
+
+
+def _rotary_call(args: argparse.Namespace, dev: str) -> Any:
+    b, s, h, d = _ints(args.shape, 4, "--shape")
+    dtype = dtype_from_name(args.dtype)
+    hkv = args.kv_heads or h
+    rotary_dim = args.rotary_dim or d
+    cos = torch.empty(max(s, args.max_positions), rotary_dim // 2, dtype=torch.float32, device=dev)
+    kw: dict[str, Any] = dict(interleaved=args.interleaved, check_values=False)
+    if args.varlen:
+        q = torch.empty(b * s, h, d, dtype=dtype, device=dev, requires_grad=args.grad)
+        k = torch.empty(b * s, hkv, d, dtype=dtype, device=dev, requires_grad=args.grad)
+        kw.update(layout="thd", cu_seqlens=torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev),
+                  max_seqlen=s)
+    else:
+        q = torch.empty(b, s, h, d, dtype=dtype, device=dev, requires_grad=args.grad)
+        k = torch.empty(b, s, hkv, d, dtype=dtype, device=dev, requires_grad=args.grad)
+    if args.positions:
+        kw["positions"] = torch.zeros(q.shape[:-2], dtype=torch.int64, device=dev)
+    return validate_rotary_embedding(q, k, cos, cos, **kw)
+
+
+def _attention_call(args: argparse.Namespace, dev: str) -> Any:
+    kw = _explain_call_args(args, dev)
+    return validate_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), check_values=False, **kw)
+
+
+# How `explain --op` builds a call of each op from the command line (meta tensors on a simulated device).
+_EXPLAIN_CALLS = {"attention": _attention_call, "rms_norm": _rms_norm_call, "rotary_embedding": _rotary_call}
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     manager = get_manager()
     device = _device_arg(args)
-    kw = _explain_call_args(args, device.type if not device.simulated else "meta")
-    call = validate_attention(kw.pop("q"), kw.pop("k"), kw.pop("v"), check_values=False, **kw)
-    decision = manager.explain("attention", call, device=device, impl=args.impl)
+    dev = device.type if not device.simulated else "meta"
+    call = _EXPLAIN_CALLS[args.op](args, dev)
+    decision = manager.explain(args.op, call, device=device, impl=args.impl)
     if args.json:
         print(json.dumps(decision.to_dict(), indent=2, default=str))
     else:
@@ -197,6 +237,23 @@ def demo_calls(device: torch.device) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+def demo_other_ops(device: torch.device) -> list[tuple[str, str, tuple[Any, ...], dict[str, Any]]]:
+    """Calls of the other ops a transformer block makes: (title, op, positional args, keyword args)."""
+    low = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device="cpu").manual_seed(1)
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=low)
+
+    theta = torch.arange(4096, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, 64, 2) / 64)
+    cos, sin = theta.cos().float().to(device), theta.sin().float().to(device)
+    return [
+        ("rms_norm + residual add", "rms_norm", (t(64, 1024), 1 + 0.1 * t(1024), 1e-6, t(64, 1024)), {}),
+        ("rotary_embedding, GQA, decode offsets", "rotary_embedding", (t(4, 1, 16, 64), t(4, 1, 4, 64), cos, sin),
+         {"seqlen_offsets": torch.tensor([7, 100, 512, 4000], device=device)}),
+    ]
+
+
 def _upcast(kw: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in kw.items():
@@ -246,7 +303,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"max|err| {err:.2e} (tol {tol:g}) {elapsed:7.2f} ms   [{decision.decided_by}]")
         if args.verbose:
             print("    " + str(decision).replace("\n", "\n    "))
-    print(f"\n{len(demo_calls(device)) - failures} passed, {failures} failed")
+    others = demo_other_ops(device)
+    for title, op, positional, kw in others:
+        decision = getattr(opdispatch, f"explain_{op}")(*positional, **kw)
+        start = time.perf_counter()
+        result = getattr(opdispatch, op)(*positional, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - start) * 1e3
+        wide = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in positional)
+        expected = getattr(opdispatch, op)(*wide, **kw, impl=f"reference.{op}")
+        outs = result if isinstance(result, tuple) else (result,)
+        refs = expected if isinstance(expected, tuple) else (expected,)
+        tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}.get(outs[0].dtype, 1e-6)
+        err = max((o.double() - r).abs().max().item() for o, r in zip(outs, refs))
+        ok = err <= tol * max(1.0, max(r.abs().max().item() for r in refs))
+        failures += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  {title:<40} -> {decision.chosen_id:<16} "
+              f"max|err| {err:.2e} (tol {tol:g}) {elapsed:7.2f} ms   [{decision.decided_by}]")
+        if args.verbose:
+            print("    " + str(decision).replace("\n", "\n    "))
+    total = len(demo_calls(device)) + len(others)
+    print(f"\n{total - failures} passed, {failures} failed")
     return 1 if failures else 0
 
 
@@ -296,7 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("explain", help="which implementation a call would use, and why")
-    p.add_argument("--shape", required=True, help="B,S,H,D of q (S = seqlen_q, H = q heads)")
+    p.add_argument("--op", default="attention", choices=sorted(_EXPLAIN_CALLS),
+                   help="the op (default: attention); each reads the flags that apply to it")
+    p.add_argument("--shape", required=True, help="B,S,H,D of q (S = seqlen_q, H = q heads); for rms_norm "
+                                                  "TOKENS,HIDDEN of x")
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--seqlen-k", type=int, default=None)
     p.add_argument("--head-dim-v", type=int, default=None)
@@ -314,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lse", action="store_true")
     p.add_argument("--grad", action="store_true", help="inputs require grad (training)")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--residual", action="store_true", help="rms_norm: with the fused residual add")
+    p.add_argument("--no-weight", action="store_true", help="rms_norm: without a weight")
+    p.add_argument("--rotary-dim", type=int, default=None, help="rotary_embedding: rotated channels (default D)")
+    p.add_argument("--interleaved", action="store_true", help="rotary_embedding: GPT-J pairs")
+    p.add_argument("--positions", action="store_true", help="rotary_embedding: explicit per-token positions")
+    p.add_argument("--max-positions", type=int, default=4096, help="rotary_embedding: rows of the cos/sin caches")
     p.add_argument("--impl", default=None, help="pin an implementation id")
     p.add_argument("--device", help="simulate a device from a YAML descriptor (configs/devices/*.yaml)")
     p.add_argument("--json", action="store_true")

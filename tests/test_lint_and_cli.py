@@ -135,6 +135,20 @@ def test_demo_runs_and_checks_results():
     result = subprocess.run([sys.executable, "-m", "opdispatch", "demo"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 failed" in result.stdout and "PASS" in result.stdout and "FAIL " not in result.stdout
+    assert "PASS  rms_norm + residual add" in result.stdout and "PASS  rotary_embedding" in result.stdout
+
+
+def test_explain_any_op_from_the_command_line(capsys, manager):
+    h100 = str(device_descriptor("h100"))
+    assert main(["explain", "--op", "rms_norm", "--shape", "32768,4096", "--device", h100]) == 0
+    out = capsys.readouterr().out
+    assert "op:      rms_norm" in out and "chosen:  flagos.rms_norm" in out and "flagos-for-large-rms-norm" in out
+    assert main(["explain", "--op", "rotary_embedding", "--shape", "2,128,32,128", "--kv-heads", "8",
+                 "--rotary-dim", "64", "--grad", "--device", h100]) == 0
+    out = capsys.readouterr().out
+    assert "rotary_dim 64/128" in out and "partial rotary (rotary_dim 64 < head_dim 128) not supported" in out
+    assert main(["explain", "--op", "rms_norm", "--shape", "4,8,16", "--device", h100]) == 2
+    assert "--shape (TOKENS,HIDDEN for rms_norm) '4,8,16' needs 2 comma-separated integers" in capsys.readouterr().err
 
 
 def test_list_names_missing_vendor_libraries_with_install_hints(capsys, manager):
