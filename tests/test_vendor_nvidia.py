@@ -12,7 +12,7 @@ import torch
 import opdispatch
 from opdispatch import validate_attention
 from opdispatch.vendors.nvidia import FlashAttn2, FlashAttn3, probe_nvidia
-from opdispatch.vendors.nvidia._fa2 import blind_rows
+from opdispatch.plugins.toolkit import blind_rows
 from opdispatch.vendors.nvidia._probe import is_nvidia_torch
 from opdispatch._attention import allowed_positions
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.vendors.nvidia._fa2 import causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
+from opdispatch.plugins.toolkit import causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 
 _LN2 = math.log(2.0)
 # v5.0.2 scaled_dot_product_attention_forward: `assert HEAD_DIM_K in {16, 32, 64, 128, 256}`.

@@ -20,9 +20,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch._attention import additive_bias, bind_dense, shift_rows
-
-from ._fa2 import causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
+from opdispatch.plugins.toolkit import (additive_bias, bind_dense, causal_alibi_lse_reason, dense_lse_fix, shift_rows,
+                                        varlen_lse_fix)
 
 _LOW = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})

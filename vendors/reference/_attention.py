@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch._attention import alibi_bias, allowed_positions
+from opdispatch.plugins.toolkit import alibi_bias, allowed_positions
 
 _ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
