@@ -4,8 +4,8 @@ Call ``opdispatch.attention(...)``; ask ``opdispatch.explain(...)`` why an imple
 plug in through the ``opdispatch.plugins`` entry-point group (see ``opdispatch.plugins.hookspec``).
 """
 
-from ._api import (Attention, attention, explain, explain_rms_norm, explain_rotary_embedding, get_manager, plan, rms_norm,
-                   rotary_embedding, set_manager)
+from ._api import (Attention, attention, explain, explain_rms_norm, explain_rotary_embedding, get_manager, plan,
+                   rms_norm, rotary_embedding, set_manager)
 from ._attention import AttentionCall, AttentionCaps, AttentionImpl, validate_attention
 from ._ops import OpSpec, known_ops, op_spec, register_op
 from ._rms_norm import RmsNormCall, RmsNormCaps, RmsNormImpl, validate_rms_norm

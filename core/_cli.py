@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ._api import get_manager, resolve_device
-from ._attention import dtype_from_name, dtype_name, validate_attention
+from ._attention import dtype_from_name, validate_attention
 from ._device import DeviceInfo
 from ._rms_norm import validate_rms_norm
 from ._rotary import validate_rotary_embedding

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel
 
-from ._errors import RegistrationError
 
 if TYPE_CHECKING:
     from ._device import DeviceInfo
@@ -45,7 +44,8 @@ class Requirement:
         return self.key or self.module
 
     def hint(self) -> str:
-        return self.install_hint or f"pip install '{self.distribution}{'>=' + self.min_version if self.min_version else ''}'"
+        bound = f">={self.min_version}" if self.min_version else ""
+        return self.install_hint or f"pip install '{self.distribution}{bound}'"
 
     def unmet_reason(self, device: DeviceInfo) -> str | None:
         """Why this requirement is not met on `device`, or None. Never imports the library."""

@@ -21,7 +21,7 @@ from opdispatch.policies._overrides import OVERRIDES
 from ._classes import DecisionClasses
 from ._device import DeviceInfo, probe_cpu, probe_generic
 from ._graphs import is_capturing, raise_if_capturing
-from ._errors import NoImplementationError, PinnedImplementationError, PolicyError
+from ._errors import NoImplementationError, PinnedImplementationError
 from ._impl import Impl
 from ._registry import Origin, Registry
 from ._state import CACHE_LIMIT, DispatchState, bounded_put

@@ -206,8 +206,8 @@ def validate_rotary_embedding(q: Any, k: Any, cos: Any, sin: Any, *, positions: 
         else:
             top = -1
         if top >= cos.shape[0]:
-            raise ValueError(f"rotary_embedding: tokens reach position {top} (seqlen_offsets + seqlen - 1); the cos/sin "
-                             f"caches hold positions 0..{cos.shape[0] - 1} (extend the caches)")
+            raise ValueError(f"rotary_embedding: tokens reach position {top} (seqlen_offsets + seqlen - 1); the "
+                             f"cos/sin caches hold positions 0..{cos.shape[0] - 1} (extend the caches)")
     return RotaryCall(q, k, cos, sin, positions, offsets, interleaved, layout, cu_seqlens, max_seqlen, module)
 
 

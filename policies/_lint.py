@@ -114,9 +114,10 @@ def lint_layer(layer: PolicyLayer, impl_ids: dict[str, list[str]], device: Any =
                 if not _covers(earlier.when, rule.when):
                     continue
                 if earlier.pin:
+                    earlier_at = layer.where("ops", op, "rules", e_i)
                     findings.append(Finding(where, "warning", f"rule {rule.name!r} is shadowed by rule "
-                                                              f"{earlier.name!r} ({layer.where('ops', op, 'rules', e_i)}),"
-                                                              f" which pins {earlier.pin} whenever this rule matches"))
+                                                              f"{earlier.name!r} ({earlier_at}), which pins "
+                                                              f"{earlier.pin} whenever this rule matches"))
                     break
                 same_actions = all(getattr(earlier, a) == getattr(rule, a) for a in ("prefer", "deny", "require"))
                 if same_actions and str(earlier.when.conditions()) == str(rule.when.conditions()):

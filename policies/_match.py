@@ -90,8 +90,8 @@ class GlobSpec(_Spec):
 
 
 def parse_arch(text: str) -> tuple[str, tuple[int, ...]]:
-    """`sm90` -> ('sm', (90,)), `sm90a` -> ('sm', (90,)), `gfx942` -> ('gfx', (9, 4, 2)), `gfx90a` -> ('gfx', (9, 0, 10)),
-    `gfx1100` -> ('gfx', (11, 0, 0)). ValueError for anything else."""
+    """`sm90` -> ('sm', (90,)), `sm90a` -> ('sm', (90,)), `gfx942` -> ('gfx', (9, 4, 2)),
+    `gfx90a` -> ('gfx', (9, 0, 10)), `gfx1100` -> ('gfx', (11, 0, 0)). ValueError for anything else."""
     m = re.fullmatch(r"sm_?(\d{2,3})[a-z]?", text)
     if m:
         return "sm", (int(m.group(1)),)

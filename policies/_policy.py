@@ -381,7 +381,8 @@ def parse_policy_layer(text: str, source: str) -> PolicyLayer:
             seen[rule.name] = i
         if op not in known_ops():
             line = lines.line(("ops", op))
-            raise PolicyError(f"{source}:{line}: field ops.{op}: unknown op {op!r}; known ops: {', '.join(known_ops())}",
+            raise PolicyError(f"{source}:{line}: field ops.{op}: unknown op {op!r}; known ops: "
+                              f"{', '.join(known_ops())}",
                               path=source, line=line, field=f"ops.{op}")
         features = op_spec(op).features
         for i, rule in enumerate(spec.rules):

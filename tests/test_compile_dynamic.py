@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import opdispatch
-from opdispatch import AttentionCaps, AttentionImpl
+from opdispatch import AttentionCaps
 from opdispatch import _compile
 
 from tests._test_impls import EvenKeysOnly, ShortOnly, prefer_test_impls

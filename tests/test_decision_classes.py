@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch import AttentionCaps, AttentionImpl
+from opdispatch import AttentionCaps
 from opdispatch import _state as state_module
 from opdispatch.policies import parse_policy
 

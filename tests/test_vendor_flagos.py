@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-import types
 
 import pytest
 import torch

@@ -8,7 +8,6 @@ Causal is bottom-right (flash-attn convention). Returns `out`, or `(out, lse)` w
 
 from __future__ import annotations
 
-import sys
 import types
 
 import torch

@@ -23,7 +23,7 @@ class FlagGemsRotary(RotaryImpl):
     vendor: ClassVar[str] = "flagos"
     name: ClassVar[str] = "rotary_embedding"
     priority: ClassVar[int] = 20
-    description: ClassVar[str] = "FlagGems Triton RoPE (flag_gems.apply_rotary_pos_emb); backward: the same kernel, -sin"
+    description: ClassVar[str] = "FlagGems Triton RoPE (flag_gems.apply_rotary_pos_emb); backward: same kernel, -sin"
     device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
     device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
     requires = (FLAG_GEMS,)

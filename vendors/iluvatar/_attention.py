@@ -98,7 +98,8 @@ class IluvatarIxformer(AttentionImpl):
             return f"ixformer is installed but has no usable {FUNCTION}: {exc}"
         missing = missing_keywords(fn)
         if missing:
-            return f"{where} does not accept the keywords {missing} this adapter passes; signature {inspect.signature(fn)}"
+            return (f"{where} does not accept the keywords {missing} this adapter passes; signature "
+                    f"{inspect.signature(fn)}")
         return None
 
     def run(self, call: AttentionCall) -> torch.Tensor:

@@ -690,7 +690,8 @@ class FlashAttn3(AttentionImpl):
     min_capability: ClassVar[tuple[int, int] | None] = (9, 0)
     max_capability: ClassVar[tuple[int, int] | None] = (9, 0)
     requires = (Requirement(module="flash_attn_interface", distribution="flash_attn_3", key="flash_attn_3",
-                            install_hint="build FA3: git clone flash-attention && cd hopper && python setup.py install"),)
+                            install_hint="build FA3: git clone flash-attention && cd hopper && "
+                                         "python setup.py install"),)
     # hopper/flash_api.cpp: fp16/bf16 (fp8 forward only, not offered here); head_dim <= 256, a multiple of 8;
     # GQA; causal/window bottom-right; softcap; no dropout, no ALiBi; deterministic backward on request.
     caps: ClassVar[AttentionCaps] = AttentionCaps(

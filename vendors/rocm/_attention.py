@@ -181,7 +181,8 @@ class RocmAiter(AttentionImpl):
     vendor: ClassVar[str] = "rocm"
     name: ClassVar[str] = "aiter"
     priority: ClassVar[int] = 90
-    description: ClassVar[str] = "AMD aiter flash attention (aiter.flash_attn_func / flash_attn_varlen_func; CK-tile + ASM)"
+    description: ClassVar[str] = ("AMD aiter flash attention (aiter.flash_attn_func / flash_attn_varlen_func; CK-tile "
+                                  "+ ASM)")
     device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
     device_vendors: ClassVar[frozenset[str]] = frozenset({"amd"})
     # aiter README "Supported Hardware": MI300X/MI325X (gfx942) fully, MI350/MI355X (gfx950); RDNA experimental.

@@ -302,9 +302,10 @@ class TorchFlexAttention(AttentionImpl):
                            f"head dims >= {_MIN_HEAD_DIM} (tl.dot)")
         largest = max(call.head_dim, call.head_dim_v)
         if largest > opts.max_head_dim:
-            reasons.append(f"head_dim {call.head_dim}/{call.head_dim_v} (q·k/v) above max_head_dim={opts.max_head_dim}: "
-                           "flex tunes its tiles up to 256 only; raise ops.attention.options.'torch.flex'.max_head_dim "
-                           "after checking the shape on this device (tests/gpu/test_flex_gpu.py)")
+            reasons.append(f"head_dim {call.head_dim}/{call.head_dim_v} (q·k/v) above max_head_dim="
+                           f"{opts.max_head_dim}: flex tunes its tiles up to 256 only; raise "
+                           "ops.attention.options.'torch.flex'.max_head_dim after checking the shape on this device "
+                           "(tests/gpu/test_flex_gpu.py)")
         if (call.deterministic and call.requires_grad and call.attn_bias is not None
                 and call.attn_bias.requires_grad):
             reasons.append("deterministic=True with a gradient for attn_bias: flex accumulates the gradient of a "
