@@ -98,10 +98,11 @@ def attention(
         except (AttributeError, TypeError):  # not tensors, unhashable window…: the slow path says what is wrong
             key = None
         else:
-            return fn(q, k, v)
-    return _attention_slow(manager, key, q, k, v, layout, causal, causal_alignment, window, scale, dropout_p,
-                           softcap, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                           max_seqlen_k, return_lse, deterministic, impl)
+            return fn(q, k, v)  # type: ignore[no-any-return]
+    result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = _attention_slow(
+        manager, key, q, k, v, layout, causal, causal_alignment, window, scale, dropout_p, softcap, alibi_slopes,
+        attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse, deterministic, impl)
+    return result
 
 
 def _attention_slow(manager: OpManager, key: Any, q: Any, k: Any, v: Any, layout: Any, causal: Any,

@@ -273,7 +273,7 @@ def _check_nonneg_float(name: str, value: Any, *, below_one: bool = False) -> fl
     if not math.isfinite(value) or value < 0.0 or (below_one and value >= 1.0):
         allowed = "0 <= dropout_p < 1" if below_one else f"a finite {name} >= 0 (0 disables it)"
         raise ValueError(f"attention(): {name}={value!r} is out of range; allowed: {allowed}")
-    return value
+    return float(value)
 
 
 def _broadcastable(shape: Sequence[int], target: Sequence[int]) -> bool:
@@ -507,7 +507,7 @@ def _check_alibi(alibi: Any, batch: int, heads: int, device: torch.device) -> to
                          f"({batch}, {heads}) — one slope per query head, optionally per batch element")
     if alibi.device != device:
         raise ValueError(f"attention(): alibi_slopes is on {alibi.device} but q is on {device}")
-    return alibi
+    return alibi  # type: ignore[no-any-return]  # checked to be a tensor above
 
 
 def _check_varlen(q: torch.Tensor, k: torch.Tensor, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any,

@@ -103,8 +103,9 @@ def _explain_call_args(args: argparse.Namespace, device_type: str) -> dict[str, 
         kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=s, max_seqlen_k=sk)
     else:
         layout = args.layout
-        shape = {"bshd": lambda s_, h_, d_: (b, s_, h_, d_), "bhsd": lambda s_, h_, d_: (b, h_, s_, d_),
-                 "sbhd": lambda s_, h_, d_: (s_, b, h_, d_)}[layout]
+        def shape(s_: int, h_: int, d_: int) -> tuple[int, ...]:
+            return {"bshd": (b, s_, h_, d_), "bhsd": (b, h_, s_, d_), "sbhd": (s_, b, h_, d_)}[layout]
+
         q = torch.empty(shape(s, h, d), dtype=dtype, device=dev, requires_grad=grad)
         k = torch.empty(shape(sk, hkv, d), dtype=dtype, device=dev, requires_grad=grad)
         v = torch.empty(shape(sk, hkv, dv), dtype=dtype, device=dev, requires_grad=grad)
@@ -273,9 +274,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"policy: {manager.policy.source} (hash {manager.policy.hash})\n")
     failures = 0
     for title, kw in demo_calls(device):
-        tensors = {k: v for k, v in kw.items() if isinstance(v, torch.Tensor)}
-        options = {k: v for k, v in kw.items() if not isinstance(v, torch.Tensor)}
-        decision = opdispatch.explain(**tensors, **options)
+        decision = opdispatch.explain(**kw)
         start = time.perf_counter()
         result = opdispatch.attention(**kw)
         if device.type == "cuda":

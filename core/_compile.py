@@ -83,7 +83,7 @@ _SIZE_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operat
 _FIELDS = ("batch", "seqlen_q", "seqlen_k")  # the sizes that may change between calls (may be symbolic)
 
 
-@torch.compiler.assume_constant_result
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
 def size_predicates(device: str, epoch: int = 0) -> tuple[tuple[tuple[str, str, Any], ...], bool]:
     """The size comparisons a decision may depend on, as ``((field, op, n), ...)``, and whether it may read more.
 
@@ -183,7 +183,7 @@ def _token(context: _TraceContext) -> int:
     return token
 
 
-@torch.compiler.assume_constant_result
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
 def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad_enabled: bool,
                        impl: Optional[str], epoch: int = 0, sizes: tuple[Any, ...] = ((), ()),
                        inner: tuple[Any, ...] = ()) -> tuple[str, int, bool]:
@@ -250,7 +250,9 @@ def _runtime_choice(token: int, impl_id: str, call: Any) -> str:
         with _entered(context.inner):
             call.module = MODULE.get()
             call.requires_grad = context.requires_grad  # compiled forwards run without autograd; the trace knew
-            impl_id = opdispatch.get_manager().resolve(_OP, call, impl=context.impl).chosen_id
+            chosen = opdispatch.get_manager().resolve(_OP, call, impl=context.impl).chosen_id
+            assert chosen is not None  # resolve raises when nothing fits
+            impl_id = chosen
     _LAST_CHOICE[token] = impl_id
     return impl_id
 
@@ -272,6 +274,7 @@ def fake_outputs(q: Tensor, v: Tensor, layout: str, return_lse: bool) -> tuple[T
     lse_dtype = _lse_dtype(q.dtype)
     if not return_lse:
         return out, q.new_empty((0,), dtype=lse_dtype)
+    shape: tuple[Any, ...]
     if layout == "thd":
         shape = (q.shape[1], q.shape[0])
     elif layout == "bshd":
@@ -414,16 +417,16 @@ def _attention_backward(
                              dropout_p, softcap, max_seqlen_q, max_seqlen_k, return_lse, deterministic)
         result = _impl(impl_id).run(call)
         outputs = [result[0] if return_lse else result]
-        grads = [grad_out]
+        grad_outputs = [grad_out]
         # An implementation whose lse is not differentiable (a kernel's side output) contributes no lse gradient.
         if return_lse and grad_lse is not None and grad_lse.numel() and result[1].requires_grad:
             outputs.append(result[1])
-            grads.append(grad_lse.to(result[1].dtype))
-        found = torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
-    out = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(found, leaves)]
-    if len(out) == 3:
-        out.append(q.new_empty((0,)))
-    return out[0], out[1], out[2], out[3]
+            grad_outputs.append(grad_lse.to(result[1].dtype))
+        found = torch.autograd.grad(outputs, leaves, grad_outputs, allow_unused=True)
+    grads_in = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(found, leaves)]
+    if len(grads_in) == 3:
+        grads_in.append(q.new_empty((0,)))
+    return grads_in[0], grads_in[1], grads_in[2], grads_in[3]
 
 
 @_attention_backward.register_fake
@@ -601,7 +604,8 @@ def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, at
     symbolic = _FIELDS
     if not consistent:
         # Exact: every size a constant (specialised where symbolic); validation sees the real shapes.
-        keys = tuple(_tensor_key(t, None if t is None else tuple(_static(n) for n in t.shape)) for t in tensors)
+        keys: tuple[Any, ...] = tuple(_tensor_key(t, None if t is None else tuple(_static(n) for n in t.shape))
+                                      for t in tensors)
         if cu_seqlens_k is not None and cu_seqlens_k is cu_seqlens_q:
             keys = keys[:7] + ("same",)
         return keys, ((), ()), (_static(max_seqlen_q), _static(max_seqlen_k))

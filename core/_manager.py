@@ -106,7 +106,7 @@ class OpManager:
             if hook_impl.plugin is not plugin:
                 continue
             try:
-                impls = hook_impl.function()
+                impls: Iterable[Impl] | None = hook_impl.function()  # type: ignore[assignment]  # by contract
                 if impls is None:
                     continue
                 module = getattr(plugin, "__name__", type(plugin).__module__)
@@ -237,7 +237,7 @@ class OpManager:
                 log.warning("plugin %r failed to probe %s: %s", hook_impl.plugin_name, dev, exc)
                 continue
             if result is not None:
-                return result
+                return result  # type: ignore[return-value]  # a DeviceInfo, by the hook's contract
         return None
 
     def availability(self, impl: Impl, device: DeviceInfo, state: DispatchState | None = None) -> str | None:
@@ -301,8 +301,8 @@ class OpManager:
         """The cached decision for `call`'s class, or None; never decides (safe during CUDA graph capture)."""
         state = self.state
         device = self.device_info(call.device)
-        return self.state.decisions.get(  # type: ignore[no-any-return]
-            self._cache_key(op, call, device, impl, OVERRIDES.get(), state))
+        decision: Decision | None = state.decisions.get(self._cache_key(op, call, device, impl, OVERRIDES.get(), state))
+        return decision
 
     def _cache_key(self, op: str, call: Any, device: DeviceInfo, impl: str | None, overrides: Any,
                    state: DispatchState) -> tuple[Any, ...]:

@@ -43,7 +43,7 @@ class Registry:
                 "subclass the op's base class (opdispatch.AttentionImpl, opdispatch.RmsNormImpl, …) and register an "
                 "instance", impl=impl)
         problems = impl.check_declaration()
-        op = getattr(impl, "op", None)
+        op = str(getattr(impl, "op", ""))
         if not problems and op not in known_ops():
             problems = [f"op={op!r} is not a known op; known ops: {', '.join(known_ops())}"]
         elif not problems and not isinstance(impl, op_spec(op).impl_base):

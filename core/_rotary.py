@@ -240,7 +240,7 @@ def _check_offsets(offsets: Any, batch: int, device: torch.device) -> int | torc
         if tuple(offsets.shape) != (batch,) or offsets.device != device:
             raise ValueError(f"rotary_embedding: seqlen_offsets is {tuple(offsets.shape)} on {offsets.device}; it "
                              f"must be ({batch},) (one offset per sequence) on {device}, or an int")
-        return offsets
+        return offsets  # type: ignore[no-any-return]  # checked to be a tensor above
     if isinstance(offsets, bool) or not isinstance(offsets, int) or offsets < 0:
         raise ValueError(f"rotary_embedding: seqlen_offsets={offsets!r}; it must be an int >= 0 or a ({batch},) int "
                          "tensor")

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ def _sees_nothing(i: torch.Tensor, last_key: torch.Tensor, causal: bool,
     return lo > hi
 
 
-def causal_alibi_lse_reason(call) -> str | None:
+def causal_alibi_lse_reason(call: Any) -> str | None:
     if call.return_lse and call.causal and call.alibi_slopes is not None:
         return ("return_lse with causal ALiBi not supported: the kernel's LSE carries a row-dependent ALiBi "
                 "offset (output is exact)")

@@ -46,6 +46,7 @@ def opdispatch_impls() -> Sequence[Impl]:
     show why an implementation cannot run. Each id (``"<vendor>.<name>"``) must be unique across all plugins;
     a duplicate is refused with both origins named.
     """
+    raise NotImplementedError  # a specification: pluggy never calls it
 
 
 @hookspec(firstresult=True)

@@ -54,7 +54,7 @@ def _caller() -> str:
 @contextmanager
 def policy_override(*, prefer: Sequence[str] | str | None = None, deny: Sequence[str] | str | None = None,
                     require: Sequence[str] | str | None = None, pin: str | None = None,
-                    op: str | None = None) -> Iterator[Override]:
+                    op: str | None = None) -> Iterator[Override | None]:
     """Change the policy inside a `with` block, for this thread or asyncio task only.
 
     Outranks env vars and YAML; the per-call ``impl=`` still outranks it. Nested scopes stack, the innermost

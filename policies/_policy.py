@@ -250,29 +250,29 @@ class Policy:
             if impl_id in plan.denied:
                 continue
             key: tuple[int, int, int]
-            prov = None
+            placed_by: Provenance | None = None
             for p_i, (patterns, p_prov) in enumerate(prefer):
                 hit = _match_any(impl_id, patterns)
                 if hit is not None:
                     key = (0, p_i, list(patterns).index(hit))
-                    prov = Provenance(p_prov.kind, p_prov.source, rule=p_prov.rule,
+                    placed_by = Provenance(p_prov.kind, p_prov.source, rule=p_prov.rule,
                                       note=f"prefer {hit!r}" + (f"; {p_prov.note}" if p_prov.note else ""))
                     break
-            if prov is None and tuned is not None and impl_id in tuned[0]:
+            if placed_by is None and tuned is not None and impl_id in tuned[0]:
                 key = (1, 0, tuned[0].index(impl_id))
-                prov = tuned[1]
-            if prov is None and base_order is not None:
+                placed_by = tuned[1]
+            if placed_by is None and base_order is not None:
                 order, layer = base_order
                 hit = _match_any(impl_id, order)
                 if hit is not None:
                     i = order.index(hit)
                     key = (2, 0, i)
-                    prov = Provenance("policy", layer.where("ops", op, "order", i), note=f"order {hit!r}")
-            if prov is None:
+                    placed_by = Provenance("policy", layer.where("ops", op, "order", i), note=f"order {hit!r}")
+            if placed_by is None:
                 key = (3, 0, 0)
-                prov = Provenance("priority", "implementation priority",
+                placed_by = Provenance("priority", "implementation priority",
                                   note="not named by the policy" if base_order else None)
-            ranked.append((key, position, impl_id, prov))
+            ranked.append((key, position, impl_id, placed_by))
         ranked.sort(key=lambda item: (item[0], item[1]))
         plan.order = [(impl_id, prov) for _, _, impl_id, prov in ranked]
         return plan
@@ -312,7 +312,7 @@ def rule_matches(when: When, call: Any, device: Any, op: str = "attention") -> b
 
 
 def _library_version(device: Any, name: str) -> str | None:
-    version = device.libraries.get(name)
+    version: str | None = device.libraries.get(name)
     if version is not None or device.simulated:
         return version
     import importlib.metadata

@@ -320,8 +320,8 @@ def device_fingerprint(device: Any) -> dict[str, str]:
                 libs["cuda"] = str(torch.version.cuda)
             if torch.version.hip:
                 libs["hip"] = str(torch.version.hip)
-            if torch.backends.cudnn.is_available():
-                libs["cudnn"] = str(torch.backends.cudnn.version())
+            if torch.backends.cudnn.is_available():  # type: ignore[no-untyped-call]
+                libs["cudnn"] = str(torch.backends.cudnn.version())  # type: ignore[no-untyped-call]
             driver = _driver_version(device.type)
             if driver:
                 libs["driver"] = driver
@@ -652,7 +652,8 @@ def time_fn(fn: Callable[[], Any], device: torch.device, *, warmup: int, reps: i
     inner = max(1, min(1000, math.ceil(min_rep_seconds / estimate)))
     samples = []
     if cuda:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
+                  for _ in range(reps)]
         for begin, end in events:
             begin.record()
             for _ in range(inner):
@@ -666,7 +667,7 @@ def time_fn(fn: Callable[[], Any], device: torch.device, *, warmup: int, reps: i
             for _ in range(inner):
                 fn()
             samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
+    return float(statistics.median(samples))
 
 
 class _Progress:

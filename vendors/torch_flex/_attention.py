@@ -126,8 +126,14 @@ class _Positions:
     __slots__ = ("offset", "left", "right", "doc_q", "doc_k", "qpos", "kpos", "mask_mod", "block_mask")
 
     def __init__(self) -> None:
-        self.offset = self.left = self.right = None
-        self.doc_q = self.doc_k = self.qpos = self.kpos = None
+        # Set by the builders: dense calls fill offset/left/right, varlen calls also the per-token tables.
+        self.offset: torch.Tensor | None = None
+        self.left: torch.Tensor | None = None
+        self.right: torch.Tensor | None = None
+        self.doc_q: torch.Tensor | None = None
+        self.doc_k: torch.Tensor | None = None
+        self.qpos: torch.Tensor | None = None
+        self.kpos: torch.Tensor | None = None
         self.mask_mod: Callable[..., Any] | None = None
         self.block_mask: Any = None
 
