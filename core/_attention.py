@@ -682,6 +682,22 @@ class AttentionCaps:
         return caps_as_dict(self)
 
 
+def caps_problems(caps: Any, caps_type: type) -> list[str]:
+    """What is wrong with an op's declared `caps` (any op whose capability dataclass has `dtypes`)."""
+    if not isinstance(caps, caps_type):
+        return [f"caps must be an opdispatch.{caps_type.__name__}, got {type(caps).__name__}"]
+    if not caps.dtypes or not all(isinstance(d, torch.dtype) for d in caps.dtypes):
+        return ["caps.dtypes must be a non-empty set of torch dtypes"]
+    return []
+
+
+def dtype_reason(dtype: torch.dtype, supported: frozenset[torch.dtype]) -> str | None:
+    """The reason a call's dtype is not among an implementation's `supported` ones, or None."""
+    if dtype in supported:
+        return None
+    return f"dtype {dtype_name(dtype)} not supported (supported: {', '.join(sorted(dtype_name(d) for d in supported))})"
+
+
 def caps_as_dict(caps: Any) -> dict[str, Any]:
     """A capability dataclass (any op's) as plain data: dtypes by short name, sets sorted."""
     out: dict[str, Any] = {}

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._attention import caps_as_dict, dtype_name
+from ._attention import caps_as_dict, caps_problems, dtype_name, dtype_reason
 from ._impl import Impl
 from ._ops import OpSpec, register_op
 
@@ -120,20 +120,14 @@ class RmsNormImpl(Impl):
     caps: ClassVar[RmsNormCaps]
 
     def check_declaration(self) -> list[str]:
-        problems = super().check_declaration()
-        caps = getattr(self, "caps", None)
-        if not isinstance(caps, RmsNormCaps):
-            problems.append(f"caps must be an opdispatch.RmsNormCaps, got {type(caps).__name__}")
-        elif not caps.dtypes or not all(isinstance(d, torch.dtype) for d in caps.dtypes):
-            problems.append("caps.dtypes must be a non-empty set of torch dtypes")
-        return problems
+        return super().check_declaration() + caps_problems(getattr(self, "caps", None), RmsNormCaps)
 
     def not_supported_reasons(self, call: RmsNormCall, device: Any) -> list[str]:
         caps = self.caps
         reasons = []
-        if call.dtype not in caps.dtypes:
-            reasons.append(f"dtype {dtype_name(call.dtype)} not supported "
-                           f"(supported: {', '.join(sorted(dtype_name(d) for d in caps.dtypes))})")
+        bad_dtype = dtype_reason(call.dtype, caps.dtypes)
+        if bad_dtype:
+            reasons.append(bad_dtype)
         if call.weight is None and not caps.weight_optional:
             reasons.append("a call without weight not supported (pass weight=torch.ones(hidden))")
         if call.residual is not None and not caps.residual:

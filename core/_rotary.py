@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._attention import caps_as_dict, dtype_name
+from ._attention import caps_as_dict, caps_problems, dtype_name, dtype_reason
 from ._impl import Impl
 from ._ops import OpSpec, register_op
 
@@ -274,20 +274,14 @@ class RotaryImpl(Impl):
     caps: ClassVar[RotaryCaps]
 
     def check_declaration(self) -> list[str]:
-        problems = super().check_declaration()
-        caps = getattr(self, "caps", None)
-        if not isinstance(caps, RotaryCaps):
-            problems.append(f"caps must be an opdispatch.RotaryCaps, got {type(caps).__name__}")
-        elif not caps.dtypes or not all(isinstance(d, torch.dtype) for d in caps.dtypes):
-            problems.append("caps.dtypes must be a non-empty set of torch dtypes")
-        return problems
+        return super().check_declaration() + caps_problems(getattr(self, "caps", None), RotaryCaps)
 
     def not_supported_reasons(self, call: RotaryCall, device: Any) -> list[str]:
         caps = self.caps
         reasons = []
-        if call.dtype not in caps.dtypes:
-            reasons.append(f"dtype {dtype_name(call.dtype)} not supported "
-                           f"(supported: {', '.join(sorted(dtype_name(d) for d in caps.dtypes))})")
+        bad_dtype = dtype_reason(call.dtype, caps.dtypes)
+        if bad_dtype:
+            reasons.append(bad_dtype)
         if call.interleaved and not caps.interleaved:
             reasons.append("interleaved (GPT-J) pairs not supported")
         if not call.interleaved and not caps.neox:
