@@ -686,7 +686,8 @@ def caps_problems(caps: Any, caps_type: type) -> list[str]:
     """What is wrong with an op's declared `caps` (any op whose capability dataclass has `dtypes`)."""
     if not isinstance(caps, caps_type):
         return [f"caps must be an opdispatch.{caps_type.__name__}, got {type(caps).__name__}"]
-    if not caps.dtypes or not all(isinstance(d, torch.dtype) for d in caps.dtypes):
+    dtypes = getattr(caps, "dtypes", None)
+    if not dtypes or not all(isinstance(d, torch.dtype) for d in dtypes):
         return ["caps.dtypes must be a non-empty set of torch dtypes"]
     return []
 
