@@ -4,8 +4,8 @@ Call ``opdispatch.attention(...)``; ask ``opdispatch.explain(...)`` why an imple
 plug in through the ``opdispatch.plugins`` entry-point group (see ``opdispatch.plugins.hookspec``).
 """
 
-from ._api import (Attention, attention, explain, explain_rms_norm, explain_rotary_embedding, get_manager, plan,
-                   rms_norm, rotary_embedding, set_manager)
+from ._api import (Attention, attention, define_front_door, explain, explain_rms_norm, explain_rotary_embedding,
+                   get_manager, plan, rms_norm, rotary_embedding, set_manager)
 from ._attention import AttentionCall, AttentionCaps, AttentionImpl, validate_attention
 from ._ops import OpSpec, known_ops, op_spec, register_op
 from ._rms_norm import RmsNormCall, RmsNormCaps, RmsNormImpl, validate_rms_norm
@@ -23,12 +23,12 @@ from .policies._overrides import policy_override, scope
 __version__ = "0.1.0"
 
 __all__ = [
-    "Attention", "AttentionCall", "AttentionCaps", "AttentionImpl", "Candidate", "Decision", "DeviceDescriptorError",
-    "DeviceInfo", "Impl", "NoImplementationError", "OpDispatchError", "OpManager", "OpSpec", "Origin",
-    "PinnedImplementationError", "PluginLoadError", "PolicyError", "Registry", "RegistrationError", "Requirement",
-    "Provenance", "RmsNormCall", "RmsNormCaps", "RmsNormImpl", "RotaryCall", "RotaryCaps", "RotaryImpl",
-    "__version__", "attention", "explain", "explain_rms_norm", "explain_rotary_embedding", "get_manager", "hookimpl",
-    "known_ops", "load_device_descriptor", "op_spec", "plan", "policy_override", "register_op", "rms_norm",
-    "rotary_embedding", "scope", "set_manager", "validate_attention", "validate_rms_norm",
-    "validate_rotary_embedding",
+    "Attention", "AttentionCall", "AttentionCaps", "AttentionImpl", "Candidate", "Decision",
+    "DeviceDescriptorError", "DeviceInfo", "Impl", "NoImplementationError", "OpDispatchError", "OpManager",
+    "OpSpec", "Origin", "PinnedImplementationError", "PluginLoadError", "PolicyError", "Registry",
+    "RegistrationError", "Requirement", "Provenance", "RmsNormCall", "RmsNormCaps", "RmsNormImpl", "RotaryCall",
+    "RotaryCaps", "RotaryImpl", "__version__", "attention", "define_front_door", "explain", "explain_rms_norm",
+    "explain_rotary_embedding", "get_manager", "hookimpl", "known_ops", "load_device_descriptor", "op_spec", "plan",
+    "policy_override", "register_op", "rms_norm", "rotary_embedding", "scope", "set_manager", "validate_attention",
+    "validate_rms_norm", "validate_rotary_embedding",
 ]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ._arguments import Arg, OpArguments
 from ._impl import Impl
 from ._ops import OpSpec, register_op
 
@@ -45,6 +46,31 @@ def dtype_from_name(name: str) -> torch.dtype:
     raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(sorted(set(_DTYPE_SHORT.values())))}")
 
 
+ATTENTION_ARGS = OpArguments("attention", (
+    Arg("q", "torch.Tensor", key="tensor", positional=True, doc="queries, in `layout`"),
+    Arg("k", "torch.Tensor", key="tensor", positional=True, doc="keys; may have fewer heads than q (GQA/MQA)"),
+    Arg("v", "torch.Tensor", key="tensor", positional=True, doc="values; head_dim_v may differ from q/k's"),
+    Arg("layout", "str", "bshd", doc="`bshd`, `bhsd`, `sbhd`, or `thd` (packed varlen with `cu_seqlens_*`)"),
+    Arg("causal", "bool", False, doc="mask keys after the query's (aligned) diagonal"),
+    Arg("causal_alignment", "str", "top_left",
+        doc="`top_left` (query i sees keys j <= i) or `bottom_right` (last query sees last key)"),
+    Arg("window", "tuple[int, int] | None", None, doc="(left, right) keys kept around the diagonal; -1 unbounded"),
+    Arg("scale", "float | None", None, doc="score scale; None = 1/sqrt(head_dim)"),
+    Arg("dropout_p", "float", 0.0, doc="attention dropout probability, 0 <= p < 1"),
+    Arg("softcap", "float", 0.0, doc="`softcap * tanh(scores / softcap)`; 0 disables it"),
+    Arg("alibi_slopes", "torch.Tensor | None", None, key="bypass", doc="(heads,) or (batch, heads) ALiBi slopes"),
+    Arg("attn_mask", "torch.Tensor | None", None, key="bypass", doc="bool, True = attend; broadcast to scores"),
+    Arg("attn_bias", "torch.Tensor | None", None, key="bypass", doc="float bias added to the scores"),
+    Arg("cu_seqlens_q", "torch.Tensor | None", None, key="bypass", doc="int32 (batch + 1,) offsets for `thd`"),
+    Arg("cu_seqlens_k", "torch.Tensor | None", None, key="bypass", doc="int32 (batch + 1,) offsets for `thd`"),
+    Arg("max_seqlen_q", "int | None", None, doc="longest query sequence of a `thd` call"),
+    Arg("max_seqlen_k", "int | None", None, doc="longest key sequence of a `thd` call"),
+    Arg("return_lse", "bool", False, doc="also return the log-sum-exp of the scores"),
+    Arg("deterministic", "bool", False, doc="only implementations with a deterministic backward"),
+    Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
+), bound=("q", "k", "v"), context=("_overrides", "_module", "_deterministic"))
+
+
 class AttentionCall:
     """One validated attention call, in the user's layout, with the derived sizes implementations need.
 
@@ -52,12 +78,10 @@ class AttentionCall:
     (of q and k), `head_dim_v`. Tensors stay as given; `bhsd()` returns views in (batch, heads, seq, dim).
     """
 
-    __slots__ = (
-        "q", "k", "v", "layout", "causal", "causal_alignment", "window", "scale", "dropout_p", "softcap",
-        "alibi_slopes", "attn_mask", "attn_bias", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-        "max_seqlen_k", "return_lse", "deterministic", "batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv",
-        "head_dim", "head_dim_v", "dtype", "device", "requires_grad", "module", "rewrites",
-    )
+    # The op's arguments (but the per-call pin) as given, then what validation derives from them.
+    __slots__ = tuple(name for name in ATTENTION_ARGS.names if name != "impl") + (
+        "batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv", "head_dim", "head_dim_v", "dtype", "device",
+        "requires_grad", "module", "rewrites")
 
     q: torch.Tensor
     k: torch.Tensor
@@ -871,7 +895,8 @@ def attention_features(call: AttentionCall) -> dict[str, Any]:
 
 
 ATTENTION = register_op(OpSpec(
-    name="attention", impl_base=AttentionImpl, call_features=attention_features,
+    name="attention", impl_base=AttentionImpl, call_features=attention_features, arguments=ATTENTION_ARGS,
+    validator=validate_attention,
     description="scaled dot-product attention (dense layouts and packed varlen)",
     features={"dtype": "dtype", "layout": "name", **dict.fromkeys(
         ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio"), "int"),

@@ -99,8 +99,8 @@ def _rms_backward(ctx: Any, grad_y: Tensor, grad_h: Tensor) -> tuple[Any, ...]:
 compiled_rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup)
 
 
-def rms_norm_for_compile(x: Tensor, weight: Optional[Tensor], eps: float, residual: Optional[Tensor], *,
-                         impl: Optional[str] = None) -> Any:
+def rms_norm_for_compile(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6,
+                         residual: Optional[Tensor] = None, *, impl: Optional[str] = None) -> Any:
     """`opdispatch.rms_norm` as one graph node (same arguments and results)."""
     y, h = compiled_rms_norm(x, weight, residual, float(eps), impl)
     return (y, h) if residual is not None else y

@@ -12,7 +12,10 @@ import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._arguments import OpArguments
 
 __all__ = ["FEATURE_KINDS", "OpSpec", "all_features", "known_ops", "op_spec", "register_op"]
 
@@ -20,6 +23,8 @@ __all__ = ["FEATURE_KINDS", "OpSpec", "all_features", "known_ops", "op_spec", "r
 # a list), dtype (bf16, fp16…), glob (fnmatch patterns). policies/_match.py parses each kind.
 FEATURE_KINDS = frozenset({"int", "bool", "name", "dtype", "glob"})
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+# Keyword arguments a validator may take beyond the op's own: the module scope and how far to read index values.
+VALIDATOR_EXTRAS = ("module", "check_values", "varlen_same")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,10 @@ class OpSpec:
     features: the call features a policy rule may test, ``{when-key: kind}`` (kinds: `FEATURE_KINDS`).
     call_features: reads those features from a validated call record, ``{when-key: value}``.
     description: one line for ``opdispatch list`` and errors.
+    arguments: the op's arguments, defined once (`opdispatch._arguments.OpArguments`): the front door, its
+      fast-path key and the other entry points' signatures derive from it.
+    validator: builds the op's call record from those arguments (all but ``impl``, plus keyword extras such as
+      ``module``); checked against `arguments` at registration.
     """
 
     name: str
@@ -39,6 +48,8 @@ class OpSpec:
     features: Mapping[str, str]
     call_features: Callable[[Any], dict[str, Any]]
     description: str = ""
+    arguments: OpArguments | None = None
+    validator: Callable[..., Any] | None = None
 
 
 _OPS: dict[str, OpSpec] = {}
@@ -52,6 +63,12 @@ def register_op(spec: OpSpec) -> OpSpec:
         raise ValueError(f"op name {spec.name!r} must be a lower-case identifier (letters, digits, '_')")
     if not isinstance(spec.impl_base, type):
         raise ValueError(f"op {spec.name!r}: impl_base must be a class, got {spec.impl_base!r}")
+    if spec.arguments is not None:
+        if spec.arguments.op != spec.name:
+            raise ValueError(f"op {spec.name!r}: its arguments are defined for op {spec.arguments.op!r}")
+        if spec.validator is not None:
+            spec.arguments.check_callable(spec.validator, f"validator {spec.validator.__name__}", drop=("impl",),
+                                          allowed_extra=VALIDATOR_EXTRAS)
     with _LOCK:
         for key, kind in spec.features.items():
             if kind not in FEATURE_KINDS:

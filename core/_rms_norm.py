@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ._arguments import Arg, OpArguments
 from ._attention import caps_as_dict, caps_problems, dtype_name, dtype_reason
 from ._impl import Impl
 from ._ops import OpSpec, register_op
@@ -22,6 +23,16 @@ from ._ops import OpSpec, register_op
 __all__ = ["RmsNormCall", "RmsNormCaps", "RmsNormImpl", "validate_rms_norm"]
 
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+RMS_NORM_ARGS = OpArguments("rms_norm", (
+    Arg("x", "torch.Tensor", key="tensor", positional=True, doc="input, normalised over its last (hidden) dim"),
+    Arg("weight", "torch.Tensor | None", None, key="tensor?", positional=True, doc="(hidden,) scale; None = 1"),
+    Arg("eps", "float", 1e-6, positional=True, doc="added to the mean of squares, > 0"),
+    Arg("residual", "torch.Tensor | None", None, key="tensor?", positional=True,
+        doc="added to x first; the op then returns (y, x + residual)"),
+    Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
+), bound=("x", "weight", "residual"))
 
 
 class RmsNormCall:
@@ -156,7 +167,8 @@ def rms_norm_features(call: RmsNormCall) -> dict[str, Any]:
 
 
 RMS_NORM = register_op(OpSpec(
-    name="rms_norm", impl_base=RmsNormImpl, call_features=rms_norm_features,
+    name="rms_norm", impl_base=RmsNormImpl, call_features=rms_norm_features, arguments=RMS_NORM_ARGS,
+    validator=validate_rms_norm,
     description="RMSNorm over the last dim, optional weight and fused residual add",
     features={"dtype": "dtype", "hidden_size": "int", "tokens": "int", "residual": "bool", "weight": "bool",
               "requires_grad": "bool"},

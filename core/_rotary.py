@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ._arguments import Arg, OpArguments
 from ._attention import caps_as_dict, caps_problems, dtype_name, dtype_reason
 from ._impl import Impl
 from ._ops import OpSpec, register_op
@@ -25,6 +26,23 @@ __all__ = ["RotaryCall", "RotaryCaps", "RotaryImpl", "validate_rotary_embedding"
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _INDEX = frozenset({torch.int32, torch.int64})
 ROTARY_LAYOUTS = ("bshd", "thd")
+
+
+ROTARY_ARGS = OpArguments("rotary_embedding", (
+    Arg("q", "torch.Tensor", key="tensor", positional=True, doc="(batch, seqlen, heads, head_dim), or (total, heads, "
+        "head_dim) for `thd`"),
+    Arg("k", "torch.Tensor", key="tensor", positional=True, doc="as q; may have fewer heads"),
+    Arg("cos", "torch.Tensor", key="strided", positional=True, doc="(max_positions, rotary_dim / 2) cache"),
+    Arg("sin", "torch.Tensor", key="strided", positional=True, doc="(max_positions, rotary_dim / 2) cache"),
+    Arg("positions", "torch.Tensor | None", None, key="index", doc="each token's position (int), instead of its index"),
+    Arg("seqlen_offsets", "int | torch.Tensor | None", None, key="index",
+        doc="added to each token's index: an int, or one per sequence"),
+    Arg("interleaved", "bool", False, doc="rotate pairs (x[2i], x[2i+1]) (GPT-J) instead of (x[i], x[i+d/2]) (NeoX)"),
+    Arg("layout", "str", "bshd", doc="`bshd`, or `thd` (packed with `cu_seqlens`)"),
+    Arg("cu_seqlens", "torch.Tensor | None", None, key="index", doc="int32 (batch + 1,) offsets for `thd`"),
+    Arg("max_seqlen", "int | None", None, doc="longest sequence of a `thd` call"),
+    Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
+), bound=("q", "k", "cos", "sin", "positions", "seqlen_offsets", "cu_seqlens"))
 
 
 class RotaryCall:
@@ -323,7 +341,8 @@ def rotary_features(call: RotaryCall) -> dict[str, Any]:
 
 
 ROTARY_EMBEDDING = register_op(OpSpec(
-    name="rotary_embedding", impl_base=RotaryImpl, call_features=rotary_features,
+    name="rotary_embedding", impl_base=RotaryImpl, call_features=rotary_features, arguments=ROTARY_ARGS,
+    validator=validate_rotary_embedding,
     description="rotary position embedding (RoPE) of q and k, NeoX or GPT-J pairs, cos/sin caches",
     features={"dtype": "dtype", "head_dim": "int", "rotary_dim": "int", "interleaved": "bool",
               "varlen": "bool", "positions": "bool", "requires_grad": "bool"},

@@ -1,0 +1,244 @@
+"""One declarative definition of an op's arguments, and the front door generated from it.
+
+An op's `OpArguments` lists its arguments once: name, type, default, whether it may be positional, and how it
+enters the per-call fast-path key. From it come
+
+- the front door (``opdispatch.<op>``): its signature, the torch.compile hand-off, the fast-path key and the
+  hand-off to the op's slow path (validate, decide, bind) — generated as Python source, as `dataclasses`
+  generates ``__init__``, so the hot path is the same straight-line code one would write by hand;
+- the signatures of the op's other entry points (``explain_<op>``, ``plan``): `signature()`;
+- the registration-time check that the op's validator and compile entry take exactly these arguments
+  (`check_callable`), so no copy of the list can drift;
+- the documentation table (`markdown`).
+
+How an argument enters the fast-path key (`Arg.key`):
+
+``tensor``     a required tensor: shape, dtype, device; its requires_grad joins the one grad-mode field
+``strided``    as ``tensor``, plus the last dim's stride (validation reads it)
+``tensor?``    an optional tensor: None, or (shape, dtype, device, requires_grad)
+``index``      an optional index tensor or int: on accelerators its shape/dtype/device; on the CPU, where
+               validation reads its values each call (no sync there), it bypasses the fast path
+``value``      the value itself (hashable; an unhashable one bypasses the fast path)
+``bypass``     any value but None bypasses the fast path (validated in full each call)
+"""
+
+from __future__ import annotations
+
+import inspect
+import keyword
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Arg", "OpArguments", "REQUIRED"]
+
+REQUIRED: Any = inspect.Parameter.empty
+KEY_KINDS = ("tensor", "strided", "tensor?", "index", "value", "bypass")
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument of an op's front door."""
+
+    name: str
+    annotation: str
+    default: Any = REQUIRED
+    key: str = "value"
+    positional: bool = False
+    doc: str = ""
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+@dataclass(frozen=True)
+class OpArguments:
+    """An op's arguments in order, plus what its fast path needs besides them.
+
+    bound: the tensors the bound function of a decided signature takes (``Impl.bind``'s function and the call
+      record's ``with_tensors``), in that order.
+    context: names of zero-argument functions (looked up in the front door's namespace) whose results join the
+      key: the active overrides, the module scope, torch's determinism flag…
+    """
+
+    op: str
+    args: tuple[Arg, ...]
+    bound: tuple[str, ...]
+    context: tuple[str, ...] = ("_overrides", "_module")
+    by_name: Mapping[str, Arg] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.args]
+        problems = []
+        if len(set(names)) != len(names):
+            problems.append(f"duplicate argument names in {names}")
+        for a in self.args:
+            if not a.name.isidentifier() or keyword.iskeyword(a.name):
+                problems.append(f"argument name {a.name!r} is not a Python identifier")
+            if a.key not in KEY_KINDS:
+                problems.append(f"argument {a.name!r} has key kind {a.key!r}; allowed: {', '.join(KEY_KINDS)}")
+        positional = [a.positional for a in self.args]
+        if positional != sorted(positional, reverse=True):
+            problems.append("positional arguments must come before keyword-only ones")
+        seen_default = False
+        for a in self.args:
+            if a.positional and not a.required:
+                seen_default = True
+            elif a.positional and seen_default:
+                problems.append(f"positional argument {a.name!r} without a default follows one with a default")
+        missing = [n for n in self.bound if n not in names]
+        if missing:
+            problems.append(f"bound names {missing} are not arguments")
+        if problems:
+            raise ValueError(f"op {self.op!r}: malformed argument definition: " + "; ".join(problems))
+        object.__setattr__(self, "by_name", {a.name: a for a in self.args})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args)
+
+    def signature(self, *, drop: tuple[str, ...] = (), extra: tuple[inspect.Parameter, ...] = (),
+                  return_annotation: Any = inspect.Signature.empty) -> inspect.Signature:
+        """The front door's signature (minus `drop`, plus keyword-only `extra` parameters)."""
+        params = []
+        for a in self.args:
+            if a.name in drop:
+                continue
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if a.positional else inspect.Parameter.KEYWORD_ONLY
+            params.append(inspect.Parameter(a.name, kind, default=a.default, annotation=a.annotation))
+        params.extend(extra)
+        return inspect.Signature(params, return_annotation=return_annotation)
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], what: str) -> dict[str, Any]:
+        """Every argument's value (defaults filled in) for a call of `what` taking the op's arguments; the
+        TypeError of a wrong call names `what` and its signature."""
+        try:
+            bound = self.signature().bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{what}{self.signature()}: {exc}") from None
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def check_callable(self, fn: Callable[..., Any], what: str, *, drop: tuple[str, ...] = (),
+                       allowed_extra: tuple[str, ...] = ()) -> None:
+        """Raise TypeError unless `fn` takes exactly these arguments (minus `drop`; keyword extras allowed), in
+        this order, with these defaults and positional kinds."""
+        params = list(inspect.signature(fn).parameters.values())
+        params = [p for p in params if p.name not in allowed_extra]
+        expected = [a for a in self.args if a.name not in drop]
+        got = [(p.name, p.default, p.kind == inspect.Parameter.KEYWORD_ONLY) for p in params]
+        want = [(a.name, a.default, not a.positional) for a in expected]
+        if got != want:
+            raise TypeError(f"op {self.op!r}: {what} takes {_describe(got)}; the op's argument definition says "
+                            f"{_describe(want)}. Change the definition (one place) or {what}.")
+
+    def call_text(self) -> str:
+        """The front door as one would call it: ``rms_norm(x, weight=None, eps=1e-06, residual=None, *, impl=None)``."""
+        bare = [p.replace(annotation=inspect.Parameter.empty) for p in self.signature().parameters.values()]
+        return f"{self.op}{inspect.Signature(bare)}"
+
+    def markdown(self) -> str:
+        """A table of the arguments for the docs."""
+        rows = ["| argument | type | default | |", "|---|---|---|---|"]
+        for a in self.args:
+            default = "required" if a.required else f"`{a.default!r}`"
+            annotation = a.annotation.replace("|", "\\|")  # a bare | would split the table cell
+            rows.append(f"| `{a.name}` | `{annotation}` | {default} | {a.doc.replace('|', chr(92) + '|')} |")
+        return "\n".join(rows)
+
+    # -- the generated front door ----------------------------------------------------------------------------
+    def front_door(self, *, doc: str, namespace: dict[str, Any], compiled: str, slow: str,
+                   return_annotation: str = "Any", manager: str = "_manager or get_manager()") -> Callable[..., Any]:
+        """Generate ``opdispatch.<op>``.
+
+        namespace: the globals of the generated function (the defining module's own, so it reads the current
+          process-wide manager): it must hold `compiled` (the torch.compile entry, called with the arguments as
+          the front door takes them), `slow` (called as ``slow(manager, key, *arguments)``, key None when the call
+          bypasses the fast path), ``_is_compiling``, ``_manager``/``get_manager`` and the `context` and key
+          helpers (``_grad_enabled``, ``_index_key``).
+        manager: the expression that finds the manager (the default reads the defining module's global).
+        """
+        source = self.front_door_source(compiled=compiled, slow=slow, return_annotation=return_annotation,
+                                        manager=manager)
+        code = compile(source, f"<opdispatch front door {self.op}>", "exec")
+        local: dict[str, Any] = {}
+        exec(code, namespace, local)  # generated from the definition above, as dataclasses does
+        fn: Callable[..., Any] = local[self.op]
+        fn.__doc__ = doc
+        fn.__signature__ = self.signature(return_annotation=return_annotation)  # type: ignore[attr-defined]
+        fn.__module__ = "opdispatch"
+        fn.__qualname__ = self.op
+        fn.__opdispatch_source__ = source  # type: ignore[attr-defined]
+        return fn
+
+    def front_door_source(self, *, compiled: str, slow: str, return_annotation: str = "Any",
+                          manager: str = "_manager or get_manager()") -> str:
+        params = []
+        star = False
+        for a in self.args:
+            if not a.positional and not star:
+                params.append("*")
+                star = True
+            params.append(a.name if a.required else f"{a.name}={_default_name(a)}")
+        names = ", ".join(self.names)
+        forward = ", ".join(f"{a.name}={a.name}" if not a.positional else a.name for a in self.args)
+        bypass = [a.name for a in self.args if a.key == "bypass"]
+        key_items = [repr(self.op)]
+        grads = []
+        for a in self.args:
+            n = a.name
+            if a.key in ("tensor", "strided"):
+                key_items += [f"{n}.shape", f"{n}.dtype", f"{n}.device"]
+                if a.key == "strided":
+                    key_items.append(f"{n}.stride(-1)")
+                grads.append(f"{n}.requires_grad")
+            elif a.key == "tensor?":
+                key_items.append(f"None if {n} is None else ({n}.shape, {n}.dtype, {n}.device, {n}.requires_grad)")
+                grads.append(f"({n} is not None and {n}.requires_grad)")
+            elif a.key == "index":
+                key_items.append(f"_index_key({n})")
+            elif a.key == "value":
+                key_items.append(n)
+        if grads:
+            key_items.append(f"_grad_enabled() and ({' or '.join(grads)})")
+        key_items += [f"{c}()" for c in self.context]
+        lines = [
+            f"def {self.op}({', '.join(params)}) -> {return_annotation}:",
+            "    if _is_compiling():",
+            f"        return {compiled}({forward})",
+            f"    manager = {manager}",
+            "    key = None",
+        ]
+        body = [
+            "try:",
+            f"    key = ({', '.join(key_items)})",
+            "    fn = manager.fast[key]",
+            "except KeyError:",
+            "    pass  # the first call of this signature",
+            "except (AttributeError, TypeError, IndexError, RuntimeError):",
+            "    key = None  # not tensors, an unhashable value, a CPU index tensor: the slow path checks all",
+            "else:",
+            f"    return fn({', '.join(self.bound)})",
+        ]
+        if bypass:
+            lines.append(f"    if {' and '.join(f'{n} is None' for n in bypass)}:")
+            lines += ["        " + line for line in body]
+        else:
+            lines += ["    " + line for line in body]
+        lines.append(f"    return {slow}(manager, key, {names})")
+        return "\n".join(lines) + "\n"
+
+
+def _default_name(a: Arg) -> str:
+    if a.default is None or isinstance(a.default, (bool, int, float, str)):
+        return repr(a.default)
+    raise ValueError(f"argument {a.name!r}: default {a.default!r} must be None, a bool, a number or a string")
+
+
+def _describe(items: list[tuple[str, Any, bool]]) -> str:
+    parts = []
+    for name, default, kw_only in items:
+        text = name if default is REQUIRED else f"{name}={default!r}"
+        parts.append(text + (" (keyword)" if kw_only else ""))
+    return "(" + ", ".join(parts) + ")"
