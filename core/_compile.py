@@ -286,23 +286,59 @@ def fake_outputs(q: Tensor, v: Tensor, layout: str, return_lse: bool) -> tuple[T
     return out, q.new_empty(shape, dtype=lse_dtype)
 
 
-def _window(left: int, right: int) -> tuple[int, int] | None:
-    return None if left == -1 and right == -1 else (left, right)
+# -- the custom ops' arguments, derived from the op's one argument definition (ATTENTION_ARGS) -----------------
+
+# The graph holds plain values: the window as two ints ((-1, -1) = none), the scale resolved, and instead of the
+# pin the trace's choice (impl_id), its context token and whether the forward keeps out/LSE for the chosen
+# implementation's own backward. Every other argument passes through as the definition declares it.
+_LOWERED = {"window": ("SymInt window_left", "SymInt window_right"), "scale": ("float scale",),
+            "impl": ("str impl_id", "SymInt token", "bool save_lse")}
+_SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "str": "str", "bool": "bool",
+                 "float": "float", "int | None": "SymInt?"}
 
 
-def _rebuild_call(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
-                  attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                  layout: str, causal: bool, causal_alignment: str, window_left: int, window_right: int,
-                  scale: float, dropout_p: float, softcap: float, max_seqlen_q: Optional[int],
-                  max_seqlen_k: Optional[int], return_lse: bool, deterministic: bool) -> Any:
+def _lowered_arguments() -> tuple[list[str], list[str]]:
+    """(tensor, scalar) arguments of ``opdispatch::attention`` as schema entries ("Tensor? attn_mask"), tensors
+    first (autograd saves them), in the definition's order."""
+    from ._attention import ATTENTION_ARGS
+
+    tensors: list[str] = []
+    scalars: list[str] = []
+    for arg in ATTENTION_ARGS.args:
+        if arg.name in _LOWERED:
+            scalars.extend(_LOWERED[arg.name])
+            continue
+        kind = _SCHEMA_TYPES.get(arg.annotation)
+        if kind is None:
+            raise TypeError(f"opdispatch::attention: argument {arg.name!r} of type {arg.annotation!r} has no schema "
+                            f"type; known: {sorted(_SCHEMA_TYPES)} (or lower it in _LOWERED)")
+        (tensors if kind.startswith("Tensor") else scalars).append(f"{kind} {arg.name}")
+    return tensors, scalars
+
+
+_TENSOR_SCHEMA, _SCALAR_SCHEMA = _lowered_arguments()
+_TENSOR_ARGS = tuple(entry.split()[1] for entry in _TENSOR_SCHEMA)
+_SCALAR_ARGS = tuple(entry.split()[1] for entry in _SCALAR_SCHEMA)
+_OP_ARGS = _TENSOR_ARGS + _SCALAR_ARGS
+_BIAS = _TENSOR_ARGS.index("attn_bias")
+
+
+def _named(args: tuple[Any, ...], offset: int = 0) -> dict[str, Any]:
+    """The op's arguments by name (the backward's start after `offset` arguments of its own)."""
+    return dict(zip(_OP_ARGS, args[offset:offset + len(_OP_ARGS)]))
+
+
+def _rebuild_call(a: dict[str, Any], *, return_lse: bool, **tensors: Tensor) -> Any:
+    """The validated call the op's lowered arguments `a` stand for (`tensors` replacing some of them)."""
     import opdispatch
+    from ._attention import ATTENTION_ARGS
 
-    return opdispatch.validate_attention(
-        q, k, v, layout=layout, causal=causal, causal_alignment=causal_alignment,
-        window=_window(window_left, window_right), scale=scale, dropout_p=dropout_p, softcap=softcap,
-        alibi_slopes=alibi_slopes, attn_mask=attn_mask, attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, return_lse=return_lse,
-        deterministic=deterministic, check_values=False)
+    given = {name: a[name] for name in ATTENTION_ARGS.names if name in a}
+    given.update(tensors)
+    left, right = a["window_left"], a["window_right"]
+    given.update(window=None if left == -1 and right == -1 else (left, right), scale=a["scale"],
+                 return_lse=return_lse)
+    return opdispatch.validate_attention(**given, check_values=False)
 
 
 def _impl(impl_id: str) -> Any:
@@ -329,32 +365,26 @@ def _split(result: Any, q: Tensor, v: Tensor, layout: str, return_lse: bool) -> 
     return out.contiguous(), lse
 
 
-@torch.library.custom_op("opdispatch::attention", mutates_args=())
-def compiled_attention(
-    q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
-    attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], layout: str,
-    causal: bool, causal_alignment: str, window_left: int, window_right: int, scale: float, dropout_p: float,
-    softcap: float, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], return_lse: bool,
-    deterministic: bool, impl_id: str, token: int, save_lse: bool,
-) -> tuple[Tensor, Tensor]:
+@torch.library.custom_op("opdispatch::attention", mutates_args=(),
+                         schema=f"({', '.join(_TENSOR_SCHEMA + _SCALAR_SCHEMA)}) -> (Tensor, Tensor)")
+def compiled_attention(*args: Any) -> tuple[Tensor, Tensor]:
     """Attention computed by implementation `impl_id`; returns (out, lse), lse of shape (0,) unless return_lse
     or `save_lse` (kept for the implementation's own `backward`, see `decide_for_compile`).
 
-    The window is (window_left, window_right) with (-1, -1) meaning none; `scale` is already resolved. `token`
-    names the trace's context (`_CONTEXTS`): under other overrides or another scope the call is decided again.
+    Arguments (`_OP_ARGS`): the tensors, then the scalars, as `_lowered_arguments` derives them. `token` names
+    the trace's context (`_CONTEXTS`): under other overrides or another scope the call is decided again.
     """
-    call = _rebuild_call(q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal,
-                         causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q,
-                         max_seqlen_k, return_lse or save_lse, deterministic)
-    impl_id = _runtime_choice(token, impl_id, call)
-    return _split(_impl(impl_id).run(call), q, v, layout, return_lse or save_lse)
+    a = _named(args)
+    with_lse = a["return_lse"] or a["save_lse"]
+    call = _rebuild_call(a, return_lse=with_lse)
+    impl_id = _runtime_choice(a["token"], a["impl_id"], call)
+    return _split(_impl(impl_id).run(call), a["q"], a["v"], a["layout"], with_lse)
 
 
 @compiled_attention.register_fake
-def _(q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal,  # type: ignore[no-untyped-def]
-      causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q, max_seqlen_k,
-      return_lse, deterministic, impl_id, token, save_lse):
-    return fake_outputs(q, v, layout, return_lse or save_lse)
+def _(*args):  # type: ignore[no-untyped-def]
+    a = _named(args)
+    return fake_outputs(a["q"], a["v"], a["layout"], a["return_lse"] or a["save_lse"])
 
 
 @contextlib.contextmanager
@@ -378,17 +408,16 @@ def _check_grads(impl_id: str, grads: Any, inputs: tuple[Tensor, Tensor, Tensor]
                            f"{[(tuple(x.shape), x.dtype) for x in inputs]}; got {got}")
 
 
-@torch.library.custom_op("opdispatch::attention_backward", mutates_args=())
-def _attention_backward(
-    grad_out: Tensor, grad_lse: Optional[Tensor], out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
-    alibi_slopes: Optional[Tensor],
-    attn_mask: Optional[Tensor], attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
-    cu_seqlens_k: Optional[Tensor], layout: str, causal: bool, causal_alignment: str, window_left: int,
-    window_right: int, scale: float, dropout_p: float, softcap: float, max_seqlen_q: Optional[int],
-    max_seqlen_k: Optional[int], return_lse: bool, deterministic: bool, impl_id: str, token: int,
-    save_lse: bool, bias_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dbias) of implementation `impl_id`'s forward.
+_BACKWARD_HEAD = ["Tensor grad_out", "Tensor? grad_lse", "Tensor out", "Tensor lse"]
+
+
+@torch.library.custom_op(
+    "opdispatch::attention_backward", mutates_args=(),
+    schema=f"({', '.join(_BACKWARD_HEAD + _TENSOR_SCHEMA + _SCALAR_SCHEMA)}, bool bias_grad) "
+           "-> (Tensor, Tensor, Tensor, Tensor)")
+def _attention_backward(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dbias) of implementation `impl_id`'s forward, from (grad_out, grad_lse, out, lse, the
+    forward's arguments, bias_grad).
 
     From the forward's `out` and `lse` through the implementation's own `backward` when the forward saved them
     (`save_lse`) and it covers the call; otherwise by recomputing the forward under autograd. dbias has shape
@@ -396,54 +425,46 @@ def _attention_backward(
     forward of this context token ran (which may differ from `impl_id` when that forward ran under another
     scope or override); the backward itself may run outside that scope.
     """
-    impl_id = _LAST_CHOICE.get(token, impl_id)
-    if save_lse and not bias_grad:
-        call = _rebuild_call(q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal,
-                             causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q,
-                             max_seqlen_k, True, deterministic)
+    grad_out, grad_lse, out, lse = args[:4]
+    a = _named(args, 4)
+    bias_grad = args[-1]
+    q, k, v, attn_bias = a["q"], a["k"], a["v"], a["attn_bias"]
+    impl_id = _LAST_CHOICE.get(a["token"], a["impl_id"])
+    if a["save_lse"] and not bias_grad:
         impl = _impl(impl_id)
-        grads = impl.backward(call, out, lse, grad_out)
+        grads = impl.backward(_rebuild_call(a, return_lse=True), out, lse, grad_out)
         if grads is not None:
             _check_grads(impl_id, grads, (q, k, v))
             return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), q.new_empty((0,))
+    return_lse = a["return_lse"]
     with autograd_reenabled():
-        leaves = [q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_()]
-        bias = attn_bias
+        leaves = {"q": q.detach().requires_grad_(), "k": k.detach().requires_grad_(),
+                  "v": v.detach().requires_grad_()}
         if bias_grad and attn_bias is not None:
-            bias = attn_bias.detach().requires_grad_()
-            leaves.append(bias)
-        call = _rebuild_call(leaves[0], leaves[1], leaves[2], alibi_slopes, attn_mask, bias, cu_seqlens_q,
-                             cu_seqlens_k, layout, causal, causal_alignment, window_left, window_right, scale,
-                             dropout_p, softcap, max_seqlen_q, max_seqlen_k, return_lse, deterministic)
-        result = _impl(impl_id).run(call)
+            leaves["attn_bias"] = attn_bias.detach().requires_grad_()
+        result = _impl(impl_id).run(_rebuild_call(a, return_lse=return_lse, **leaves))
         outputs = [result[0] if return_lse else result]
         grad_outputs = [grad_out]
         # An implementation whose lse is not differentiable (a kernel's side output) contributes no lse gradient.
         if return_lse and grad_lse is not None and grad_lse.numel() and result[1].requires_grad:
             outputs.append(result[1])
             grad_outputs.append(grad_lse.to(result[1].dtype))
-        found = torch.autograd.grad(outputs, leaves, grad_outputs, allow_unused=True)
-    grads_in = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(found, leaves)]
+        found = torch.autograd.grad(outputs, list(leaves.values()), grad_outputs, allow_unused=True)
+    grads_in = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(found, leaves.values())]
     if len(grads_in) == 3:
         grads_in.append(q.new_empty((0,)))
     return grads_in[0], grads_in[1], grads_in[2], grads_in[3]
 
 
 @_attention_backward.register_fake
-def _(grad_out, grad_lse, out, lse, q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k,  # type: ignore[no-untyped-def]
-      layout, causal, causal_alignment, window_left, window_right, scale, dropout_p, softcap, max_seqlen_q,
-      max_seqlen_k, return_lse, deterministic, impl_id, token, save_lse, bias_grad):
+def _(*args):  # type: ignore[no-untyped-def]
+    a = _named(args, 4)
+    q, k, v, attn_bias = a["q"], a["k"], a["v"], a["attn_bias"]
     dbias = torch.empty_like(attn_bias, memory_format=torch.contiguous_format) if (
-        bias_grad and attn_bias is not None) else q.new_empty((0,))
+        args[-1] and attn_bias is not None) else q.new_empty((0,))
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format), dbias)
-
-
-_TENSOR_ARGS = ("q", "k", "v", "alibi_slopes", "attn_mask", "attn_bias", "cu_seqlens_q", "cu_seqlens_k")
-_SCALAR_ARGS = ("layout", "causal", "causal_alignment", "window_left", "window_right", "scale", "dropout_p",
-                "softcap", "max_seqlen_q", "max_seqlen_k", "return_lse", "deterministic", "impl_id", "token",
-                "save_lse")
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -458,10 +479,12 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple[A
     saved = ctx.saved_tensors
     tensors = saved[:len(_TENSOR_ARGS)]
     out, lse = saved[len(_TENSOR_ARGS):] or (grad_out.new_empty((0,)), grad_out.new_empty((0,)))
-    bias_grad = bool(ctx.needs_input_grad[5])
+    bias_grad = bool(ctx.needs_input_grad[_BIAS])
     dq, dk, dv, dbias = torch.ops.opdispatch.attention_backward(grad_out, grad_lse, out, lse, *tensors,
                                                                 *ctx.scalars, bias_grad)
-    grads: list[Any] = [dq, dk, dv, None, None, dbias if bias_grad else None, None, None]
+    grads: list[Any] = [None] * len(_TENSOR_ARGS)
+    grads[:3] = dq, dk, dv
+    grads[_BIAS] = dbias if bias_grad else None
     return (*grads, *([None] * len(_SCALAR_ARGS)))
 
 
@@ -666,8 +689,12 @@ def attention_for_compile(
             right = 0
         if causal and left == -1:
             left, right = -1, -1
-    out, lse = compiled_attention(
-        q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, causal, causal_alignment,
-        left, right, float(scale) if scale is not None else 1.0 / math.sqrt(head_dim), float(dropout_p),
-        float(softcap), max_seqlen_q, max_seqlen_k, return_lse, deterministic, impl_id, token, save_lse)
+    lowered = dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, attn_mask=attn_mask, attn_bias=attn_bias,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, layout=layout, causal=causal,
+                   causal_alignment=causal_alignment, window_left=left, window_right=right,
+                   scale=float(scale) if scale is not None else 1.0 / math.sqrt(head_dim), dropout_p=float(dropout_p),
+                   softcap=float(softcap), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                   return_lse=return_lse, deterministic=deterministic, impl_id=impl_id, token=token,
+                   save_lse=save_lse)
+    out, lse = compiled_attention(*(lowered[name] for name in _OP_ARGS))
     return (out, lse) if return_lse else out

@@ -240,3 +240,21 @@ def test_explain_rms_norm_binds_like_the_front_door(basic_manager, rng):
 def oracle_rms(x, w, eps):
     x64 = x.double()
     return x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def test_the_compiled_attention_schema_derives_from_the_definition(monkeypatch):
+    import opdispatch._attention as attention_module
+    from opdispatch import _compile
+
+    tensors, scalars = _compile._lowered_arguments()
+    assert tensors[:3] == ["Tensor q", "Tensor k", "Tensor v"] and "Tensor? attn_mask" in tensors
+    assert "SymInt window_left" in scalars and "str impl_id" in scalars and "str layout" in scalars
+    base = attention_module.ATTENTION_ARGS
+    grown = OpArguments("attention", (*base.args[:-1], Arg("temperature", "float", 1.0), base.args[-1]),
+                        bound=base.bound, context=base.context)
+    monkeypatch.setattr(attention_module, "ATTENTION_ARGS", grown)
+    assert "float temperature" in _compile._lowered_arguments()[1]  # a new argument reaches the schema by itself
+    odd = OpArguments("attention", (*base.args, Arg("extra", "list[int]", None)), bound=base.bound)
+    monkeypatch.setattr(attention_module, "ATTENTION_ARGS", odd)
+    with pytest.raises(TypeError, match="argument 'extra' of type 'list\\[int\\]' has no schema type"):
+        _compile._lowered_arguments()
