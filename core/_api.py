@@ -12,8 +12,6 @@ import torch
 
 from ._arguments import OpArguments
 from ._attention import ATTENTION_ARGS, validate_attention
-from ._rms_norm import RMS_NORM_ARGS, validate_rms_norm
-from ._rotary import ROTARY_ARGS, validate_rotary_embedding
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
 from ._graphs import is_capturing, raise_if_capturing
@@ -214,8 +212,10 @@ def define_front_door(op: str, *, doc: str = "", compiled: Callable[..., Any] | 
     the signature of ``spec.arguments``, validation by ``spec.validator``, the per-call fast path, ``impl=``
     pins, overrides and scopes — what the built-in ops' front doors do.
 
-    Under torch.compile it calls `compiled` with the same arguments (e.g. a custom op); without one the call
-    runs eagerly outside the graph (a graph break). ValueError if the op has no arguments or validator.
+    Under torch.compile it calls `compiled` with the same arguments; by default, for an op whose spec declares
+    `fake_outputs`, one opaque custom op that dispatches at run time (`opdispatch._compile_ops`), and for one
+    without, the eager call outside the graph (a graph break). ValueError if the op has no arguments or
+    validator.
     """
     spec = op_spec(op)
     arguments, validator = spec.arguments, spec.validator
@@ -223,38 +223,52 @@ def define_front_door(op: str, *, doc: str = "", compiled: Callable[..., Any] | 
         raise ValueError(f"op {op!r} declares no {'arguments' if arguments is None else 'validator'} in its "
                          "OpSpec; a front door is generated from both (see opdispatch._arguments)")
     slow = _slow_path(op, validator, arguments)
-    if compiled is None:
+    namespace = {"_is_compiling": _is_compiling, "get_manager": get_manager, "_grad_enabled": _grad_enabled,
+                 "_index_key": _index_key, "_overrides": _overrides, "_module": _module,
+                 "_deterministic": _deterministic, "_compiled": compiled, "_slow": slow}
+    front_door = arguments.front_door(doc=doc, namespace=namespace, compiled="_compiled", slow="_slow",
+                                      return_annotation=return_annotation, manager="get_manager()")
+    if compiled is None and spec.fake_outputs is not None:
+        from ._compile_ops import opaque_compiled_op
+
+        namespace["_compiled"] = opaque_compiled_op(arguments, front_door, spec.fake_outputs)
+    elif compiled is None:
         @torch.compiler.disable  # type: ignore[untyped-decorator]
         def eager(*args: Any, **kwargs: Any) -> Any:
             given = arguments.bind(args, kwargs, op)
             return slow(get_manager(), None, *given.values())
 
-        compiled = eager
-    namespace = {"_is_compiling": _is_compiling, "get_manager": get_manager, "_grad_enabled": _grad_enabled,
-                 "_index_key": _index_key, "_overrides": _overrides, "_module": _module,
-                 "_deterministic": _deterministic, "_compiled": compiled, "_slow": slow}
-    return arguments.front_door(doc=doc, namespace=namespace, compiled="_compiled", slow="_slow",
-                                return_annotation=return_annotation, manager="get_manager()")
+        namespace["_compiled"] = eager
+    return front_door
 
 
-def _rms_norm_for_compile(*args: Any, **kwargs: Any) -> Any:
-    from ._compile_ops import rms_norm_for_compile
+def define_explain(op: str) -> Callable[..., Decision]:
+    """``explain_<op>``: why a call of a registered op with these arguments goes where it goes (every candidate,
+    its status and reasons). Takes the front door's arguments plus `device`, which simulates another device
+    (a DeviceInfo or a descriptor path; the tensors may then live on the ``meta`` device)."""
+    spec = op_spec(op)
+    arguments, validator = spec.arguments, spec.validator
+    if arguments is None or validator is None:
+        raise ValueError(f"op {op!r} declares no arguments or validator in its OpSpec")
+    reads_values = "check_values" in inspect.signature(validator).parameters
 
-    return rms_norm_for_compile(*args, **kwargs)
+    def explain_op(*args: Any, device: DeviceInfo | str | os.PathLike[str] | None = None, **kwargs: Any) -> Decision:
+        given = arguments.bind(args, kwargs, f"explain_{op}")
+        impl = given.pop("impl")
+        extra: dict[str, Any] = {}
+        if reads_values:  # meta tensors have no values to read
+            extra["check_values"] = not any(isinstance(v, torch.Tensor) and _is_meta(v) for v in given.values())
+        call = validator(**given, module=_module(), **extra)
+        return get_manager().explain(op, call, device=resolve_device(device), impl=impl)
 
-
-_rms_norm_slow = _slow_path("rms_norm", validate_rms_norm, RMS_NORM_ARGS)
-
-rms_norm = RMS_NORM_ARGS.front_door(
-    namespace=globals(), compiled="_rms_norm_for_compile", slow="_rms_norm_slow", doc="""\
-    RMSNorm over the last dim by the best implementation the device and the policy allow.
-
-    ``y = x / sqrt(mean(x**2, -1) + eps) * weight``; with `residual`, normalises ``h = x + residual`` and returns
-    ``(y, h)`` (fused add-and-norm; the inputs are never modified). Statistics in float32 (float64 for float64);
-    `y` has x's dtype. `impl` pins an implementation id (an error if it cannot take the call). The policy section
-    is ``ops.rms_norm`` (`when:` keys dtype, hidden_size, tokens (rows of x), residual, weight, requires_grad, plus
-    device keys); the env pin ``OPDISPATCH_IMPL_RMS_NORM``.
-    """)
+    explain_op.__name__ = explain_op.__qualname__ = f"explain_{op}"
+    explain_op.__module__ = "opdispatch"
+    explain_op.__doc__ = (f"Why `opdispatch.{op}` with these arguments goes where it goes: every candidate, its "
+                          "status and reasons. `device` simulates another device (a DeviceInfo or a descriptor "
+                          "path; the tensors may then live on the ``meta`` device).")
+    explain_op.__signature__ = arguments.signature(  # type: ignore[attr-defined]
+        extra=(_DEVICE_PARAMETER,), return_annotation="Decision")
+    return explain_op
 
 
 def _bind_and_remember(manager: OpManager, op: str, key: Any, call: Any, impl: str | None) -> Any:
@@ -267,44 +281,6 @@ def _bind_and_remember(manager: OpManager, op: str, key: Any, call: Any, impl: s
     return fn
 
 
-def explain_rms_norm(*args: Any, device: DeviceInfo | str | os.PathLike[str] | None = None,
-                     **kwargs: Any) -> Decision:
-    """Why `rms_norm` with these arguments goes where it goes (every candidate, its status and reasons). `device`
-    simulates another device, as for `explain`."""
-    given = RMS_NORM_ARGS.bind(args, kwargs, "explain_rms_norm")
-    impl = given.pop("impl")
-    call = validate_rms_norm(**given, module=_module())
-    return get_manager().explain("rms_norm", call, device=resolve_device(device), impl=impl)
-
-
-explain_rms_norm.__signature__ = RMS_NORM_ARGS.signature(  # type: ignore[attr-defined]
-    extra=(_DEVICE_PARAMETER,), return_annotation="Decision")
-
-
-def _rotary_embedding_for_compile(*args: Any, **kwargs: Any) -> Any:
-    from ._compile_ops import rotary_embedding_for_compile
-
-    return rotary_embedding_for_compile(*args, **kwargs)
-
-
-_rotary_embedding_slow = _slow_path("rotary_embedding", validate_rotary_embedding, ROTARY_ARGS)
-
-rotary_embedding = ROTARY_ARGS.front_door(
-    namespace=globals(), compiled="_rotary_embedding_for_compile", slow="_rotary_embedding_slow",
-    return_annotation="tuple[torch.Tensor, torch.Tensor]", doc="""\
-    Rotary position embedding of q and k by the best implementation the device and the policy allow.
-
-    q/k: (batch, seqlen, heads, head_dim) for ``layout="bshd"``, or packed (total, heads, head_dim) for ``"thd"``
-    with int32 ``cu_seqlens`` and ``max_seqlen``; k may have fewer heads. cos/sin: (max_positions, rotary_dim / 2)
-    caches; the first rotary_dim channels rotate, the rest pass through. Pairs are (x[i], x[i + rotary_dim / 2])
-    (GPT-NeoX) or, with ``interleaved=True``, (x[2i], x[2i + 1]) (GPT-J). A token's position is its index in its
-    sequence plus ``seqlen_offsets`` (an int or one per sequence), or ``positions[token]``. Returns new
-    ``(q_out, k_out)``. The policy section is ``ops.rotary_embedding`` (`when:` keys dtype, head_dim, rotary_dim,
-    interleaved, varlen, positions, requires_grad, plus device keys); the env pin
-    ``OPDISPATCH_IMPL_ROTARY_EMBEDDING``.
-    """)
-
-
 def _index_key(t: Any) -> Any:
     """An index argument's part of a fast-path key (an int, None, or a tensor's shape, dtype and device); raises
     TypeError for a tensor whose values validation reads on every call (on the CPU, where that costs no sync)."""
@@ -313,16 +289,3 @@ def _index_key(t: Any) -> Any:
     if t.device.type == "cpu":
         raise TypeError("checked per call")
     return (t.shape, t.dtype, t.device)
-
-
-def explain_rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-                             impl: str | None = None, device: DeviceInfo | str | os.PathLike[str] | None = None,
-                             **kwargs: Any) -> Decision:
-    """Why `rotary_embedding` with these arguments goes where it goes. `device` simulates another device, as for
-    `explain`; the tensors may then live on the ``meta`` device."""
-    call = validate_rotary_embedding(q, k, cos, sin, module=_module(), check_values=not _is_meta(q), **kwargs)
-    return get_manager().explain("rotary_embedding", call, device=resolve_device(device), impl=impl)
-
-
-explain_rotary_embedding.__signature__ = ROTARY_ARGS.signature(  # type: ignore[attr-defined]
-    extra=(_DEVICE_PARAMETER,), return_annotation="Decision")

@@ -1,12 +1,17 @@
-"""torch.compile support for the ops besides attention: each is one opaque custom op that dispatches at run time.
+"""torch.compile support for every op but attention: one opaque custom op per op, generated from its argument
+definition, that dispatches at run time.
 
-Under ``torch.compile`` a front door (`opdispatch.rms_norm`, `opdispatch.rotary_embedding`) emits
-``opdispatch::<op>``; its kernel runs the eager front door on the real tensors, so validation and the decision
-happen per call through the per-call fast path (one dict lookup once a signature is known). Nothing about the
-decision is baked into the graph: changing shapes never re-trace (the fake kernels are shape formulas, symbolic
-sizes welcome), and a policy swap, `policy_override()` or `scope()` active around the compiled call apply at once.
-Scopes entered *inside* the traced function are not seen (Dynamo cannot trace ``ContextVar.set``); attention's
-trace-time machinery (opdispatch._compile) handles those, these ops do not yet.
+Under ``torch.compile`` a front door (`opdispatch.rms_norm`, `opdispatch.rotary_embedding`, or any op's from
+`define_front_door`) emits ``opdispatch::<op>``; its kernel runs the eager front door on the real tensors, so
+validation and the decision happen per call through the per-call fast path (one dict lookup once a signature is
+known). Nothing about the decision is baked into the graph: changing shapes never re-trace (the fake kernel is
+the op's `OpSpec.fake_outputs`, symbolic sizes welcome), and a policy swap, `policy_override()` or `scope()`
+active around the compiled call apply at once. Scopes entered *inside* the traced function are not seen
+(Dynamo cannot trace ``ContextVar.set``); attention's trace-time machinery (opdispatch._compile) handles those.
+
+The custom op's schema comes from the op's `OpArguments`: tensors and optional tensors as declared, numbers,
+flags and names as scalars, an ``int | torch.Tensor | None`` argument as two (``<name>_tensor``, ``<name>_int``).
+Its result is the list of the front door's output tensors (one tensor, or a tuple's items).
 
 Autograd: the backward is a second opaque op, ``opdispatch::<op>_backward``, which recomputes the forward of the
 implementation the policy picks under autograd and differentiates it — so every implementation that declares a
@@ -16,17 +21,41 @@ memory-bound ops.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Optional
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["rms_norm_for_compile", "rotary_embedding_for_compile"]
+from ._arguments import OpArguments
+
+__all__ = ["opaque_compiled_op"]
+
+# Argument annotation -> schema entries (one, or two for an int-or-tensor argument).
+_SCALARS = {"float": "float", "bool": "bool", "str": "str", "str | None": "str?", "int": "SymInt",
+            "int | None": "SymInt?"}
+_TENSORS = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?"}
+_INT_OR_TENSOR = "int | torch.Tensor | None"
 
 
-def _grads(forward: Callable[..., tuple[Tensor, ...]], inputs: list[Optional[Tensor]], needs: list[bool],
-           grad_outputs: list[Optional[Tensor]]) -> list[Optional[Tensor]]:
+def _schema_entries(arguments: OpArguments) -> list[tuple[str, str, str]]:
+    """(schema type, schema name, argument name) per entry, in the definition's order."""
+    out = []
+    for arg in arguments.args:
+        if arg.annotation in _TENSORS:
+            out.append((_TENSORS[arg.annotation], arg.name, arg.name))
+        elif arg.annotation in _SCALARS:
+            out.append((_SCALARS[arg.annotation], arg.name, arg.name))
+        elif arg.annotation == _INT_OR_TENSOR:
+            out += [("Tensor?", f"{arg.name}_tensor", arg.name), ("SymInt?", f"{arg.name}_int", arg.name)]
+        else:
+            raise TypeError(f"op {arguments.op!r}: argument {arg.name!r} of type {arg.annotation!r} has no custom-op "
+                            f"schema type; supported: {sorted([*_TENSORS, *_SCALARS, _INT_OR_TENSOR])}")
+    return out
+
+
+def _grads(forward: Callable[..., Sequence[Tensor]], inputs: list[Tensor | None], needs: list[bool],
+           grad_outputs: Sequence[Tensor | None]) -> list[Tensor | None]:
     """Gradients of `forward(*inputs)` for the inputs in `needs`, recomputing it eagerly under autograd."""
     from ._compile import autograd_reenabled
 
@@ -38,148 +67,150 @@ def _grads(forward: Callable[..., tuple[Tensor, ...]], inputs: list[Optional[Ten
     if not pairs or not wanted:
         return [None] * len(inputs)
     got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
-    out: list[Optional[Tensor]] = []
+    out: list[Tensor | None] = []
     for t, need in zip(leaves, needs):
         grad = next(got) if need and t is not None else None
         out.append(torch.zeros_like(t) if grad is None and need and t is not None else grad)
     return out
 
 
-# -- rms_norm ------------------------------------------------------------------------------------------------
-
-def _eager_rms_norm(x: Tensor, weight: Optional[Tensor], eps: float, residual: Optional[Tensor],
-                    impl: Optional[str]) -> tuple[Tensor, Tensor]:
-    import opdispatch
-
-    out = opdispatch.rms_norm(x, weight, eps, residual, impl=impl)
-    return out if residual is not None else (out, x.new_empty(0))
+def _as_list(result: Any) -> list[Tensor]:
+    return list(result) if isinstance(result, (tuple, list)) else [result]
 
 
-@torch.library.custom_op("opdispatch::rms_norm", mutates_args=())
-def compiled_rms_norm(x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: float,
-                      impl: Optional[str]) -> tuple[Tensor, Tensor]:
-    """(y, x + residual), or (y, an empty tensor) without a residual: custom ops return no input aliases."""
-    return _eager_rms_norm(x, weight, eps, residual, impl)
+def _unaliased(outputs: list[Tensor], inputs: Sequence[Any]) -> list[Tensor]:
+    """`outputs` with a copy of any that shares memory with an input or an earlier output (a custom op may not
+    return an alias: e.g. the gradient of an add is the incoming gradient itself)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
+    out = []
+    for t in outputs:
+        if t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                t = t.clone()
+                ptr = t.untyped_storage().data_ptr()
+            seen.add(ptr)
+        out.append(t)
+    return out
 
 
-@compiled_rms_norm.register_fake
-def _(x, weight, residual, eps, impl):  # type: ignore[no-untyped-def]
-    return torch.empty_like(x), torch.empty_like(x) if residual is not None else x.new_empty(0)
+# op -> (schema, [front door, fake outputs], compiled entry): a custom op is defined once per process; defining
+# the front door again (a test, a module reload) with the same schema rebinds what the op calls.
+_DEFINED: dict[str, tuple[str, list[Any], Callable[..., Any]]] = {}
 
 
-@torch.library.custom_op("opdispatch::rms_norm_backward", mutates_args=())
-def compiled_rms_norm_backward(grad_y: Tensor, grad_h: Optional[Tensor], x: Tensor, weight: Optional[Tensor],
-                               residual: Optional[Tensor], eps: float, impl: Optional[str],
-                               needs: list[bool]) -> list[Tensor]:
-    grads = _grads(lambda x_, w_, r_: _eager_rms_norm(x_, w_, eps, r_, impl), [x, weight, residual], needs,
-                   [grad_y, grad_h if residual is not None else None])
-    return [g if g is not None else x.new_empty(0) for g in grads]
+def opaque_compiled_op(arguments: OpArguments, front_door: Callable[..., Any],
+                       fake_outputs: Callable[..., list[Tensor]]) -> Callable[..., Any]:
+    """Define ``opdispatch::<op>`` (and its backward) for an op; return the function a front door calls under
+    torch.compile, taking the front door's own arguments and returning what it returns.
 
+    front_door: the eager front door, called by the kernel (and recomputed by the backward).
+    fake_outputs: called with the op's arguments by name (tensors fake or meta), returns empty tensors shaped
+      like the front door's outputs (the custom op's fake kernel).
+    """
+    op = arguments.op
+    entries = _schema_entries(arguments)
+    schema_args = ", ".join(f"{kind} {name}" for kind, name, _ in entries)
+    known = _DEFINED.get(op)
+    if known is not None:
+        if known[0] != schema_args:
+            raise ValueError(f"op {op!r}: opdispatch::{op} is already defined with ({known[0]}); a custom op's "
+                             f"schema cannot change in a process (new: ({schema_args}))")
+        known[1][:] = [front_door, fake_outputs]
+        return known[2]
+    current = [front_door, fake_outputs]
+    names = arguments.names
+    # The differentiable inputs: tensor arguments whose key kind says autograd may flow through them.
+    differentiable = [a.name for a in arguments.args if a.key in ("tensor", "strided", "tensor?")]
 
-@compiled_rms_norm_backward.register_fake
-def _(grad_y, grad_h, x, weight, residual, eps, impl, needs):  # type: ignore[no-untyped-def]
-    return [torch.empty_like(t) if need and t is not None else x.new_empty(0)
-            for t, need in zip((x, weight, residual), needs)]
+    def unlower(args: Sequence[Any]) -> dict[str, Any]:
+        given: dict[str, Any] = {}
+        for (_, schema_name, name), value in zip(entries, args):
+            if schema_name == f"{name}_tensor":
+                given[name] = value
+            elif schema_name == f"{name}_int":
+                if given[name] is None:
+                    given[name] = value
+            else:
+                given[name] = value
+        return given
 
+    def lower(given: dict[str, Any]) -> list[Any]:
+        out = []
+        for _, schema_name, name in entries:
+            value = given[name]
+            if schema_name == f"{name}_tensor":
+                value = value if isinstance(value, Tensor) else None
+            elif schema_name == f"{name}_int":
+                value = None if isinstance(value, Tensor) else value
+            out.append(value)
+        return out
 
-def _rms_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    x, weight, residual, eps, impl = inputs
-    ctx.save_for_backward(x, weight, residual)
-    ctx.options = (eps, impl)
+    def eager(given: dict[str, Any]) -> list[Tensor]:
+        positional = [given[a.name] for a in arguments.args if a.positional]
+        keywords = {a.name: given[a.name] for a in arguments.args if not a.positional}
+        return _as_list(current[0](*positional, **keywords))
 
+    @torch.library.custom_op(f"opdispatch::{op}", mutates_args=(), schema=f"({schema_args}) -> Tensor[]")
+    def kernel(*args: Any) -> list[Tensor]:
+        return _unaliased(eager(unlower(args)), args)
 
-def _rms_backward(ctx: Any, grad_y: Tensor, grad_h: Tensor) -> tuple[Any, ...]:
-    x, weight, residual = ctx.saved_tensors
-    eps, impl = ctx.options
-    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
-    grads = compiled_rms_norm_backward(grad_y, grad_h, x, weight, residual, eps, impl, needs)
-    return (*(g if need else None for g, need in zip(grads, needs)), None, None)
+    @kernel.register_fake
+    def _(*args: Any) -> list[Tensor]:
+        return current[1](**unlower(args))  # type: ignore[no-any-return]
 
+    @torch.library.custom_op(f"opdispatch::{op}_backward", mutates_args=(),
+                             schema=f"(Tensor?[] grad_outputs, {schema_args}, bool[] needs) -> Tensor[]")
+    def backward_kernel(*args: Any) -> list[Tensor]:
+        grad_outputs, needs = args[0], args[-1]
+        given = unlower(args[1:-1])
 
-compiled_rms_norm.register_autograd(_rms_backward, setup_context=_rms_setup)
+        def forward(*leaves: Tensor | None) -> list[Tensor]:
+            return eager({**given, **dict(zip(differentiable, leaves))})
 
+        grads = _grads(forward, [given[n] for n in differentiable], list(needs), grad_outputs)
+        first = given[differentiable[0]]
+        return _unaliased([g if g is not None else first.new_empty(0) for g in grads], [*grad_outputs, *args[1:-1]])
 
-def rms_norm_for_compile(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6,
-                         residual: Optional[Tensor] = None, *, impl: Optional[str] = None) -> Any:
-    """`opdispatch.rms_norm` as one graph node (same arguments and results)."""
-    y, h = compiled_rms_norm(x, weight, residual, float(eps), impl)
-    return (y, h) if residual is not None else y
+    @backward_kernel.register_fake
+    def _(*args: Any) -> list[Tensor]:
+        needs = args[-1]
+        given = unlower(args[1:-1])
+        first = given[differentiable[0]]
+        return [torch.empty_like(given[n]) if need and given[n] is not None else first.new_empty(0)
+                for n, need in zip(differentiable, needs)]
 
+    positions = {name: i for i, (_, name, _) in enumerate(entries)}
+    grad_positions = [positions[n] for n in differentiable]
 
-# -- rotary_embedding ----------------------------------------------------------------------------------------
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        tensors = [i for i, value in enumerate(inputs) if isinstance(value, Tensor)]
+        ctx.tensor_positions = tensors
+        ctx.save_for_backward(*(inputs[i] for i in tensors))
+        ctx.inputs = [None if isinstance(value, Tensor) else value for value in inputs]
 
-def _eager_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Optional[Tensor],
-                  offsets: Optional[Tensor], offset: int, interleaved: bool, layout: str,
-                  cu_seqlens: Optional[Tensor], max_seqlen: Optional[int],
-                  impl: Optional[str]) -> tuple[Tensor, Tensor]:
-    import opdispatch
+    def backward(ctx: Any, grad_outputs: list[Tensor | None]) -> tuple[Any, ...]:
+        inputs = list(ctx.inputs)
+        for i, t in zip(ctx.tensor_positions, ctx.saved_tensors):
+            inputs[i] = t
+        needs = [bool(ctx.needs_input_grad[i]) for i in grad_positions]
+        grads = backward_kernel(list(grad_outputs), *inputs, needs)
+        out: list[Any] = [None] * len(inputs)
+        for i, grad, need in zip(grad_positions, grads, needs):
+            out[i] = grad if need else None
+        return tuple(out)
 
-    q_out, k_out = opdispatch.rotary_embedding(
-        q, k, cos, sin, positions=positions, seqlen_offsets=offsets if offsets is not None else offset or None,
-        interleaved=interleaved, layout=layout, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, impl=impl)
-    return q_out, k_out
+    kernel.register_autograd(backward, setup_context=setup_context)
 
+    def compiled(*args: Any, **kwargs: Any) -> Any:
+        given = dict(zip(names, args))
+        given.update(kwargs)
+        for a in arguments.args:
+            given.setdefault(a.name, a.default)
+        outputs = kernel(*lower(given))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-@torch.library.custom_op("opdispatch::rotary_embedding", mutates_args=())
-def compiled_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Optional[Tensor],
-                    offsets: Optional[Tensor], offset: int, interleaved: bool, layout: str,
-                    cu_seqlens: Optional[Tensor], max_seqlen: Optional[int],
-                    impl: Optional[str]) -> tuple[Tensor, Tensor]:
-    """`offsets` is a per-sequence offset tensor, `offset` an int offset (one of them is used)."""
-    return _eager_rotary(q, k, cos, sin, positions, offsets, offset, interleaved, layout, cu_seqlens, max_seqlen,
-                         impl)
-
-
-@compiled_rotary.register_fake
-def _(q, k, cos, sin, positions, offsets, offset, interleaved, layout, cu_seqlens, max_seqlen,  # type: ignore[no-untyped-def]
-      impl):
-    return torch.empty_like(q), torch.empty_like(k)
-
-
-@torch.library.custom_op("opdispatch::rotary_embedding_backward", mutates_args=())
-def compiled_rotary_backward(grad_q: Optional[Tensor], grad_k: Optional[Tensor], q: Tensor, k: Tensor, cos: Tensor,
-                             sin: Tensor, positions: Optional[Tensor], offsets: Optional[Tensor], offset: int,
-                             interleaved: bool, layout: str, cu_seqlens: Optional[Tensor], max_seqlen: Optional[int],
-                             impl: Optional[str], needs: list[bool]) -> list[Tensor]:
-    def forward(q_: Tensor, k_: Tensor, cos_: Tensor, sin_: Tensor) -> tuple[Tensor, Tensor]:
-        return _eager_rotary(q_, k_, cos_, sin_, positions, offsets, offset, interleaved, layout, cu_seqlens,
-                             max_seqlen, impl)
-
-    grads = _grads(forward, [q, k, cos, sin], needs, [grad_q, grad_k])
-    return [g if g is not None else q.new_empty(0) for g in grads]
-
-
-@compiled_rotary_backward.register_fake
-def _(grad_q, grad_k, q, k, cos, sin, positions, offsets, offset, interleaved, layout,  # type: ignore[no-untyped-def]
-      cu_seqlens, max_seqlen, impl, needs):
-    return [torch.empty_like(t) if need else q.new_empty(0) for t, need in zip((q, k, cos, sin), needs)]
-
-
-def _rotary_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, cos, sin, positions, offsets, offset, interleaved, layout, cu_seqlens, max_seqlen, impl = inputs
-    ctx.save_for_backward(q, k, cos, sin, positions, offsets, cu_seqlens)
-    ctx.options = (offset, interleaved, layout, max_seqlen, impl)
-
-
-def _rotary_backward(ctx: Any, grad_q: Tensor, grad_k: Tensor) -> tuple[Any, ...]:
-    q, k, cos, sin, positions, offsets, cu_seqlens = ctx.saved_tensors
-    offset, interleaved, layout, max_seqlen, impl = ctx.options
-    needs = [bool(n) for n in ctx.needs_input_grad[:4]]
-    grads = compiled_rotary_backward(grad_q, grad_k, q, k, cos, sin, positions, offsets, offset, interleaved, layout,
-                                     cu_seqlens, max_seqlen, impl, needs)
-    return (*(g if need else None for g, need in zip(grads, needs)), *([None] * 8))
-
-
-compiled_rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup)
-
-
-def rotary_embedding_for_compile(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *,
-                                 positions: Optional[Tensor] = None, seqlen_offsets: Any = None,
-                                 interleaved: bool = False, layout: str = "bshd", cu_seqlens: Optional[Tensor] = None,
-                                 max_seqlen: Optional[int] = None, impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
-    """`opdispatch.rotary_embedding` as one graph node (same arguments and results)."""
-    tensor_offsets = seqlen_offsets if isinstance(seqlen_offsets, Tensor) else None
-    int_offset = 0 if seqlen_offsets is None or tensor_offsets is not None else seqlen_offsets
-    q_out, k_out = compiled_rotary(q, k, cos, sin, positions, tensor_offsets, int_offset, interleaved, layout,
-                                   cu_seqlens, max_seqlen, impl)
-    return q_out, k_out
+    compiled.__name__ = compiled.__qualname__ = f"{op}_for_compile"
+    compiled.__signature__ = arguments.signature()  # type: ignore[attr-defined]
+    _DEFINED[op] = (schema_args, current, compiled)
+    return compiled

@@ -41,6 +41,9 @@ class OpSpec:
       fast-path key and the other entry points' signatures derive from it.
     validator: builds the op's call record from those arguments (all but ``impl``, plus keyword extras such as
       ``module``); checked against `arguments` at registration.
+    fake_outputs: given the arguments by name (tensors fake or meta), empty tensors shaped like the front
+      door's outputs; with it the op's front door runs under torch.compile as one opaque graph node
+      (`opdispatch._compile_ops`), without it the call runs eagerly outside the graph.
     """
 
     name: str
@@ -50,6 +53,7 @@ class OpSpec:
     description: str = ""
     arguments: OpArguments | None = None
     validator: Callable[..., Any] | None = None
+    fake_outputs: Callable[..., list[Any]] | None = None
 
 
 _OPS: dict[str, OpSpec] = {}

@@ -17,10 +17,11 @@ import torch
 
 from ._arguments import Arg, OpArguments
 from ._attention import caps_as_dict, caps_problems, dtype_name, dtype_reason
+from ._api import define_explain, define_front_door
 from ._impl import Impl
 from ._ops import OpSpec, register_op
 
-__all__ = ["RmsNormCall", "RmsNormCaps", "RmsNormImpl", "validate_rms_norm"]
+__all__ = ["RmsNormCall", "RmsNormCaps", "RmsNormImpl", "explain_rms_norm", "rms_norm", "validate_rms_norm"]
 
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -166,10 +167,27 @@ def rms_norm_features(call: RmsNormCall) -> dict[str, Any]:
             "weight": call.weight is not None, "requires_grad": call.requires_grad}
 
 
+def rms_norm_fake_outputs(x: torch.Tensor, weight: Any, eps: Any, residual: Any, impl: Any) -> list[torch.Tensor]:
+    """The outputs' shapes for torch.compile: y, and h = x + residual with a residual."""
+    return [torch.empty_like(x)] + ([torch.empty_like(x)] if residual is not None else [])
+
+
 RMS_NORM = register_op(OpSpec(
     name="rms_norm", impl_base=RmsNormImpl, call_features=rms_norm_features, arguments=RMS_NORM_ARGS,
-    validator=validate_rms_norm,
+    validator=validate_rms_norm, fake_outputs=rms_norm_fake_outputs,
     description="RMSNorm over the last dim, optional weight and fused residual add",
     features={"dtype": "dtype", "hidden_size": "int", "tokens": "int", "residual": "bool", "weight": "bool",
               "requires_grad": "bool"},
 ))
+
+
+rms_norm = define_front_door("rms_norm", doc="""\
+    RMSNorm over the last dim by the best implementation the device and the policy allow.
+
+    ``y = x / sqrt(mean(x**2, -1) + eps) * weight``; with `residual`, normalises ``h = x + residual`` and returns
+    ``(y, h)`` (fused add-and-norm; the inputs are never modified). Statistics in float32 (float64 for float64);
+    `y` has x's dtype. `impl` pins an implementation id (an error if it cannot take the call). The policy section
+    is ``ops.rms_norm`` (`when:` keys dtype, hidden_size, tokens (rows of x), residual, weight, requires_grad, plus
+    device keys); the env pin ``OPDISPATCH_IMPL_RMS_NORM``.
+    """, return_annotation="torch.Tensor | tuple[torch.Tensor, torch.Tensor]")
+explain_rms_norm = define_explain("rms_norm")
