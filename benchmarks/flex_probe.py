@@ -51,8 +51,7 @@ def main() -> None:
     kw = dict(causal=True, causal_alignment=args.alignment)
     for label, options in [("torch's choice", None),
                            ("FORCE_USE_FLEX_ATTENTION", {"kernel_options": {"FORCE_USE_FLEX_ATTENTION": True}})]:
-        impl = TorchFlexAttention()
-        impl.configure(options)
+        impl = TorchFlexAttention().with_options(options)
         try:
             out_err, lse_err, grad_errs = errors(impl, q, k, v, kw)
             print(f"sq={args.sq} sk={args.sk} {args.alignment:12s} {label:26s} out rel {out_err:.2e}  "

@@ -489,3 +489,29 @@ def test_compiled_flex_retries_with_the_regular_kernel_when_decoding_has_no_vali
     monkeypatch.setattr(flex_module, "_call_compiled", other_failure)
     with pytest.raises(RuntimeError, match="out of memory"):
         flex_module.TorchFlexAttention()._run_compiled(q, k, k, {})
+
+
+def test_compiled_flex_past_the_recompile_limit_runs_unfused_with_one_warning(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from opdispatch.vendors.torch_flex import _attention as flex_module
+
+    config = torch._dynamo.config
+    before = config.recompile_limit, config.fail_on_recompile_limit_hit
+    seen_config = []
+
+    def compiled(q, k, v, **kwargs):
+        seen_config.append((config.recompile_limit, config.fail_on_recompile_limit_hit))
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached")
+
+    monkeypatch.setattr(flex_module, "_compiled_flex", lambda: compiled)
+    monkeypatch.setattr(flex_module, "_flex_api", lambda: SimpleNamespace(flex_attention=lambda q, k, v, **kw: "eager"))
+    monkeypatch.setattr(flex_module, "_warned_unfused", False)
+    q = torch.empty(1, 2, 4, 8)
+    with caplog.at_level("WARNING", logger="opdispatch"):
+        assert flex_module._call_compiled(q, q, q, {}) == "eager"
+        assert flex_module._call_compiled(q, q, q, {}) == "eager"
+    assert seen_config == [(max(before[0], flex_module._RECOMPILE_LIMIT), True)] * 2
+    assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before  # restored
+    warnings = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
+    assert len(warnings) == 1 and "run flex unfused" in warnings[0] and "torch._dynamo.reset()" in warnings[0]

@@ -155,11 +155,7 @@ def test_against_reference(impl_id, case):
         pytest.skip(f"{impl_id} unavailable: {why}")
     if impl_id == "nvidia.cudnn" and case["layout"] == "thd":
         # cuDNN varlen is opt-in (slow graph rebuilds on torch 2.11); its numerics are tested all the same.
-        impl.configure({"varlen": True})
-        try:
-            _check(impl_id, impl, device, manager, case)
-        finally:
-            impl.configure(None)
+        _check(impl_id, impl.with_options({"varlen": True}), device, manager, case)
         return
     _check(impl_id, impl, device, manager, case)
 

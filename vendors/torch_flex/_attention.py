@@ -30,6 +30,7 @@ checks as 2.11 where it matters here:
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -92,19 +93,34 @@ def _compiled_flex() -> Callable[..., Any]:
 # dynamo keeps at most `recompile_limit` (8) graphs per function and runs anything beyond them eagerly — for
 # flex, the unfused path that materialises the scores. One graph per variant (mods, GQA, LSE, grad, dtype) can
 # pass 8 in a process that sees many kinds of calls, so calls into the compiled flex raise the limit to this.
+# Past it, dynamo is told to raise instead of falling back silently, so the fall back to the unfused path (O(S^2)
+# memory) is logged once with the fix.
 _RECOMPILE_LIMIT = 64
+_warned_unfused = False
 
 
 def _call_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Any:
     config = torch._dynamo.config
-    prior = config.recompile_limit
-    if prior >= _RECOMPILE_LIMIT:
-        return _compiled_flex()(q, k, v, **kwargs)
-    config.recompile_limit = _RECOMPILE_LIMIT
+    prior = config.recompile_limit, config.fail_on_recompile_limit_hit
+    config.recompile_limit = max(prior[0], _RECOMPILE_LIMIT)
+    config.fail_on_recompile_limit_hit = True
     try:
         return _compiled_flex()(q, k, v, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        _warn_unfused(config.recompile_limit)
+        return _flex_api().flex_attention(q, k, v, **kwargs)
     finally:
-        config.recompile_limit = prior
+        config.recompile_limit, config.fail_on_recompile_limit_hit = prior
+
+
+def _warn_unfused(limit: int) -> None:
+    global _warned_unfused
+    if not _warned_unfused:
+        _warned_unfused = True
+        logging.getLogger("opdispatch").warning(
+            "torch.flex: the compiled flex_attention reached dynamo's recompile limit (%d graphs in this process); "
+            "calls of new variants now run flex unfused, which materialises the (seqlen_q x seqlen_k) scores. Fix: "
+            "raise torch._dynamo.config.recompile_limit, or torch._dynamo.reset() between workloads.", limit)
 
 
 def _aux_request() -> Any:
