@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import keyword
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Arg", "OpArguments", "REQUIRED"]
@@ -66,7 +66,6 @@ class OpArguments:
     args: tuple[Arg, ...]
     bound: tuple[str, ...]
     context: tuple[str, ...] = ("_overrides", "_module")
-    by_name: Mapping[str, Arg] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.args]
@@ -92,7 +91,6 @@ class OpArguments:
             problems.append(f"bound names {missing} are not arguments")
         if problems:
             raise ValueError(f"op {self.op!r}: malformed argument definition: " + "; ".join(problems))
-        object.__setattr__(self, "by_name", {a.name: a for a in self.args})
 
     @property
     def names(self) -> tuple[str, ...]:

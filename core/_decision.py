@@ -15,9 +15,6 @@ REJECTED = "rejected"
 DENIED = "denied by policy"
 UNAVAILABLE = "unavailable"
 FAILED = "failed to load"
-NOT_REGISTERED = "not registered"
-
-STATUSES = (CHOSEN, ELIGIBLE, REJECTED, DENIED, UNAVAILABLE, FAILED, NOT_REGISTERED)
 
 
 @dataclass(frozen=True)
@@ -36,9 +33,6 @@ class Provenance:
         if self.note:
             text += f" ({self.note})"
         return text
-
-
-PRIORITY = Provenance("priority", "implementation priority", note="not ordered by the policy")
 
 
 @dataclass

@@ -34,7 +34,6 @@ class Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_op: dict[str, dict[str, Registered]] = {}
-        self.generation = 0  # bumped on every change so caches can tell they are stale
 
     def register(self, impl: Impl, origin: Origin) -> None:
         if not isinstance(impl, Impl):
@@ -62,15 +61,6 @@ class Registry:
                     f"{existing.origin}, again by {origin}; give one of them another vendor or name, or disable "
                     "one plugin with OPDISPATCH_DISABLE_PLUGINS", impl=impl)
             impls[impl.id] = Registered(impl, origin)
-            self.generation += 1
-
-    def unregister(self, op: str, impl_id: str) -> None:
-        with self._lock:
-            impls = self._by_op.get(op, {})
-            if impl_id not in impls:
-                raise KeyError(f"no implementation {impl_id!r} registered for op {op!r}")
-            del impls[impl_id]
-            self.generation += 1
 
     def get(self, op: str, impl_id: str) -> Registered | None:
         return self._by_op.get(op, {}).get(impl_id)
