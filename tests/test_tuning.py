@@ -283,3 +283,23 @@ def test_policy_autotune_table_of_another_device_is_ignored_with_a_warning(basic
         d = opdispatch.explain(q, kv, kv, causal=True)
     assert d.chosen_id == "cpu.flash" and "order" in d.decided_by.note
     assert any("stale.yaml" in r.getMessage() and "Ignoring it" in r.getMessage() for r in caplog.records)
+
+
+def test_an_autotune_table_is_read_inside_one_plan(basic_manager, tmp_path, monkeypatch):
+    from opdispatch.policies import _plan
+
+    _table_for_cpu(basic_manager, ["reference.math", "cpu.flash"]).save(tmp_path / "tuned.yaml")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("ops:\n  attention:\n    autotune: tuned.yaml\n    rules:\n      - name: r\n"
+                      "        when: {seqlen_q: '>=4096'}\n        prefer: [cpu.flash]\n")
+    basic_manager.set_policy(policy)
+    matched, plans = [], []
+    real_match, real_build = _plan.rule_matches, _plan.build_plan
+    monkeypatch.setattr(_plan, "rule_matches", lambda when, *a: matched.append(when) or real_match(when, *a))
+    monkeypatch.setattr("opdispatch.policies._policy.build_plan", lambda *a: plans.append(a) or real_build(*a))
+    q, kv = torch.randn(1, 70, 2, 16), torch.randn(1, 70, 1, 16)
+    d = opdispatch.explain(q, kv, kv, causal=True)
+    assert d.chosen_id == "reference.math" and "autotune tuned.yaml" in d.decided_by.note
+    rules = [rule for _, layer in basic_manager.policy.yaml_layers if layer.op("attention")
+             for rule in layer.op("attention").rules]
+    assert len(plans) == 1 and len(matched) == len(rules)  # every rule matched once, in one plan
