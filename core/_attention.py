@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ._attention_tuning import ATTENTION_TUNING
 from ._impl import Impl
 from ._ops import OpSpec, register_op
 
@@ -943,7 +944,7 @@ def attention_features(call: AttentionCall) -> dict[str, Any]:
 
 ATTENTION = register_op(OpSpec(
     name="attention", impl_base=AttentionImpl, call_features=attention_features,
-    description="scaled dot-product attention (dense layouts and packed varlen)",
+    description="scaled dot-product attention (dense layouts and packed varlen)", tuning=ATTENTION_TUNING,
     features={"dtype": "dtype", "layout": "name", **dict.fromkeys(
         ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio"), "int"),
         **dict.fromkeys(("causal", "window", "softcap", "alibi", "dropout", "mask", "bias", "varlen",

@@ -273,10 +273,10 @@ def autotune_order(policy: Policy, op: str, call: Any, device: Any,
     where = policy.autotune_table(op)
     if where is None:
         return None
-    from ._tuning import tuned_table_for
+    from ._tuned_table import tuned_table_for
 
     path, line = where
-    table = tuned_table_for(path, device)
+    table = tuned_table_for(path, device, op)
     if table is None:
         return None
     ranked = table.rank(call, [impl_id for impl_id, _ in policy_order])
