@@ -1,4 +1,5 @@
-"""YAML policies: schema, loading with line numbers, rule matching, scoped overrides and tuning."""
+"""YAML policies: schema, loading with line numbers, rule matching, scoped overrides, the decision's precedence
+(`_plan.py`) and the tuned tables that `autotune:` names."""
 
 from ._overrides import Override, policy_override, scope
 from ._plan import ENV_DENY, ENV_PREFER, PolicyPlan
