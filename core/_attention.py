@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ._arguments import Arg, OpArguments
+from ._attention_tuning import ATTENTION_TUNING
 from ._impl import Impl
 from ._ops import OpSpec, register_op
 
@@ -323,6 +324,37 @@ def validate_attention(
     Equivalent forms are rewritten to one canonical call (`canonicalize`), so kernels and the decision cache see
     one form; `call.rewrites` says what changed.
     """
+    q, k, v = _checked_qkv(q, k, v, layout)
+    call = AttentionCall()
+    call.q, call.k, call.v, call.layout = q, k, v, layout
+    call.dtype, call.device = q.dtype, q.device
+    call.module = module
+    batch, seqlen_q, seqlen_k = _read_heads_and_dims(call)
+    _read_flags(call, causal, causal_alignment, window, scale, dropout_p, softcap, return_lse, deterministic)
+    if layout == "thd":
+        batch, seqlen_q, seqlen_k = _read_varlen(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                 check_values, varlen_same)
+    else:
+        if not (cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None):
+            _refuse_varlen_arguments(layout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        call.cu_seqlens_q = call.cu_seqlens_k = None
+        call.max_seqlen_q = call.max_seqlen_k = None
+    call.batch, call.seqlen_q, call.seqlen_k = batch, seqlen_q, seqlen_k
+    if alibi_slopes is None and attn_mask is None and attn_bias is None:  # the common call: no step to take
+        call.alibi_slopes = call.attn_mask = call.attn_bias = None
+    else:
+        _read_alibi_mask_and_bias(call, alibi_slopes, attn_mask, attn_bias)
+    call.requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        call.attn_bias is not None and call.attn_bias.requires_grad))
+    call.rewrites = ()
+    canonicalize(call, varlen_rewritten=layout == "thd" and call.cu_seqlens_k is not cu_seqlens_k)
+    return call
+
+
+# The steps of `validate_attention`, in the order it takes them (the first problem found is the one raised).
+
+def _checked_qkv(q: Any, k: Any, v: Any, layout: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v are tensors of `layout`'s rank, one floating dtype and one device, with no empty dimension."""
     q = _check_tensor("q", q)
     k = _check_tensor("k", k)
     v = _check_tensor("v", v)
@@ -346,12 +378,13 @@ def validate_attention(
     if not (q.device == k.device == v.device):
         raise ValueError(f"attention(): q, k and v must be on one device, got q on {q.device}, k on {k.device}, "
                          f"v on {v.device}; move them with .to(device)")
+    return q, k, v
 
-    call = AttentionCall()
-    call.q, call.k, call.v, call.layout = q, k, v, layout
-    call.dtype, call.device = q.dtype, q.device
-    call.module = module
 
+def _read_heads_and_dims(call: AttentionCall) -> tuple[int, int, int]:
+    """Check that q, k and v agree (batch, lengths, heads, head dims, the GQA ratio) and set the call's heads and
+    head dims; (batch, seqlen_q, seqlen_k) of a dense call, -1s for packed varlen (read from cu_seqlens)."""
+    q, k, v, layout = call.q, call.k, call.v, call.layout
     if layout == "thd":
         tq, hq, d = q.shape
         tk, hkv, dk = k.shape
@@ -380,14 +413,20 @@ def validate_attention(
                          f"attention; allowed k/v head counts: "
                          f"{', '.join(str(n) for n in range(1, hq + 1) if hq % n == 0)}")
     call.heads_q, call.heads_kv, call.head_dim, call.head_dim_v = hq, hkv, d, dv
+    return b, sq, sk
 
+
+def _read_flags(call: AttentionCall, causal: Any, causal_alignment: Any, window: Any, scale: Any, dropout_p: Any,
+                softcap: Any, return_lse: Any, deterministic: Any) -> None:
+    """The masking pattern (causal, its alignment, the window), the scale, dropout, softcap and the output and
+    determinism flags."""
     call.causal = _check_flag("causal", causal)
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"attention(): causal_alignment={causal_alignment!r} is not supported; allowed: "
                          "'top_left' (query i sees keys j <= i) or 'bottom_right' (the last query sees the last key)")
     call.causal_alignment = causal_alignment
     call.window = _check_window(window, call.causal)
-
+    d = call.head_dim
     if scale is None:
         call.scale = 1.0 / math.sqrt(d)
     else:
@@ -403,27 +442,38 @@ def validate_attention(
     # torch.use_deterministic_algorithms(True) asks the same of every op, this one included.
     call.deterministic = _check_flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
 
-    if layout == "thd":
-        b, sq, sk, same = _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_values)
-        call.cu_seqlens_q, call.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
-        if same is None:
-            same = bool(varlen_same)
-        if same and cu_seqlens_k is not cu_seqlens_q:
-            # Equal lengths per sequence: self-attention. Kernels tell it by identity (no host read).
-            call.cu_seqlens_k = cu_seqlens_q
-        call.max_seqlen_q, call.max_seqlen_k = sq, sk
-    else:
-        for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                            ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if value is not None:
-                raise ValueError(f"attention(): {name} is only meaningful with layout='thd' (packed varlen), "
-                                 f"but layout is {layout!r}; drop {name} or pack the sequences as thd")
-        call.cu_seqlens_q = call.cu_seqlens_k = None
-        call.max_seqlen_q = call.max_seqlen_k = None
-    call.batch, call.seqlen_q, call.seqlen_k = b, sq, sk
 
-    call.alibi_slopes = _check_alibi(alibi_slopes, b, hq, q.device)
-    full = (b, hq, sq, sk)
+def _read_varlen(call: AttentionCall, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
+                 check_values: bool, varlen_same: bool | None) -> tuple[int, int, int]:
+    """A packed call's cu_seqlens and longest lengths (one tensor for self-attention); (batch, seqlen_q,
+    seqlen_k), the lengths being the longest sequences."""
+    b, sq, sk, same = _check_varlen(call.q, call.k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    check_values)
+    call.cu_seqlens_q, call.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
+    if same is None:
+        same = bool(varlen_same)
+    if same and cu_seqlens_k is not cu_seqlens_q:
+        # Equal lengths per sequence: self-attention. Kernels tell it by identity (no host read).
+        call.cu_seqlens_k = cu_seqlens_q
+    call.max_seqlen_q, call.max_seqlen_k = sq, sk
+    return b, sq, sk
+
+
+def _refuse_varlen_arguments(layout: str, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
+                             max_seqlen_k: Any) -> None:
+    for name, value in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                        ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is not None:
+            raise ValueError(f"attention(): {name} is only meaningful with layout='thd' (packed varlen), "
+                             f"but layout is {layout!r}; drop {name} or pack the sequences as thd")
+
+
+def _read_alibi_mask_and_bias(call: AttentionCall, alibi_slopes: Any, attn_mask: Any, attn_bias: Any) -> None:
+    """ALiBi slopes, the boolean mask and the additive bias: dtypes, devices, and shapes that broadcast to the
+    scores (batch, heads_q, seqlen_q, seqlen_k); masks and biases are dense-only."""
+    q, layout = call.q, call.layout
+    call.alibi_slopes = _check_alibi(alibi_slopes, call.batch, call.heads_q, q.device)
+    full = (call.batch, call.heads_q, call.seqlen_q, call.seqlen_k)
     if attn_mask is not None:
         attn_mask = _check_tensor("attn_mask", attn_mask)
         if layout == "thd":
@@ -451,13 +501,6 @@ def validate_attention(
             raise ValueError(f"attention(): attn_bias shape {_shape_of(attn_bias)} does not broadcast to "
                              f"(batch, heads_q, seqlen_q, seqlen_k) = {full}")
     call.attn_bias = attn_bias
-
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-        attn_bias is not None and attn_bias.requires_grad))
-    call.requires_grad = grad
-    call.rewrites = ()
-    canonicalize(call, varlen_rewritten=layout == "thd" and call.cu_seqlens_k is not cu_seqlens_k)
-    return call
 
 
 def canonicalize(call: AttentionCall, *, varlen_rewritten: bool = False) -> None:
@@ -823,14 +866,25 @@ class AttentionImpl(Impl):
 
 
 def capability_reasons(caps: AttentionCaps, call: AttentionCall) -> list[str]:
-    """Reasons `caps` cannot take `call` — one readable sentence per unmet capability."""
-    reasons = []
-    if call.dtype not in caps.dtypes:
-        reasons.append(f"dtype {dtype_name(call.dtype)} not supported "
-                       f"(supported: {', '.join(sorted(dtype_name(d) for d in caps.dtypes))})")
+    """Reasons `caps` cannot take `call` — one readable sentence per unmet capability, concern by concern
+    (`_CAPABILITY_STEPS`, in this order: dtype and layout, head dims and GQA, the masking pattern, score terms,
+    outputs and training, sequence limits)."""
+    reasons: list[str] = []
+    for step in _CAPABILITY_STEPS:
+        step(caps, call, reasons)
+    return reasons
+
+
+def _dtype_and_layout(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
+    bad_dtype = dtype_reason(call.dtype, caps.dtypes)
+    if bad_dtype:
+        reasons.append(bad_dtype)
     if call.layout not in caps.layouts:
         what = "packed varlen (thd)" if call.layout == "thd" else f"layout {call.layout!r}"
         reasons.append(f"{what} not supported (supported layouts: {', '.join(sorted(caps.layouts))})")
+
+
+def _head_dims_and_gqa(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
     d = call.head_dim
     if d < caps.head_dim_min or (caps.head_dim_max is not None and d > caps.head_dim_max):
         top = caps.head_dim_max if caps.head_dim_max is not None else "any"
@@ -845,6 +899,10 @@ def capability_reasons(caps: AttentionCaps, call: AttentionCall) -> list[str]:
     if call.heads_q != call.heads_kv and not caps.gqa:
         reasons.append(f"grouped-query attention ({call.heads_q} q heads over {call.heads_kv} kv heads) not "
                        "supported")
+
+
+def _masking_pattern(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
+    """Causal masking, its alignment where the lengths differ, and the sliding window."""
     if call.causal and not caps.causal:
         reasons.append("causal masking not supported")
     if call.alignment_matters and call.causal_alignment not in caps.causal_alignments:
@@ -852,6 +910,10 @@ def capability_reasons(caps: AttentionCaps, call: AttentionCall) -> list[str]:
                        f"(supported: {', '.join(sorted(caps.causal_alignments)) or 'none'})")
     if call.window is not None and not caps.window:
         reasons.append(f"sliding window {call.window} not supported")
+
+
+def _score_terms(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
+    """What changes the scores: softcap, ALiBi, dropout, the boolean mask and the additive bias (and its grad)."""
     if call.softcap > 0 and not caps.softcap:
         reasons.append(f"softcap={call.softcap:g} not supported")
     if call.alibi_slopes is not None and not caps.alibi:
@@ -865,6 +927,10 @@ def capability_reasons(caps: AttentionCaps, call: AttentionCall) -> list[str]:
             reasons.append("additive attn_bias not supported")
         elif call.attn_bias.requires_grad and call.requires_grad and not caps.bias_grad:
             reasons.append("gradient with respect to attn_bias not supported")
+
+
+def _outputs_and_training(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
+    """The LSE output, the backward and determinism."""
     if call.return_lse and not caps.lse:
         reasons.append("return_lse=True not supported (no log-sum-exp output)")
     if call.requires_grad and not caps.backward:
@@ -873,10 +939,16 @@ def capability_reasons(caps: AttentionCaps, call: AttentionCall) -> list[str]:
         reasons.append("deterministic=True not supported: its forward is not bitwise reproducible")
     if call.deterministic and call.requires_grad and not caps.deterministic_backward:
         reasons.append("deterministic=True not supported: its backward is not deterministic")
+
+
+def _sequence_limits(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
     if caps.max_seqlen is not None and max(call.seqlen_q, call.seqlen_k) > caps.max_seqlen:
         reasons.append(f"sequence length {max(call.seqlen_q, call.seqlen_k)} above the supported "
                        f"maximum {caps.max_seqlen}")
-    return reasons
+
+
+_CAPABILITY_STEPS: tuple[Callable[[AttentionCaps, AttentionCall, list[str]], None], ...] = (
+    _dtype_and_layout, _head_dims_and_gqa, _masking_pattern, _score_terms, _outputs_and_training, _sequence_limits)
 
 
 # -- the op ---------------------------------------------------------------------------------------------------
@@ -896,7 +968,7 @@ def attention_features(call: AttentionCall) -> dict[str, Any]:
 
 ATTENTION = register_op(OpSpec(
     name="attention", impl_base=AttentionImpl, call_features=attention_features, arguments=ATTENTION_ARGS,
-    validator=validate_attention,
+    validator=validate_attention, tuning=ATTENTION_TUNING,
     description="scaled dot-product attention (dense layouts and packed varlen)",
     features={"dtype": "dtype", "layout": "name", **dict.fromkeys(
         ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio"), "int"),

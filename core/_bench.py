@@ -1,7 +1,9 @@
-"""`opdispatch tune` and `opdispatch bench`: measure the attention matrix on this device.
+"""`opdispatch tune` and `opdispatch bench`: time an op's implementations on this device (``--op``, default
+attention; any op whose `OpSpec` has a tuning description).
 
-`tune` writes a tuned table (see opdispatch.policies._tuning); `bench` writes a markdown report and a PNG chart
-of TFLOP/s per implementation per shape, with the policy's pick and its regret against the fastest.
+`tune` writes a tuned table (policies/_tuned_table.py; measuring is core/_tuning.py); `bench` writes a markdown
+report and a PNG chart of TFLOP/s per implementation per shape, with the policy's pick and its regret against
+the fastest.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import Any
 
 import torch
 
-from opdispatch.policies._tuning import (PRESETS, CallSpec, Measurement, device_fingerprint, fingerprint_hash,
-                                         load_shapes, measure, preset, tune)
+from ._fingerprint import device_fingerprint, fingerprint_hash
+from ._ops import tunable_ops
+from ._tuning import ALL, Measurement, load_cases, measure, preset, preset_names, tune, tuning_of
 
 PLOT_HINT = "pip install 'opdispatch[bench]'  (or: pip install matplotlib)"
 
@@ -26,10 +29,11 @@ def _device(args: argparse.Namespace) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _specs(args: argparse.Namespace, device: torch.device) -> list[CallSpec]:
+def _cases(args: argparse.Namespace, device: torch.device) -> list[Any]:
+    """The cases to time: the --shapes file, else the --preset of --op; ValueError for a preset the op lacks."""
     if args.shapes:
-        return load_shapes(args.shapes)
-    return preset(args.preset, device.type)
+        return load_cases(args.shapes, args.op)
+    return preset(args.preset, device.type, args.op)
 
 
 def geomean_regret(results: list[Measurement]) -> float | None:
@@ -54,7 +58,7 @@ def markdown_report(results: list[Measurement], device: Any, title: str = "opdis
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join(["---"] + ["--:"] * len(impls) + ["---", "--:"]) + "|")
     for m in results:
-        row = [m.spec.describe()]
+        row = [m.case.describe()]
         for impl in impls:
             if impl in m.seconds:
                 cell = f"{m.tflops(impl):.3g}"
@@ -75,15 +79,15 @@ def markdown_report(results: list[Measurement], device: Any, title: str = "opdis
               f"{sum(m.regret is not None for m in results)} shapes", ""]
     failures = [(m, i, e) for m in results for i, e in m.failed.items()]
     if failures:
-        lines += ["## Failures", ""] + [f"- {m.spec.describe()}: {i}: {e}" for m, i, e in failures] + [""]
+        lines += ["## Failures", ""] + [f"- {m.case.describe()}: {i}: {e}" for m, i, e in failures] + [""]
     lines += ["median times (µs):", ""]
     for m in results:
         times = ", ".join(f"{i} {s * 1e6:.1f}" for i, s in sorted(m.seconds.items(), key=lambda kv: kv[1]))
-        lines.append(f"- {m.spec.describe()}: {times or 'nothing timed'}")
+        lines.append(f"- {m.case.describe()}: {times or 'nothing timed'}")
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[Measurement], path: Path, device: Any) -> bool:
+def plot(results: list[Measurement], path: Path, device: Any, op: str = "attention") -> bool:
     """A grouped bar chart (TFLOP/s per impl per shape, the pick starred); False when matplotlib is missing."""
     try:
         import matplotlib
@@ -105,7 +109,7 @@ def plot(results: list[Measurement], path: Path, device: Any) -> bool:
     labels = []
     for m in results:
         regret = "" if m.regret is None else f"\nregret {m.regret * 100:.0f}%"
-        labels.append(m.spec.describe().replace(" ", "\n", 2) + regret)
+        labels.append(m.case.describe().replace(" ", "\n", 2) + regret)
     ax.set_xticks(range(len(results)))
     ax.set_xticklabels(labels, fontsize=7, rotation=60, ha="right")
     ax.set_ylabel("TFLOP/s")
@@ -113,7 +117,7 @@ def plot(results: list[Measurement], path: Path, device: Any) -> bool:
     if values and min(values) > 0 and max(values) / min(values) > 50:
         ax.set_yscale("log")  # decode and prefill differ by orders of magnitude
     gm = geomean_regret(results)
-    ax.set_title(f"{device.name} — attention TFLOP/s per implementation (* = pick; geomean regret "
+    ax.set_title(f"{device.name} — {op} TFLOP/s per implementation (* = pick; geomean regret "
                  f"{'n/a' if gm is None else f'{gm * 100:.1f}%'})", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -124,28 +128,47 @@ def plot(results: list[Measurement], path: Path, device: Any) -> bool:
 
 # -- commands --------------------------------------------------------------------------------------------------
 
+def _check_op_and_preset(args: argparse.Namespace) -> str | None:
+    """Why --op/--preset cannot be timed (the message for stderr), or None."""
+    try:
+        tuning_of(args.op)
+    except ValueError as exc:
+        return str(exc)
+    if not args.shapes and args.preset not in preset_names(args.op):
+        return (f"--preset {args.preset} is not a preset of op {args.op!r}; its presets: "
+                f"{', '.join(preset_names(args.op))}")
+    return None
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from ._api import get_manager
 
+    problem = _check_op_and_preset(args)
+    if problem:
+        print(f"opdispatch tune: {problem}", file=sys.stderr)
+        return 2
     device = _device(args)
-    specs = _specs(args, device)
+    cases = _cases(args, device)
     impls = args.impl or None
     if args.device_only:
-        impls = _device_specific(device, impls)
+        impls = _device_specific(device, impls, args.op)
         if not impls:
-            print("opdispatch tune: no implementation specific to this device type is registered", file=sys.stderr)
+            print(f"opdispatch tune: no {args.op} implementation specific to this device type is registered",
+                  file=sys.stderr)
             return 1
-    table = tune(specs, manager=get_manager(), device=device, impls=impls, warmup=args.warmup, reps=args.reps,
-                 progress=not args.quiet)
+    table = tune(cases, op=args.op, manager=get_manager(), device=device, impls=impls, warmup=args.warmup,
+                 reps=args.reps, progress=not args.quiet)
     out = Path(args.out)
     table.save(out)
-    print(f"wrote {out}: {len(table.entries)} buckets, fingerprint {table.hash} ({table.fingerprint.get('name')})")
-    print(f"use it from a policy file with:  autotune: {out.name}   (path relative to the policy file)")
+    print(f"wrote {out}: {args.op}, {len(table.entries)} buckets, fingerprint {table.hash} "
+          f"({table.fingerprint.get('name')})")
+    print(f"use it from a policy file with:  ops: {{{args.op}: {{autotune: {out.name}}}}}   (path relative to the "
+          "policy file)")
     return 0
 
 
-def _device_specific(device: torch.device, patterns: list[str] | None) -> list[str]:
-    """Ids of implementations made for this device type (not portable ones such as reference.math)."""
+def _device_specific(device: torch.device, patterns: list[str] | None, op: str = "attention") -> list[str]:
+    """Ids of `op`'s implementations made for this device type (not portable ones such as the references)."""
     import fnmatch
 
     from ._api import get_manager
@@ -153,7 +176,7 @@ def _device_specific(device: torch.device, patterns: list[str] | None) -> list[s
     manager = get_manager()
     manager.ensure_initialized()
     info = manager.device_info(device)
-    return [r.impl.id for r in manager.registry.for_op("attention")
+    return [r.impl.id for r in manager.registry.for_op(op)
             if r.impl.device_types and info.type in r.impl.device_types
             and (not patterns or any(fnmatch.fnmatchcase(r.impl.id, p) for p in patterns))]
 
@@ -161,18 +184,22 @@ def _device_specific(device: torch.device, patterns: list[str] | None) -> list[s
 def cmd_bench(args: argparse.Namespace) -> int:
     from ._api import get_manager
 
+    problem = _check_op_and_preset(args)
+    if problem:
+        print(f"opdispatch bench: {problem}", file=sys.stderr)
+        return 2
     manager = get_manager()
     device = _device(args)
     info = manager.device_info(device)
-    results = measure(_specs(args, device), manager=manager, device=device, impls=args.impl or None,
+    results = measure(_cases(args, device), op=args.op, manager=manager, device=device, impls=args.impl or None,
                       warmup=args.warmup, reps=args.reps, progress=not args.quiet)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"attention-{info.type}"
+    stem = f"{args.op}-{info.type}"
     md = out_dir / f"{stem}.md"
     png = out_dir / f"{stem}.png"
-    text = markdown_report(results, info)
-    if plot(results, png, info):
+    text = markdown_report(results, info, title=f"opdispatch {args.op} benchmark")
+    if plot(results, png, info, args.op):
         text = text.replace("\nTFLOP/s per", f"\n![TFLOP/s per implementation]({png.name})\n\nTFLOP/s per", 1)
         print(f"wrote {png}")
     else:
@@ -186,8 +213,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def add_perf_commands(sub: Any) -> None:
     """Register `tune` and `bench` on the `opdispatch` argument parser's subcommands."""
+    ops = tunable_ops()
+    presets = sorted({name for op in ops for name in preset_names(op)})
+
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--preset", default="all", choices=PRESETS, help="call signatures to time (default: all)")
+        p.add_argument("--op", default="attention", choices=ops, help="the op to time (default: attention)")
+        p.add_argument("--preset", default=ALL, choices=presets,
+                       help="call signatures to time, from the op's presets (default: all)")
         p.add_argument("--shapes", default=None, help="YAML file of call signatures instead of a preset")
         p.add_argument("--impl", action="append", default=[], help="only these implementation ids/globs "
                        "(repeatable)")
@@ -203,7 +235,7 @@ def add_perf_commands(sub: Any) -> None:
                    help="only implementations specific to this device type (skip portable ones like reference)")
     p.set_defaults(func=cmd_tune)
 
-    p = sub.add_parser("bench", help="attention matrix on this device: markdown + PNG of TFLOP/s, pick, regret")
+    p = sub.add_parser("bench", help="an op's shapes on this device: markdown + PNG of TFLOP/s, pick, regret")
     common(p)
     p.add_argument("--out-dir", default="bench-results", help="folder for the .md and .png")
     p.set_defaults(func=cmd_bench)

@@ -14,6 +14,8 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._ops import op_spec
+
 # Size fields a `when:` condition may compare; head dims and the GQA ratio are exact in the class key already.
 SIZE_FIELDS = ("seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv")
 
@@ -41,7 +43,11 @@ class DecisionClasses:
         # on devices where they are available (the manager filters per device: `keyed_on`).
         self.keyed = [impl for impl in impls if _reads_more(impl)]
         self.keyed_on: dict[Any, list[Any]] = {}
-        self.tuned = policy.autotune_table(op) is not None
+        # With an autotune table, the op's bucket sizes (attention: seqlen_q, seqlen_k, batch) join the class.
+        tuning = op_spec(op).tuning
+        self.tuned_sizes = (tuning.bucket_sizes if tuning is not None and policy.autotune_table(op) is not None
+                            else None)
+        self.tuned = self.tuned_sizes is not None
         self.generic = not impls or not all(hasattr(impl, "selection_key") for impl in impls)
         self.policy_hash: str = policy.hash
         # Compiled once: the key is computed on every call that misses the per-call fast path (each decode step).
@@ -59,9 +65,9 @@ class DecisionClasses:
             key.append(tuple(longest <= m for m in self.max_seqlens))
         for impl in keyed:
             key.append(impl.selection_key(call))
-        if self.tuned:
+        if self.tuned_sizes is not None:
             # Autotune blends buckets by log-distance: quarter-octave steps keep the verdict within one class.
-            key.append(tuple(round(4 * math.log2(max(s, 1))) for s in (call.seqlen_q, call.seqlen_k, call.batch)))
+            key.append(tuple(round(4 * math.log2(max(s, 1))) for s in self.tuned_sizes(call)))
         return tuple(key)
 
 

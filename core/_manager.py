@@ -343,28 +343,6 @@ class OpManager:
             device = self.device_info(call.device)
         return self._decide(op, call, device, impl, self.state, OVERRIDES.get())
 
-    def _tuned_order(self, op: str, call: Any, device: DeviceInfo, policy: Any, overrides: Any) -> Any:
-        """Measured order for this call from the policy's `autotune:` table, or None.
-
-        Neighbouring buckets are blended, and near-ties (within 5%) keep the policy's own order. A table
-        measured on another device or other library versions is ignored with one warning.
-        """
-        where = policy.autotune_table(op)
-        if where is None:
-            return None
-        from opdispatch.policies._tuning import tuned_table_for
-
-        path, line = where
-        table = tuned_table_for(path, device)
-        if table is None:
-            return None
-        base = policy.plan(op, list(self.state.impls.get(op, {})), call, device, overrides)
-        ranked = table.rank(call, [impl_id for impl_id, _ in base.order])
-        if ranked is None:
-            return None
-        order, note = ranked
-        return order, Provenance("policy", line, note=f"autotune {path.name}: {note}")
-
     def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None, state: DispatchState,
                 overrides: Any) -> Decision:
         self.ensure_initialized()
@@ -387,16 +365,9 @@ class OpManager:
                 reasons = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"]
             return Candidate(impl_obj.id, REJECTED if reasons else ELIGIBLE, reasons, prov, origins[impl_obj.id])
 
-        plan = None
-        if impl is not None:
-            pin: tuple[str, Provenance] | None = (impl, Provenance("argument", "impl=", note="pinned for this call"))
-        else:
-            plan = policy.plan(op, list(impls), call, device, overrides,
-                               tuned=self._tuned_order(op, call, device, policy, overrides))
-            pin = plan.pin
-
-        if pin is not None:
-            pin_id, prov = pin
+        plan = policy.plan(op, list(impls), call, device, overrides, impl=impl)
+        if plan.pin is not None:
+            pin_id, prov = plan.pin
             target = impls.get(pin_id)
             if target is None:
                 decision = Decision(op, call.describe(), device, None, [], prov, policy.source, policy.hash, pin_id)
@@ -421,7 +392,6 @@ class OpManager:
             decision.chosen = target
             return decision
 
-        assert plan is not None
         for impl_id, prov in plan.order:
             cand = evaluate(impls[impl_id], prov)
             if cand.status == ELIGIBLE and chosen is None:

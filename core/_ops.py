@@ -1,9 +1,10 @@
 """The op layer: one `OpSpec` per op says what the rest of opdispatch needs to know about it.
 
-The manager, the registry and the policy are op-agnostic: they ask the op's spec which implementation base class
-its implementations subclass, which call features a policy rule may test (`when:` keys and their kinds) and how to
-read those features from a validated call. Adding an op is a spec module that calls `register_op`, its vendors'
-plugin modules and a section in the shipped policy.
+The manager, the registry, the policy and tune/bench are op-agnostic: they ask the op's spec which implementation
+base class its implementations subclass, which call features a policy rule may test (`when:` keys and their kinds),
+how to read those features from a validated call, and how to time it (`TuningSpec`: cases, presets, buckets).
+Adding an op is a spec module that calls `register_op`, its vendors' plugin modules and a section in the shipped
+policy.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._arguments import OpArguments
 
-__all__ = ["FEATURE_KINDS", "OpSpec", "all_features", "known_ops", "op_spec", "register_op"]
+__all__ = ["FEATURE_KINDS", "REQUIRED", "BucketFeature", "OpSpec", "TuningSpec", "all_features", "known_ops",
+           "op_spec", "register_op", "tunable_ops"]
 
 # How a `when:` key is written and compared: int (a number, list or range such as '<=16'), bool, name (a name or
 # a list), dtype (bf16, fp16…), glob (fnmatch patterns). policies/_match.py parses each kind.
@@ -25,6 +27,60 @@ FEATURE_KINDS = frozenset({"int", "bool", "name", "dtype", "glob"})
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # Keyword arguments a validator may take beyond the op's own: the module scope and how far to read index values.
 VALIDATOR_EXTRAS = ("module", "check_values", "varlen_same")
+
+
+REQUIRED: Any = object()  # a BucketFeature without a default: every tuned-table entry must give it
+
+
+@dataclass(frozen=True)
+class BucketFeature:
+    """A discrete feature of a tuned bucket: its name in a tuned table's entries, its type (bool, int or str), the
+    value an entry that omits it stands for (`REQUIRED`: none may) and, for a str, the values allowed."""
+
+    name: str
+    kind: type
+    default: Any = REQUIRED
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TuningSpec:
+    """How `opdispatch tune` and `opdispatch bench` time an op (core/_tuning.py) and how a tuned table of it is
+    keyed (policies/_tuned_table.py).
+
+    case: the type of one call signature to time, without data: ``case.from_dict(mapping, where)`` (ValueError
+      naming unknown fields), ``to_dict()``, ``describe()`` (one line), ``inputs(device, generator)`` (fresh random
+      keyword arguments of `validate`; ``device="meta"`` gives tensors without data), ``flops()`` and a
+      ``requires_grad`` field (time forward + backward).
+    presets: the preset names (``all`` is every one of them); ``preset(name, device_type)`` lists their cases:
+      model-sized on accelerators, small enough to time in seconds on the CPU.
+    validate: the op's validator, called with a case's inputs.
+    discrete, bucket_discrete: the bucket's discrete features and how to read them from a call record; a table
+      entry serves only calls that match them exactly.
+    sizes, bucket_sizes: the names of its sizes and how to read them; a call takes the nearest entries in log2
+      space of these.
+    describe_bucket: one line for a bucket, ``(discrete, sizes) -> str`` (explain prints it); default name=value.
+    """
+
+    case: type
+    presets: tuple[str, ...]
+    preset: Callable[[str, str], list[Any]]
+    validate: Callable[..., Any]
+    discrete: tuple[BucketFeature, ...]
+    bucket_discrete: Callable[[Any], tuple[Any, ...]]
+    sizes: tuple[str, ...]
+    bucket_sizes: Callable[[Any], tuple[int, ...]]
+    describe_bucket: Callable[[tuple[Any, ...], tuple[int, ...]], str] | None = None
+
+    def bucket(self, call: Any) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+        """(discrete features, sizes) of a validated call: what a tuned bucket is keyed by."""
+        return self.bucket_discrete(call), self.bucket_sizes(call)
+
+    def describe(self, discrete: tuple[Any, ...], sizes: tuple[int, ...]) -> str:
+        if self.describe_bucket is not None:
+            return self.describe_bucket(discrete, sizes)
+        parts = [f"{f.name}={v}" for f, v in zip(self.discrete, discrete)]
+        return " ".join(parts + [f"{name}={v}" for name, v in zip(self.sizes, sizes)])
 
 
 @dataclass(frozen=True)
@@ -44,6 +100,7 @@ class OpSpec:
     fake_outputs: given the arguments by name (tensors fake or meta), empty tensors shaped like the front
       door's outputs; with it the op's front door runs under torch.compile as one opaque graph node
       (`opdispatch._compile_ops`), without it the call runs eagerly outside the graph.
+    tuning: how ``opdispatch tune``/``bench`` time it (None: the op cannot be tuned).
     """
 
     name: str
@@ -54,6 +111,7 @@ class OpSpec:
     arguments: OpArguments | None = None
     validator: Callable[..., Any] | None = None
     fake_outputs: Callable[..., list[Any]] | None = None
+    tuning: TuningSpec | None = None
 
 
 _OPS: dict[str, OpSpec] = {}
@@ -95,6 +153,11 @@ def op_spec(name: str) -> OpSpec:
     if spec is None:
         raise KeyError(f"unknown op {name!r}; known ops: {', '.join(known_ops())}")
     return spec
+
+
+def tunable_ops() -> tuple[str, ...]:
+    """The ops with a tuning description (`OpSpec.tuning`)."""
+    return tuple(name for name in known_ops() if _OPS[name].tuning is not None)
 
 
 def all_features() -> dict[str, str]:

@@ -10,18 +10,20 @@ input's dtype.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from ._arguments import Arg, OpArguments
-from ._attention import caps_as_dict, caps_problems, dtype_name, dtype_reason
+from ._attention import caps_as_dict, caps_problems, dtype_from_name, dtype_name, dtype_reason
 from ._api import define_explain, define_front_door
 from ._impl import Impl
-from ._ops import OpSpec, register_op
+from ._ops import BucketFeature, OpSpec, TuningSpec, register_op
+from ._tuning import grid, known_fields, random_tensor
 
-__all__ = ["RmsNormCall", "RmsNormCaps", "RmsNormImpl", "explain_rms_norm", "rms_norm", "validate_rms_norm"]
+__all__ = ["RmsNormCall", "RmsNormCaps", "RmsNormCase", "RmsNormImpl", "explain_rms_norm", "rms_norm",
+           "validate_rms_norm"]
 
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -167,6 +169,99 @@ def rms_norm_features(call: RmsNormCall) -> dict[str, Any]:
             "weight": call.weight is not None, "requires_grad": call.requires_grad}
 
 
+# -- tuning: what `opdispatch tune --op rms_norm` times --------------------------------------------------------
+
+@dataclass(frozen=True)
+class RmsNormCase:
+    """An ``rms_norm`` call to time, without data: x is (tokens, hidden), with a weight and a residual or not."""
+
+    dtype: str = "bf16"
+    tokens: int = 1
+    hidden: int = 4096
+    weight: bool = True
+    residual: bool = False
+    requires_grad: bool = False
+    name: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "") -> RmsNormCase:
+        return cls(**known_fields(cls, data, where))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        if self.name:
+            return self.name
+        parts = [self.dtype, f"t{self.tokens}", f"h{self.hidden}"]
+        if not self.weight:
+            parts.append("no-weight")
+        if self.residual:
+            parts.append("+residual")
+        if self.requires_grad:
+            parts.append("fwd+bwd")
+        return " ".join(parts)
+
+    def inputs(self, device: torch.device | str, generator: torch.Generator | None = None) -> dict[str, Any]:
+        """Fresh random inputs: keyword arguments of `opdispatch.rms_norm` / `validate_rms_norm`."""
+        dtype, device = dtype_from_name(self.dtype), torch.device(device)
+        shape = (self.tokens, self.hidden)
+        return dict(x=random_tensor(shape, dtype, device, generator, self.requires_grad),
+                    weight=random_tensor((self.hidden,), dtype, device, generator, self.requires_grad)
+                    if self.weight else None,
+                    residual=random_tensor(shape, dtype, device, generator, self.requires_grad)
+                    if self.residual else None, eps=1e-6)
+
+    def flops(self) -> float:
+        """Per element: square, sum, scale by the inverse RMS, (weight), (residual add); backward counted as 2x."""
+        per_element = 3 + int(self.weight) + int(self.residual)
+        return per_element * self.tokens * self.hidden * (3.0 if self.requires_grad else 1.0)
+
+
+RMS_NORM_PRESETS = ("decode", "prefill", "training")
+
+
+def rms_norm_preset(name: str, device_type: str = "cuda") -> list[RmsNormCase]:
+    """``decode`` (a few rows), ``prefill`` (many rows) or ``training`` (fwd+bwd), with and without the residual:
+    bf16 model widths on accelerators, small float32 ones on the CPU."""
+    cpu = device_type == "cpu"
+    dtype = "fp32" if cpu else "bf16"
+    hidden = [256, 1024] if cpu else [4096, 8192]
+    if name == "decode":
+        rows = grid(tokens=[1, 8] if cpu else [1, 8, 64], hidden=hidden, residual=[False, True])
+    elif name == "prefill":
+        rows = grid(tokens=[256, 1024] if cpu else [2048, 32768], hidden=hidden, residual=[False, True])
+    elif name == "training":
+        rows = grid(tokens=[64, 256] if cpu else [8192, 32768], hidden=hidden[:1], residual=[False, True],
+                    requires_grad=[True])
+    else:
+        raise ValueError(f"unknown rms_norm preset {name!r}; allowed: {', '.join(RMS_NORM_PRESETS)}")
+    return [RmsNormCase(dtype=dtype, **row) for row in rows]
+
+
+def _bucket_discrete(call: RmsNormCall) -> tuple[Any, ...]:
+    return (dtype_name(call.dtype), call.hidden_size, call.weight is not None, call.residual is not None,
+            call.requires_grad)
+
+
+def _bucket_sizes(call: RmsNormCall) -> tuple[int, ...]:
+    return (call.x.numel() // call.hidden_size,)
+
+
+def _describe_bucket(discrete: tuple[Any, ...], sizes: tuple[int, ...]) -> str:
+    dtype, hidden, weight, residual, grad = discrete
+    flags = [f for f, on in (("no-weight", not weight), ("+residual", residual), ("grad", grad)) if on]
+    return f"{dtype} h{hidden}{' ' + ','.join(flags) if flags else ''} t{sizes[0]}"
+
+
+RMS_NORM_TUNING = TuningSpec(
+    case=RmsNormCase, presets=RMS_NORM_PRESETS, preset=rms_norm_preset, validate=validate_rms_norm,
+    discrete=(BucketFeature("dtype", str), BucketFeature("hidden", int), BucketFeature("weight", bool),
+              BucketFeature("residual", bool), BucketFeature("requires_grad", bool)),
+    bucket_discrete=_bucket_discrete, sizes=("tokens",), bucket_sizes=_bucket_sizes,
+    describe_bucket=_describe_bucket)
+
+
 def rms_norm_fake_outputs(x: torch.Tensor, weight: Any, eps: Any, residual: Any, impl: Any) -> list[torch.Tensor]:
     """The outputs' shapes for torch.compile: y, and h = x + residual with a residual."""
     return [torch.empty_like(x)] + ([torch.empty_like(x)] if residual is not None else [])
@@ -174,7 +269,7 @@ def rms_norm_fake_outputs(x: torch.Tensor, weight: Any, eps: Any, residual: Any,
 
 RMS_NORM = register_op(OpSpec(
     name="rms_norm", impl_base=RmsNormImpl, call_features=rms_norm_features, arguments=RMS_NORM_ARGS,
-    validator=validate_rms_norm, fake_outputs=rms_norm_fake_outputs,
+    validator=validate_rms_norm, fake_outputs=rms_norm_fake_outputs, tuning=RMS_NORM_TUNING,
     description="RMSNorm over the last dim, optional weight and fused residual add",
     features={"dtype": "dtype", "hidden_size": "int", "tokens": "int", "residual": "bool", "weight": "bool",
               "requires_grad": "bool"},

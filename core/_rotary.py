@@ -11,18 +11,19 @@ in float32 (float64 for float64 inputs); outputs have the inputs' dtype; inputs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from ._arguments import Arg, OpArguments
-from ._attention import caps_as_dict, caps_problems, dtype_name, dtype_reason
+from ._attention import caps_as_dict, caps_problems, dtype_from_name, dtype_name, dtype_reason
 from ._api import define_explain, define_front_door
 from ._impl import Impl
-from ._ops import OpSpec, register_op
+from ._ops import BucketFeature, OpSpec, TuningSpec, register_op
+from ._tuning import known_fields, random_tensor
 
-__all__ = ["RotaryCall", "RotaryCaps", "RotaryImpl", "explain_rotary_embedding", "rotary_embedding",
+__all__ = ["RotaryCall", "RotaryCaps", "RotaryCase", "RotaryImpl", "explain_rotary_embedding", "rotary_embedding",
            "validate_rotary_embedding"]
 
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -347,10 +348,121 @@ def rotary_fake_outputs(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: 
     return [torch.empty_like(q), torch.empty_like(k)]
 
 
+# -- tuning: what `opdispatch tune --op rotary_embedding` times ------------------------------------------------
+
+@dataclass(frozen=True)
+class RotaryCase:
+    """A ``rotary_embedding`` call to time, without data: q (1, tokens, heads_q, head_dim) and k with heads_k
+    heads (bshd), the first `rotary_dim` channels rotated (default: all), cos/sin caches of `tokens` positions."""
+
+    dtype: str = "bf16"
+    tokens: int = 1
+    heads_q: int = 32
+    heads_k: int = 8
+    head_dim: int = 128
+    rotary_dim: int = 128
+    interleaved: bool = False
+    requires_grad: bool = False
+    name: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "") -> RotaryCase:
+        data = known_fields(cls, data, where)
+        data.setdefault("rotary_dim", data.get("head_dim", cls.head_dim))
+        data.setdefault("heads_k", data.get("heads_q", cls.heads_k))
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        if self.name:
+            return self.name
+        parts = [self.dtype, f"t{self.tokens}", f"h{self.heads_q}/{self.heads_k}", f"d{self.head_dim}"]
+        if self.rotary_dim != self.head_dim:
+            parts.append(f"rot{self.rotary_dim}")
+        parts.append("gptj" if self.interleaved else "neox")
+        if self.requires_grad:
+            parts.append("fwd+bwd")
+        return " ".join(parts)
+
+    def inputs(self, device: torch.device | str, generator: torch.Generator | None = None) -> dict[str, Any]:
+        """Fresh random q/k and real cos/sin caches (base 10000): keyword arguments of `validate_rotary_embedding`."""
+        dtype, device = dtype_from_name(self.dtype), torch.device(device)
+        q = random_tensor((1, self.tokens, self.heads_q, self.head_dim), dtype, device, generator,
+                          self.requires_grad)
+        k = random_tensor((1, self.tokens, self.heads_k, self.head_dim), dtype, device, generator,
+                          self.requires_grad)
+        half = self.rotary_dim // 2
+        if device.type == "meta":
+            cos = sin = torch.empty(self.tokens, half, dtype=dtype, device=device)
+        else:
+            inv_freq = 10000.0 ** (-torch.arange(half, dtype=torch.float32, device=device) * 2 / self.rotary_dim)
+            angles = torch.arange(self.tokens, dtype=torch.float32, device=device)[:, None] * inv_freq[None, :]
+            cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        return dict(q=q, k=k, cos=cos, sin=sin, interleaved=self.interleaved)
+
+    def flops(self) -> float:
+        """Per rotated pair: 4 multiplies and 2 adds, over q's and k's heads; backward counted as 1x (a rotation)."""
+        pairs = self.tokens * (self.heads_q + self.heads_k) * (self.rotary_dim // 2)
+        return 6.0 * pairs * (2.0 if self.requires_grad else 1.0)
+
+
+ROTARY_PRESETS = ("decode", "prefill", "training")
+
+
+def rotary_preset(name: str, device_type: str = "cuda") -> list[RotaryCase]:
+    """``decode`` (a few tokens), ``prefill`` (many; GPT-J pairs and partial rotary too) or ``training``
+    (fwd+bwd): bf16 32/8 heads of 128 on accelerators, small float32 ones on the CPU."""
+    cpu = device_type == "cpu"
+    dtype = "fp32" if cpu else "bf16"
+    hq, hk, d = (4, 2, 32) if cpu else (32, 8, 128)
+    if name == "decode":
+        tokens = [1, 8] if cpu else [1, 8, 64]
+        return [RotaryCase(dtype=dtype, tokens=t, heads_q=hq, heads_k=hk, head_dim=d, rotary_dim=d) for t in tokens]
+    if name == "prefill":
+        tokens = [128, 512] if cpu else [2048, 32768]
+        cases = [RotaryCase(dtype=dtype, tokens=t, heads_q=hq, heads_k=hk, head_dim=d, rotary_dim=d) for t in tokens]
+        return cases + [
+            RotaryCase(dtype=dtype, tokens=tokens[-1], heads_q=hq, heads_k=hk, head_dim=d, rotary_dim=d,
+                       interleaved=True),
+            RotaryCase(dtype=dtype, tokens=tokens[-1], heads_q=hq, heads_k=hk, head_dim=d, rotary_dim=d // 2)]
+    if name == "training":
+        tokens = [128, 512] if cpu else [8192, 32768]
+        return [RotaryCase(dtype=dtype, tokens=t, heads_q=hq, heads_k=hk, head_dim=d, rotary_dim=d,
+                           requires_grad=True) for t in tokens]
+    raise ValueError(f"unknown rotary_embedding preset {name!r}; allowed: {', '.join(ROTARY_PRESETS)}")
+
+
+def _bucket_discrete(call: RotaryCall) -> tuple[Any, ...]:
+    return (dtype_name(call.dtype), call.heads_q, call.heads_k, call.head_dim, call.rotary_dim, call.interleaved,
+            call.requires_grad)
+
+
+def _bucket_sizes(call: RotaryCall) -> tuple[int, ...]:
+    return (call.q.numel() // (call.heads_q * call.head_dim),)
+
+
+def _describe_bucket(discrete: tuple[Any, ...], sizes: tuple[int, ...]) -> str:
+    dtype, heads_q, heads_k, head_dim, rotary_dim, interleaved, grad = discrete
+    return (f"{dtype} h{heads_q}/{heads_k} d{head_dim} rot{rotary_dim} {'gptj' if interleaved else 'neox'}"
+            f"{' grad' if grad else ''} t{sizes[0]}")
+
+
+ROTARY_TUNING = TuningSpec(
+    case=RotaryCase, presets=ROTARY_PRESETS, preset=rotary_preset, validate=validate_rotary_embedding,
+    discrete=(BucketFeature("dtype", str), BucketFeature("heads_q", int), BucketFeature("heads_k", int),
+              BucketFeature("head_dim", int), BucketFeature("rotary_dim", int), BucketFeature("interleaved", bool),
+              BucketFeature("requires_grad", bool)),
+    bucket_discrete=_bucket_discrete, sizes=("tokens",), bucket_sizes=_bucket_sizes,
+    describe_bucket=_describe_bucket)
+
+
 ROTARY_EMBEDDING = register_op(OpSpec(
     name="rotary_embedding", impl_base=RotaryImpl, call_features=rotary_features, arguments=ROTARY_ARGS,
     validator=validate_rotary_embedding, fake_outputs=rotary_fake_outputs,
     description="rotary position embedding (RoPE) of q and k, NeoX or GPT-J pairs, cos/sin caches",
+    tuning=ROTARY_TUNING,
     features={"dtype": "dtype", "head_dim": "int", "rotary_dim": "int", "interleaved": "bool",
               "varlen": "bool", "positions": "bool", "requires_grad": "bool"},
 ))

@@ -1,8 +1,10 @@
-"""YAML policies: schema, loading with line numbers, rule matching, scoped overrides and tuning."""
+"""YAML policies: schema, loading with line numbers, rule matching, scoped overrides, the decision's precedence
+(`_plan.py`) and the tuned tables that `autotune:` names."""
 
 from ._overrides import Override, policy_override, scope
-from ._policy import (ENV_DENY, ENV_POLICY, ENV_PREFER, EnvOverrides, Policy, PolicyLayer, PolicyPlan,
-                      default_policy_path, load_policy, parse_policy, parse_policy_layer, read_policy_file)
+from ._plan import ENV_DENY, ENV_PREFER, PolicyPlan
+from ._policy import (ENV_POLICY, EnvOverrides, Policy, PolicyLayer, default_policy_path, load_policy, parse_policy,
+                      parse_policy_layer, read_policy_file)
 from ._schema import OpPolicy, PolicyFile, Rule, Settings, When
 
 __all__ = [

@@ -10,7 +10,8 @@ from typing import Any
 
 from opdispatch._errors import PolicyError
 
-from ._policy import PolicyLayer, read_policy_file, rule_matches
+from ._plan import rule_matches
+from ._policy import PolicyLayer, read_policy_file
 from ._schema import Rule, When
 
 

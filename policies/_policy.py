@@ -1,13 +1,9 @@
-"""Loading policy files and turning them, with env vars and scoped overrides, into a verdict per call.
-
-Precedence, highest first: per-call ``impl=`` > `policy_override()` scopes > env vars (``OPDISPATCH_IMPL_<OP>``,
-``OPDISPATCH_PREFER``, ``OPDISPATCH_DENY``) > the user's YAML (``OPDISPATCH_POLICY``) > the shipped default.
-How matching rules combine is documented in docs/policy.md and implemented in `Policy.plan`.
+"""Loading policy files into a `Policy`: the YAML layers (the user's file over the shipped default) and the env
+overrides, read once. The verdict for one call — the precedence of every layer — is `opdispatch.policies._plan`.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
@@ -19,39 +15,19 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from opdispatch._decision import Provenance
 from opdispatch._errors import PolicyError
 from opdispatch._ops import known_ops, op_spec
 
 from ._overrides import Override
+from ._plan import DEFAULT, ENV_DENY, ENV_PIN_PREFIX, ENV_PREFER, USER, Layer, PolicyPlan, build_plan
 from ._schema import ConditionError, OpPolicy, PolicyFile, Rule, Settings, When
 from ._yaml import LineMap, load_yaml_with_lines
 
 ENV_POLICY = "OPDISPATCH_POLICY"
-ENV_PREFER = "OPDISPATCH_PREFER"
-ENV_DENY = "OPDISPATCH_DENY"
-ENV_PIN_PREFIX = "OPDISPATCH_IMPL_"
 
 
 def default_policy_path() -> Path:
     return Path(str(resources.files("opdispatch.configs").joinpath("default.yaml")))
-
-
-def _match_any(impl_id: str, patterns: Sequence[str]) -> str | None:
-    for pattern in patterns:
-        if fnmatch.fnmatchcase(impl_id, pattern):
-            return pattern
-    return None
-
-
-@dataclass
-class PolicyPlan:
-    """The policy's verdict for one call: candidates in order, the denied ones, and a pin — each with provenance."""
-
-    order: list[tuple[str, Provenance]] = field(default_factory=list)
-    denied: dict[str, Provenance] = field(default_factory=dict)
-    pin: tuple[str, Provenance] | None = None
-    matched_rules: list[str] = field(default_factory=list)
 
 
 class PolicyLayer:
@@ -113,6 +89,10 @@ class Policy:
         if not layers:
             raise ValueError("a Policy needs at least one layer")
         self.layers = list(layers)
+        # Each YAML layer with its place in the precedence: the shipped file is the default, any other the user's.
+        default_source = str(default_policy_path())
+        self.yaml_layers: list[tuple[Layer, PolicyLayer]] = [
+            (DEFAULT if layer.source == default_source else USER, layer) for layer in self.layers]
         self.env = env or EnvOverrides()
         digest = hashlib.sha256()
         for layer in self.layers:
@@ -182,147 +162,10 @@ class Policy:
 
     # -- the verdict for one call ----------------------------------------------------------------------------
     def plan(self, op: str, impl_ids: list[str], call: Any = None, device: Any = None,
-             overrides: Sequence[Override] = (), tuned: tuple[list[str], Provenance] | None = None) -> PolicyPlan:
-        """Order `impl_ids` (given highest priority first), deny, require and pin, with provenance for each."""
-        plan = PolicyPlan()
-        prefer: list[tuple[Sequence[str], Provenance]] = []  # earlier entries outrank later ones
-        deny: list[tuple[Sequence[str], Provenance]] = []
-        require: list[tuple[Sequence[str], Provenance]] = []
-        pins: list[tuple[str, Provenance]] = []
-
-        def take(source: Override | Rule, prov: Provenance) -> None:
-            """Collect the actions of an override scope or a matching rule (they share the action names)."""
-            if source.pin:
-                pins.append((source.pin, prov))
-            for actions, patterns in ((prefer, source.prefer), (deny, source.deny), (require, source.require)):
-                if patterns:
-                    actions.append((patterns, prov))
-
-        # Highest precedence first: scoped overrides (innermost first), then env vars.
-        for ov in overrides:
-            if ov.applies_to(op):
-                take(ov, Provenance("context", ov.where))
-        env_pin = self.env.pins.get(op)
-        if env_pin:
-            pins.append((env_pin, Provenance("env", f"{ENV_PIN_PREFIX}{op.upper()}", note=f"pinned to {env_pin}")))
-        if self.env.prefer:
-            prefer.append((self.env.prefer, Provenance("env", ENV_PREFER)))
-        if self.env.deny:
-            deny.append((self.env.deny, Provenance("env", ENV_DENY)))
-
-        # Then the YAML layers, user file before the shipped default; rules in file order.
-        base_order: tuple[list[str], PolicyLayer] | None = None
-        for layer in self.layers:
-            spec = layer.op(op)
-            if spec is None:
-                continue
-            if spec.order is not None and base_order is None:
-                base_order = (spec.order, layer)
-            for i, pattern in enumerate(spec.deny):
-                deny.append(([pattern], Provenance("policy", layer.where("ops", op, "deny", i),
-                                                   note=f"deny {pattern!r}")))
-            for r_i, rule in enumerate(spec.rules):
-                if call is not None and not rule_matches(rule.when, call, device, op):
-                    continue
-                plan.matched_rules.append(rule.name)
-                take(rule, Provenance("policy", layer.where("ops", op, "rules", r_i), rule=rule.name,
-                                      note=rule.reason))
-
-        if pins:
-            plan.pin = pins[0]  # the highest-precedence pin wins; it outranks every lower-level deny
-            return plan
-
-        for impl_id in impl_ids:
-            for patterns, prov in deny:
-                if _match_any(impl_id, patterns):
-                    plan.denied[impl_id] = prov
-                    break
-            else:
-                for patterns, prov in require:
-                    if not _match_any(impl_id, patterns):
-                        plan.denied[impl_id] = Provenance(
-                            prov.kind, prov.source, rule=prov.rule,
-                            note=f"not in required {', '.join(patterns)}" + (f"; {prov.note}" if prov.note else ""))
-                        break
-
-        ranked = []
-        for position, impl_id in enumerate(impl_ids):
-            if impl_id in plan.denied:
-                continue
-            key: tuple[int, int, int]
-            placed_by: Provenance | None = None
-            for p_i, (patterns, p_prov) in enumerate(prefer):
-                hit = _match_any(impl_id, patterns)
-                if hit is not None:
-                    key = (0, p_i, list(patterns).index(hit))
-                    placed_by = Provenance(p_prov.kind, p_prov.source, rule=p_prov.rule,
-                                      note=f"prefer {hit!r}" + (f"; {p_prov.note}" if p_prov.note else ""))
-                    break
-            if placed_by is None and tuned is not None and impl_id in tuned[0]:
-                key = (1, 0, tuned[0].index(impl_id))
-                placed_by = tuned[1]
-            if placed_by is None and base_order is not None:
-                order, layer = base_order
-                hit = _match_any(impl_id, order)
-                if hit is not None:
-                    i = order.index(hit)
-                    key = (2, 0, i)
-                    placed_by = Provenance("policy", layer.where("ops", op, "order", i), note=f"order {hit!r}")
-            if placed_by is None:
-                key = (3, 0, 0)
-                placed_by = Provenance("priority", "implementation priority",
-                                  note="not named by the policy" if base_order else None)
-            ranked.append((key, position, impl_id, placed_by))
-        ranked.sort(key=lambda item: (item[0], item[1]))
-        plan.order = [(impl_id, prov) for _, _, impl_id, prov in ranked]
-        return plan
-
-
-# -- rule matching -------------------------------------------------------------------------------------------
-
-def rule_matches(when: When, call: Any, device: Any, op: str = "attention") -> bool:
-    """Whether every condition of `when` holds for `call` (an `op` call record; its features are read through the
-    op's spec) on `device`."""
-    conditions = when.conditions()
-    if not conditions:
-        return True
-    features = None
-    for key, spec in conditions.items():
-        if key == "vendor":
-            ok = device is not None and spec.matches(device.vendor)
-        elif key == "device_type":
-            ok = device is not None and spec.matches(device.type)
-        elif key == "arch":
-            ok = device is not None and spec.matches(device.arch)
-        elif key == "capability":
-            ok = device is not None and spec.matches(device.capability)
-        elif key == "device_name":
-            ok = device is not None and spec.matches(device.name)
-        elif key == "libraries":
-            ok = device is not None and all(s.matches(_library_version(device, lib)) for lib, s in spec.items())
-        elif key == "module":
-            ok = spec.matches(getattr(call, "module", None))
-        else:
-            if features is None:
-                features = op_spec(op).call_features(call)
-            ok = spec.matches(features[key])
-        if not ok:
-            return False
-    return True
-
-
-def _library_version(device: Any, name: str) -> str | None:
-    version: str | None = device.libraries.get(name)
-    if version is not None or device.simulated:
-        return version
-    import importlib.metadata
-
-    for dist in (name, name.replace("_", "-")):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
+             overrides: Sequence[Override] = (), impl: str | None = None) -> PolicyPlan:
+        """Order `impl_ids` (given highest priority first), deny, require and pin, with provenance for each: the
+        precedence of `opdispatch.policies._plan` (its docstring documents it)."""
+        return build_plan(self, op, impl_ids, call, device, overrides, impl)
 
 
 # -- loading -------------------------------------------------------------------------------------------------

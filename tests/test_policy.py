@@ -234,6 +234,39 @@ def test_precedence_argument_context_env_user_default(four, tmp_path, monkeypatc
     assert chosen().chosen_id == "fast.b"
 
 
+def test_plan_collects_each_layers_actions_highest_first(four, tmp_path, monkeypatch):
+    from opdispatch.policies import Override
+    from opdispatch.policies._plan import LAYERS
+
+    user = tmp_path / "user.yaml"
+    user.write_text("ops:\n  attention:\n    rules:\n      - name: mine\n        prefer: [slow.c]\n"
+                    "        require: ['*.*']\n")
+    monkeypatch.setenv("OPDISPATCH_POLICY", str(user))
+    monkeypatch.setenv("OPDISPATCH_DENY", "fast.a")
+    four.reload()
+    policy, device = four.policy, four.device_info("cpu")
+    x = q()
+    call = opdispatch.validate_attention(x, x, x)
+    ids = [impl.id for impl in four.implementations("attention")]
+    scope = Override(op=None, prefer=("fast.b",), where="scope at test")
+    plan = policy.plan("attention", ids, call, device, [scope])
+    layer_names = [layer.name for layer in LAYERS]
+    assert [(a.layer, a.verb) for a in plan.actions] == [
+        ("scope", "prefer"), ("env", "deny"), ("user", "prefer"), ("user", "require")]
+    assert [a.layer for a in plan.actions] == sorted((a.layer for a in plan.actions), key=layer_names.index)
+    order = [(impl_id, prov.kind, prov.source) for impl_id, prov in plan.order]
+    assert order[:2] == [("fast.b", "context", "scope at test"), ("slow.c", "policy", f"{user}:4")]
+    assert [impl_id for impl_id, _, _ in order[2:]] == ["cpu.flash", "reference.math"]
+    assert all(kind == "policy" and "default.yaml:" in source for _, kind, source in order[2:])  # its order
+    assert plan.denied["fast.a"].source == "OPDISPATCH_DENY" and plan.pin is None
+    assert plan.matched_rules == ["mine"]
+    # the call's impl= is the argument layer: a pin above every other layer, through the same plan
+    pinned = policy.plan("attention", ids, call, device, [scope], impl="reference.math")
+    assert pinned.pin is not None and pinned.pin[0] == "reference.math"
+    assert (pinned.pin[1].kind, pinned.pin[1].source) == ("argument", "impl=")
+    assert pinned.actions[0].layer == "argument" and pinned.order == []
+
+
 def test_env_prefer_and_deny(four, monkeypatch):
     monkeypatch.setenv("OPDISPATCH_PREFER", "slow.c")
     monkeypatch.setenv("OPDISPATCH_DENY", "cpu.flash")

@@ -11,17 +11,21 @@ import yaml
 
 import opdispatch
 from opdispatch._cli import main
-from opdispatch.policies._tuning import (PRESETS, CallSpec, TunedEntry, TunedTable, apply_tuned_order,
-                                         call_features, device_fingerprint, load_shapes, measure, preset, time_fn,
-                                         tune, tuned_table_for)
+from opdispatch._attention_tuning import AttentionCase, attention_bucket
+from opdispatch._fingerprint import device_fingerprint
+from opdispatch._timing import time_fn
+from opdispatch._tuning import load_cases, measure, preset, preset_names, tune
+from opdispatch.policies._tuned_table import TunedEntry, TunedTable, tuned_table_for
 
-TINY = [CallSpec(dtype="fp32", batch=1, seqlen_q=8, seqlen_k=8, heads_q=2, heads_kv=1, head_dim=16, causal=True),
-        CallSpec(dtype="fp32", layout="thd", batch=2, seqlen_q=8, seqlen_k=8, heads_q=2, heads_kv=2, head_dim=16)]
+PRESETS = preset_names("attention")
+
+TINY = [AttentionCase(dtype="fp32", batch=1, seqlen_q=8, seqlen_k=8, heads_q=2, heads_kv=1, head_dim=16, causal=True),
+        AttentionCase(dtype="fp32", layout="thd", batch=2, seqlen_q=8, seqlen_k=8, heads_q=2, heads_kv=2, head_dim=16)]
 FAST = dict(warmup=1, reps=2, progress=False)
 
 
 def _call(seq: int = 8, batch: int = 1, head_dim: int = 16, layout: str = "bshd", **kw) -> opdispatch.AttentionCall:
-    spec = CallSpec(dtype="fp32", layout=layout, batch=batch, seqlen_q=seq, seqlen_k=seq, heads_q=2, heads_kv=1,
+    spec = AttentionCase(dtype="fp32", layout=layout, batch=batch, seqlen_q=seq, seqlen_k=seq, heads_q=2, heads_kv=1,
                     head_dim=head_dim, causal=True, **kw)
     args = spec.inputs("cpu")
     return opdispatch.validate_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
@@ -61,6 +65,29 @@ def test_round_trip(basic_manager, tmp_path):
     assert loaded.source == str(path)
     assert loaded.lookup(_call()) == table.entries[0].order
     assert yaml.safe_load(path.read_text())["format"] == "opdispatch-tuned/1"
+
+
+def test_a_table_without_op_is_attentions_and_entries_are_checked_per_op(tmp_path):
+    table = TunedTable({"name": "cpu"}, [_entry(64, ["a.x", "b.y"])])
+    data = table.to_dict()
+    assert data["op"] == "attention"
+    del data["op"]
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data))
+    loaded = TunedTable.load(path)
+    assert loaded.op == "attention" and loaded.entries[0].discrete == table.entries[0].discrete
+    data["entries"][0]["layout"] = "ragged"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"old.yaml: field entries.0.layout: 'ragged' is not one of dense, varlen"):
+        TunedTable.load(path)
+    del data["entries"][0]["layout"]
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"field entries.0.layout: Field required"):
+        TunedTable.load(path)
+    data["op"] = "nope"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ValueError, match=r"field op: unknown op 'nope'; known ops: attention"):
+        TunedTable.load(path)
 
 
 def test_fingerprint_mismatch_is_stale(basic_manager, tmp_path, caplog):
@@ -112,16 +139,10 @@ def test_lookup_uses_batch_too():
     assert table.lookup(_call(64, batch=16)) == ["b.y"]
 
 
-def test_call_features():
-    discrete, sizes = call_features(_call(8, batch=3, window=(4, 0)))
+def test_attention_bucket():
+    discrete, sizes = attention_bucket(_call(8, batch=3, window=(4, 0)))
     assert discrete == ("fp32", "dense", 16, 2, 1, True, True, False, False)
     assert sizes == (8, 8, 3)
-
-
-def test_apply_tuned_order():
-    order = [("a.x", "p1"), ("b.y", "p2"), ("c.z", "p3")]
-    assert apply_tuned_order(order, ["c.z", "d.gone", "a.x"], "tuned") == [
-        ("c.z", "tuned"), ("a.x", "tuned"), ("b.y", "p2")]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -142,25 +163,25 @@ def test_presets_are_valid_calls(name, device_type):
 
 
 def test_flops_count_allowed_pairs():
-    full = CallSpec(seqlen_q=4, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1)
+    full = AttentionCase(seqlen_q=4, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1)
     assert full.flops() == 2 * 16 * 2
-    assert CallSpec(seqlen_q=4, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1, causal=True).flops() == 2 * 10 * 2
-    decode = CallSpec(seqlen_q=1, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1, causal=True)
+    assert AttentionCase(seqlen_q=4, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1, causal=True).flops() == 2 * 10 * 2
+    decode = AttentionCase(seqlen_q=1, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1, causal=True)
     assert decode.flops() == 2 * 4 * 2  # bottom-right: the one query sees every key
-    window = CallSpec(seqlen_q=4, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1, causal=True, window=(1, 0))
+    window = AttentionCase(seqlen_q=4, seqlen_k=4, heads_q=1, heads_kv=1, head_dim=1, causal=True, window=(1, 0))
     assert window.flops() == 2 * 7 * 2
 
 
-def test_load_shapes(tmp_path):
+def test_load_cases(tmp_path):
     path = tmp_path / "shapes.yaml"
     path.write_text("shapes:\n  - {dtype: fp32, batch: 2, seqlen_q: 16, heads_q: 4, head_dim: 8, causal: true}\n"
                     "  - {layout: thd, batch: 3, seqlen_q: 32, heads_q: 4, heads_kv: 2, window: [8, 0]}\n")
-    specs = load_shapes(path)
+    specs = load_cases(path)
     assert specs[0].seqlen_k == 16 and specs[0].heads_kv == 4
     assert specs[1].window == (8, 0) and specs[1].layout == "thd"
     path.write_text("- {dtype: fp32, seqlen: 4}\n")
     with pytest.raises(ValueError, match="unknown field"):
-        load_shapes(path)
+        load_cases(path)
 
 
 def test_time_fn_returns_a_median():
@@ -283,3 +304,23 @@ def test_policy_autotune_table_of_another_device_is_ignored_with_a_warning(basic
         d = opdispatch.explain(q, kv, kv, causal=True)
     assert d.chosen_id == "cpu.flash" and "order" in d.decided_by.note
     assert any("stale.yaml" in r.getMessage() and "Ignoring it" in r.getMessage() for r in caplog.records)
+
+
+def test_an_autotune_table_is_read_inside_one_plan(basic_manager, tmp_path, monkeypatch):
+    from opdispatch.policies import _plan
+
+    _table_for_cpu(basic_manager, ["reference.math", "cpu.flash"]).save(tmp_path / "tuned.yaml")
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("ops:\n  attention:\n    autotune: tuned.yaml\n    rules:\n      - name: r\n"
+                      "        when: {seqlen_q: '>=4096'}\n        prefer: [cpu.flash]\n")
+    basic_manager.set_policy(policy)
+    matched, plans = [], []
+    real_match, real_build = _plan.rule_matches, _plan.build_plan
+    monkeypatch.setattr(_plan, "rule_matches", lambda when, *a: matched.append(when) or real_match(when, *a))
+    monkeypatch.setattr("opdispatch.policies._policy.build_plan", lambda *a: plans.append(a) or real_build(*a))
+    q, kv = torch.randn(1, 70, 2, 16), torch.randn(1, 70, 1, 16)
+    d = opdispatch.explain(q, kv, kv, causal=True)
+    assert d.chosen_id == "reference.math" and "autotune tuned.yaml" in d.decided_by.note
+    rules = [rule for _, layer in basic_manager.policy.yaml_layers if layer.op("attention")
+             for rule in layer.op("attention").rules]
+    assert len(plans) == 1 and len(matched) == len(rules)  # every rule matched once, in one plan
