@@ -25,6 +25,25 @@ FlashAttention-2 conventions (kernels of that lineage: flash-attn, FlagGems' var
   into opdispatch's -inf, for dense (batch, heads, sq) and packed (heads, total_q) LSEs.
 - `causal_alibi_lse_reason(call)`: the reason to decline ``return_lse`` with causal ALiBi (the kernels' LSE is
   shifted by a row-dependent constant there).
+- `kernel_window(call)`: the call's window as ``window_size=(left, right)`` (-1 unbounded; (-1, -1) for none).
+- `alibi_alignment_reason(call, kernel)`: the reason a bottom-right-ALiBi kernel declines a top-left call whose
+  lengths differ, or None.
+- `empty_rows_to_neg_inf(lse)`: the +inf LSE such kernels give a query that sees no key, as -inf.
+
+Dense ↔ packed varlen (for kernels that take only packed ``thd`` sequences):
+
+- `pack_dense(call)` → `PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`: a dense
+  call's tensors as (batch * seq, heads, dim) with uniform int32 offsets (`uniform_cu_seqlens(batch, seqlen,
+  device)`); `unpack_out(call, out)` and `unpack_lse(call, lse)` bring the results back.
+
+Layouts: the call record converts views itself — ``call.bhsd(t)``/``call.from_bhsd(t)`` and
+``call.bshd(t)``/``call.from_bshd(t)`` (see `opdispatch.AttentionCall`).
+
+Library versions (device probes, version checks):
+
+- `version_tuple(text)`: the numeric release of a version string ("2.7.0.post2" → (2, 7, 0)).
+- `at_least(version, minimum)`: whether a (possibly unknown) version is new enough.
+- `installed_versions({key: distribution})`: versions of installed pip distributions, without importing them.
 """
 
 from __future__ import annotations
@@ -32,6 +51,11 @@ from __future__ import annotations
 from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, bind_dense, shift_rows
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
+from ._kernel_conventions import alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window
+from ._packing import PackedCall, pack_dense, uniform_cu_seqlens, unpack_lse, unpack_out
+from ._versions import at_least, installed_versions, version_tuple
 
-__all__ = ["additive_bias", "alibi_bias", "allowed_positions", "bind_dense", "blind_rows", "causal_alibi_lse_reason",
-           "dense_lse_fix", "shift_rows", "varlen_lse_fix"]
+__all__ = ["PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions", "at_least",
+           "bind_dense", "blind_rows", "causal_alibi_lse_reason", "dense_lse_fix", "empty_rows_to_neg_inf",
+           "installed_versions", "kernel_window", "pack_dense", "shift_rows", "uniform_cu_seqlens", "unpack_lse",
+           "unpack_out", "varlen_lse_fix", "version_tuple"]

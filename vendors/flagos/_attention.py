@@ -25,7 +25,8 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
+from opdispatch.plugins.toolkit import (alibi_alignment_reason, causal_alibi_lse_reason, dense_lse_fix, kernel_window,
+                                        pack_dense, unpack_lse, unpack_out, varlen_lse_fix)
 
 _LN2 = math.log(2.0)
 # v5.0.2 scaled_dot_product_attention_forward: `assert HEAD_DIM_K in {16, 32, 64, 128, 256}`.
@@ -94,10 +95,9 @@ class FlagGemsAttention(AttentionImpl):
             if call.alignment_matters and call.causal_alignment == "top_left":
                 reasons.append("causal/window with causal_alignment='top_left' and seqlen_q != seqlen_k: the "
                                "varlen kernel aligns bottom-right")
-            if call.alibi_slopes is not None and call.causal_alignment == "top_left" and (
-                    call.cu_seqlens_q is not call.cu_seqlens_k if call.varlen else call.seqlen_q != call.seqlen_k):
-                reasons.append("ALiBi is aligned bottom-right by flash_attn_varlen_func; top_left with "
-                               "seqlen_q != seqlen_k not supported")
+            alibi = alibi_alignment_reason(call, "flash_attn_varlen_func")
+            if alibi:
+                reasons.append(alibi)
         elif call.head_dim not in SDPA_HEAD_DIMS:
             reasons.append(f"head_dim {call.head_dim} not in {sorted(SDPA_HEAD_DIMS)} (flag_gems "
                            "scaled_dot_product_attention_forward)")
@@ -125,9 +125,8 @@ class FlagGemsAttention(AttentionImpl):
     def _varlen(self, call: AttentionCall) -> Any:
         import flag_gems
 
-        window = call.window if call.window is not None else (-1, -1)
-        kwargs = dict(softmax_scale=call.scale, causal=call.causal, window_size=window, softcap=call.softcap,
-                      alibi_slopes=call.alibi_slopes, return_softmax_lse=call.return_lse)
+        kwargs = dict(softmax_scale=call.scale, causal=call.causal, window_size=kernel_window(call),
+                      softcap=call.softcap, alibi_slopes=call.alibi_slopes, return_softmax_lse=call.return_lse)
         if call.varlen:
             res = flag_gems.flash_attn_varlen_func(call.q, call.k, call.v, call.max_seqlen_q, call.cu_seqlens_q,
                                                    call.max_seqlen_k, call.cu_seqlens_k, **kwargs)
@@ -135,21 +134,15 @@ class FlagGemsAttention(AttentionImpl):
                 return res
             return res[0], varlen_lse_fix(res[1], call.cu_seqlens_q, call.cu_seqlens_k, call.causal, call.window,
                                           call.alibi_slopes)
-        # Dense: pack (batch, seq, heads, dim) into (batch*seq, heads, dim) with uniform cu_seqlens.
-        b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
-        q, k, v = (call.bshd(t) for t in (call.q, call.k, call.v))
-        dev = q.device
-        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=dev)
-        cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=dev)
-        res = flag_gems.flash_attn_varlen_func(q.reshape(b * sq, call.heads_q, call.head_dim), k.reshape(
-            b * sk, call.heads_kv, call.head_dim), v.reshape(b * sk, call.heads_kv, call.head_dim_v), sq, cu_q, sk,
-            cu_k, **kwargs)
-        out = res[0] if call.return_lse else res
-        out = call.from_bshd(out.reshape(b, sq, call.heads_q, call.head_dim_v))
+        packed = pack_dense(call)
+        res = flag_gems.flash_attn_varlen_func(packed.q, packed.k, packed.v, packed.max_seqlen_q,
+                                               packed.cu_seqlens_q, packed.max_seqlen_k, packed.cu_seqlens_k,
+                                               **kwargs)
+        out = unpack_out(call, res[0] if call.return_lse else res)
         if not call.return_lse:
             return out
-        lse = res[1].reshape(call.heads_q, b, sq).transpose(0, 1)
-        return out, dense_lse_fix(lse, sq, sk, call.causal, call.window, call.alibi_slopes)
+        return out, dense_lse_fix(unpack_lse(call, res[1]), call.seqlen_q, call.seqlen_k, call.causal, call.window,
+                                  call.alibi_slopes)
 
 
 __all__ = ["BACKWARD_REASON", "FlagGemsAttention", "SDPA_HEAD_DIMS", "uses_varlen_kernel"]

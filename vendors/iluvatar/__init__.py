@@ -13,10 +13,10 @@ The device name (`Iluvatar BI-V150`) comes from torch; the architecture from the
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any
 
 from opdispatch import DeviceInfo, Impl, hookimpl
+from opdispatch.plugins.toolkit import installed_versions
 
 from ._attention import IluvatarIxformer
 
@@ -58,11 +58,7 @@ def probe_iluvatar_device(device: Any) -> DeviceInfo | None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    libraries = {"torch": torch.__version__.split("+")[0]}
-    try:
-        libraries["ixformer"] = importlib.metadata.version("ixformer")
-    except importlib.metadata.PackageNotFoundError:
-        pass
+    libraries = {"torch": torch.__version__.split("+")[0], **installed_versions(("ixformer",))}
     return DeviceInfo(
         vendor="iluvatar", type="cuda", arch=arch_from_name(str(props.name)), name=str(props.name), index=index,
         capability=(int(props.major), int(props.minor)), memory_bytes=int(props.total_memory),

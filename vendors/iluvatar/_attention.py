@@ -26,6 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch.plugins.toolkit import pack_dense, unpack_out
 
 MODULES = ("ixformer.contrib.vllm_flash_attn", "ixformer")
 FUNCTION = "flash_attn_varlen_func"
@@ -107,23 +108,9 @@ class IluvatarIxformer(AttentionImpl):
         if call.varlen:
             q, k, v, cu_q, cu_k = call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k
         else:
-            q, k, v, cu_q, cu_k = pack_dense(call)
+            q, k, v, cu_q, cu_k, _, _ = pack_dense(call)
         out = fn(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=call.seqlen_q,
                  max_seqlen_k=call.seqlen_k, softmax_scale=call.scale, causal=call.causal)
         if isinstance(out, (tuple, list)):
             out = out[0]
-        if call.varlen:
-            return out
-        return call.from_bhsd(out.reshape(call.batch, call.seqlen_q, out.shape[1], out.shape[2]).transpose(1, 2))
-
-
-def pack_dense(call: AttentionCall) -> tuple[torch.Tensor, ...]:
-    """Dense q/k/v as (b*s, heads, dim) plus uniform int32 cu_seqlens (copies only if not bshd-contiguous)."""
-    q, k, v = (call.bhsd(t).transpose(1, 2) for t in (call.q, call.k, call.v))
-    b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
-    q = q.reshape(b * sq, q.shape[2], q.shape[3])
-    k = k.reshape(b * sk, k.shape[2], k.shape[3])
-    v = v.reshape(b * sk, v.shape[2], v.shape[3])
-    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-    cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
-    return q, k, v, cu_q, cu_k
+        return out if call.varlen else unpack_out(call, out)

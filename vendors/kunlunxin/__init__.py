@@ -10,12 +10,12 @@ torch that is neither ROCm (`torch.version.hip`) nor CoreX (`torch.corex`). Arch
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import sys
 from typing import Any
 
 from opdispatch import DeviceInfo, Impl, hookimpl
+from opdispatch.plugins.toolkit import installed_versions
 
 from ._attention import KunlunxinPrefill
 
@@ -60,12 +60,8 @@ def probe_kunlunxin_device(device: Any) -> DeviceInfo | None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    libraries = {"torch": torch.__version__.split("+")[0]}
-    for dist in ("torch_xmlir", "kunlun_ops", "xtorch_ops"):
-        try:
-            libraries[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
+    libraries = {"torch": torch.__version__.split("+")[0],
+                 **installed_versions(("torch_xmlir", "kunlun_ops", "xtorch_ops"))}
     return DeviceInfo(
         vendor="kunlunxin", type="cuda", arch=arch_from_name(str(props.name)), name=str(props.name), index=index,
         capability=None, memory_bytes=int(props.total_memory),

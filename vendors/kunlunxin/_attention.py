@@ -28,6 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch.plugins.toolkit import pack_dense, unpack_out
 
 FUNCTION = "prefill_attention"
 
@@ -98,13 +99,8 @@ class KunlunxinPrefill(AttentionImpl):
         ops: Any = importlib.import_module(self.options.ops_module)
         if call.varlen:
             q, k, v, lod = call.q, call.k, call.v, call.cu_seqlens_q
-        else:
-            qb, kb, vb = (call.bhsd(t).transpose(1, 2) for t in (call.q, call.k, call.v))
-            tokens = call.batch * call.seqlen_q
-            q = qb.reshape(tokens, qb.shape[2], qb.shape[3])
-            k = kb.reshape(tokens, kb.shape[2], kb.shape[3])
-            v = vb.reshape(tokens, vb.shape[2], vb.shape[3])
-            lod = torch.arange(0, tokens + 1, call.seqlen_q, dtype=torch.int32, device=q.device)
+        else:  # one LoD for q and k/v: dense calls here have seqlen_q == seqlen_k (extra_reasons)
+            q, k, v, lod, _, _, _ = pack_dense(call)
         out = torch.empty(q.shape[0], q.shape[1], call.head_dim_v, dtype=q.dtype, device=q.device)
         status = getattr(ops, FUNCTION)(
             q=q, k=k, v=v, out=out, is_causal=call.causal, alpha=call.scale * math.sqrt(call.head_dim),
@@ -112,6 +108,4 @@ class KunlunxinPrefill(AttentionImpl):
             alibi_slopes=None, softmax_lse=None, swa_left=-1, swa_right=-1)
         if isinstance(status, int) and not isinstance(status, bool) and status != 0:
             raise RuntimeError(f"{self.options.ops_module}.{FUNCTION} returned error code {status}")
-        if call.varlen:
-            return out
-        return call.from_bhsd(out.reshape(call.batch, call.seqlen_q, out.shape[1], out.shape[2]).transpose(1, 2))
+        return out if call.varlen else unpack_out(call, out)

@@ -20,8 +20,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import (additive_bias, bind_dense, causal_alibi_lse_reason, dense_lse_fix, shift_rows,
-                                        varlen_lse_fix)
+from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, at_least, bind_dense,
+                                        causal_alibi_lse_reason, dense_lse_fix, empty_rows_to_neg_inf, kernel_window,
+                                        shift_rows, varlen_lse_fix, version_tuple)
 
 _LOW = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
@@ -44,18 +45,6 @@ _flash_sdpa_backward = torch.ops.aten._scaled_dot_product_flash_attention_backwa
 _flash_backward = torch.ops.aten._flash_attention_backward.default
 
 
-def _version_tuple(text: str | None) -> tuple[int, ...]:
-    if not text:
-        return ()
-    out = []
-    for part in text.split("+")[0].split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
 FLASH_ATTN = Requirement(module="flash_attn", distribution="flash-attn", min_version="2.6.0", key="flash_attn",
                          install_hint="pip install 'flash-attn>=2.6' --no-build-isolation")
 
@@ -68,7 +57,7 @@ class _TorchBuildRequirement(Requirement):
             where = (f"the device descriptor {device.source} declares no `{self.library_key}:` under libraries"
                      if device.simulated else f"this torch build has no {self.library_key}")
             return f"{where}; {self.hint()}"
-        if self.min_version and _version_tuple(version) < _version_tuple(self.min_version):
+        if self.min_version and not at_least(version, self.min_version):
             return f"{self.library_key} {version} is older than the required {self.min_version}; {self.hint()}"
         return None
 
@@ -89,20 +78,6 @@ def _sm86_89_or_120_training_head_dim(call: AttentionCall, device: DeviceInfo) -
     return None
 
 
-def _alibi_alignment(call: AttentionCall) -> str | None:
-    """flash-attn's ALiBi distance is |i + seqlen_k - seqlen_q - j| (bottom-right aligned) whether causal or not."""
-    if call.alibi_slopes is None or call.causal_alignment == "bottom_right":
-        return None
-    if call.varlen:
-        differs = call.cu_seqlens_q is not call.cu_seqlens_k
-    else:
-        differs = call.seqlen_q != call.seqlen_k
-    if differs:
-        return ("ALiBi is aligned bottom-right by this kernel (distance |i + seqlen_k - seqlen_q - j|); "
-                "causal_alignment='top_left' with seqlen_q != seqlen_k not supported")
-    return None
-
-
 def _aligned(t: torch.Tensor, alignment: int) -> torch.Tensor:
     """torch's preprocess_mask: strides a multiple of `alignment` elements (padding the last dim if not)."""
     if t.stride(-1) == 1 and all(s % alignment == 0 for s in t.stride()[:-1]):
@@ -111,11 +86,6 @@ def _aligned(t: torch.Tensor, alignment: int) -> torch.Tensor:
     pad = (alignment - sk % alignment) % alignment
     padded = torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
     return padded[..., :sk]
-
-
-def _fix_empty_rows(lse: torch.Tensor) -> torch.Tensor:
-    # FlashAttention writes +inf as the LSE of a query that sees no key; opdispatch's convention is -inf.
-    return lse.masked_fill(lse == math.inf, -math.inf)
 
 
 # -- torch: cuDNN --------------------------------------------------------------------------------------------
@@ -167,7 +137,7 @@ class CudnnAttention(AttentionImpl):
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
-        cudnn = _version_tuple(device.libraries.get("cudnn"))
+        cudnn = version_tuple(device.libraries.get("cudnn"))
         d = max(call.head_dim, call.head_dim_v)
         if d > 128 and not (device.capability == (9, 0) and cudnn >= (9, 10)):
             reasons.append(f"head_dim {d} > 128 needs sm90 with cuDNN >= 9.10 (device: {device.arch}, cuDNN "
@@ -360,7 +330,7 @@ class TorchFlashAttention(AttentionImpl):
             q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
             res = _flash_sdpa(q, k, v, call.dropout_p, call.causal, False, scale=call.scale)
             out = call.from_bhsd(res[0])
-            return (out, _fix_empty_rows(res[1])) if call.return_lse else out
+            return (out, empty_rows_to_neg_inf(res[1])) if call.return_lse else out
         kwargs: dict[str, Any] = {"scale": call.scale}
         if call.window is not None:
             kwargs["window_size_left"], kwargs["window_size_right"] = call.window
@@ -369,13 +339,13 @@ class TorchFlashAttention(AttentionImpl):
                                  call.max_seqlen_k, call.dropout_p, call.causal, False, **kwargs)
             out, lse = res[0], res[1]
             if call.return_lse:
-                return out, _fix_empty_rows(_varlen_lse(lse, call))
+                return out, empty_rows_to_neg_inf(_varlen_lse(lse, call))
             return out
         q, k, v = call.bshd(call.q), call.bshd(call.k), call.bshd(call.v)
         res = _flash_forward(q, k, v, None, None, q.shape[1], k.shape[1], call.dropout_p, call.causal, False,
                              **kwargs)
         out = call.from_bshd(res[0])
-        return (out, _fix_empty_rows(res[1])) if call.return_lse else out
+        return (out, empty_rows_to_neg_inf(res[1])) if call.return_lse else out
 
 
     def backward(self, call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
@@ -652,7 +622,7 @@ class FlashAttn2(AttentionImpl):
         return ()  # extra_reasons reads head dims, flags, alignment and the device: no sizes
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        reasons = [r for r in (_sm86_89_or_120_training_head_dim(call, device), _alibi_alignment(call),
+        reasons = [r for r in (_sm86_89_or_120_training_head_dim(call, device), alibi_alignment_reason(call),
                                causal_alibi_lse_reason(call)) if r]
         if call.softcap > 0 and call.dropout_p > 0:
             reasons.append("softcap with dropout is not supported (\"Softcapping does not support dropout\")")
@@ -661,7 +631,7 @@ class FlashAttn2(AttentionImpl):
     def run(self, call: AttentionCall) -> Any:
         import flash_attn
 
-        window = call.window if call.window is not None else (-1, -1)
+        window = kernel_window(call)
         common = dict(dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal, window_size=window,
                       softcap=call.softcap, alibi_slopes=call.alibi_slopes, deterministic=call.deterministic,
                       return_attn_probs=call.return_lse)
@@ -703,7 +673,7 @@ class FlashAttn3(AttentionImpl):
     def run(self, call: AttentionCall) -> Any:
         import flash_attn_interface as fa3
 
-        window = call.window if call.window is not None else (-1, -1)
+        window = kernel_window(call)
         common = dict(softmax_scale=call.scale, causal=call.causal, window_size=window, softcap=call.softcap,
                       deterministic=call.deterministic, return_attn_probs=call.return_lse)
         if call.varlen:
@@ -711,8 +681,8 @@ class FlashAttn3(AttentionImpl):
                                              call.max_seqlen_q, call.max_seqlen_k, **common)
             if not call.return_lse:
                 return res
-            return res[0], _fix_empty_rows(res[1])
+            return res[0], empty_rows_to_neg_inf(res[1])
         res = fa3.flash_attn_func(call.bshd(call.q), call.bshd(call.k), call.bshd(call.v), **common)
         if not call.return_lse:
             return call.from_bshd(res)
-        return call.from_bshd(res[0]), _fix_empty_rows(res[1])
+        return call.from_bshd(res[0]), empty_rows_to_neg_inf(res[1])

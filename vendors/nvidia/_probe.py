@@ -6,10 +6,10 @@ the probe answers None for those, fast, so their own plugins can claim the devic
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any
 
 from opdispatch import DeviceInfo
+from opdispatch.plugins.toolkit import installed_versions
 
 # Device-name fragments of non-NVIDIA hardware that torch may still expose as ``cuda``.
 _FOREIGN_NAMES = ("iluvatar", "corex", "metax", "kunlun", "mthreads", "musa", "hygon", "dcu", "amd", "radeon",
@@ -42,11 +42,7 @@ def library_versions(torch: Any) -> dict[str, str]:
     cudnn = _cudnn_version(torch)
     if cudnn:
         libs["cudnn"] = cudnn
-    for dist, key in _DISTRIBUTIONS:
-        try:
-            libs[key] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    libs.update(installed_versions({key: dist for dist, key in _DISTRIBUTIONS}))
     return libs
 
 

@@ -9,10 +9,10 @@ architecture is `gcnArchName` up to the first ':' (`gfx942:sramecc+:xnack-` → 
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any
 
 from opdispatch import DeviceInfo, Impl, hookimpl
+from opdispatch.plugins.toolkit import installed_versions
 
 from ._attention import RocmAiter, RocmAOTriton, RocmFlashAttnCK
 
@@ -36,13 +36,6 @@ def is_rocm_torch(torch: Any) -> bool:
     return bool(getattr(getattr(torch, "version", None), "hip", None)) and not hasattr(torch, "__hcu_version__")
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def probe_rocm_device(device: Any) -> DeviceInfo | None:
     """Describe `device` if it is an AMD GPU seen through a ROCm torch, else None (without touching the GPU)."""
     if getattr(device, "type", None) != "cuda":
@@ -54,11 +47,8 @@ def probe_rocm_device(device: Any) -> DeviceInfo | None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     arch = str(getattr(props, "gcnArchName", "") or "").split(":")[0] or "gfx"
-    libraries = {"torch": torch.__version__.split("+")[0], "hip": str(torch.version.hip)}
-    for key, dist in _LIBRARIES.items():
-        version = _dist_version(dist)
-        if version is not None:
-            libraries[key] = version
+    libraries = {"torch": torch.__version__.split("+")[0], "hip": str(torch.version.hip),
+                 **installed_versions(_LIBRARIES)}
     return DeviceInfo(
         vendor="amd", type="cuda", arch=arch, name=str(props.name), index=index,
         capability=(int(props.major), int(props.minor)), memory_bytes=int(props.total_memory),

@@ -25,55 +25,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch.plugins.toolkit import (alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window, pack_dense,
+                                        unpack_lse, unpack_out)
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
-
-
-# -- layout helpers shared by the flash-attn style adapters --------------------------------------------------
-
-def flash_window(call: AttentionCall) -> tuple[int, int]:
-    """Our window as flash-attn's `window_size=(left, right)`: -1 is unbounded in both conventions."""
-    return call.window if call.window is not None else (-1, -1)
-
-
-def alibi_offset_reasons(call: AttentionCall) -> list[str]:
-    """flash-attn style kernels add -slope * |i + sk - sq - j|: the bottom-right offset, whatever the mask."""
-    if call.alibi_slopes is None or call.causal_alignment == "bottom_right":
-        return []
-    unequal = (call.cu_seqlens_q is not call.cu_seqlens_k) if call.varlen else call.seqlen_q != call.seqlen_k
-    if not unequal:
-        return []
-    return ["ALiBi with causal_alignment 'top_left' and seqlen_q != seqlen_k not supported (the kernel measures "
-            "ALiBi distances from the bottom-right diagonal); pass causal_alignment='bottom_right'"]
-
-
-def blind_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
-    """FA2-family kernels report +inf as the lse of a query that sees no key; opdispatch's convention is -inf."""
-    return lse.masked_fill(lse == float("inf"), float("-inf"))
-
-
-def pack_dense_as_varlen(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                         torch.Tensor]:
-    """Dense q/k/v as packed thd tensors with uniform int32 cu_seqlens (copies only if not bshd-contiguous)."""
-    q, k, v = (call.bshd(t) for t in (call.q, call.k, call.v))
-    b, sq, sk = call.batch, call.seqlen_q, call.seqlen_k
-    q = q.reshape(b * sq, q.shape[2], q.shape[3])
-    k = k.reshape(b * sk, k.shape[2], k.shape[3])
-    v = v.reshape(b * sk, v.shape[2], v.shape[3])
-    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-    cu_k = cu_q if sk == sq else torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
-    return q, k, v, cu_q, cu_k
-
-
-def unpack_varlen_out(call: AttentionCall, out: torch.Tensor) -> torch.Tensor:
-    """(b * sq, heads, dim_v) back to the call's dense layout."""
-    return call.from_bshd(out.reshape(call.batch, call.seqlen_q, out.shape[1], out.shape[2]))
-
-
-def unpack_varlen_lse(call: AttentionCall, lse: torch.Tensor) -> torch.Tensor:
-    """(heads, b * sq) → (b, heads, sq)."""
-    return lse.reshape(lse.shape[0], call.batch, call.seqlen_q).transpose(0, 1)
 
 
 def _split(result: Any, with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,7 +79,7 @@ class RocmFlashAttnCK(AttentionImpl):
         return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        return alibi_offset_reasons(call)
+        return [r for r in (alibi_alignment_reason(call),) if r]
 
     def extra_availability(self, device: DeviceInfo) -> str | None:
         # flash_attn_interface.py picks its backend at import time from this variable, exactly "TRUE".
@@ -145,7 +101,7 @@ class RocmFlashAttnCK(AttentionImpl):
         if deterministic is None:
             deterministic = call.deterministic
         kwargs = dict(dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal,
-                      window_size=flash_window(call), softcap=0.0, alibi_slopes=call.alibi_slopes,
+                      window_size=kernel_window(call), softcap=0.0, alibi_slopes=call.alibi_slopes,
                       deterministic=deterministic, return_attn_probs=call.return_lse)
         if call.varlen:
             result = flash_attn.flash_attn_varlen_func(
@@ -160,7 +116,7 @@ class RocmFlashAttnCK(AttentionImpl):
         if not call.return_lse:
             return out
         assert lse is not None
-        return out, blind_rows_to_neg_inf(lse)
+        return out, empty_rows_to_neg_inf(lse)
 
 
 # -- rocm.aiter: AMD's aiter (CK-tile and hand-written ASM "fmha v3" kernels) ---------------------------------
@@ -206,7 +162,7 @@ class RocmAiter(AttentionImpl):
         return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        return alibi_offset_reasons(call)
+        return [r for r in (alibi_alignment_reason(call),) if r]
 
     def extra_availability(self, device: DeviceInfo) -> str | None:
         try:
@@ -225,7 +181,7 @@ class RocmAiter(AttentionImpl):
         # aiter's autograd functions assert return_lse whenever a backward will run (v0.1.7 and later).
         want_lse = call.return_lse or call.requires_grad
         kwargs: dict[str, Any] = dict(
-            dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal, window_size=flash_window(call),
+            dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal, window_size=kernel_window(call),
             alibi_slopes=call.alibi_slopes, deterministic=deterministic, return_lse=want_lse,
             return_attn_probs=False)
         if opts.how_v3_bf16_cvt is not None:
@@ -233,7 +189,7 @@ class RocmAiter(AttentionImpl):
         packed = not call.varlen and call.softcap > 0
         if call.varlen or packed:
             if packed:
-                q, k, v, cu_q, cu_k = pack_dense_as_varlen(call)
+                q, k, v, cu_q, cu_k, _, _ = pack_dense(call)
             else:
                 q, k, v, cu_q, cu_k = call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k
             if call.softcap > 0:
@@ -244,8 +200,8 @@ class RocmAiter(AttentionImpl):
                 q, k, v, cu_q, cu_k, call.seqlen_q, call.seqlen_k, **kwargs)
             out, lse = _split(result, want_lse)
             if packed:
-                out = unpack_varlen_out(call, out)
-                lse = unpack_varlen_lse(call, lse) if lse is not None else None
+                out = unpack_out(call, out)
+                lse = unpack_lse(call, lse) if lse is not None else None
         else:
             q, k, v = (call.bshd(t) for t in (call.q, call.k, call.v))
             result = aiter.flash_attn_func(q, k, v, **kwargs)
@@ -254,7 +210,7 @@ class RocmAiter(AttentionImpl):
         if not call.return_lse:
             return out
         assert lse is not None
-        return out, blind_rows_to_neg_inf(lse)
+        return out, empty_rows_to_neg_inf(lse)
 
 
 # -- rocm.aotriton: torch's ROCm flash attention (AOTriton, or torch's own CK when preferred) -----------------

@@ -40,6 +40,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch.plugins.toolkit import kernel_window
 
 _MIN_HEAD_DIM = 16  # tl.dot's minimum K; flex raises NotImplementedError below it on every GPU backend
 
@@ -406,7 +407,7 @@ class TorchFlexAttention(AttentionImpl):
 
     def _dense_positions(self, call: AttentionCall, sq: int, sk: int) -> _Positions:
         offset = sk - sq if call.causal_alignment == "bottom_right" else 0
-        left, right = call.window if call.window is not None else (-1, -1)
+        left, right = kernel_window(call)
         key = (call.causal, left, right, offset, sq, sk, call.q.device)
 
         def build() -> _Positions:
@@ -448,7 +449,7 @@ class TorchFlexAttention(AttentionImpl):
         pos.doc_q, pos.doc_k = doc_q.to(torch.int32), doc_k.to(torch.int32)
         pos.qpos = (tok_q - cu_q[doc_q] + offset[doc_q]).to(torch.int32)
         pos.kpos = (tok_k - cu_k[doc_k]).to(torch.int32)
-        left, right = call.window if call.window is not None else (-1, -1)
+        left, right = kernel_window(call)
         pos.left, pos.right = _int_scalar(left, device), _int_scalar(right, device)
         pos.mask_mod = _positional_mask_mod(pos, call.causal, left >= 0, right >= 0, varlen=True)
         pos.block_mask = self._create_block_mask(pos.mask_mod, None, None, total_q, total_k, device)

@@ -1,0 +1,138 @@
+"""The plugin authors' toolkit (`opdispatch.plugins.toolkit`): packing, kernel conventions and version helpers,
+each against independent expectations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import opdispatch
+from opdispatch.plugins import toolkit
+
+from .conftest import randn
+
+
+def dense_call(layout, b, sq, sk, hq, hkv, d, dv=None, *, contiguous=True, rng=None, **kw):
+    dv = dv or d
+
+    def make(s, h, dim):
+        shape = {"bshd": (b, s, h, dim), "bhsd": (b, h, s, dim), "sbhd": (s, b, h, dim)}[layout]
+        t = randn(*shape, gen=rng)
+        if not contiguous:  # a strided view of a wider buffer
+            t = torch.cat([t, randn(*shape, gen=rng)], dim=-1)[..., ::2]
+        return t
+
+    return opdispatch.validate_attention(make(sq, hq, d), make(sk, hkv, d), make(sk, hkv, dv), layout=layout, **kw)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("b, sq, sk", [(1, 5, 5), (3, 1, 7), (2, 9, 4)])
+def test_pack_dense_puts_each_token_at_its_sequence_offset(layout, contiguous, b, sq, sk, rng):
+    call = dense_call(layout, b, sq, sk, 4, 2, 8, 6, contiguous=contiguous, rng=rng)
+    packed = toolkit.pack_dense(call)
+    assert packed.q.shape == (b * sq, 4, 8) and packed.k.shape == (b * sk, 2, 8) and packed.v.shape == (b * sk, 2, 6)
+    assert packed.cu_seqlens_q.dtype == torch.int32
+    assert packed.cu_seqlens_q.tolist() == [i * sq for i in range(b + 1)]
+    assert packed.cu_seqlens_k.tolist() == [i * sk for i in range(b + 1)]
+    assert (packed.cu_seqlens_k is packed.cu_seqlens_q) == (sq == sk)
+    assert (packed.max_seqlen_q, packed.max_seqlen_k) == (sq, sk)
+    bhsd = {"bshd": (0, 2, 1, 3), "bhsd": (0, 1, 2, 3), "sbhd": (1, 2, 0, 3)}[layout]
+    q = call.q.permute(*bhsd)  # independent of the call's own views: (batch, heads, seq, dim)
+    for batch in range(b):
+        for token in range(sq):
+            assert torch.equal(packed.q[batch * sq + token], q[batch, :, token])
+    v = call.v.permute(*bhsd)
+    assert torch.equal(packed.v[(b - 1) * sk + sk - 1], v[b - 1, :, sk - 1])
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+def test_unpack_restores_the_layout_and_lse_shape(layout, rng):
+    b, sq, hq, dv = 3, 5, 4, 6
+    call = dense_call(layout, b, sq, 7, hq, 2, 8, dv, rng=rng)
+    out = randn(b * sq, hq, dv, gen=rng)
+    got = toolkit.unpack_out(call, out)
+    assert got.shape == {"bshd": (b, sq, hq, dv), "bhsd": (b, hq, sq, dv), "sbhd": (sq, b, hq, dv)}[layout]
+    index = {"bshd": lambda i, s, h: got[i, s, h], "bhsd": lambda i, s, h: got[i, h, s],
+             "sbhd": lambda i, s, h: got[s, i, h]}[layout]
+    for i, s, h in [(0, 0, 0), (2, 4, 3), (1, 2, 1)]:
+        assert torch.equal(index(i, s, h), out[i * sq + s, h])
+    lse = randn(hq, b * sq, gen=rng)
+    got_lse = toolkit.unpack_lse(call, lse)
+    assert got_lse.shape == (b, hq, sq)
+    assert got_lse[2, 3, 4] == lse[3, 2 * sq + 4]
+
+
+def test_pack_round_trip_through_a_packed_kernel_matches_dense_attention(rng):
+    """pack -> a packed (varlen) reference kernel -> unpack equals the dense computation."""
+    call = dense_call("bhsd", 2, 6, 6, 4, 2, 8, rng=rng, causal=True)
+    packed = toolkit.pack_dense(call)
+    outs = []
+    for i in range(2):
+        lo, hi = packed.cu_seqlens_q[i].item(), packed.cu_seqlens_q[i + 1].item()
+        q = packed.q[lo:hi].double().transpose(0, 1)
+        k = packed.k[lo:hi].double().transpose(0, 1).repeat_interleave(2, 0)
+        v = packed.v[lo:hi].double().transpose(0, 1).repeat_interleave(2, 0)
+        s = q @ k.transpose(-1, -2) / math.sqrt(8)
+        s = s.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -math.inf)
+        outs.append((s.softmax(-1) @ v).transpose(0, 1))
+    got = toolkit.unpack_out(call, torch.cat(outs))
+    q, k, v = (t.double() for t in (call.q, call.k, call.v))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            is_causal=True)
+    torch.testing.assert_close(got, want)
+
+
+def test_uniform_cu_seqlens_edge_cases():
+    assert toolkit.uniform_cu_seqlens(3, 4, "cpu").tolist() == [0, 4, 8, 12]
+    assert toolkit.uniform_cu_seqlens(2, 0, "cpu").tolist() == [0, 0, 0]  # empty sequences
+    assert toolkit.uniform_cu_seqlens(0, 5, "cpu").tolist() == [0]
+
+
+def test_kernel_window_and_alibi_alignment(rng):
+    plain = dense_call("bshd", 1, 4, 4, 2, 2, 8, rng=rng)
+    assert toolkit.kernel_window(plain) == (-1, -1)
+    windowed = dense_call("bshd", 1, 4, 6, 2, 2, 8, rng=rng, causal=True, window=(3, 0),
+                          causal_alignment="bottom_right")
+    assert toolkit.kernel_window(windowed) == (3, 0)
+    slopes = torch.rand(2)
+    top_left = dense_call("bshd", 1, 4, 6, 2, 2, 8, rng=rng, alibi_slopes=slopes)
+    reason = toolkit.alibi_alignment_reason(top_left, "kernel_x")
+    assert reason is not None and "ALiBi is aligned bottom-right by kernel_x" in reason
+    assert "causal_alignment='bottom_right'" in reason
+    assert toolkit.alibi_alignment_reason(dense_call("bshd", 1, 4, 4, 2, 2, 8, rng=rng, alibi_slopes=slopes)) is None
+    bottom = dense_call("bshd", 1, 4, 6, 2, 2, 8, rng=rng, alibi_slopes=slopes, causal=True,
+                        causal_alignment="bottom_right")
+    assert toolkit.alibi_alignment_reason(bottom) is None
+
+
+def test_empty_rows_to_neg_inf():
+    lse = torch.tensor([[1.5, math.inf, -math.inf, 0.0]])
+    assert toolkit.empty_rows_to_neg_inf(lse).tolist() == [[1.5, -math.inf, -math.inf, 0.0]]
+
+
+@pytest.mark.parametrize("text, release", [
+    ("2.6.3", (2, 6, 3)), ("2.7.0.post2", (2, 7, 0)), ("0.1.dev1+g123", (0, 1)), ("9.19.0+cu13", (9, 19, 0)),
+    ("2.11.0a0+git1234", (2, 11, 0)), ("3.0.0rc1", (3, 0, 0)), ("1.2.x", (1, 2)), ("abc", ()), ("", ()),
+    (None, ()),
+])
+def test_version_tuple(text, release):
+    assert toolkit.version_tuple(text) == release
+
+
+def test_at_least_and_installed_versions():
+    assert toolkit.at_least("2.7.0.post2", "2.6") and toolkit.at_least("2.6.0", "2.6.0")
+    assert not toolkit.at_least("2.5.9", "2.6") and not toolkit.at_least(None, "1.0")
+    assert toolkit.at_least("10.0", "9.19")  # numeric, not text, order
+    import importlib.metadata
+
+    found = toolkit.installed_versions({"yaml": "PyYAML", "missing": "no-such-distribution-xyz"})
+    assert found == {"yaml": importlib.metadata.version("PyYAML")}
+    assert toolkit.installed_versions(["pluggy"]) == {"pluggy": importlib.metadata.version("pluggy")}
+
+
+def test_every_exported_helper_is_documented_in_the_module_docstring():
+    for name in toolkit.__all__:
+        assert f"`{name}" in toolkit.__doc__, f"{name} is exported but not listed in the toolkit's docstring"
