@@ -65,8 +65,9 @@ class RmsNormCall:
 
     def signature(self) -> tuple[Any, ...]:
         """Everything selection may depend on (no tensor data)."""
-        return (tuple(self.x.shape), self.dtype, str(self.device), self.weight is not None,
-                self.residual is not None, self.requires_grad, self.module)
+        return (tuple(self.x.shape), self.dtype, str(self.device),
+                None if self.weight is None else self.weight.dtype, self.residual is not None, self.requires_grad,
+                self.module)
 
     def describe(self) -> str:
         parts = [f"x {tuple(self.x.shape)} {dtype_name(self.dtype)}", f"hidden {self.hidden_size}",

@@ -114,9 +114,11 @@ def test_selection_and_reasons_on_simulated_devices(manager):
     d = opdispatch.explain_rms_norm(_meta(4, 8192, 4096), w, device=h100)
     assert d.chosen_id == "flagos.rms_norm" and "flagos-for-large-rms-norm" in str(d)
     assert opdispatch.explain_rms_norm(_meta(8191, 4096), w, device=h100).chosen_id == "torch.rms_norm"
-    # on other devices FlagGems is not available; torch's kernel runs everywhere
-    for device in ("mi300x", "bi-v150", "p800", "cpu"):
-        assert opdispatch.explain_rms_norm(x, w, device=str(device_descriptor(device))).chosen_id == "torch.rms_norm"
+    # on other devices FlagGems is not available; torch's kernel runs everywhere, except where the vendor's own
+    # kernel is installed (AMD aiter, KunLunXin kunlun_ops: tests/test_rms_norm_vendors.py)
+    for device, chosen in (("mi300x", "rocm.aiter_rms_norm"), ("bi-v150", "torch.rms_norm"),
+                           ("p800", "kunlunxin.rms_norm"), ("cpu", "torch.rms_norm")):
+        assert opdispatch.explain_rms_norm(x, w, device=str(device_descriptor(device))).chosen_id == chosen
 
 
 def test_rms_norm_policy_section_with_its_own_when_keys(manager, tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from . import _math
+from . import _math, _norm
 
 __version__ = "0.1.9"
 
@@ -61,6 +61,29 @@ def make(calls: list) -> types.ModuleType:
                                         softcap=logits_soft_cap, alibi=alibi_slopes)
         return _assemble(o, lse, return_lse, return_attn_probs)
 
+    # aiter/ops/rmsnorm.py (HEAD 0bc300f): fp16/bf16/fp32, weight of the input's dtype, contiguous buffers.
+    def _check(input, weight):
+        assert input.dtype in (torch.float16, torch.bfloat16, torch.float32), input.dtype
+        assert weight.dtype == input.dtype, "rms_norm_opus: weight dtype must match input"
+        assert input.stride(-1) == 1, "rms_norm_opus: last dim must be contiguous"
+        assert weight.is_contiguous() and weight.shape[-1] == input.shape[-1]
+
+    def rms_norm(input, weight, epsilon, use_model_sensitive_rmsnorm=0):
+        calls.append(("rms_norm", {"epsilon": epsilon}))
+        _check(input, weight)
+        return _norm.rms_norm_f32(input, weight, epsilon)
+
+    def rmsnorm2d_fwd_with_add(out, input, residual_in, residual_out, weight, epsilon, gemma_norm=False,
+                               use_model_sensitive_rmsnorm=0):
+        calls.append(("rmsnorm2d_fwd_with_add", {"epsilon": epsilon}))
+        _check(input, weight)
+        assert out.is_contiguous() and residual_in.is_contiguous() and residual_out.is_contiguous()
+        h = (input.float() + residual_in.float()).to(input.dtype)
+        residual_out.copy_(h)
+        out.copy_(_norm.rms_norm_f32(h, weight, epsilon))
+
     mod.flash_attn_func = flash_attn_func
     mod.flash_attn_varlen_func = flash_attn_varlen_func
+    mod.rms_norm = rms_norm
+    mod.rmsnorm2d_fwd_with_add = rmsnorm2d_fwd_with_add
     return mod

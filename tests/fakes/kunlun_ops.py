@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from . import _math
+from . import _math, _norm
 
 
 def make(calls: list, name: str = "kunlun_ops") -> types.ModuleType:
@@ -37,5 +37,21 @@ def make(calls: list, name: str = "kunlun_ops") -> types.ModuleType:
         out.copy_(o)
         return 0
 
+    # rmsnorm / add_rmsnorm as baidu/vLLM-Kunlun `vllm_kunlun/ops/layernorm.py` calls them: outputs written in
+    # place; "Kunlun does not support non-contiguous input".
+    def rmsnorm(x, weight, out, eps, *args):
+        calls.append(("rmsnorm", (), {"eps": eps}))
+        assert x.is_contiguous() and out.is_contiguous() and out.shape == x.shape
+        out.copy_(_norm.rms_norm_f32(x, weight, eps))
+
+    def add_rmsnorm(x, residual, residual_output=None, weight=None, eps=1e-6, output=None):
+        calls.append(("add_rmsnorm", (), {"eps": eps}))
+        assert x.is_contiguous() and residual.is_contiguous()
+        h = (x.float() + residual.float()).to(x.dtype)
+        residual_output.copy_(h)
+        output.copy_(_norm.rms_norm_f32(h, weight, eps))
+
     mod.prefill_attention = prefill_attention
+    mod.rmsnorm = rmsnorm
+    mod.add_rmsnorm = add_rmsnorm
     return mod

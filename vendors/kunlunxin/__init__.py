@@ -18,15 +18,16 @@ from opdispatch import DeviceInfo, Impl, hookimpl
 from opdispatch.plugins.toolkit import installed_versions
 
 from ._attention import KunlunxinPrefill
+from ._rms_norm import KunlunRmsNorm
 
-__all__ = ["KunlunxinPrefill", "has_torch_xmlir", "probe_kunlunxin_device"]
+__all__ = ["KunlunRmsNorm", "KunlunxinPrefill", "has_torch_xmlir", "probe_kunlunxin_device"]
 
 _ARCH_BY_PRODUCT = (("P800", "xpu3"), ("R200", "xpu2"), ("R300", "xpu2"))
 
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
-    return [KunlunxinPrefill()]
+    return [KunlunxinPrefill(), KunlunRmsNorm()]
 
 
 @hookimpl

@@ -8,16 +8,18 @@ from typing import Any
 from opdispatch import DeviceInfo, Impl, hookimpl
 
 from ._attention import CudnnAttention, FlashAttn2, FlashAttn3, MemEfficientAttention, TorchFlashAttention
+from ._rms_norm import ApexRmsNorm
 from ._probe import probe_nvidia
 from ._rotary import FlashRotary
 
-__all__ = ["CudnnAttention", "FlashAttn2", "FlashAttn3", "FlashRotary", "MemEfficientAttention", "TorchFlashAttention",
-           "probe_nvidia"]
+__all__ = ["ApexRmsNorm", "CudnnAttention", "FlashAttn2", "FlashAttn3", "FlashRotary", "MemEfficientAttention",
+           "TorchFlashAttention", "probe_nvidia"]
 
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
-    return [CudnnAttention(), TorchFlashAttention(), MemEfficientAttention(), FlashAttn2(), FlashAttn3(), FlashRotary()]
+    return [CudnnAttention(), TorchFlashAttention(), MemEfficientAttention(), FlashAttn2(), FlashAttn3(), FlashRotary(),
+            ApexRmsNorm()]
 
 
 @hookimpl

@@ -15,8 +15,9 @@ from opdispatch import DeviceInfo, Impl, hookimpl
 from opdispatch.plugins.toolkit import installed_versions
 
 from ._attention import RocmAiter, RocmAOTriton, RocmFlashAttnCK
+from ._rms_norm import AiterRmsNorm
 
-__all__ = ["RocmAOTriton", "RocmAiter", "RocmFlashAttnCK", "probe_rocm_device"]
+__all__ = ["AiterRmsNorm", "RocmAOTriton", "RocmAiter", "RocmFlashAttnCK", "probe_rocm_device"]
 
 # Requirement key -> distribution whose version the probe reports.
 _LIBRARIES = {"flash_attn": "flash_attn", "aiter": "amd-aiter"}
@@ -24,7 +25,7 @@ _LIBRARIES = {"flash_attn": "flash_attn", "aiter": "amd-aiter"}
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
-    return [RocmAiter(), RocmFlashAttnCK(), RocmAOTriton()]
+    return [RocmAiter(), RocmFlashAttnCK(), RocmAOTriton(), AiterRmsNorm()]
 
 
 @hookimpl
