@@ -386,7 +386,7 @@ def _read_heads_and_dims(call: AttentionCall) -> tuple[int, int, int]:
     head dims; (batch, seqlen_q, seqlen_k) of a dense call, -1s for packed varlen (read from cu_seqlens)."""
     q, k, v, layout = call.q, call.k, call.v, call.layout
     if layout == "thd":
-        tq, hq, d = q.shape
+        _, hq, d = q.shape
         tk, hkv, dk = k.shape
         tv, hv, dv = v.shape
         b = sq = sk = -1

@@ -68,9 +68,6 @@ class DeviceInfo:
         where = f", simulated from {self.source}" if self.simulated else ""
         return f"{self.vendor} {self.name} [{self.type}, {self.arch}{cap}{where}]"
 
-    def library_version(self, name: str) -> str | None:
-        return self.libraries.get(name)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "vendor": self.vendor, "type": self.type, "arch": self.arch, "name": self.name,
