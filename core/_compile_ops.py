@@ -6,8 +6,9 @@ Under ``torch.compile`` a front door (`opdispatch.rms_norm`, `opdispatch.rotary_
 validation and the decision happen per call through the per-call fast path (one dict lookup once a signature is
 known). Nothing about the decision is baked into the graph: changing shapes never re-trace (the fake kernel is
 the op's `OpSpec.fake_outputs`, symbolic sizes welcome), and a policy swap, `policy_override()` or `scope()`
-active around the compiled call apply at once. Scopes entered *inside* the traced function are not seen
-(Dynamo cannot trace ``ContextVar.set``); attention's trace-time machinery (opdispatch._compile) handles those.
+active around the compiled call apply at once. Scopes and overrides entered *inside* the traced function (which
+Dynamo cannot trace: ``ContextVar.set``) are recorded while tracing by opdispatch._compile's stand-ins and reach
+the op as a small int constant (`_scopes_token`); the kernel enters them for real around the eager call.
 
 The custom op's schema comes from the op's `OpArguments`: tensors and optional tensors as declared, numbers,
 flags and names as scalars, an ``int | torch.Tensor | None`` argument as two (``<name>_tensor``, ``<name>_int``).
@@ -72,6 +73,26 @@ def _grads(forward: Callable[..., Sequence[Tensor]], inputs: list[Tensor | None]
         grad = next(got) if need and t is not None else None
         out.append(torch.zeros_like(t) if grad is None and need and t is not None else grad)
     return out
+
+
+_SCOPES: list[tuple[Any, ...]] = [()]  # token -> the scopes/overrides recorded inside a traced function
+_SCOPE_TOKENS: dict[tuple[Any, ...], int] = {(): 0}
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def _scopes_token(inner: tuple[Any, ...]) -> int:
+    """A graph constant naming the scopes and overrides entered inside the traced function (0: none)."""
+    token = _SCOPE_TOKENS.get(inner)
+    if token is None:
+        token = _SCOPE_TOKENS[inner] = len(_SCOPES)
+        _SCOPES.append(inner)
+    return token
+
+
+def _entered_scopes(token: int) -> Any:
+    from ._compile import _entered
+
+    return _entered(_SCOPES[token])
 
 
 def _as_list(result: Any) -> list[Tensor]:
@@ -151,31 +172,36 @@ def opaque_compiled_op(arguments: OpArguments, front_door: Callable[..., Any],
         keywords = {a.name: given[a.name] for a in arguments.args if not a.positional}
         return _as_list(current[0](*positional, **keywords))
 
-    @torch.library.custom_op(f"opdispatch::{op}", mutates_args=(), schema=f"({schema_args}) -> Tensor[]")
+    # The op's arguments, then the token of the scopes entered inside the traced function.
+    @torch.library.custom_op(f"opdispatch::{op}", mutates_args=(),
+                             schema=f"({schema_args}, SymInt scopes) -> Tensor[]")
     def kernel(*args: Any) -> list[Tensor]:
-        return _unaliased(eager(unlower(args)), args)
+        with _entered_scopes(args[-1]):
+            return _unaliased(eager(unlower(args[:-1])), args)
 
     @kernel.register_fake
     def _(*args: Any) -> list[Tensor]:
-        return current[1](**unlower(args))  # type: ignore[no-any-return]
+        return current[1](**unlower(args[:-1]))  # type: ignore[no-any-return]
 
     @torch.library.custom_op(f"opdispatch::{op}_backward", mutates_args=(),
-                             schema=f"(Tensor?[] grad_outputs, {schema_args}, bool[] needs) -> Tensor[]")
+                             schema=f"(Tensor?[] grad_outputs, {schema_args}, SymInt scopes, bool[] needs) "
+                                    "-> Tensor[]")
     def backward_kernel(*args: Any) -> list[Tensor]:
         grad_outputs, needs = args[0], args[-1]
-        given = unlower(args[1:-1])
+        given = unlower(args[1:-2])
 
         def forward(*leaves: Tensor | None) -> list[Tensor]:
             return eager({**given, **dict(zip(differentiable, leaves))})
 
-        grads = _grads(forward, [given[n] for n in differentiable], list(needs), grad_outputs)
+        with _entered_scopes(args[-2]):
+            grads = _grads(forward, [given[n] for n in differentiable], list(needs), grad_outputs)
         first = given[differentiable[0]]
         return _unaliased([g if g is not None else first.new_empty(0) for g in grads], [*grad_outputs, *args[1:-1]])
 
     @backward_kernel.register_fake
     def _(*args: Any) -> list[Tensor]:
         needs = args[-1]
-        given = unlower(args[1:-1])
+        given = unlower(args[1:-2])
         first = given[differentiable[0]]
         return [torch.empty_like(given[n]) if need and given[n] is not None else first.new_empty(0)
                 for n, need in zip(differentiable, needs)]
@@ -203,11 +229,13 @@ def opaque_compiled_op(arguments: OpArguments, front_door: Callable[..., Any],
     kernel.register_autograd(backward, setup_context=setup_context)
 
     def compiled(*args: Any, **kwargs: Any) -> Any:
+        from ._compile import _inner_scopes
+
         given = dict(zip(names, args))
         given.update(kwargs)
         for a in arguments.args:
             given.setdefault(a.name, a.default)
-        outputs = kernel(*lower(given))
+        outputs = kernel(*lower(given), _scopes_token(tuple(_inner_scopes)))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     compiled.__name__ = compiled.__qualname__ = f"{op}_for_compile"

@@ -92,3 +92,34 @@ def test_rotary_compiled_values_grads_and_changing_shapes(basic_manager, counted
         torch.testing.assert_close(dq, 1.5 * rope_oracle(gq, -pos, 16, False), **TOLERANCES[torch.float32])
         assert torch.count_nonzero(dk) == 0
     assert counted["stats"]["unique_graphs"] <= 2  # the first shape may be specialised; later ones reuse a graph
+
+
+def test_scope_and_override_entered_inside_the_compiled_fn_reach_rms_norm(basic_manager, monkeypatch):
+    from opdispatch.vendors.reference import ReferenceRmsNorm, TorchRmsNorm
+
+    ran: list[str] = []
+    for cls in (ReferenceRmsNorm, TorchRmsNorm):
+        original = cls.run
+        monkeypatch.setattr(cls, "run", lambda self, call, _run=original: ran.append(self.id) or _run(self, call))
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def block(x, w):
+        with opdispatch.policy_override(pin="reference.rms_norm"):
+            y = opdispatch.rms_norm(x, w)
+        return opdispatch.rms_norm(y * 2, w)  # outside the override: the policy's choice
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(32, generator=gen, dtype=torch.float64)).requires_grad_()
+    out = block(x, w)
+    assert ran == ["reference.rms_norm", "torch.rms_norm"]
+    want = rms_oracle(rms_oracle(x, w, 1e-6) * 2, w, 1e-6)
+    torch.testing.assert_close(out, want, **TOLERANCES[torch.float64])
+    ran.clear()
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (x, w), g)
+    for a, b in zip(got, torch.autograd.grad(want, (x, w), g)):
+        torch.testing.assert_close(a, b, **TOLERANCES[torch.float64])
+    assert sorted(ran) == ["reference.rms_norm", "torch.rms_norm"]  # each backward recomputes its own forward
+    torch._dynamo.reset()
