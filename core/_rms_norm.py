@@ -123,6 +123,7 @@ class RmsNormCaps:
     residual: bool = False         # the fused residual add
     backward: bool = False         # autograd flows through run()
     max_hidden_size: int | None = None
+    weight_dtype_of_x: bool = False  # the weight must have x's dtype (kernels of one element type)
 
     def as_dict(self) -> dict[str, Any]:
         return caps_as_dict(self)
@@ -147,6 +148,10 @@ class RmsNormImpl(Impl):
             reasons.append("a call without weight not supported (pass weight=torch.ones(hidden))")
         if call.residual is not None and not caps.residual:
             reasons.append("the fused residual add not supported")
+        weight = call.weight
+        if caps.weight_dtype_of_x and weight is not None and weight.dtype != call.dtype:
+            reasons.append(f"weight dtype {dtype_name(weight.dtype)} differs from x's {dtype_name(call.dtype)} "
+                           "(the kernel takes one dtype; cast the weight, e.g. weight.to(x.dtype))")
         if call.requires_grad and not caps.backward:
             reasons.append("backward not supported (forward only)")
         if caps.max_hidden_size is not None and call.hidden_size > caps.max_hidden_size:

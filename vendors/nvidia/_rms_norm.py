@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from opdispatch import DeviceInfo, Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
+from opdispatch import Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
 
 APEX = Requirement(module="apex", distribution="apex", key="apex",
                    install_hint=("build NVIDIA apex with its CUDA extensions: git clone https://github.com/NVIDIA/apex "
@@ -32,13 +32,8 @@ class ApexRmsNorm(RmsNormImpl):
     requires = (APEX,)
     caps: ClassVar[RmsNormCaps] = RmsNormCaps(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), weight_optional=True, residual=True,
-        backward=True)
+        backward=True, weight_dtype_of_x=True)
 
-    def extra_reasons(self, call: RmsNormCall, device: DeviceInfo) -> list[str]:
-        if call.weight is not None and call.weight.dtype != call.dtype:
-            return [f"weight dtype {call.weight.dtype} differs from x's {call.dtype} (apex's affine kernel takes "
-                    "one dtype; cast the weight)"]
-        return []
 
     def run(self, call: RmsNormCall) -> Any:
         from apex.normalization import fused_layer_norm as apex_norm

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from opdispatch import DeviceInfo, Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
+from opdispatch import Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
 
 AITER = Requirement(module="aiter", distribution="amd-aiter",
                     install_hint=("build AMD aiter: git clone --recursive https://github.com/ROCm/aiter && cd aiter && "
@@ -33,13 +33,8 @@ class AiterRmsNorm(RmsNormImpl):
     requires = (AITER,)
     caps: ClassVar[RmsNormCaps] = RmsNormCaps(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), weight_optional=True, residual=True,
-        backward=False)
+        backward=False, weight_dtype_of_x=True)
 
-    def extra_reasons(self, call: RmsNormCall, device: DeviceInfo) -> list[str]:
-        if call.weight is not None and call.weight.dtype != call.dtype:
-            return [f"weight dtype {call.weight.dtype} differs from x's {call.dtype} (aiter asserts one dtype; "
-                    "cast the weight)"]
-        return []
 
     def run(self, call: RmsNormCall) -> Any:
         import aiter
