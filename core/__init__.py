@@ -4,7 +4,8 @@ Call ``opdispatch.attention(...)``; ask ``opdispatch.explain(...)`` why an imple
 plug in through the ``opdispatch.plugins`` entry-point group (see ``opdispatch.plugins.hookspec``).
 """
 
-from ._api import Attention, attention, define_explain, define_front_door, explain, get_manager, plan, set_manager
+from ._api import (Attention, attention, define_explain, define_front_door, explain, get_manager, plan, plan_op,
+                   set_manager)
 from ._attention import AttentionCall, AttentionCaps, AttentionImpl, validate_attention
 from ._ops import OpSpec, known_ops, op_spec, register_op
 from ._rms_norm import RmsNormCall, RmsNormCaps, RmsNormImpl, explain_rms_norm, rms_norm, validate_rms_norm
@@ -29,6 +30,7 @@ __all__ = [
     "RegistrationError", "Requirement", "Provenance", "RmsNormCall", "RmsNormCaps", "RmsNormImpl", "RotaryCall",
     "RotaryCaps", "RotaryImpl", "__version__", "attention", "define_explain", "define_front_door", "explain",
     "explain_rms_norm", "explain_rotary_embedding", "get_manager", "hookimpl", "known_ops",
-    "load_device_descriptor", "op_spec", "plan", "policy_override", "register_op", "rms_norm", "rotary_embedding",
-    "scope", "set_manager", "validate_attention", "validate_rms_norm", "validate_rotary_embedding",
+    "load_device_descriptor", "op_spec", "plan", "plan_op", "policy_override", "register_op", "rms_norm",
+    "rotary_embedding", "scope", "set_manager", "validate_attention", "validate_rms_norm",
+    "validate_rotary_embedding",
 ]

@@ -134,6 +134,22 @@ plan.__signature__ = ATTENTION_ARGS.signature(  # type: ignore[attr-defined]
     return_annotation="Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]")
 
 
+def plan_op(op: str, *args: Any, **kwargs: Any) -> Callable[..., Any]:
+    """`plan` for any registered op: validate ``opdispatch.<op>(*args, **kwargs)`` and decide once; return a
+    function bound to the chosen kernel taking the op's bound tensors in their definition's order
+    (``spec.arguments.bound``: rms_norm ``fn(x, weight, residual)``, rotary_embedding ``fn(q, k, cos, sin,
+    positions, seqlen_offsets, cu_seqlens)``), with no lookup per call. Later tensors must keep the signature
+    (shapes, dtypes, devices). ``fn.decision`` is the Decision."""
+    spec = op_spec(op)
+    arguments, validator = spec.arguments, spec.validator
+    if arguments is None or validator is None:
+        raise ValueError(f"op {op!r} declares no arguments or validator in its OpSpec; it cannot be planned")
+    given = arguments.bind(args, kwargs, f"plan_op({op!r}, ...)")
+    impl = given.pop("impl")
+    call = validator(**given, module=_module())
+    return get_manager().bind(op, call, impl=impl)  # type: ignore[no-any-return]
+
+
 class Attention(torch.nn.Module):
     """`opdispatch.attention` as a module that binds a plan on first call and re-binds when any input's shape,
     dtype or device, grad recording, or the active overrides or scope change. Options are the keyword arguments

@@ -280,3 +280,20 @@ def test_the_compiled_attention_schema_derives_from_the_definition(monkeypatch):
     monkeypatch.setattr(attention_module, "ATTENTION_ARGS", odd)
     with pytest.raises(TypeError, match="argument 'extra' of type 'list\\[int\\]' has no schema type"):
         _compile._lowered_arguments()
+
+
+def test_plan_op_binds_any_op_once(basic_manager, rng):
+    x, w, r = randn(3, 16, gen=rng), randn(16, gen=rng), randn(3, 16, gen=rng)
+    fn = opdispatch.plan_op("rms_norm", x, w, 1e-5, r)
+    assert fn.decision.chosen_id == "torch.rms_norm"
+    made = basic_manager.decisions_made
+    x2, r2 = randn(3, 16, gen=rng), randn(3, 16, gen=rng)
+    y, h = fn(x2, w, r2)  # the bound tensors, in the definition's order
+    want_y, want_h = oracle_rms(x2 + r2, w, 1e-5), (x2 + r2).double()
+    torch.testing.assert_close(y.double(), want_y, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.double(), want_h)
+    assert basic_manager.decisions_made == made
+    pinned = opdispatch.plan_op("rms_norm", x, w, impl="reference.rms_norm")
+    assert pinned.decision.chosen_id == "reference.rms_norm"
+    with pytest.raises(TypeError, match=r"plan_op\('rms_norm', ...\).*unexpected keyword argument 'bias'"):
+        opdispatch.plan_op("rms_norm", x, bias=w)
