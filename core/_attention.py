@@ -195,6 +195,11 @@ class AttentionCall:
         new.q, new.k, new.v = q, k, v
         return new
 
+    def stripped(self) -> AttentionCall:
+        """This call without its q/k/v: what a bound function may keep (it must not keep the first call's
+        tensors alive). Its `with_tensors` gives full calls again."""
+        return self.with_tensors(None, None, None)  # type: ignore[arg-type]
+
     def signature(self) -> tuple[Any, ...]:
         """Everything selection may depend on, as a compact hashable key (no tensor data)."""
         mask = self.attn_mask
@@ -707,8 +712,32 @@ def bind_dense(call: AttentionCall,
     the building block of `AttentionImpl.bind` overrides."""
     if call.layout == "bhsd":
         return kernel
-    to_bhsd, from_bhsd = call.bhsd, call.from_bhsd
+    to_bhsd, from_bhsd = layout_views(call.layout)
     return lambda q, k, v: from_bhsd(kernel(to_bhsd(q), to_bhsd(k), to_bhsd(v)))
+
+
+def _bshd_to_bhsd(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2)
+
+
+def _sbhd_to_bhsd(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(1, 2, 0, 3)
+
+
+def _bhsd_to_sbhd(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(2, 0, 1, 3)
+
+
+_LAYOUT_VIEWS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "bshd": (_bshd_to_bhsd, _bshd_to_bhsd), "sbhd": (_sbhd_to_bhsd, _bhsd_to_sbhd)}
+
+
+def layout_views(layout: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """(to_bhsd, from_bhsd) view functions of a dense layout that hold nothing of a call — for bound functions,
+    which must not keep a call (and its tensors) alive."""
+    if layout == "bhsd":
+        return (lambda t: t), (lambda t: t)
+    return _LAYOUT_VIEWS[layout]
 
 
 # -- capability declarations -------------------------------------------------------------------------------
@@ -833,10 +862,10 @@ class AttentionImpl(Impl):
         """A function `(q, k, v) -> result` for calls of exactly `call`'s signature (same shapes, dtype, device,
         options), used on the per-call fast path and by `opdispatch.plan`. Override to bind the kernel directly;
         this default re-enters `run` with a copy of the call."""
-        run = self.run
+        run, rebuild = self.run, call.stripped().with_tensors  # never the first call's tensors
 
         def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            return run(call.with_tensors(q, k, v))
+            return run(rebuild(q, k, v))
 
         return bound
 

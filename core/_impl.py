@@ -74,6 +74,13 @@ class Requirement:
         return None
 
 
+def _template(call: Any) -> Any:
+    """What a bound function may keep of `call`: its `stripped()` copy (no tensors), for call records that have
+    one (the built-in ops' do; an op's record without it keeps its first call's tensors alive in the fast path)."""
+    stripped = getattr(call, "stripped", None)
+    return stripped() if stripped is not None else call
+
+
 class Impl:
     """Base of every implementation. Subclasses set the class attributes and override `run`.
 
@@ -219,8 +226,9 @@ class Impl:
     def bind(self, call: Any) -> Callable[..., Any]:
         """A function taking the tensors of calls of exactly `call`'s signature (the op's call record says which:
         its `with_tensors`) — the per-call fast path and bound plans use it. Override to bind a kernel directly;
-        this default re-enters `run` with a copy of the call holding the new tensors."""
-        run, rebuild = self.run, call.with_tensors
+        this default re-enters `run` with a copy of the call holding the new tensors. A bound function must not
+        keep the call's tensors alive (it lives in the fast-path cache): keep `call.stripped()`, not `call`."""
+        run, rebuild = self.run, _template(call).with_tensors  # never the first call's tensors
 
         def bound(*tensors: Any) -> Any:
             return run(rebuild(*tensors))

@@ -22,7 +22,7 @@ from ._classes import DecisionClasses
 from ._device import DeviceInfo, probe_cpu, probe_generic
 from ._graphs import is_capturing, raise_if_capturing
 from ._errors import NoImplementationError, PinnedImplementationError
-from ._impl import Impl
+from ._impl import Impl, _template
 from ._registry import Origin, Registry
 from ._state import CACHE_LIMIT, DispatchState, bounded_put
 
@@ -420,15 +420,15 @@ class OpManager:
         assert chosen is not None
         fn = chosen.bind(call)
         if impl is None and decision.pinned is None and self.policy.settings.fallback_on_error:
-            primary = fn
+            primary, device, rebuild = fn, call.device, _template(call).with_tensors  # no tensor of `call` kept
 
             def with_fallback(*tensors: Any) -> Any:
                 try:
                     return primary(*tensors)
                 except Exception as exc:
-                    if is_capturing(call.device):  # a fallback inside capture would record a half-failed graph
+                    if is_capturing(device):  # a fallback inside capture would record a half-failed graph
                         raise
-                    return self._fallback(decision, call.with_tensors(*tensors), exc)
+                    return self._fallback(decision, rebuild(*tensors), exc)
 
             fn = with_fallback
         fn.decision = decision  # type: ignore[attr-defined]

@@ -96,7 +96,9 @@ class OpSpec:
     arguments: the op's arguments, defined once (`opdispatch._arguments.OpArguments`): the front door, its
       fast-path key and the other entry points' signatures derive from it.
     validator: builds the op's call record from those arguments (all but ``impl``, plus keyword extras such as
-      ``module``); checked against `arguments` at registration.
+      ``module``); checked against `arguments` at registration. A call record provides ``describe()``,
+      ``signature()``, ``with_tensors(*bound)`` (a copy holding other tensors of the same signature) and
+      ``stripped()`` (a copy holding none: what bound functions in the fast path keep).
     fake_outputs: given the arguments by name (tensors fake or meta), empty tensors shaped like the front
       door's outputs; with it the op's front door runs under torch.compile as one opaque graph node
       (`opdispatch._compile_ops`), without it the call runs eagerly outside the graph.

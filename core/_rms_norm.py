@@ -56,7 +56,15 @@ class RmsNormCall:
     def with_tensors(self, x: torch.Tensor, weight: torch.Tensor | None,
                      residual: torch.Tensor | None) -> RmsNormCall:
         """This call with other tensors of the same signature (the per-call fast path's next call)."""
-        return RmsNormCall(x, weight, residual, self.eps, self.module)
+        new = RmsNormCall.__new__(RmsNormCall)
+        for name in RmsNormCall.__slots__:
+            setattr(new, name, getattr(self, name))
+        new.x, new.weight, new.residual = x, weight, residual
+        return new
+
+    def stripped(self) -> RmsNormCall:
+        """This call without its tensors: what a bound function may keep."""
+        return self.with_tensors(None, None, None)  # type: ignore[arg-type]
 
     @property
     def stats_dtype(self) -> torch.dtype:

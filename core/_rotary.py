@@ -94,6 +94,16 @@ class RotaryCall:
         return RotaryCall(q, k, cos, sin, positions, 0 if seqlen_offsets is None else seqlen_offsets,
                           self.interleaved, self.layout, cu_seqlens, self.max_seqlen, self.module)
 
+    def stripped(self) -> RotaryCall:
+        """This call without its tensors: what a bound function may keep (`with_tensors` reads none of them)."""
+        new = RotaryCall.__new__(RotaryCall)
+        for name in RotaryCall.__slots__:
+            setattr(new, name, getattr(self, name))
+        for name in ("q", "k", "cos", "sin", "positions", "cu_seqlens"):
+            setattr(new, name, None)
+        new.seqlen_offsets = 0 if isinstance(self.seqlen_offsets, torch.Tensor) else self.seqlen_offsets
+        return new
+
     def token_positions(self) -> torch.Tensor:
         """The position of every token, int64: (batch, seqlen) for bshd, (total,) for thd."""
         if self.positions is not None:

@@ -37,7 +37,8 @@ Dense ↔ packed varlen (for kernels that take only packed ``thd`` sequences):
   device)`); `unpack_out(call, out)` and `unpack_lse(call, lse)` bring the results back.
 
 Layouts: the call record converts views itself — ``call.bhsd(t)``/``call.from_bhsd(t)`` and
-``call.bshd(t)``/``call.from_bshd(t)`` (see `opdispatch.AttentionCall`).
+``call.bshd(t)``/``call.from_bshd(t)`` (see `opdispatch.AttentionCall`); in a bound function use
+`layout_views(layout)` → ``(to_bhsd, from_bhsd)``, which keep no call (and no tensor) alive.
 
 Library versions (device probes, version checks):
 
@@ -48,7 +49,7 @@ Library versions (device probes, version checks):
 
 from __future__ import annotations
 
-from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, bind_dense, shift_rows
+from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, bind_dense, layout_views, shift_rows
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window
@@ -57,5 +58,5 @@ from ._versions import at_least, installed_versions, version_tuple
 
 __all__ = ["PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions", "at_least",
            "bind_dense", "blind_rows", "causal_alibi_lse_reason", "dense_lse_fix", "empty_rows_to_neg_inf",
-           "installed_versions", "kernel_window", "pack_dense", "shift_rows", "uniform_cu_seqlens", "unpack_lse",
-           "unpack_out", "varlen_lse_fix", "version_tuple"]
+           "installed_versions", "kernel_window", "layout_views", "pack_dense", "shift_rows", "uniform_cu_seqlens",
+           "unpack_lse", "unpack_out", "varlen_lse_fix", "version_tuple"]

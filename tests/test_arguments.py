@@ -40,7 +40,13 @@ class ScaledAddCall:
         self.requires_grad = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
 
     def with_tensors(self, x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None) -> ScaledAddCall:
-        return ScaledAddCall(x, y, self.alpha, bias, self.module)
+        new = ScaledAddCall.__new__(ScaledAddCall)
+        new.__dict__.update(self.__dict__)
+        new.x, new.y, new.bias = x, y, bias
+        return new
+
+    def stripped(self) -> ScaledAddCall:  # what bound functions keep: no tensors
+        return self.with_tensors(None, None, None)
 
     def signature(self) -> tuple[Any, ...]:
         return (tuple(self.x.shape), self.dtype, str(self.device), self.bias is not None, self.requires_grad)

@@ -86,3 +86,25 @@ def test_per_call_fast_path_hits_on_cuda_and_equals_the_plan(impl):
         torch.testing.assert_close(on_cpu.float(), hit.cpu().float(), atol=2e-2, rtol=2e-2)
     finally:
         opdispatch.set_manager(previous)
+
+
+@pytest.mark.parametrize("op", ["attention", "rms_norm"])
+def test_serving_loop_over_many_lengths_frees_device_memory(op):
+    """Dropped inputs of a loop over 64 sequence lengths are freed: the fast path keeps bound functions only."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for s in range(64, 64 * 65, 64):
+        if op == "attention":
+            q, k, v = (torch.randn(1, s, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            out = opdispatch.attention(q, k, v, causal=True)
+            del q, k, v
+        else:
+            x, w = torch.randn(s, 4096, device="cuda", dtype=torch.bfloat16), torch.ones(4096, device="cuda",
+                                                                                         dtype=torch.bfloat16)
+            out = opdispatch.rms_norm(x, w)
+            del x, w
+        del out
+    torch.cuda.synchronize()
+    assert len(opdispatch.get_manager().fast) >= 32
+    extra = torch.cuda.memory_allocated() - base
+    assert extra < 16 * 2**20, f"{extra / 2**20:.1f} MiB still allocated after the loop: inputs kept alive?"
