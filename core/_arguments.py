@@ -18,7 +18,9 @@ How an argument enters the fast-path key (`Arg.key`):
 ``tensor?``    an optional tensor: None, or (shape, dtype, device, requires_grad)
 ``index``      an optional index tensor or int: on accelerators its shape/dtype/device; on the CPU, where
                validation reads its values each call (no sync there), it bypasses the fast path
-``value``      the value itself (hashable; an unhashable one bypasses the fast path)
+``value``      the value and its class (``causal=1`` must not hit ``causal=True``'s entry: validation refuses
+               it; strings need no class); a tuple also its elements' classes; an unhashable value bypasses the
+               fast path
 ``bypass``     any value but None bypasses the fast path (validated in full each call)
 """
 
@@ -196,8 +198,12 @@ class OpArguments:
                 grads.append(f"({n} is not None and {n}.requires_grad)")
             elif a.key == "index":
                 key_items.append(f"_index_key({n})")
-            elif a.key == "value":
+            elif a.key == "value" and "tuple[" in a.annotation:  # element types too: (4.0, 0) == (4, 0)
+                key_items.append(f"None if {n} is None else ({n}, tuple(map(type, {n})))")
+            elif a.key == "value" and a.annotation in ("str", "str | None"):  # no str equals another type's value
                 key_items.append(n)
+            elif a.key == "value":  # with its class: True == 1 == 1.0 hash alike, validation tells them apart
+                key_items += [n, f"{n}.__class__"]
         if grads:
             key_items.append(f"_grad_enabled() and ({' or '.join(grads)})")
         key_items += [f"{c}()" for c in self.context]

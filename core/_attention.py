@@ -287,6 +287,11 @@ def _shape_of(t: torch.Tensor) -> str:
 def _check_tensor(name: str, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"attention(): {name} must be a torch.Tensor, got {type(value).__name__} ({value!r:.80})")
+    if value.layout != torch.strided or value.is_nested:
+        kind = "nested" if value.is_nested else str(value.layout).replace("torch.", "")
+        raise TypeError(f"attention(): {name} is a {kind} tensor; attention takes dense (strided) tensors — "
+                        f"convert it (e.g. {name}.to_dense()), or pack variable lengths as layout='thd' with "
+                        "cu_seqlens")
     return value
 
 
@@ -545,6 +550,9 @@ def _dims(layout: str, shape: torch.Size) -> tuple[int, int, int, int]:
     return shape[1], shape[0], shape[2], shape[3]  # sbhd
 
 
+_INT32_MAX = 2**31 - 1  # kernels take window sizes as int32
+
+
 def _check_window(window: Any, causal: bool) -> tuple[int, int] | None:
     if window is None:
         return None
@@ -553,6 +561,9 @@ def _check_window(window: Any, causal: bool) -> tuple[int, int] | None:
         raise TypeError(f"attention(): window must be None or a pair of ints (left, right), got {window!r}; "
                         "-1 means unbounded on that side, e.g. (128, 0) for a causal sliding window of 128 keys")
     left, right = int(window[0]), int(window[1])
+    if max(left, right) > _INT32_MAX:
+        raise ValueError(f"attention(): window={tuple(window)!r} is beyond what kernels take (at most "
+                         f"{_INT32_MAX}); use -1 for an unbounded side")
     if left < -1 or right < -1:
         raise ValueError(f"attention(): window={tuple(window)!r} has a side below -1; allowed: sizes >= 0, or -1 "
                          "for unbounded")

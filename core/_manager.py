@@ -267,6 +267,9 @@ class OpManager:
     def resolve(self, op: str, call: Any, *, device: DeviceInfo | None = None, impl: str | None = None,
                 use_cache: bool = True) -> Decision:
         """Decide which implementation takes `call`; raise NoImplementationError if none can."""
+        if impl is not None and not isinstance(impl, str):
+            raise TypeError(f"{op}: impl={impl!r} ({type(impl).__name__}); it must be one implementation id string "
+                            "such as 'cpu.flash', or None to let the policy choose (see `opdispatch list`)")
         if device is None:
             device = self.device_info(call.device)
         state = self.state
