@@ -182,6 +182,11 @@ def parse_policy_layer(text: str, source: str) -> PolicyLayer:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = mark.line + 1 if mark is not None else None
         problem = getattr(exc, "problem", None) or str(exc)
+        if isinstance(exc, yaml.reader.ReaderError):  # a character YAML refuses (NUL, control): no mark, a position
+            line = text.count("\n", 0, exc.position) + 1
+            char = chr(exc.character) if isinstance(exc.character, int) else exc.character  # C loader: a code
+            problem = (f"character {char!r} at offset {exc.position} is not allowed in YAML; remove it "
+                       "(is this a text file?)")
         raise PolicyError(f"{source}:{line}: invalid YAML: {problem}", path=source, line=line,
                           field="(syntax)") from exc
     except ValueError as exc:  # duplicate keys, found while composing
@@ -264,10 +269,16 @@ def _allowed_keys(loc: tuple[Any, ...]) -> str:
 def read_policy_file(path: str | os.PathLike[str]) -> PolicyLayer:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise PolicyError(f"cannot read policy file {str(path)!r}: {exc.strerror}; check {ENV_POLICY} or the path "
                           "you passed", path=str(path)) from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise PolicyError(f"{path}:{line}: the policy file is not UTF-8 text (byte {raw[exc.start]:#04x} at offset "
+                          f"{exc.start}); save it as UTF-8", path=str(path), line=line, field="(encoding)") from None
     return parse_policy_layer(text, str(path))
 
 
