@@ -50,3 +50,12 @@ def unpack_out(call: Any, out: torch.Tensor) -> torch.Tensor:
 def unpack_lse(call: Any, lse: torch.Tensor) -> torch.Tensor:
     """A packed (heads, batch * seqlen_q) LSE of a `pack_dense`-ed call as (batch, heads, seqlen_q)."""
     return lse.reshape(lse.shape[0], call.batch, call.seqlen_q).transpose(0, 1)
+
+
+def pack_padded_lse(lse: torch.Tensor, cu_seqlens_q: torch.Tensor, total_q: int) -> torch.Tensor:
+    """A varlen LSE padded per sequence, (batch, heads, max_seqlen_q) — what some varlen kernels write — as the
+    packed (heads, total_q) opdispatch reports. Gathered on the device through cu_seqlens_q: no host sync."""
+    tokens = torch.arange(total_q, device=lse.device, dtype=cu_seqlens_q.dtype)
+    seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)
+    position = (tokens - cu_seqlens_q[seq]).long()
+    return lse[seq.long(), :, position].t()

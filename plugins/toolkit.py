@@ -35,6 +35,8 @@ Dense ↔ packed varlen (for kernels that take only packed ``thd`` sequences):
 - `pack_dense(call)` → `PackedCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`: a dense
   call's tensors as (batch * seq, heads, dim) with uniform int32 offsets (`uniform_cu_seqlens(batch, seqlen,
   device)`); `unpack_out(call, out)` and `unpack_lse(call, lse)` bring the results back.
+- `pack_padded_lse(lse, cu_seqlens_q, total_q)`: a per-sequence padded (batch, heads, max_seqlen_q) varlen LSE as
+  the packed (heads, total_q), gathered on the device (no host sync).
 
 Layouts: the call record converts views itself — ``call.bhsd(t)``/``call.from_bhsd(t)`` and
 ``call.bshd(t)``/``call.from_bshd(t)`` (see `opdispatch.AttentionCall`); in a bound function use
@@ -53,10 +55,10 @@ from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, 
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window
-from ._packing import PackedCall, pack_dense, uniform_cu_seqlens, unpack_lse, unpack_out
+from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlens, unpack_lse, unpack_out
 from ._versions import at_least, installed_versions, version_tuple
 
 __all__ = ["PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions", "at_least",
            "bind_dense", "blind_rows", "causal_alibi_lse_reason", "dense_lse_fix", "empty_rows_to_neg_inf",
-           "installed_versions", "kernel_window", "layout_views", "pack_dense", "shift_rows", "uniform_cu_seqlens",
-           "unpack_lse", "unpack_out", "varlen_lse_fix", "version_tuple"]
+           "installed_versions", "kernel_window", "layout_views", "pack_dense", "pack_padded_lse", "shift_rows",
+           "uniform_cu_seqlens", "unpack_lse", "unpack_out", "varlen_lse_fix", "version_tuple"]

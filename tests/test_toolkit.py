@@ -136,3 +136,12 @@ def test_at_least_and_installed_versions():
 def test_every_exported_helper_is_documented_in_the_module_docstring():
     for name in toolkit.__all__:
         assert f"`{name}" in toolkit.__doc__, f"{name} is exported but not listed in the toolkit's docstring"
+
+
+def test_pack_padded_lse_keeps_each_sequences_rows_and_drops_padding(rng):
+    lengths = [3, 0, 5, 1]
+    cu = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32)
+    padded = randn(4, 2, 6, gen=rng)  # (batch, heads, max_seqlen_q = 6), padding past each length
+    got = toolkit.pack_padded_lse(padded, cu, 9)
+    want = torch.cat([padded[b, :, :n] for b, n in enumerate(lengths)], dim=1)
+    assert got.shape == (2, 9) and torch.equal(got, want)

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, at_least, bind_dense,
                                         causal_alibi_lse_reason, dense_lse_fix, empty_rows_to_neg_inf, kernel_window,
-                                        shift_rows, varlen_lse_fix, version_tuple)
+                                        pack_padded_lse, shift_rows, varlen_lse_fix, version_tuple)
 
 _LOW = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
@@ -268,12 +268,8 @@ def _packed_lse(lse: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         if lse.shape == (hq, total_q):
             return lse.float()
     if lse.dim() == 3 and lse.shape[1] == hq:
-        cu = call.cu_seqlens_q
-        assert cu is not None
-        tokens = torch.arange(total_q, device=lse.device, dtype=cu.dtype)
-        seq = torch.searchsorted(cu[1:].contiguous(), tokens, right=True)
-        pos = (tokens - cu[seq]).long()
-        return lse[seq.long(), :, pos].t().float()
+        assert call.cu_seqlens_q is not None
+        return pack_padded_lse(lse, call.cu_seqlens_q, total_q).float()
     raise RuntimeError(f"unexpected cuDNN varlen LSE shape {tuple(lse.shape)} for total_q={total_q}, heads={hq}")
 
 
@@ -418,8 +414,7 @@ def _varlen_lse(lse: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         _PACKED_VARLEN_LSE = True
         return lse
     assert call.cu_seqlens_q is not None
-    cu = call.cu_seqlens_q.tolist()
-    return torch.cat([lse[b, :, : cu[b + 1] - cu[b]] for b in range(call.batch)], dim=1)
+    return pack_padded_lse(lse, call.cu_seqlens_q, total_q)  # on the device: no host sync
 
 
 # -- torch: memory-efficient (CUTLASS) ------------------------------------------------------------------------
