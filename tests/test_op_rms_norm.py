@@ -115,8 +115,8 @@ def test_selection_and_reasons_on_simulated_devices(manager):
     assert d.chosen_id == "flagos.rms_norm" and "flagos-for-large-rms-norm" in str(d)
     assert opdispatch.explain_rms_norm(_meta(8191, 4096), w, device=h100).chosen_id == "torch.rms_norm"
     # on other devices FlagGems is not available; torch's kernel runs everywhere, except where the vendor's own
-    # kernel is installed (AMD aiter, KunLunXin kunlun_ops: tests/test_rms_norm_vendors.py)
-    for device, chosen in (("mi300x", "rocm.aiter_rms_norm"), ("bi-v150", "torch.rms_norm"),
+    # kernel is installed (AMD aiter, Iluvatar ixformer, KunLunXin kunlun_ops: tests/test_rms_norm_vendors.py)
+    for device, chosen in (("mi300x", "rocm.aiter_rms_norm"), ("bi-v150", "iluvatar.ixformer_rms_norm"),
                            ("p800", "kunlunxin.rms_norm"), ("cpu", "torch.rms_norm")):
         assert opdispatch.explain_rms_norm(x, w, device=str(device_descriptor(device))).chosen_id == chosen
 

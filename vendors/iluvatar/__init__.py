@@ -19,15 +19,16 @@ from opdispatch import DeviceInfo, Impl, hookimpl
 from opdispatch.plugins.toolkit import installed_versions
 
 from ._attention import IluvatarIxformer
+from ._rms_norm import IxformerRmsNorm
 
-__all__ = ["IluvatarIxformer", "is_corex_torch", "probe_iluvatar_device"]
+__all__ = ["IluvatarIxformer", "IxformerRmsNorm", "is_corex_torch", "probe_iluvatar_device"]
 
 _ARCH_BY_PRODUCT = (("BI-V150", "ivcore11"), ("BI-V100", "ivcore10"), ("MR-V100", "ivcore10"))
 
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
-    return [IluvatarIxformer()]
+    return [IluvatarIxformer(), IxformerRmsNorm()]
 
 
 @hookimpl
