@@ -185,3 +185,14 @@ def test_ixformer_modules_and_in_place_residual_kernel(monkeypatch, module, resi
     torch.testing.assert_close(h.double(), want_h, **TOLERANCES[torch.float16])
     assert torch.equal(x, before[0]) and torch.equal(r, before[1])
     assert [c[0] for c in calls] == ["residual_rms_norm"]
+
+
+def test_apex_without_its_cuda_extension_is_unavailable_with_the_build_command(manager, monkeypatch):
+    calls: list = []
+    modules = fake_apex.make(calls)
+    del modules["fused_layer_norm_cuda"]  # `pip install apex` without --cuda_ext: apex imports, the kernels don't
+    install(monkeypatch, modules)
+    monkeypatch.delitem(__import__("sys").modules, "fused_layer_norm_cuda", raising=False)
+    h100_apex = real_device("nvidia", "sm90", "NVIDIA H100", torch="2.11.0")
+    reason = manager.availability(ApexRmsNorm(), h100_apex)
+    assert reason is not None and "'fused_layer_norm_cuda' is not installed" in reason and "cuda_ext" in reason

@@ -65,7 +65,7 @@ def make(calls: list) -> types.ModuleType:
     def _check(input, weight):
         assert input.dtype in (torch.float16, torch.bfloat16, torch.float32), input.dtype
         assert weight.dtype == input.dtype, "rms_norm_opus: weight dtype must match input"
-        assert input.stride(-1) == 1, "rms_norm_opus: last dim must be contiguous"
+        assert input.is_contiguous(), "aiter 0.1.9 reads rows as contiguous"
         assert weight.is_contiguous() and weight.shape[-1] == input.shape[-1]
 
     def rms_norm(input, weight, epsilon, use_model_sensitive_rmsnorm=0):

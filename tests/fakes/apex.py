@@ -34,4 +34,6 @@ def make(calls: list) -> dict[str, types.ModuleType]:
     mod.fused_rms_norm = fused_rms_norm
     normalization.fused_layer_norm = mod
     apex.normalization = normalization
-    return {"apex": apex, "apex.normalization": normalization, "apex.normalization.fused_layer_norm": mod}
+    extension = types.ModuleType("fused_layer_norm_cuda")  # apex's compiled extension (built with --cuda_ext)
+    return {"apex": apex, "apex.normalization": normalization, "apex.normalization.fused_layer_norm": mod,
+            "fused_layer_norm_cuda": extension}

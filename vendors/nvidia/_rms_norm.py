@@ -16,7 +16,9 @@ import torch
 
 from opdispatch import Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
 
-APEX = Requirement(module="apex", distribution="apex", key="apex",
+# apex imports without its CUDA extensions (a plain `pip install apex` builds none): require the compiled module
+# the fused norms load, so an apex without it is "unavailable" with the build command, not a failure at run time.
+APEX = Requirement(module="fused_layer_norm_cuda", distribution="apex", key="apex",
                    install_hint=("build NVIDIA apex with its CUDA extensions: git clone https://github.com/NVIDIA/apex "
                                  "&& cd apex && pip install -v --no-build-isolation --config-settings "
                                  "'--build-option=--cpp_ext' --config-settings '--build-option=--cuda_ext' ."))

@@ -4,8 +4,8 @@ Signatures read from ROCm/aiter `aiter/ops/rmsnorm.py` (HEAD 0bc300f), exported 
 ``rms_norm(input, weight, epsilon, use_model_sensitive_rmsnorm=0) -> Tensor`` and
 ``rmsnorm2d_fwd_with_add(out, input, residual_in, residual_out, weight, epsilon, gemma_norm=False, ...)``, which
 writes ``out = rmsnorm(input + residual_in) * weight`` and ``residual_out = input + residual_in`` into the given
-buffers (fresh ones here, so the caller's tensors are never written). fp16/bf16/fp32, the weight in the input's
-dtype and contiguous, residuals contiguous; the input needs a unit last-dim stride (the kernel takes a row stride).
+buffers (fresh ones here, so the caller's tensors are never written). fp16/bf16 (fp32 only in newer releases), the
+weight in the input's dtype and contiguous, inputs as contiguous rows (0.1.9 derives the row stride from the shape).
 A call without weight passes ones.
 """
 
@@ -32,16 +32,15 @@ class AiterRmsNorm(RmsNormImpl):
     archs: ClassVar[frozenset[str]] = frozenset({"gfx942", "gfx950"})  # aiter's supported hardware
     requires = (AITER,)
     caps: ClassVar[RmsNormCaps] = RmsNormCaps(
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), weight_optional=True, residual=True,
-        backward=False, weight_dtype_of_x=True)
+        dtypes=frozenset({torch.float16, torch.bfloat16}), weight_optional=True, residual=True,
+        backward=False, weight_dtype_of_x=True)  # fp32: only newer aiter (the opus kernels), so not claimed
 
 
     def run(self, call: RmsNormCall) -> Any:
         import aiter
 
-        x = call.x.reshape(-1, call.hidden_size)
-        if x.stride(-1) != 1:
-            x = x.contiguous()
+        # Contiguous rows: older aiter (0.1.9) derives the row stride from the shape, not from the tensor.
+        x = call.x.reshape(-1, call.hidden_size).contiguous()
         weight = call.weight.contiguous() if call.weight is not None else torch.ones(
             call.hidden_size, dtype=call.dtype, device=call.device)
         if call.residual is None:
