@@ -47,6 +47,7 @@ Library versions (device probes, version checks):
 - `version_tuple(text)`: the numeric release of a version string ("2.7.0.post2" → (2, 7, 0)).
 - `at_least(version, minimum)`: whether a (possibly unknown) version is new enough.
 - `installed_versions({key: distribution})`: versions of installed pip distributions, without importing them.
+- `unaccepted_keywords(fn, keywords)`: the keywords a vendor function would refuse (readable signatures only).
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window
 from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlens, unpack_lse, unpack_out
+from ._signatures import unaccepted_keywords
 from ._versions import at_least, installed_versions, version_tuple
 
 __all__ = ["PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions", "at_least",
            "bind_dense", "blind_rows", "causal_alibi_lse_reason", "dense_lse_fix", "empty_rows_to_neg_inf",
            "installed_versions", "kernel_window", "layout_views", "pack_dense", "pack_padded_lse", "shift_rows",
-           "uniform_cu_seqlens", "unpack_lse", "unpack_out", "varlen_lse_fix", "version_tuple"]
+           "unaccepted_keywords", "uniform_cu_seqlens", "unpack_lse", "unpack_out", "varlen_lse_fix", "version_tuple"]

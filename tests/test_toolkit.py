@@ -145,3 +145,15 @@ def test_pack_padded_lse_keeps_each_sequences_rows_and_drops_padding(rng):
     got = toolkit.pack_padded_lse(padded, cu, 9)
     want = torch.cat([padded[b, :, :n] for b, n in enumerate(lengths)], dim=1)
     assert got.shape == (2, 9) and torch.equal(got, want)
+
+
+def test_unaccepted_keywords():
+    def kernel(q, k, *, causal=False, scale=None):
+        return None
+
+    def anything(q, **kwargs):
+        return None
+
+    assert toolkit.unaccepted_keywords(kernel, ["q", "causal", "window_size"]) == ["window_size"]
+    assert toolkit.unaccepted_keywords(anything, ["whatever"]) == []  # **kwargs: only the call can tell
+    assert toolkit.unaccepted_keywords(torch.add, ["alpha", "nonsense"]) in ([], ["nonsense"])  # builtin: maybe unreadable

@@ -26,7 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import pack_dense, unpack_out
+from opdispatch.plugins.toolkit import pack_dense, unaccepted_keywords, unpack_out
 
 MODULES = ("ixformer.contrib.vllm_flash_attn", "ixformer")
 FUNCTION = "flash_attn_varlen_func"
@@ -61,19 +61,6 @@ def resolve_varlen(module: str) -> tuple[Any, str]:
     raise ImportError("; ".join(errors))
 
 
-def missing_keywords(fn: Any) -> list[str]:
-    """Keywords this adapter passes that `fn` does not accept (empty when unknowable, e.g. a C++ builtin)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return []
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return []
-    accepted = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                           inspect.Parameter.KEYWORD_ONLY)}
-    return [k for k in KEYWORDS if k not in accepted]
-
-
 class IluvatarIxformer(AttentionImpl):
     vendor: ClassVar[str] = "iluvatar"
     name: ClassVar[str] = "ixformer"
@@ -97,7 +84,7 @@ class IluvatarIxformer(AttentionImpl):
             fn, where = resolve_varlen(self.options.module)
         except Exception as exc:
             return f"ixformer is installed but has no usable {FUNCTION}: {exc}"
-        missing = missing_keywords(fn)
+        missing = unaccepted_keywords(fn, KEYWORDS)
         if missing:
             return (f"{where} does not accept the keywords {missing} this adapter passes; signature "
                     f"{inspect.signature(fn)}")

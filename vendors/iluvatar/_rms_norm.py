@@ -30,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import DeviceInfo, Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
+from opdispatch.plugins.toolkit import unaccepted_keywords
 
 from ._attention import IluvatarIxformer
 
@@ -62,19 +63,6 @@ def resolve_functions(module: str) -> tuple[Any, Any, str]:
             return mod.rms_norm, mod.residual_rms_norm, name
         errors.append(f"{name} has no {', '.join(missing)}")
     raise ImportError("; ".join(errors))
-
-
-def unaccepted_keywords(fn: Any, keywords: tuple[str, ...]) -> list[str]:
-    """The `keywords` that `fn` does not accept (empty when its signature cannot be read, e.g. a C++ builtin)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return []
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return []
-    named = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                        inspect.Parameter.KEYWORD_ONLY)}
-    return [k for k in keywords if k not in named]
 
 
 def private_rows(t: torch.Tensor, hidden: int) -> torch.Tensor:

@@ -1,0 +1,21 @@
+"""Checking a vendor function's keywords before calling it (closed-source libraries change them between releases)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+
+def unaccepted_keywords(fn: Any, keywords: Iterable[str]) -> list[str]:
+    """The `keywords` that `fn` does not accept by name — empty when it takes ``**kwargs`` or its signature cannot
+    be read (a C++ builtin): then only the call itself can tell."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    named = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                        inspect.Parameter.KEYWORD_ONLY)}
+    return [k for k in keywords if k not in named]
