@@ -12,7 +12,9 @@ the old state only ever sees old, consistent entries.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import logging
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -30,19 +32,27 @@ log = logging.getLogger("opdispatch")
 CACHE_LIMIT = 4096
 
 
-def bounded_put(cache: dict[Any, Any], key: Any, value: Any, limit: int | None = None) -> None:
-    """Insert, dropping the oldest insertions beyond `limit` (CACHE_LIMIT): the one eviction rule of every cache.
+_EVICTION_SAMPLE = 16
+_random = random.Random(0)  # deterministic: the same sequence of calls evicts the same entries
 
-    Never a wholesale wipe. A cache that wants least-recently-used order re-inserts on a hit (the decision cache
-    does); the per-call fast path does not, so its hits stay a plain dict subscript and an evicted hot signature
-    costs one re-validation.
+
+def bounded_put(cache: dict[Any, Any], key: Any, value: Any, limit: int | None = None) -> None:
+    """Insert, dropping old insertions beyond `limit` (CACHE_LIMIT): the one eviction rule of every cache.
+
+    Never a wholesale wipe, and never a cliff: the victim is a random one of the 16 oldest (of the oldest
+    bound/8 in small caches, so a tiny cache stays first-in first-out). A cache that wants least-recently-used
+    order re-inserts on a hit (the decision cache does); the per-call fast path does not, so its hits stay a plain
+    dict subscript and an evicted hot signature costs one re-validation.
     """
     cache[key] = value
     bound = CACHE_LIMIT if limit is None else limit
     while len(cache) > bound:
         try:
-            del cache[next(iter(cache))]
-        except (KeyError, RuntimeError, StopIteration):  # another thread changed it meanwhile
+            # A random one of the oldest few, not the oldest: a working set cycling just above the bound would
+            # otherwise evict, every time, the entry needed next (FIFO's and LRU's worst case: 100% misses).
+            oldest = list(itertools.islice(iter(cache), min(_EVICTION_SAMPLE, max(1, bound // 8))))
+            del cache[oldest[_random.randrange(len(oldest))]]
+        except (KeyError, RuntimeError, IndexError, ValueError):  # another thread changed it meanwhile
             break
 
 

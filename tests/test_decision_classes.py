@@ -303,3 +303,23 @@ def test_simulated_decode_loop_makes_one_decision_per_device(manager, device):
                                              check_values=False)
         chosen.add(manager.resolve("attention", call, device=info).chosen_id)
     assert manager.decisions_made - made == 1 and len(chosen) == 1
+
+
+def test_no_cliff_when_a_cycling_working_set_exceeds_the_bound(basic_manager, rng, monkeypatch):
+    """A working set cycling just above the cache bound keeps hitting: eviction picks a random old entry, not
+    the oldest one (which, for a cycle, is always the one needed next)."""
+    monkeypatch.setattr(state_module, "CACHE_LIMIT", 256)
+    q = bshd(1, 1, 2, 8, rng)
+    caches = [(bshd(1, n, 2, 8, rng), bshd(1, n, 2, 8, rng)) for n in range(1, 258)]  # 257 signatures
+    for k, v in caches:  # warm up
+        opdispatch.attention(q, k, v)
+    state = basic_manager.state
+    validated = []
+    monkeypatch.setattr(opdispatch._api, "validate_attention",
+                        lambda *a, _real=opdispatch._api.validate_attention, **kw: validated.append(1) or _real(*a, **kw))
+    for _ in range(3):
+        for k, v in caches:
+            opdispatch.attention(q, k, v)
+    misses = len(validated) / (3 * len(caches))
+    assert misses < 0.25, f"{misses:.0%} of the calls missed the fast path (FIFO would miss 100%)"
+    assert len(basic_manager.fast) <= 256 and basic_manager.state is state
