@@ -44,9 +44,9 @@ class IxformerOptions(BaseModel):
                                     "contrib module, then top-level ixformer")
 
 
-def resolve_varlen(module: str) -> tuple[Any, str]:
-    """(function, where) for the configured module; raises ImportError/AttributeError naming what is missing."""
-    candidates = MODULES if module == "auto" else (module,)
+def find_functions(candidates: tuple[str, ...], functions: tuple[str, ...]) -> tuple[Any, str]:
+    """(module, its name): the first of `candidates` that imports and has every one of `functions` (ixformer
+    moves them between releases); ImportError naming what each candidate lacks."""
     errors = []
     for name in candidates:
         try:
@@ -54,11 +54,17 @@ def resolve_varlen(module: str) -> tuple[Any, str]:
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
             continue
-        fn = getattr(mod, FUNCTION, None)
-        if fn is not None:
-            return fn, f"{name}.{FUNCTION}"
-        errors.append(f"{name} has no {FUNCTION}")
+        missing = [f for f in functions if not callable(getattr(mod, f, None))]
+        if not missing:
+            return mod, name
+        errors.append(f"{name} has no {', '.join(missing)}")
     raise ImportError("; ".join(errors))
+
+
+def resolve_varlen(module: str) -> tuple[Any, str]:
+    """(function, where) for the configured module; raises ImportError naming what is missing."""
+    mod, name = find_functions(MODULES if module == "auto" else (module,), (FUNCTION,))
+    return getattr(mod, FUNCTION), f"{name}.{FUNCTION}"
 
 
 class IluvatarIxformer(AttentionImpl):

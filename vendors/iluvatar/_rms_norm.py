@@ -22,7 +22,6 @@ ixformer is closed source; what public callers show (no Iluvatar hardware ran th
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, ClassVar, Literal
 
@@ -32,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opdispatch import DeviceInfo, Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
 from opdispatch.plugins.toolkit import unaccepted_keywords
 
-from ._attention import IluvatarIxformer
+from ._attention import IluvatarIxformer, find_functions
 
 MODULES = ("ixformer.inference.functions", "ixformer.functions")
 FUNCTIONS = ("rms_norm", "residual_rms_norm")
@@ -51,18 +50,8 @@ class IxformerRmsNormOptions(BaseModel):
 
 def resolve_functions(module: str) -> tuple[Any, Any, str]:
     """(rms_norm, residual_rms_norm, module name); raises ImportError naming what each candidate lacks."""
-    errors = []
-    for name in MODULES if module == "auto" else (module,):
-        try:
-            mod = importlib.import_module(name)
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-            continue
-        missing = [f for f in FUNCTIONS if not callable(getattr(mod, f, None))]
-        if not missing:
-            return mod.rms_norm, mod.residual_rms_norm, name
-        errors.append(f"{name} has no {', '.join(missing)}")
-    raise ImportError("; ".join(errors))
+    mod, name = find_functions(MODULES if module == "auto" else (module,), FUNCTIONS)
+    return mod.rms_norm, mod.residual_rms_norm, name
 
 
 def private_rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
