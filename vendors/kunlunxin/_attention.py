@@ -40,6 +40,11 @@ _HINTS = {
 }
 
 
+def ops_requirement(module: str) -> Requirement:
+    """KunLunXin's op library under its current (kunlun_ops) or older (xtorch_ops) name, with its install hint."""
+    return Requirement(module=module, distribution=module, install_hint=_HINTS[module])
+
+
 class KunlunOptions(BaseModel):
     """Policy knobs of `kunlunxin.prefill`."""
 
@@ -68,8 +73,7 @@ class KunlunxinPrefill(AttentionImpl):
 
     @property
     def requires(self) -> tuple[Requirement, ...]:  # type: ignore[override]
-        module = self.options.ops_module
-        return (Requirement(module=module, distribution=module, install_hint=_HINTS[module]),)
+        return (ops_requirement(self.options.ops_module),)
 
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)

@@ -15,11 +15,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from opdispatch import Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
+from opdispatch import RmsNormCall, RmsNormCaps, RmsNormImpl
 
-KUNLUN_OPS = Requirement(module="kunlun_ops", distribution="kunlun_ops",
-                         install_hint=("install KunLunXin's kunlun_ops wheel with its XPyTorch (see baidu/vLLM-Kunlun "
-                                       "docs/source/installation.md); not on PyPI"))
+from ._attention import ops_requirement
+
 
 
 class KunlunRmsNorm(RmsNormImpl):
@@ -29,7 +28,7 @@ class KunlunRmsNorm(RmsNormImpl):
     description: ClassVar[str] = "KunLunXin kunlun_ops.rmsnorm / add_rmsnorm, forward only"
     device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
     device_vendors: ClassVar[frozenset[str]] = frozenset({"kunlunxin"})
-    requires = (KUNLUN_OPS,)
+    requires = (ops_requirement("kunlun_ops"),)
     caps: ClassVar[RmsNormCaps] = RmsNormCaps(
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), weight_optional=True, residual=True,
         backward=False)

@@ -50,6 +50,11 @@ class CkOptions(BaseModel):
                                   "deterministic flag")
 
 
+AITER = Requirement(module="aiter", distribution="amd-aiter",
+                    install_hint=("build AMD aiter: git clone --recursive https://github.com/ROCm/aiter && cd aiter && "
+                                  "python3 setup.py develop (distribution amd-aiter; gfx942/gfx950)"))
+
+
 class RocmFlashAttnCK(AttentionImpl):
     vendor: ClassVar[str] = "rocm"
     name: ClassVar[str] = "ck"
@@ -143,10 +148,7 @@ class RocmAiter(AttentionImpl):
     device_vendors: ClassVar[frozenset[str]] = frozenset({"amd"})
     # aiter README "Supported Hardware": MI300X/MI325X (gfx942) fully, MI350/MI355X (gfx950); RDNA experimental.
     archs: ClassVar[frozenset[str]] = frozenset({"gfx942", "gfx950"})
-    requires: ClassVar[tuple[Requirement, ...]] = (Requirement(
-        module="aiter", distribution="amd-aiter",
-        install_hint=("build AMD aiter: git clone --recursive https://github.com/ROCm/aiter && cd aiter && "
-                      "python3 setup.py develop (distribution amd-aiter; gfx942/gfx950)")),)
+    requires: ClassVar[tuple[Requirement, ...]] = (AITER,)
     # mha_fwd_kernels.cu: fp16/bf16 (fp8 needs descales this call cannot carry), head dims <= 256 (the wrapper
     # pads to % 8), q and v head dims may differ, GQA. Softcap exists only on the varlen function
     # (`logits_soft_cap`); dense calls with softcap are packed into it. `bias` is a (seqlen_q, seqlen_k) tensor

@@ -15,11 +15,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from opdispatch import Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
+from opdispatch import RmsNormCall, RmsNormCaps, RmsNormImpl
 
-AITER = Requirement(module="aiter", distribution="amd-aiter",
-                    install_hint=("build AMD aiter: git clone --recursive https://github.com/ROCm/aiter && cd aiter && "
-                                  "python3 setup.py develop (distribution amd-aiter; gfx942/gfx950)"))
+from ._attention import AITER
+
 
 
 class AiterRmsNorm(RmsNormImpl):
