@@ -140,10 +140,7 @@ def plan_op(op: str, *args: Any, **kwargs: Any) -> Callable[..., Any]:
     (``spec.arguments.bound``: rms_norm ``fn(x, weight, residual)``, rotary_embedding ``fn(q, k, cos, sin,
     positions, seqlen_offsets, cu_seqlens)``), with no lookup per call. Later tensors must keep the signature
     (shapes, dtypes, devices). ``fn.decision`` is the Decision."""
-    spec = op_spec(op)
-    arguments, validator = spec.arguments, spec.validator
-    if arguments is None or validator is None:
-        raise ValueError(f"op {op!r} declares no arguments or validator in its OpSpec; it cannot be planned")
+    arguments, validator = _definition(op, "plan_op")
     given = arguments.bind(args, kwargs, f"plan_op({op!r}, ...)")
     impl = given.pop("impl")
     call = validator(**given, module=_module())
@@ -222,6 +219,16 @@ def _slow_path(op: str, validate: Callable[..., Any], arguments: OpArguments) ->
     return slow
 
 
+def _definition(op: str, what: str) -> tuple[OpArguments, Callable[..., Any]]:
+    """The op's argument definition and validator, which `what` is built from; ValueError naming what is missing."""
+    spec = op_spec(op)
+    if spec.arguments is None or spec.validator is None:
+        missing = "arguments" if spec.arguments is None else "validator"
+        raise ValueError(f"op {op!r} declares no {missing} in its OpSpec; {what} is built from its arguments and "
+                         "validator (see opdispatch._arguments)")
+    return spec.arguments, spec.validator
+
+
 def define_front_door(op: str, *, doc: str = "", compiled: Callable[..., Any] | None = None,
                       return_annotation: str = "Any") -> Callable[..., Any]:
     """The front door (``opdispatch.<op>``-style function) of a registered op, generated from its `OpSpec`:
@@ -234,10 +241,7 @@ def define_front_door(op: str, *, doc: str = "", compiled: Callable[..., Any] | 
     validator.
     """
     spec = op_spec(op)
-    arguments, validator = spec.arguments, spec.validator
-    if arguments is None or validator is None:
-        raise ValueError(f"op {op!r} declares no {'arguments' if arguments is None else 'validator'} in its "
-                         "OpSpec; a front door is generated from both (see opdispatch._arguments)")
+    arguments, validator = _definition(op, "a front door")
     slow = _slow_path(op, validator, arguments)
     namespace = {"_is_compiling": _is_compiling, "get_manager": get_manager, "_grad_enabled": _grad_enabled,
                  "_index_key": _index_key, "_overrides": _overrides, "_module": _module,
@@ -262,10 +266,7 @@ def define_explain(op: str) -> Callable[..., Decision]:
     """``explain_<op>``: why a call of a registered op with these arguments goes where it goes (every candidate,
     its status and reasons). Takes the front door's arguments plus `device`, which simulates another device
     (a DeviceInfo or a descriptor path; the tensors may then live on the ``meta`` device)."""
-    spec = op_spec(op)
-    arguments, validator = spec.arguments, spec.validator
-    if arguments is None or validator is None:
-        raise ValueError(f"op {op!r} declares no arguments or validator in its OpSpec")
+    arguments, validator = _definition(op, f"explain_{op}")
     reads_values = "check_values" in inspect.signature(validator).parameters
 
     def explain_op(*args: Any, device: DeviceInfo | str | os.PathLike[str] | None = None, **kwargs: Any) -> Decision:
