@@ -1010,6 +1010,7 @@ ATTENTION = register_op(OpSpec(
     name="attention", impl_base=AttentionImpl, call_features=attention_features, arguments=ATTENTION_ARGS,
     validator=validate_attention, tuning=ATTENTION_TUNING,
     description="scaled dot-product attention (dense layouts and packed varlen)",
+    vocabularies={"layout": LAYOUTS},
     features={"dtype": "dtype", "layout": "name", **dict.fromkeys(
         ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio"), "int"),
         **dict.fromkeys(("causal", "window", "softcap", "alibi", "dropout", "mask", "bias", "varlen",

@@ -20,6 +20,37 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ._errors import DeviceDescriptorError
 
+# The vendors `DeviceInfo.vendor` takes from the built-in probes, and the device types torch knows (a device no
+# plugin claims is described with its type as vendor). A policy's `vendor:`/`device_type:` must name one of these
+# or an installed plugin (`known_vendors`): a typo such as `nvida` would otherwise never match, silently.
+BUILTIN_VENDORS = ("amd", "cpu", "iluvatar", "kunlunxin", "nvidia")
+TORCH_DEVICE_TYPES = ("cpu", "cuda", "hpu", "ipu", "lazy", "maia", "meta", "mps", "mtia", "npu", "privateuseone",
+                      "ve", "vulkan", "xla", "xpu")
+
+
+def known_device_types() -> tuple[str, ...]:
+    """torch's device types, with the renamed private-use backend of this process (e.g. ``npu``) if any."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    renamed = getattr(getattr(torch, "_C", None), "_get_privateuse1_backend_name", None)
+    extra = (str(renamed()),) if renamed is not None else ()
+    return tuple(sorted({*TORCH_DEVICE_TYPES, *extra}))
+
+
+def known_vendors(*, plugins: bool = True) -> tuple[str, ...]:
+    """Vendor names a device can report: the built-ins, torch's device types and (`plugins`) installed plugins'
+    entry-point names — reading those scans every installed distribution, so callers try without first."""
+    names = {*BUILTIN_VENDORS, *known_device_types()}
+    if plugins:
+        import importlib.metadata
+
+        from opdispatch.plugins._loader import ENTRY_POINT_GROUP
+
+        names.update(ep.name.lower() for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    return tuple(sorted(names))
+
+
 _ARCH_RE = re.compile(r"^(sm\d{2,3}[a-z]?|gfx[0-9a-f]{3,4}|[a-z][a-z0-9_.-]*)$")
 
 

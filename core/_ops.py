@@ -12,14 +12,14 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._arguments import OpArguments
 
-__all__ = ["FEATURE_KINDS", "REQUIRED", "BucketFeature", "OpSpec", "TuningSpec", "all_features", "known_ops",
-           "op_spec", "register_op", "tunable_ops"]
+__all__ = ["FEATURE_KINDS", "REQUIRED", "BucketFeature", "OpSpec", "TuningSpec", "all_features", "all_vocabularies",
+           "known_ops", "op_spec", "register_op", "tunable_ops"]
 
 # How a `when:` key is written and compared: int (a number, list or range such as '<=16'), bool, name (a name or
 # a list), dtype (bf16, fp16…), glob (fnmatch patterns). policies/_match.py parses each kind.
@@ -103,6 +103,8 @@ class OpSpec:
       door's outputs; with it the op's front door runs under torch.compile as one opaque graph node
       (`opdispatch._compile_ops`), without it the call runs eagerly outside the graph.
     tuning: how ``opdispatch tune``/``bench`` time it (None: the op cannot be tuned).
+    vocabularies: for each feature of kind ``name``, the values a call can have (a rule naming another value is
+      refused when the policy is read: it could never match).
     """
 
     name: str
@@ -114,6 +116,7 @@ class OpSpec:
     validator: Callable[..., Any] | None = None
     fake_outputs: Callable[..., list[Any]] | None = None
     tuning: TuningSpec | None = None
+    vocabularies: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 _OPS: dict[str, OpSpec] = {}
@@ -135,6 +138,9 @@ def register_op(spec: OpSpec) -> OpSpec:
                                           allowed_extra=VALIDATOR_EXTRAS)
     with _LOCK:
         for key, kind in spec.features.items():
+            if kind == "name" and not spec.vocabularies.get(key):
+                raise ValueError(f"op {spec.name!r}: name feature {key!r} needs its values in `vocabularies` (a "
+                                 "policy rule is checked against them)")
             if kind not in FEATURE_KINDS:
                 raise ValueError(f"op {spec.name!r}: feature {key!r} has kind {kind!r}; kinds: "
                                  f"{', '.join(sorted(FEATURE_KINDS))}")
@@ -160,6 +166,15 @@ def op_spec(name: str) -> OpSpec:
 def tunable_ops() -> tuple[str, ...]:
     """The ops with a tuning description (`OpSpec.tuning`)."""
     return tuple(name for name in known_ops() if _OPS[name].tuning is not None)
+
+
+def all_vocabularies() -> dict[str, tuple[str, ...]]:
+    """Every registered op's name features with the values they take (the union where ops share a key)."""
+    out: dict[str, set[str]] = {}
+    for spec in _OPS.values():
+        for key, values in spec.vocabularies.items():
+            out.setdefault(key, set()).update(values)
+    return {k: tuple(sorted(v)) for k, v in out.items()}
 
 
 def all_features() -> dict[str, str]:

@@ -58,6 +58,73 @@ def _contradictions(when: When) -> list[str]:
     return problems
 
 
+def _disjoint(a: Any, b: Any) -> bool:
+    """Whether two matchers of one `when:` key admit no common value (False when unsure)."""
+    for attr in ("names", "dtypes"):
+        if hasattr(a, attr) and hasattr(b, attr):
+            return not (getattr(a, attr) & getattr(b, attr))
+    if hasattr(a, "value") and hasattr(b, "value"):  # BoolSpec
+        return bool(a.value != b.value)
+    if hasattr(a, "bounds") and hasattr(b, "bounds"):  # IntSpec
+        if a.values is not None and b.values is not None:
+            return not (a.values & b.values)
+        (a_low, a_high), (b_low, b_high) = a.bounds(), b.bounds()
+        return bool(a_high < b_low or b_high < a_low)
+    return False
+
+
+def _can_both_hold(first: When, second: When) -> bool:
+    a, b = first.conditions(), second.conditions()
+    return not any(_disjoint(a[k], b[k]) for k in a.keys() & b.keys())
+
+
+def _require_findings(layer: PolicyLayer, op: str, spec: Any, known: list[str]) -> list[Finding]:
+    """`require` lists that leave no implementation: alone (all they name is unregistered or denied by the op's
+    deny), or together with another require rule that can match the same call."""
+    findings = []
+    denied = {i for p in spec.deny for i in _matching(p, known)}
+    allowed: list[tuple[int, Rule, set[str]]] = []
+    for r_i, rule in enumerate(spec.rules):
+        if not rule.require:
+            continue
+        ids = {i for p in rule.require for i in _matching(p, known)} - denied
+        where = layer.where("ops", op, "rules", r_i, "require")
+        if not ids:
+            findings.append(Finding(where, "error", f"rule {rule.name!r} requires {rule.require}, but no registered "
+                                                    f"implementation of {op!r} that is not denied matches: every call "
+                                                    "it matches fails with NoImplementationError"))
+            continue
+        for e_i, earlier, earlier_ids in allowed:
+            if not (ids & earlier_ids) and _can_both_hold(earlier.when, rule.when):
+                findings.append(Finding(where, "error", (
+                    f"rule {rule.name!r} requires {sorted(ids)} and rule {earlier.name!r} "
+                    f"({layer.where('ops', op, 'rules', e_i)}) requires {sorted(earlier_ids)}: a call matching both "
+                    "has no implementation left; make their conditions exclusive or their lists overlap")))
+        allowed.append((r_i, rule, ids))
+    return findings
+
+
+def _autotune_findings(layer: PolicyLayer, op: str, spec: Any) -> list[Finding]:
+    if not spec.autotune:
+        return []
+    from ._tuned_table import TunedTable
+
+    base = Path(layer.source).parent if Path(layer.source).exists() else Path.cwd()
+    path = (base / spec.autotune).resolve()
+    where = layer.where("ops", op, "autotune")
+    if not path.exists():
+        return [Finding(where, "error", f"autotune table {spec.autotune!r} ({path}) does not exist: dispatch warns "
+                                        f"once and uses the policy order; run `opdispatch tune --op {op} --out "
+                                        f"{path}` on the target device, or remove the key")]
+    try:
+        table = TunedTable.load(path)
+    except ValueError as exc:
+        return [Finding(where, "error", f"{exc} (dispatch ignores it and uses the policy order)")]
+    if table.op != op:
+        return [Finding(where, "error", f"autotune table {path} was measured for op {table.op!r}, not {op!r}")]
+    return []
+
+
 def _device_mismatch(when: When, device: Any) -> bool:
     device_only = When(**{k: v for k, v in when.conditions().items() if k in _DEVICE_KEYS})
     return bool(device_only.conditions()) and not rule_matches(device_only, None, device)
@@ -93,6 +160,8 @@ def lint_layer(layer: PolicyLayer, impl_ids: dict[str, list[str]], device: Any =
                                         f"{impl_id} is denied everywhere by deny {p!r}: it can never be chosen"))
         for impl_id in spec.options:
             check(impl_id, "options for", "ops", op, "options", impl_id)
+        findings.extend(_require_findings(layer, op, spec, known))
+        findings.extend(_autotune_findings(layer, op, spec))
 
         rules: list[Rule] = spec.rules
         for r_i, rule in enumerate(rules):

@@ -3,6 +3,7 @@ is allowed) on malformed input, and answers `matches(value)` at decision time.""
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 import operator
@@ -37,6 +38,30 @@ def _comparisons(text: str, parse: Callable[[str], Any], what: str, example: str
     return out
 
 
+def check_glob_brackets(pattern: str) -> None:
+    """Refuse a glob whose `[` is never closed: fnmatch would silently read it as a literal bracket."""
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "[":
+            # fnmatch: a class is `[` then an optional `!`, then at least one character (a leading `]` counts)
+            j = i + 1
+            if j < len(pattern) and pattern[j] == "!":
+                j += 1
+            if j < len(pattern) and pattern[j] == "]":
+                j += 1
+            close = pattern.find("]", j)
+            if close < 0:
+                raise ValueError(f"glob {pattern!r} opens a character class '[' at offset {i} that is never closed; "
+                                 "close it (e.g. 'sm[89]0') or write '[[]' for a literal '['")
+            i = close
+        i += 1
+
+
+def _did_you_mean(value: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(value, list(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 class _Spec:
     text: str
 
@@ -55,13 +80,18 @@ class NameSpec(_Spec):
         self.text = text
 
     @classmethod
-    def parse(cls, value: Any) -> NameSpec | None:
+    def parse(cls, value: Any, vocabulary: Iterable[str] | None = None, what: str = "name") -> NameSpec | None:
+        """Parse one name or a list; with `vocabulary`, every name must be one of it (a typo never matches)."""
         if value is None or isinstance(value, NameSpec):
             return value
         items = _items(value, "name list")
+        known = None if vocabulary is None else sorted(vocabulary)
         for item in items:
             if not isinstance(item, str) or not item:
                 raise ValueError(f"{item!r} is not a name; give a string or a list of strings")
+            if known is not None and item.lower() not in known:
+                hint = _did_you_mean(item.lower(), known)
+                raise ValueError(f"{what} {item!r} is not one of {', '.join(known)}{hint}")
         return cls((i.lower() for i in items), ", ".join(items))
 
     def matches(self, value: str) -> bool:
@@ -83,10 +113,23 @@ class GlobSpec(_Spec):
         for item in items:
             if not isinstance(item, str) or not item:
                 raise ValueError(f"{item!r} is not a glob; give a string such as 'model.layers.*.self_attn'")
+            check_glob_brackets(item)
         return cls(items)
 
     def matches(self, value: str | None) -> bool:
         return value is not None and any(fnmatch.fnmatchcase(value, p) for p in self.patterns)
+
+
+def _interval_empty(comps: Iterable[tuple[str, Any]]) -> bool:
+    """Whether comparisons that must all hold (`>=a`, `<b`, `==c`, …) admit no value, for any ordered values."""
+    comps = list(comps)
+    lows = [(v, op == ">") for op, v in comps if op in (">=", ">", "==")]
+    highs = [(v, op == "<") for op, v in comps if op in ("<=", "<", "==")]
+    for low, low_open in lows:
+        for high, high_open in highs:
+            if low > high or (low == high and (low_open or high_open)):
+                return True
+    return False
 
 
 def parse_arch(text: str) -> tuple[str, tuple[int, ...]]:
@@ -131,11 +174,16 @@ class ArchSpec(_Spec):
                     family = fam
                     comps.append((op, num))
                 assert family is not None
+                if _interval_empty(comps):
+                    raise ValueError(f"arch range {item!r} admits no arch (its lower bound is above its upper "
+                                     "bound); write e.g. '>=sm80,<sm100'")
                 ranges.append((family, comps))
             else:
                 if not re.fullmatch(r"[a-z][a-z0-9_.-]*", item):
                     raise ValueError(f"arch {item!r} is not an arch name; write e.g. 'sm90', 'gfx942', 'x86_64' or a "
                                      "range '>=sm80'")
+                if re.fullmatch(r"(sm|gfx)\d.*", item):  # a family with an order: the name must parse
+                    parse_arch(item)
                 exact.add(item)
         return cls(frozenset(exact), ranges, ", ".join(str(i) for i in items))
 
@@ -173,7 +221,11 @@ class CapabilitySpec(_Spec):
         for item in _items(value, "capability list"):
             if isinstance(item, bool) or not isinstance(item, (str, int, float)):
                 raise ValueError(f"capability {item!r} must be a string such as '>=8.0' or a number such as 9.0")
-            alternatives.append(_comparisons(str(item), _parse_capability, "capability", "'>=8.0' or '>=8.0,<9.0'"))
+            comps = _comparisons(str(item), _parse_capability, "capability", "'>=8.0' or '>=8.0,<9.0'")
+            if _interval_empty(comps):
+                raise ValueError(f"capability {item!r} admits no value (its lower bound is above its upper bound); "
+                                 "write e.g. '>=8.0,<9.0'")
+            alternatives.append(comps)
         return cls(alternatives, str(value))
 
     def matches(self, capability: tuple[int, int] | None) -> bool:
@@ -206,6 +258,11 @@ class LibrarySpec(_Spec):
         except InvalidSpecifier:
             raise ValueError(f"library version range {text!r} is not valid; write e.g. '>=9.0', '<5.1' or "
                              "'>=2.6,<3'") from None
+        bounds = [(s.operator, Version(s.version)) for s in spec
+                  if s.operator in _OPS and "*" not in s.version]
+        if _interval_empty(bounds):
+            raise ValueError(f"library version range {text!r} admits no version (its lower bound is above its upper "
+                             "bound); write e.g. '>=2.6,<3'")
         return cls("range", spec, text)
 
     def matches(self, version: str | None) -> bool:
@@ -274,7 +331,11 @@ class IntSpec(_Spec):
                 except ValueError:
                     raise ValueError(f"{raw!r} in range {value!r} is not an integer; write e.g. '>=1024' or "
                                      "'>=64,<=128'") from None
-            return cls(None, _comparisons(value, parse_int, "range", "'>=1024' or '>=64,<=128'"), value)
+            spec = cls(None, _comparisons(value, parse_int, "range", "'>=1024' or '>=64,<=128'"), value)
+            if spec.never():
+                raise ValueError(f"range {value!r} admits no value (its lower bound is above its upper bound); write "
+                                 "e.g. '>=64,<=128'")
+            return spec
         raise ValueError(f"{value!r} is not a number or range; write e.g. 128, [64, 128] or '>=1024'")
 
     def matches(self, value: int) -> bool:

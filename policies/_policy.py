@@ -207,7 +207,9 @@ def parse_policy_layer(text: str, source: str) -> PolicyLayer:
         more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
         value = err.get("input")
         shown = "" if isinstance(value, (dict, list)) or err["type"] == "missing" else f"; got {value!r}"
-        msg = err["msg"].removeprefix("Value error, ")
+        msg = _STRICT_TYPE_HINTS.get(err["type"], err["msg"].removeprefix("Value error, "))
+        if err["type"] == "list_type" and isinstance(err.get("input"), (set, frozenset)):
+            msg += " (a !!set has no order: it would depend on PYTHONHASHSEED)"
         cause = (err.get("ctx") or {}).get("error")
         if isinstance(cause, ConditionError):  # a `when:` key: point at that key's line
             loc = (*loc, cause.key)
@@ -243,6 +245,17 @@ def parse_policy_layer(text: str, source: str) -> PolicyLayer:
                         f"call features: {', '.join(sorted(features))} (device keys and module apply to every op)",
                         path=source, line=line, field=_format_loc(loc))
     return PolicyLayer(model, source, lines, text)
+
+
+# Pydantic's words for a strict type mismatch, said the YAML way (with what a user probably wrote instead).
+_STRICT_TYPE_HINTS = {
+    "bool_type": "must be true or false, unquoted (a quoted word such as 'off' or a number is not a boolean)",
+    "list_type": "must be a YAML list, [a, b] or one '- item' per line",
+    "int_type": "must be an integer",
+    "string_type": "must be a string",
+    "dict_type": "must be a mapping of key: value",
+    "model_type": "must be a mapping of key: value",
+}
 
 
 def _allowed_keys(loc: tuple[Any, ...]) -> str:

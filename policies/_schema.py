@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ._match import (ArchSpec, BoolSpec, CapabilitySpec, GlobSpec, IntSpec, LibrarySpec, NameSpec, DTypeSpec)
+from ._match import (ArchSpec, BoolSpec, CapabilitySpec, DTypeSpec, GlobSpec, IntSpec, LibrarySpec, NameSpec,
+                     check_glob_brackets)
 
 # An implementation id or a glob over ids: "nvidia.cudnn", "nvidia.*", "*.flash".
 _IMPL_PATTERN = re.compile(r"^[a-z0-9_*?\[\]!]+\.[a-z0-9_*?\[\]!]+$|^\*$")
@@ -21,6 +22,7 @@ def check_impl_pattern(value: Any) -> str:
     if not isinstance(value, str) or not _IMPL_PATTERN.match(value):
         raise ValueError(f"{value!r} is not an implementation id or glob; write '<vendor>.<name>' such as "
                          "'nvidia.cudnn', or a glob such as 'nvidia.*'")
+    check_glob_brackets(value)
     return value
 
 
@@ -29,7 +31,18 @@ def is_glob(pattern: str) -> bool:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    # strict: a YAML value is taken as written — `!!set` is not a list (its order would depend on
+    # PYTHONHASHSEED), "off" or 0.0 is not a boolean, 1.0 is not an int.
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, strict=True)
+
+
+def check_no_duplicates(values: list[str] | None, what: str) -> None:
+    """A list of ids or globs names each once: a repeat is a typo or a merge left-over, never a meaning."""
+    seen: set[str] = set()
+    for value in values or ():
+        if value in seen:
+            raise ValueError(f"{what} names {value!r} twice; name each implementation or glob once")
+        seen.add(value)
 
 
 class Settings(_Strict):
@@ -80,9 +93,10 @@ class When(_Strict):
     def _op_features(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        from opdispatch._ops import all_features
+        from opdispatch._ops import all_features, all_vocabularies
 
         kinds = all_features()
+        vocabularies = all_vocabularies()
         out = {}
         for key, value in data.items():
             if key in cls.model_fields:
@@ -95,15 +109,30 @@ class When(_Strict):
             if value is None:
                 continue
             try:
-                out[key] = _PARSERS[kind](value)
+                if kind == "name":  # a name feature names one of its values (an op declares them)
+                    out[key] = NameSpec.parse(value, vocabularies[key], key)
+                else:
+                    out[key] = _PARSERS[kind](value)
             except ValueError as exc:
                 raise ConditionError(key, str(exc), value) from None
         return out
 
-    @field_validator("vendor", "device_type", mode="before")
+    @field_validator("vendor", mode="before")
     @classmethod
-    def _names(cls, value: Any) -> Any:
-        return NameSpec.parse(value)
+    def _vendor(cls, value: Any) -> Any:
+        from opdispatch._device import known_vendors
+
+        try:
+            return NameSpec.parse(value, known_vendors(plugins=False), "vendor")
+        except ValueError:  # maybe a plugin's vendor: only then scan the installed plugins
+            return NameSpec.parse(value, known_vendors(), "vendor")
+
+    @field_validator("device_type", mode="before")
+    @classmethod
+    def _device_type(cls, value: Any) -> Any:
+        from opdispatch._device import known_device_types
+
+        return NameSpec.parse(value, known_device_types(), "device_type")
 
     @field_validator("arch", mode="before")
     @classmethod
@@ -161,10 +190,11 @@ class Rule(_Strict):
 
     @field_validator("prefer", "deny", "require")
     @classmethod
-    def _patterns(cls, values: list[str] | None) -> list[str] | None:
+    def _patterns(cls, values: list[str] | None, info: ValidationInfo) -> list[str] | None:
         if values is not None:
             for v in values:
                 check_impl_pattern(v)
+        check_no_duplicates(values, str(info.field_name))
         return values
 
     @field_validator("pin")
@@ -208,9 +238,10 @@ class OpPolicy(_Strict):
 
     @field_validator("order", "deny")
     @classmethod
-    def _patterns(cls, values: list[str] | None) -> list[str] | None:
+    def _patterns(cls, values: list[str] | None, info: ValidationInfo) -> list[str] | None:
         for v in values or ():
             check_impl_pattern(v)
+        check_no_duplicates(values, str(info.field_name))
         return values
 
     @field_validator("options")
@@ -226,8 +257,15 @@ class OpPolicy(_Strict):
 class PolicyFile(_Strict):
     """Top level of a policy YAML file."""
 
-    version: Literal[1] = Field(default=1, description="schema version; only 1 exists")
+    version: int = Field(default=1, description="schema version; only 1 exists")
     extends: Literal["default", "none"] = Field(
         default="default", description="'default': layer this file over the shipped default; 'none': replace it")
     settings: Settings | None = None
     ops: dict[str, OpPolicy] = Field(default_factory=dict)
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version(cls, value: Any) -> Any:
+        if type(value) is not int or value != 1:  # true and 1.0 equal 1 in Python, but are not version 1
+            raise ValueError("version must be the integer 1 (the only schema version); write `version: 1`")
+        return value

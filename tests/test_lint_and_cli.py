@@ -25,7 +25,7 @@ ops:
         when: {seqlen_q: '>=1024', causal: true}
         prefer: [reference.math]
       - name: impossible
-        when: {head_dim: '>=256,<=128'}
+        when: {layout: bshd, varlen: true}
         deny: [cpu.flash]
       - name: wrong-family
         when: {vendor: amd, arch: '>=sm80'}
@@ -55,7 +55,7 @@ def test_lint_reports_each_problem_with_file_and_line(tmp_path, basic_manager):
         f"{path}:3: warning: order 'nvidia.cudnnx' matches no registered implementation",
         f"{path}:4: warning: reference.math is denied everywhere by deny 'reference.math'",
         f"{path}:9: warning: rule 'long-causal' is shadowed by rule 'pin-long' ({path}:6)",
-        f"{path}:12: warning: rule 'impossible' can never match: head_dim: >=256,<=128 admits no value",
+        f"{path}:12: warning: rule 'impossible' can never match: varlen: true needs layout thd",
         f"{path}:15: warning: rule 'wrong-family' can never match: arch >=sm80",
         f"{path}:18: warning: rule 'nvidia-only' never matches on cpu",
         f"{path}:24: warning: rule 'twice-b' repeats rule 'twice-a' ({path}:21)",
@@ -158,3 +158,41 @@ def test_list_names_missing_vendor_libraries_with_install_hints(capsys, manager)
     assert "library 'aiter' is not installed; install it with:" in line
     line = next(l for l in out.splitlines() if l.startswith("cpu.flash"))
     assert " yes " in line
+
+
+def test_lint_reports_unsatisfiable_require_and_missing_autotune(tmp_path, basic_manager):
+    path = tmp_path / "p.yaml"
+    path.write_text("""\
+ops:
+  attention:
+    deny: [reference.math]
+    autotune: tuned-missing.yaml
+    rules:
+      - name: only-denied
+        when: {causal: true}
+        require: [reference.math]
+      - name: need-flash
+        when: {seqlen_q: '>=128'}
+        require: [cpu.flash]
+      - name: need-reference-long
+        when: {seqlen_q: '>=1024', dtype: fp32}
+        require: ['reference.*', 'nvidia.*']
+      - name: need-reference-short
+        when: {seqlen_q: '<64'}
+        require: ['reference.*', 'nvidia.*']
+""")
+    ids = {"attention": ["cpu.flash", "reference.math", "nvidia.cudnn"]}
+    findings = [str(f) for f in lint_policy_file(path, ids)]
+    assert any(f.startswith(f"{path}:8: error: rule 'only-denied' requires ['reference.math'], but no registered")
+               for f in findings), findings
+    # need-reference-long and need-flash can match one call (seqlen 2048 fp32) with disjoint lists; the short one
+    # cannot match together with need-flash (seqlen < 64 and >= 128 exclude each other)
+    clash = [f for f in findings if "a call matching both has no implementation" in f]
+    assert len(clash) == 1 and clash[0].startswith(f"{path}:14: error: rule 'need-reference-long'"), findings
+    assert "rule 'need-flash'" in clash[0]
+    missing = [f for f in findings if "tuned-missing.yaml" in f]
+    assert len(missing) == 1 and missing[0].startswith(f"{path}:4: error: autotune table 'tuned-missing.yaml'")
+    assert "opdispatch tune --op attention" in missing[0]
+    (tmp_path / "tuned-missing.yaml").write_text("format: nope\n")
+    invalid = [str(f) for f in lint_policy_file(path, ids) if "tuned-missing.yaml" in str(f)]
+    assert len(invalid) == 1 and "tuned table" in invalid[0] and ": error: " in invalid[0], invalid
