@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ._arguments import OpArguments
+from ._breaker import RetryDue
 from ._attention import ATTENTION_ARGS, validate_attention
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
@@ -58,7 +59,7 @@ def _attention_for_compile(*args: Any, **kwargs: Any) -> Any:
 
 
 attention = ATTENTION_ARGS.front_door(
-    namespace=globals(), compiled="_attention_for_compile", slow="_attention_slow",
+    namespace=globals(), compiled="_attention_for_compile", slow="_attention_slow", failed="_attention_failed",
     return_annotation="torch.Tensor | tuple[torch.Tensor, torch.Tensor]", doc="""\
     Scaled dot-product attention, computed by the best implementation the device and the policy allow.
 
@@ -97,9 +98,25 @@ def _attention_slow(manager: OpManager, key: Any, *args: Any) -> Any:
         bounded_put(checked, varlen_key, call.cu_seqlens_k is call.cu_seqlens_q)
     if key is None:
         return manager.call("attention", call, impl=impl)
-    # A dense signature first seen inside CUDA graph capture: its class may be decided, but a kernel's first call
-    # at a new shape may build a plan (cuDNN builds a graph per shape), which must not happen inside capture.
-    return _bind_and_remember(manager, "attention", key, call, impl)(q, k, arguments["v"])
+    return _run_and_remember(manager, "attention", key, call, impl, (q, k, arguments["v"]))
+
+
+def _attention_failed(manager: OpManager, key: Any, fn: Any, exc: Exception, *args: Any) -> Any:
+    return _fast_path_failed(manager, key, fn, exc, _attention_slow, args)
+
+
+def _fast_path_failed(manager: OpManager, key: Any, fn: Any, exc: Exception, slow: Callable[..., Any],
+                      args: tuple[Any, ...]) -> Any:
+    """The kernel bound to a fast-path hit raised `exc`. With settings.fallback_on_error (and no pin), demote it
+    for its call class and run the call again through `slow`, which decides the class again (the next
+    implementation takes it); a due retry (RetryDue) only decides again. Otherwise `exc` goes to the caller."""
+    if isinstance(exc, RetryDue):
+        manager.fast.pop(key, None)
+    elif manager.may_fail_over(fn.decision, None, exc, args[0].device):
+        manager.fail_over(fn.decision, exc)
+    else:
+        raise exc
+    return slow(manager, key, *args)
 
 
 def _varlen_signature(q: Any, k: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
@@ -213,10 +230,17 @@ def _slow_path(op: str, validate: Callable[..., Any], arguments: OpArguments) ->
         call = validate(**given, module=_module())
         if key is None:
             return manager.call(op, call, impl=impl)
-        return _bind_and_remember(manager, op, key, call, impl)(*(given[n] for n in bound))
+        return _run_and_remember(manager, op, key, call, impl, tuple(given[n] for n in bound))
 
     slow.__name__ = slow.__qualname__ = f"_{op}_slow"
     return slow
+
+
+def _failed_path(slow: Callable[..., Any]) -> Callable[..., Any]:
+    def failed(manager: OpManager, key: Any, fn: Any, exc: Exception, *args: Any) -> Any:
+        return _fast_path_failed(manager, key, fn, exc, slow, args)
+
+    return failed
 
 
 def _definition(op: str, what: str) -> tuple[OpArguments, Callable[..., Any]]:
@@ -245,9 +269,11 @@ def define_front_door(op: str, *, doc: str = "", compiled: Callable[..., Any] | 
     slow = _slow_path(op, validator, arguments)
     namespace = {"_is_compiling": _is_compiling, "get_manager": get_manager, "_grad_enabled": _grad_enabled,
                  "_index_key": _index_key, "_overrides": _overrides, "_module": _module,
-                 "_deterministic": _deterministic, "_compiled": compiled, "_slow": slow}
+                 "_deterministic": _deterministic, "_compiled": compiled, "_slow": slow,
+                 "_failed": _failed_path(slow)}
     front_door = arguments.front_door(doc=doc, namespace=namespace, compiled="_compiled", slow="_slow",
-                                      return_annotation=return_annotation, manager="get_manager()")
+                                      failed="_failed", return_annotation=return_annotation,
+                                      manager="get_manager()")
     if compiled is None and spec.fake_outputs is not None:
         from ._compile_ops import opaque_compiled_op
 
@@ -288,14 +314,19 @@ def define_explain(op: str) -> Callable[..., Decision]:
     return explain_op
 
 
-def _bind_and_remember(manager: OpManager, op: str, key: Any, call: Any, impl: str | None) -> Any:
-    """Bind `call`'s implementation and remember it under the fast-path `key` (unless a policy swap happened
-    meanwhile: the swap replaced `fast`, the hash tells)."""
-    raise_if_capturing(op, call)  # a kernel's first call at a new shape may build a plan: never inside capture
-    fn = manager.bind(op, call, impl=impl)
-    if fn.decision.policy_hash == manager.policy.hash:
-        bounded_put(manager.fast, key, fn)
-    return fn
+def _run_and_remember(manager: OpManager, op: str, key: Any, call: Any, impl: str | None,
+                      tensors: tuple[Any, ...]) -> Any:
+    """Run `call` on its bound kernel and remember the function under the fast-path `key` once it returned
+    (unless a policy swap happened meanwhile: the swap replaced `fast`, the hash tells)."""
+    # A dense signature first seen inside CUDA graph capture: its class may be decided, but a kernel's first call
+    # at a new shape may build a plan (cuDNN builds a graph per shape), which must not happen inside capture.
+    raise_if_capturing(op, call)
+
+    def remember(fn: Any) -> None:
+        if fn.decision.policy_hash == manager.policy.hash:
+            bounded_put(manager.fast, key, fn)
+
+    return manager.run_bound(op, call, impl, tensors, remember)
 
 
 def _index_key(t: Any) -> Any:

@@ -148,19 +148,20 @@ class OpArguments:
         return "\n".join(rows)
 
     # -- the generated front door ----------------------------------------------------------------------------
-    def front_door(self, *, doc: str, namespace: dict[str, Any], compiled: str, slow: str,
+    def front_door(self, *, doc: str, namespace: dict[str, Any], compiled: str, slow: str, failed: str,
                    return_annotation: str = "Any", manager: str = "_manager or get_manager()") -> Callable[..., Any]:
         """Generate ``opdispatch.<op>``.
 
         namespace: the globals of the generated function (the defining module's own, so it reads the current
           process-wide manager): it must hold `compiled` (the torch.compile entry, called with the arguments as
           the front door takes them), `slow` (called as ``slow(manager, key, *arguments)``, key None when the call
-          bypasses the fast path), ``_is_compiling``, ``_manager``/``get_manager`` and the `context` and key
-          helpers (``_grad_enabled``, ``_index_key``).
+          bypasses the fast path), `failed` (called as ``failed(manager, key, fn, exc, *arguments)`` when the bound
+          function `fn` of a fast-path hit raised `exc`), ``_is_compiling``, ``_manager``/``get_manager`` and the
+          `context` and key helpers (``_grad_enabled``, ``_index_key``).
         manager: the expression that finds the manager (the default reads the defining module's global).
         """
-        source = self.front_door_source(compiled=compiled, slow=slow, return_annotation=return_annotation,
-                                        manager=manager)
+        source = self.front_door_source(compiled=compiled, slow=slow, failed=failed,
+                                        return_annotation=return_annotation, manager=manager)
         code = compile(source, f"<opdispatch front door {self.op}>", "exec")
         local: dict[str, Any] = {}
         exec(code, namespace, local)  # generated from the definition above, as dataclasses does
@@ -172,7 +173,7 @@ class OpArguments:
         fn.__opdispatch_source__ = source  # type: ignore[attr-defined]
         return fn
 
-    def front_door_source(self, *, compiled: str, slow: str, return_annotation: str = "Any",
+    def front_door_source(self, *, compiled: str, slow: str, failed: str, return_annotation: str = "Any",
                           manager: str = "_manager or get_manager()") -> str:
         params = []
         star = False
@@ -223,7 +224,10 @@ class OpArguments:
             "except (AttributeError, TypeError, IndexError, RuntimeError):",
             "    key = None  # not tensors, an unhashable value, a CPU index tensor: the slow path checks all",
             "else:",
-            f"    return fn({', '.join(self.bound)})",
+            "    try:",
+            f"        return fn({', '.join(self.bound)})",
+            "    except Exception as exc:  # free until raised (zero-cost try): the breaker decides what follows",
+            f"        return {failed}(manager, key, fn, exc, {names})",
         ]
         if bypass:
             lines.append(f"    if {' and '.join(f'{n} is None' for n in bypass)}:")

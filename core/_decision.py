@@ -15,6 +15,7 @@ REJECTED = "rejected"
 DENIED = "denied by policy"
 UNAVAILABLE = "unavailable"
 FAILED = "failed to load"
+DEMOTED = "demoted after raising"  # by the runtime breaker (opdispatch._breaker)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class Decision:
     policy_source: str
     policy_hash: str
     pinned: str | None = None
+    # The decision cache key it was made for (the breaker demotes per key), and when a demotion it honours
+    # expires (time.monotonic()): the cached decision is then made again, giving the demoted kernel its retry.
+    cache_key: Any = field(default=None, repr=False, compare=False)
+    retry_at: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def chosen_id(self) -> str | None:

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -15,9 +16,11 @@ import pluggy
 from opdispatch.plugins import hookspec as _hookspec
 from opdispatch.plugins._loader import PluginRecord, load_entry_point_plugins
 
-from ._decision import (CHOSEN, DENIED, ELIGIBLE, FAILED, REJECTED, UNAVAILABLE, Candidate, Decision, Provenance)
+from ._decision import (CHOSEN, DEMOTED, DENIED, ELIGIBLE, FAILED, REJECTED, UNAVAILABLE, Candidate, Decision,
+                        Provenance)
 from opdispatch.policies._overrides import OVERRIDES
 
+from ._breaker import Breaker, RetryDue, may_fail_over
 from ._classes import DecisionClasses
 from ._device import DeviceInfo, probe_cpu, probe_generic
 from ._graphs import is_capturing, raise_if_capturing
@@ -27,6 +30,12 @@ from ._registry import Origin, Registry
 from ._state import CACHE_LIMIT, DispatchState, bounded_put
 
 log = logging.getLogger("opdispatch")
+
+
+def _is_compiling() -> bool:
+    import torch
+
+    return bool(torch.compiler.is_compiling())
 
 ENV_LOG_LEVEL = "OPDISPATCH_LOG_LEVEL"
 __all__ = ["CACHE_LIMIT", "OpManager"]
@@ -74,6 +83,8 @@ class OpManager:
         self.checked_varlen: dict[Any, bool] = {}
         # How many decisions were made (cache misses of `resolve`): a decode loop should make one.
         self.decisions_made = 0
+        # Implementations demoted per call class after raising at run time (settings.fallback_on_error).
+        self.breaker = Breaker()
         self._devices: dict[Any, DeviceInfo] = {}
         self._policy_object: Any = policy if isinstance(policy, Policy) else None
         self._policy_path: Any = None if isinstance(policy, Policy) else policy
@@ -278,14 +289,14 @@ class OpManager:
         key = self._cache_key(op, call, device, impl, overrides, state)
         if use_cache:
             decision = cache.get(key)
-            if decision is not None:
+            if decision is not None and (decision.retry_at is None or time.monotonic() < decision.retry_at):
                 try:  # least recently used goes first: a hit moves to the end
                     cache[key] = cache.pop(key)
                 except KeyError:  # evicted by another thread meanwhile: the decision is still valid
                     pass
                 return decision  # type: ignore[no-any-return]
         raise_if_capturing(op, call)  # deciding probes devices and may sync: never inside CUDA graph capture
-        decision = self._decide(op, call, device, impl, state, overrides)
+        decision = self._decide(op, call, device, impl, state, overrides, key)
         self.decisions_made += 1
         if decision.chosen is None:
             raise _no_impl_error(decision, self.plugins)
@@ -344,12 +355,16 @@ class OpManager:
         """Like `resolve`, but never raises for lack of an implementation: the Decision says why."""
         if device is None:
             device = self.device_info(call.device)
-        return self._decide(op, call, device, impl, self.state, OVERRIDES.get())
+        state, overrides = self.state, OVERRIDES.get()
+        key = self._cache_key(op, call, device, impl, overrides, state) if self.breaker else None
+        return self._decide(op, call, device, impl, state, overrides, key)
 
     def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None, state: DispatchState,
-                overrides: Any) -> Decision:
+                overrides: Any, key: Any = None) -> Decision:
         self.ensure_initialized()
         policy = state.policy
+        now = time.monotonic()
+        retry_at: list[float] = []
         # The state's implementations (registered when it was built), so a plugin registering meanwhile cannot
         # make this decision see an implementation its state has not configured.
         impls = state.impls.get(op, {})
@@ -368,6 +383,16 @@ class OpManager:
                 reasons = [f"not_supported_reasons raised {type(exc).__name__}: {exc}"]
             return Candidate(impl_obj.id, REJECTED if reasons else ELIGIBLE, reasons, prov, origins[impl_obj.id])
 
+        def demoted(cand: Candidate) -> Candidate:
+            """An eligible candidate the breaker demoted for this class (never a pinned one: a pin never falls
+            back) — with the error it raised and when it is retried."""
+            demotion = self.breaker.active(key, cand.impl_id, now) if key is not None and self.breaker else None
+            if cand.status == ELIGIBLE and demotion is not None:
+                cand.status, cand.reasons = DEMOTED, [demotion.reason(now)]
+                if demotion.retry_at is not None:
+                    retry_at.append(demotion.retry_at)
+            return cand
+
         plan = policy.plan(op, list(impls), call, device, overrides, impl=impl)
         if plan.pin is not None:
             pin_id, prov = plan.pin
@@ -383,7 +408,7 @@ class OpManager:
                                                 prov, origins[other_id]))
             candidates.extend(self._failed_candidates())
             decision = Decision(op, call.describe(), device, None, candidates, prov, policy.source, policy.hash,
-                                pin_id)
+                                pin_id, cache_key=key)
             if cand.status != ELIGIBLE:
                 raise PinnedImplementationError(
                     f"{op}: implementation {pin_id!r} pinned by {prov} cannot take this call and a pin never "
@@ -396,7 +421,7 @@ class OpManager:
             return decision
 
         for impl_id, prov in plan.order:
-            cand = evaluate(impls[impl_id], prov)
+            cand = demoted(evaluate(impls[impl_id], prov))
             if cand.status == ELIGIBLE and chosen is None:
                 cand.status = CHOSEN
                 chosen = impls[impl_id]
@@ -405,67 +430,123 @@ class OpManager:
         for impl_id, prov in plan.denied.items():
             candidates.append(Candidate(impl_id, DENIED, [f"denied by {prov}"], prov, origins[impl_id]))
         candidates.extend(self._failed_candidates())
-        return Decision(op, call.describe(), device, chosen, candidates, decided_by, policy.source, policy.hash)
+        return Decision(op, call.describe(), device, chosen, candidates, decided_by, policy.source, policy.hash,
+                        cache_key=key, retry_at=min(retry_at, default=None))
 
     def _failed_candidates(self) -> list[Candidate]:
         return [Candidate(f"plugin:{r.name}", FAILED, [r.describe()], None, r.origin)
                 for r in self.plugins if r.status == "failed"]
 
     # -- running ---------------------------------------------------------------------------------------------
-    def bind(self, op: str, call: Any, *, impl: str | None = None) -> Any:
+    def bind(self, op: str, call: Any, *, impl: str | None = None, guarded: bool = True) -> Any:
         """A function bound to the implementation chosen for `call`'s signature, taking the tensors the op's call
-        record names in its `with_tensors` (attention: q, k, v).
+        record names in its `with_tensors` (attention: q, k, v). It does no lookup per call.
 
-        It does no lookup per call; with settings.fallback_on_error (and no pin) it falls back like `call`.
+        `guarded` (plans): with settings.fallback_on_error, a kernel that raises is demoted (see `_breaker`) and
+        the function re-binds itself to the next implementation. The front doors bind unguarded: their generated
+        code hands a failure to `fail_over` itself, at no cost per call.
         """
         decision = self.resolve(op, call, impl=impl)
+        fn = self._bound(decision, call)
+        if not guarded or not self.policy.settings.fallback_on_error:
+            return fn
+        current = [fn]
+        device, rebuild = call.device, _template(call).with_tensors  # no tensor of `call` kept
+
+        def with_fallback(*tensors: Any) -> Any:
+            try:
+                return current[0](*tensors)
+            except Exception as exc:
+                if not isinstance(exc, RetryDue) and not self.may_fail_over(current[0].decision, impl, exc, device):
+                    raise
+                retry = rebuild(*tensors)
+                if not isinstance(exc, RetryDue):
+                    self.fail_over(current[0].decision, exc)
+                return self.run_bound(op, retry, impl, tensors, remember=lambda bound: current.__setitem__(0, bound))
+
+        with_fallback.decision = decision  # type: ignore[attr-defined]
+        return with_fallback
+
+    def _bound(self, decision: Decision, call: Any) -> Any:
+        """`decision.chosen` bound to `call`'s signature, with `.decision`; while the decision honours a demotion,
+        the function raises RetryDue once the demoted kernel's retry is due."""
         chosen = decision.chosen
         assert chosen is not None
         fn = chosen.bind(call)
-        if impl is None and decision.pinned is None and self.policy.settings.fallback_on_error:
-            primary, device, rebuild = fn, call.device, _template(call).with_tensors  # no tensor of `call` kept
+        retry_at = decision.retry_at
+        if retry_at is not None:
+            kernel, clock = fn, time.monotonic
 
-            def with_fallback(*tensors: Any) -> Any:
-                try:
-                    return primary(*tensors)
-                except Exception as exc:
-                    if is_capturing(device):  # a fallback inside capture would record a half-failed graph
-                        raise
-                    return self._fallback(decision, rebuild(*tensors), exc)
+            def until_retry(*tensors: Any) -> Any:
+                if clock() >= retry_at:
+                    raise RetryDue
+                return kernel(*tensors)
 
-            fn = with_fallback
+            fn = until_retry
         fn.decision = decision  # type: ignore[attr-defined]
         return fn
 
     def call(self, op: str, call: Any, *, impl: str | None = None) -> Any:
+        """Decide and run `call` (failing over as `run_bound` does)."""
         decision = self.resolve(op, call, impl=impl)
-        chosen = decision.chosen
-        assert chosen is not None
-        if (impl is not None or decision.pinned is not None or not self.policy.settings.fallback_on_error
-                or is_capturing(call.device)):
-            return chosen.run(call)
-        try:
-            return chosen.run(call)
-        except Exception as exc:
-            return self._fallback(decision, call, exc)
-
-    def _fallback(self, decision: Decision, call: Any, exc: Exception) -> Any:
-        """settings.fallback_on_error: try the next eligible implementations in policy order."""
-        errors = [f"{decision.chosen_id}: {type(exc).__name__}: {exc}"]
-        for cand in decision.candidates:
-            if cand.status != ELIGIBLE:
-                continue
-            registered = self.implementation(decision.op, cand.impl_id)
-            if registered is None:
-                continue
-            log.warning("%s: %s raised %s; falling back to %s (settings.fallback_on_error)", decision.op,
-                        decision.chosen_id, exc, cand.impl_id)
+        while True:
+            chosen = decision.chosen
+            assert chosen is not None
             try:
-                return registered.run(call)
-            except Exception as next_exc:
-                errors.append(f"{cand.impl_id}: {type(next_exc).__name__}: {next_exc}")
-        raise RuntimeError(f"{decision.op}: every eligible implementation raised at run time: "
-                           + " | ".join(errors)) from exc
+                return chosen.run(call)
+            except Exception as exc:
+                if not self.may_fail_over(decision, impl, exc, call.device):
+                    raise
+                decision = self._next_decision(op, call, impl, decision, exc)
+
+    def run_bound(self, op: str, call: Any, impl: str | None, tensors: tuple[Any, ...],
+                  remember: Any = None) -> Any:
+        """Bind `call`'s implementation, run it on `tensors` and pass the bound function to `remember` once it
+        returned; a kernel that raises is demoted and the call goes to the next implementation (`fail_over`)."""
+        decision = self.resolve(op, call, impl=impl)
+        while True:
+            fn = self._bound(decision, call)
+            try:
+                out = fn(*tensors)
+            except Exception as exc:
+                if not self.may_fail_over(decision, impl, exc, call.device):
+                    raise
+                decision = self._next_decision(op, call, impl, decision, exc)
+                continue
+            if remember is not None:
+                remember(fn)
+            return out
+
+    def _next_decision(self, op: str, call: Any, impl: str | None, failed: Decision, exc: Exception) -> Decision:
+        self.fail_over(failed, exc)
+        try:
+            return self.resolve(op, call, impl=impl)
+        except NoImplementationError as none_left:
+            raise none_left from exc
+
+    def may_fail_over(self, decision: Decision, impl: str | None, exc: BaseException, device: Any) -> bool:
+        """Whether `exc` from `decision.chosen` moves the call to the next implementation: settings.
+        fallback_on_error, not pinned, not while torch.compile traces or a CUDA graph captures (a fallback there
+        would record half a failed graph), and not out of memory."""
+        return (impl is None and decision.pinned is None and self.policy.settings.fallback_on_error
+                and may_fail_over(exc) and not _is_compiling() and not is_capturing(device))
+
+    def fail_over(self, decision: Decision, exc: BaseException) -> None:
+        """Demote `decision.chosen` for its call class after `exc`: forget the decision and every fast-path
+        function bound to it, so the class is decided again without that implementation."""
+        impl_id = decision.chosen_id
+        assert impl_id is not None
+        demotion, first = self.breaker.record(decision.cache_key, impl_id, exc, decision.call)
+        state = self.state
+        if decision.cache_key is not None and state.decisions.get(decision.cache_key) is decision:
+            state.decisions.pop(decision.cache_key, None)
+        stale = [k for k, fn in list(state.fast.items()) if getattr(fn, "decision", None) is decision]
+        for k in stale:
+            state.fast.pop(k, None)
+        log.log(logging.WARNING if first else logging.INFO,
+                "%s: %s raised %s on [%s]; the call goes to the next implementation (settings.fallback_on_error), "
+                "%s.%s", decision.op, impl_id, demotion.error, decision.call, demotion.outlook(time.monotonic()),
+                " Later failures of this implementation log at INFO." if first else "")
 
 
 def _invalidate_compiled() -> None:
@@ -496,9 +577,12 @@ def _unknown_pin_error(op: str, pin_id: str, prov: Provenance, known: list[str],
 
 
 def _no_impl_error(decision: Decision, plugins: list[PluginRecord]) -> NoImplementationError:
+    demoted = [c.impl_id for c in decision.candidates if c.status == DEMOTED]
+    raised = (f"\n{', '.join(demoted)} could take it but raised at run time (their errors are above): fix or "
+              "report those kernels; pin one with impl= to see its error.") if demoted else ""
     return NoImplementationError(
         f"no implementation of {decision.op} can take this call.\n{decision}\n"
-        + _failed_plugins_text(plugins)
+        + _failed_plugins_text(plugins) + raised
         + "\nFix: change the call (dtype, head_dim, features) to one a candidate supports, install a vendor "
         "plugin that supports it, or relax the policy's deny list.", decision=decision)
 

@@ -49,7 +49,8 @@ class Settings(_Strict):
     """Policy-wide behaviour."""
 
     fallback_on_error: bool = Field(
-        default=False, description="when the chosen implementation raises at run time, try the next eligible one")
+        default=True, description="when the chosen implementation raises at run time, demote it for that call "
+                                  "class and let the next eligible one take the call (never for a pin)")
     strict: bool = Field(
         default=False, description="implementation ids that match nothing registered are errors, not warnings")
 

@@ -201,11 +201,11 @@ def test_fallback_on_error_setting(manager):
     from opdispatch.policies import parse_policy
 
     q, k, v = qkv()
-    manager.set_policy(parse_policy("ops: {attention: {order: [flaky.impl, reference.math]}}", "<p>"))
+    manager.set_policy(parse_policy("settings: {fallback_on_error: false}\n"
+                                    "ops: {attention: {order: [flaky.impl, reference.math]}}", "<p>"))
     with pytest.raises(RuntimeError, match="kernel launch failed"):
         opdispatch.attention(q, k, v)
-    manager.set_policy(parse_policy("settings: {fallback_on_error: true}\n"
-                                    "ops: {attention: {order: [flaky.impl, reference.math]}}", "<p>"))
+    manager.set_policy(parse_policy("ops: {attention: {order: [flaky.impl, reference.math]}}", "<p>"))  # on
     out = opdispatch.attention(q, k, v)
     torch.testing.assert_close(out, opdispatch.attention(q, k, v, impl="reference.math"))
     with pytest.raises(RuntimeError, match="kernel launch failed"):
