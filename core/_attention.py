@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from ._device import DeviceInfo
 
 LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")
+# The largest `scale`: float32 scores q·k·scale overflow only for |q·k| > 3.2e32 below it (at scale=1e38, for
+# |q·k| > 3.4, i.e. almost always, giving NaN where the math is finite).
+MAX_SCALE = 2**20
 DENSE_LAYOUTS = ("bshd", "bhsd", "sbhd")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -48,9 +51,9 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 ATTENTION_ARGS = OpArguments("attention", (
-    Arg("q", "torch.Tensor", key="tensor", positional=True, doc="queries, in `layout`"),
-    Arg("k", "torch.Tensor", key="tensor", positional=True, doc="keys; may have fewer heads than q (GQA/MQA)"),
-    Arg("v", "torch.Tensor", key="tensor", positional=True, doc="values; head_dim_v may differ from q/k's"),
+    Arg("q", "torch.Tensor", key="strided", positional=True, doc="queries, in `layout`"),
+    Arg("k", "torch.Tensor", key="strided", positional=True, doc="keys; may have fewer heads than q (GQA/MQA)"),
+    Arg("v", "torch.Tensor", key="strided", positional=True, doc="values; head_dim_v may differ from q/k's"),
     Arg("layout", "str", "bshd", doc="`bshd`, `bhsd`, `sbhd`, or `thd` (packed varlen with `cu_seqlens_*`)"),
     Arg("causal", "bool", False, doc="mask keys after the query's (aligned) diagonal"),
     Arg("causal_alignment", "str", "top_left",
@@ -442,9 +445,12 @@ def _read_flags(call: AttentionCall, causal: Any, causal_alignment: Any, window:
     else:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"attention(): scale must be a float or None, got {scale!r} ({type(scale).__name__})")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"attention(): scale={scale!r} is out of range; allowed: a finite float > 0, "
-                             f"or None for 1/sqrt(head_dim) = {1.0 / math.sqrt(d):.6g}")
+        if not math.isfinite(scale) or scale <= 0 or scale > MAX_SCALE:
+            raise ValueError(
+                f"attention(): scale={scale!r} is out of range; allowed: 0 < scale <= {MAX_SCALE} (2**20), or None "
+                f"for 1/sqrt(head_dim) = {1.0 / math.sqrt(d):.6g}. Kernels compute the scores q·k·scale in float32, "
+                "which a larger scale overflows to inf (NaN out) for ordinary inputs; to sharpen that much, scale q "
+                "before the call")
         call.scale = float(scale)
     call.dropout_p = _check_nonneg_float("dropout_p", dropout_p, below_one=True)
     call.softcap = _check_nonneg_float("softcap", softcap)
@@ -727,6 +733,18 @@ def bind_dense(call: AttentionCall,
     return lambda q, k, v: from_bhsd(kernel(to_bhsd(q), to_bhsd(k), to_bhsd(v)))
 
 
+def _needs_unit_stride(t: torch.Tensor) -> bool:
+    return t.stride(-1) != 1 and t.shape[-1] != 1  # a size-1 dim's stride is never read
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous() if _needs_unit_stride(t) else t
+
+
+def _unit_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return _unit_stride(q), _unit_stride(k), _unit_stride(v)
+
+
 def _bshd_to_bhsd(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
@@ -784,6 +802,10 @@ class AttentionCaps:
     # launch order); declare it from measurement, as deterministic_backward.
     deterministic_forward: bool = True
     max_seqlen: int | None = None
+    # Whether `run`/`bind` read q/k/v of any strides correctly. False (the default, what vendor kernels need): the
+    # op hands them q/k/v whose head dim is unit-stride, copying a view that is not (channels-last views, a
+    # `[..., ::2]` slice, a tensor expanded from a scalar); every other stride may be anything.
+    strided_inputs: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return caps_as_dict(self)
@@ -868,6 +890,17 @@ class AttentionImpl(Impl):
         if type(self).extra_reasons is AttentionImpl.extra_reasons:
             return ()
         return call.signature()
+
+    def conform(self, call: AttentionCall) -> AttentionCall:
+        if self.caps.strided_inputs or not any(_needs_unit_stride(t) for t in (call.q, call.k, call.v)):
+            return call
+        return call.with_tensors(*(_unit_stride(t) for t in (call.q, call.k, call.v)))
+
+    def input_conformer(self, call: AttentionCall) -> Callable[..., tuple[Any, ...]] | None:
+        # The fast-path key holds each tensor's innermost stride, so a signature either always or never needs it.
+        if self.caps.strided_inputs or not any(_needs_unit_stride(t) for t in (call.q, call.k, call.v)):
+            return None
+        return _unit_strides
 
     def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
         """A function `(q, k, v) -> result` for calls of exactly `call`'s signature (same shapes, dtype, device,

@@ -378,7 +378,8 @@ def compiled_attention(*args: Any) -> tuple[Tensor, Tensor]:
     with_lse = a["return_lse"] or a["save_lse"]
     call = _rebuild_call(a, return_lse=with_lse)
     impl_id = _runtime_choice(a["token"], a["impl_id"], call)
-    return _split(_impl(impl_id).run(call), a["q"], a["v"], a["layout"], with_lse)
+    impl = _impl(impl_id)
+    return _split(impl.run(impl.conform(call)), a["q"], a["v"], a["layout"], with_lse)
 
 
 @compiled_attention.register_fake
@@ -432,7 +433,7 @@ def _attention_backward(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     impl_id = _LAST_CHOICE.get(a["token"], a["impl_id"])
     if a["save_lse"] and not bias_grad:
         impl = _impl(impl_id)
-        grads = impl.backward(_rebuild_call(a, return_lse=True), out, lse, grad_out)
+        grads = impl.backward(impl.conform(_rebuild_call(a, return_lse=True)), out, lse, grad_out)
         if grads is not None:
             _check_grads(impl_id, grads, (q, k, v))
             return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), q.new_empty((0,))
@@ -442,7 +443,8 @@ def _attention_backward(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
                   "v": v.detach().requires_grad_()}
         if bias_grad and attn_bias is not None:
             leaves["attn_bias"] = attn_bias.detach().requires_grad_()
-        result = _impl(impl_id).run(_rebuild_call(a, return_lse=return_lse, **leaves))
+        impl = _impl(impl_id)
+        result = impl.run(impl.conform(_rebuild_call(a, return_lse=return_lse, **leaves)))
         outputs = [result[0] if return_lse else result]
         grad_outputs = [grad_out]
         # An implementation whose lse is not differentiable (a kernel's side output) contributes no lse gradient.

@@ -223,6 +223,17 @@ class Impl:
         """Compute the op for a validated call."""
         raise NotImplementedError
 
+    def conform(self, call: Any) -> Any:
+        """`call` with its tensors made to meet this implementation's declared input needs (strides, …): what
+        `run` and `bind` are given. Default: `call` itself (ops whose capabilities declare such needs override
+        it, as attention does with `AttentionCaps.strided_inputs`)."""
+        return call
+
+    def input_conformer(self, call: Any) -> Callable[..., tuple[Any, ...]] | None:
+        """For a function bound to `call`'s signature: a function mapping its tensors to conforming ones, or None
+        when the signature's tensors already conform (then nothing runs per call). See `conform`."""
+        return None
+
     def bind(self, call: Any) -> Callable[..., Any]:
         """A function taking the tensors of calls of exactly `call`'s signature (the op's call record says which:
         its `with_tensors`) — the per-call fast path and bound plans use it. Override to bind a kernel directly;

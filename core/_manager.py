@@ -472,7 +472,15 @@ class OpManager:
         the function raises RetryDue once the demoted kernel's retry is due."""
         chosen = decision.chosen
         assert chosen is not None
-        fn = chosen.bind(call)
+        fn = chosen.bind(chosen.conform(call))
+        conformer = chosen.input_conformer(call)
+        if conformer is not None:  # inputs the kernel cannot read as they are (e.g. strides): conformed per call
+            bound_kernel = fn
+
+            def conforming(*tensors: Any) -> Any:
+                return bound_kernel(*conformer(*tensors))
+
+            fn = conforming
         retry_at = decision.retry_at
         if retry_at is not None:
             kernel, clock = fn, time.monotonic
@@ -493,7 +501,7 @@ class OpManager:
             chosen = decision.chosen
             assert chosen is not None
             try:
-                return chosen.run(call)
+                return chosen.run(chosen.conform(call))
             except Exception as exc:
                 if not self.may_fail_over(decision, impl, exc, call.device):
                     raise

@@ -123,7 +123,7 @@ def test_fast_path_cache_drops_oldest_entries_not_everything(basic_manager, rng,
     for length in range(1, 11):
         opdispatch.attention(q, cache_k[:, :length], cache_v[:, :length])
     assert len(basic_manager.fast) == 4
-    assert [key[4][1] for key in basic_manager.fast] == [7, 8, 9, 10]  # the newest four k lengths (key: op, q, k…)
+    assert [key[5][1] for key in basic_manager.fast] == [7, 8, 9, 10]  # the newest four k lengths (key: op, q×4, k…)
 
 
 # -- canonical forms ---------------------------------------------------------------------------------------

@@ -313,3 +313,16 @@ def test_cpu_flash_takes_inputs_whose_head_dim_is_not_unit_stride(manager, causa
                 torch.testing.assert_close(got, want.transpose(1, 2), **TOLERANCES[torch.float64], msg=name)
             ref = opdispatch.attention(qq, kk, vv, causal=causal, impl="reference.math")
             torch.testing.assert_close(got, ref, **TOLERANCES[torch.float64], msg=name)
+
+
+@pytest.mark.parametrize("impl", ["cpu.flash", "reference.math"])
+def test_a_bias_row_of_minus_inf_gives_lse_minus_inf(basic_manager, impl):
+    """A query whose every key the bias removes sees no key: out 0 and lse -inf, as with a boolean mask."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, s, 2, 8, generator=gen) for s in (4, 6, 6))
+    bias = torch.randn(1, 2, 4, 6, generator=gen)
+    bias[0, 0, 1, :] = float("-inf")
+    for causal in (False, True):
+        out, lse = opdispatch.attention(q, k, v, attn_bias=bias, return_lse=True, causal=causal, impl=impl)
+        assert lse[0, 0, 1] == float("-inf") and torch.isfinite(lse[0, 1]).all()
+        assert (out[0, 1, 0] == 0).all()

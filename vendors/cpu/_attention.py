@@ -20,16 +20,11 @@ _aten_kernel = torch._scaled_dot_product_flash_attention_for_cpu
 _kernel_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a copy when its head dim is not unit-stride: the aten kernels (forward and backward) read rows as
-    if it were (max error 2-4 measured with channels_last views, ``[..., ::2]`` slices and tensors expanded from
-    a scalar). A stride check costs far less than the call."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool,
             **kwargs: Any) -> Any:
-    return _aten_kernel(_unit_stride(q), _unit_stride(k), _unit_stride(v), dropout_p, is_causal, **kwargs)
+    # q/k/v have a unit-stride head dim: the op makes them so (caps.strided_inputs is False); the aten kernels
+    # read rows as if they were (max error 2-4 measured on channels-last views, slices and expanded tensors).
+    return _aten_kernel(q, k, v, dropout_p, is_causal, **kwargs)
 
 
 class CpuFlashAttention(AttentionImpl):
@@ -73,7 +68,7 @@ class CpuFlashAttention(AttentionImpl):
                 or call.alibi_slopes is not None):
             return None
         to_bhsd, from_bhsd = call.bhsd, call.from_bhsd
-        q, k, v = (_unit_stride(to_bhsd(t)) for t in (call.q, call.k, call.v))
+        q, k, v = (to_bhsd(t) for t in (call.q, call.k, call.v))
         grads = _kernel_backward(to_bhsd(grad_out).contiguous(), q, k, v, to_bhsd(out), lse, 0.0, call.causal,
                                  scale=call.scale)
         return from_bhsd(grads[0]), from_bhsd(grads[1]), from_bhsd(grads[2])
@@ -82,7 +77,7 @@ class CpuFlashAttention(AttentionImpl):
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
         alibi = call.alibi_slopes is not None
         # The kernel takes is_causal or a mask, not both: with a mask, bias or ALiBi, causal is folded into it too.
-        additive, is_causal, allowed = additive_bias(
+        additive, is_causal, _ = additive_bias(
             call, q, k, fold_causal=call.attn_mask is not None or call.attn_bias is not None or alibi,
             fold_alibi=True, dtype=torch.promote_types(q.dtype, torch.float32) if alibi else None)
         shift = None
@@ -94,9 +89,10 @@ class CpuFlashAttention(AttentionImpl):
             return out
         if shift is not None:
             lse = lse + shift[..., 0]
-        if allowed is not None:
-            # The kernel reports lse 0 for a query that sees no key; the convention is -inf.
-            blind = ~allowed.any(dim=-1)
+        if additive is not None:
+            # The kernel reports lse 0 for a query that sees no key; the convention is -inf. Read from the final
+            # additive mask, so a bias row of -inf counts as well as a boolean mask or a window.
+            blind = torch.isneginf(additive).all(dim=-1)
             if blind.any():
-                lse = lse.masked_fill(blind, float("-inf"))
+                lse = lse.masked_fill(blind.expand(lse.shape), float("-inf"))
         return out, lse

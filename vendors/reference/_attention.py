@@ -64,7 +64,7 @@ class ReferenceAttention(AttentionImpl):
         dtypes=_ALL_DTYPES, head_dim_v_differs=True, layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}),
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, softcap=True,
         alibi=True, dropout=True, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, backward=True,
-        deterministic_backward=True,
+        deterministic_backward=True, strided_inputs=True,
     )
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
