@@ -733,6 +733,16 @@ def bind_dense(call: AttentionCall,
     return lambda q, k, v: from_bhsd(kernel(to_bhsd(q), to_bhsd(k), to_bhsd(v)))
 
 
+def attention_outputs(call: AttentionCall) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """out: q's shape with v's head dim, q's dtype; lse (with return_lse): float32 (float64 for float64),
+    (batch, heads_q, seqlen_q), or (heads_q, total_q) for thd."""
+    out = ((*call.q.shape[:-1], call.head_dim_v), call.dtype)
+    if not call.return_lse:
+        return [out]
+    lse_shape = (call.heads_q, call.q.shape[0]) if call.varlen else (call.batch, call.heads_q, call.seqlen_q)
+    return [out, (lse_shape, torch.float64 if call.dtype == torch.float64 else torch.float32)]
+
+
 def _needs_unit_stride(t: torch.Tensor) -> bool:
     return t.stride(-1) != 1 and t.shape[-1] != 1  # a size-1 dim's stride is never read
 
@@ -1043,7 +1053,7 @@ ATTENTION = register_op(OpSpec(
     name="attention", impl_base=AttentionImpl, call_features=attention_features, arguments=ATTENTION_ARGS,
     validator=validate_attention, tuning=ATTENTION_TUNING,
     description="scaled dot-product attention (dense layouts and packed varlen)",
-    vocabularies={"layout": LAYOUTS},
+    vocabularies={"layout": LAYOUTS}, expected_outputs=attention_outputs,
     features={"dtype": "dtype", "layout": "name", **dict.fromkeys(
         ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio"), "int"),
         **dict.fromkeys(("causal", "window", "softcap", "alibi", "dropout", "mask", "bias", "varlen",

@@ -21,6 +21,7 @@ from ._decision import (CHOSEN, DEMOTED, DENIED, ELIGIBLE, FAILED, REJECTED, UNA
 from opdispatch.policies._overrides import OVERRIDES
 
 from ._breaker import Breaker, RetryDue, may_fail_over
+from ._output_guard import ImplementationOutputError, check_values_enabled, guarded, structure_problems
 from ._classes import DecisionClasses
 from ._device import DeviceInfo, probe_cpu, probe_generic
 from ._graphs import is_capturing, raise_if_capturing
@@ -85,6 +86,7 @@ class OpManager:
         self.decisions_made = 0
         # Implementations demoted per call class after raising at run time (settings.fallback_on_error).
         self.breaker = Breaker()
+        self._check_values: bool | None = None  # OPDISPATCH_CHECK_OUTPUTS, read on first use
         self._devices: dict[Any, DeviceInfo] = {}
         self._policy_object: Any = policy if isinstance(policy, Policy) else None
         self._policy_path: Any = None if isinstance(policy, Policy) else policy
@@ -481,6 +483,8 @@ class OpManager:
                 return bound_kernel(*conformer(*tensors))
 
             fn = conforming
+        if self.check_values:
+            fn = guarded(decision.op, chosen.id, fn, _template(call).with_tensors, _bound_names(decision.op))
         retry_at = decision.retry_at
         if retry_at is not None:
             kernel, clock = fn, time.monotonic
@@ -494,14 +498,28 @@ class OpManager:
         fn.decision = decision  # type: ignore[attr-defined]
         return fn
 
+    @property
+    def check_values(self) -> bool:
+        """OPDISPATCH_CHECK_OUTPUTS: check every result's values and the inputs (see `_output_guard`)."""
+        if self._check_values is None:
+            self._check_values = check_values_enabled(self.environ)
+        return self._check_values
+
     def call(self, op: str, call: Any, *, impl: str | None = None) -> Any:
-        """Decide and run `call` (failing over as `run_bound` does)."""
+        """Decide and run `call`, checking the result's structure (failing over as `run_bound` does)."""
         decision = self.resolve(op, call, impl=impl)
         while True:
             chosen = decision.chosen
             assert chosen is not None
             try:
-                return chosen.run(chosen.conform(call))
+                if self.check_values:
+                    names = _bound_names(op)
+                    result = guarded(op, chosen.id, lambda *_: chosen.run(chosen.conform(call)), lambda *_: call,
+                                     names)(*(getattr(call, n) for n in names))
+                else:
+                    result = chosen.run(chosen.conform(call))
+                _raise_for_structure(op, chosen.id, call, result)
+                return result
             except Exception as exc:
                 if not self.may_fail_over(decision, impl, exc, call.device):
                     raise
@@ -516,6 +534,7 @@ class OpManager:
             fn = self._bound(decision, call)
             try:
                 out = fn(*tensors)
+                _raise_for_structure(op, decision.chosen_id, call, out)  # once per signature: it fixes the structure
             except Exception as exc:
                 if not self.may_fail_over(decision, impl, exc, call.device):
                     raise
@@ -555,6 +574,19 @@ class OpManager:
                 "%s: %s raised %s on [%s]; the call goes to the next implementation (settings.fallback_on_error), "
                 "%s.%s", decision.op, impl_id, demotion.error, decision.call, demotion.outlook(time.monotonic()),
                 " Later failures of this implementation log at INFO." if first else "")
+
+
+def _bound_names(op: str) -> tuple[str, ...]:
+    from ._ops import op_spec
+
+    arguments = op_spec(op).arguments
+    return tuple(arguments.bound) if arguments is not None else ()
+
+
+def _raise_for_structure(op: str, impl_id: Any, call: Any, result: Any) -> None:
+    problems = structure_problems(op, call, result)
+    if problems:
+        raise ImplementationOutputError(f"{op}: {impl_id} " + "; ".join(problems))
 
 
 def _invalidate_compiled() -> None:

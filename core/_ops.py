@@ -103,6 +103,9 @@ class OpSpec:
       door's outputs; with it the op's front door runs under torch.compile as one opaque graph node
       (`opdispatch._compile_ops`), without it the call runs eagerly outside the graph.
     tuning: how ``opdispatch tune``/``bench`` time it (None: the op cannot be tuned).
+    expected_outputs: given a validated call record, the ``(shape, dtype)`` of each output, in order (one: the
+      result is a Tensor; more: a tuple): what the output guard checks a kernel's result against
+      (`opdispatch._output_guard`). None: not checked.
     vocabularies: for each feature of kind ``name``, the values a call can have (a rule naming another value is
       refused when the policy is read: it could never match).
     """
@@ -117,6 +120,7 @@ class OpSpec:
     fake_outputs: Callable[..., list[Any]] | None = None
     tuning: TuningSpec | None = None
     vocabularies: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    expected_outputs: Callable[[Any], list[tuple[tuple[int, ...], Any]]] | None = None
 
 
 _OPS: dict[str, OpSpec] = {}

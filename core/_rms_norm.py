@@ -284,6 +284,7 @@ def rms_norm_fake_outputs(x: torch.Tensor, weight: Any, eps: Any, residual: Any,
 RMS_NORM = register_op(OpSpec(
     name="rms_norm", impl_base=RmsNormImpl, call_features=rms_norm_features, arguments=RMS_NORM_ARGS,
     validator=validate_rms_norm, fake_outputs=rms_norm_fake_outputs, tuning=RMS_NORM_TUNING,
+    expected_outputs=lambda call: [(tuple(call.x.shape), call.dtype)] * (1 if call.residual is None else 2),
     description="RMSNorm over the last dim, optional weight and fused residual add",
     features={"dtype": "dtype", "hidden_size": "int", "tokens": "int", "residual": "bool", "weight": "bool",
               "requires_grad": "bool"},

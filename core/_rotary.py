@@ -471,6 +471,7 @@ ROTARY_TUNING = TuningSpec(
 ROTARY_EMBEDDING = register_op(OpSpec(
     name="rotary_embedding", impl_base=RotaryImpl, call_features=rotary_features, arguments=ROTARY_ARGS,
     validator=validate_rotary_embedding, fake_outputs=rotary_fake_outputs,
+    expected_outputs=lambda call: [(tuple(call.q.shape), call.dtype), (tuple(call.k.shape), call.dtype)],
     description="rotary position embedding (RoPE) of q and k, NeoX or GPT-J pairs, cos/sin caches",
     tuning=ROTARY_TUNING,
     features={"dtype": "dtype", "head_dim": "int", "rotary_dim": "int", "interleaved": "bool",

@@ -84,3 +84,27 @@ def test_op_bench_times_both_ops_and_says_why_a_pin_cannot_run(manager, tmp_path
     assert flagos and all(r["us"] is None and "runs on device type 'cuda'" in r["note"] for r in flagos)
     assert {r["chosen"] for r in rows if r["variant"] == "opdispatch policy"} == {
         "torch.rms_norm", "reference.rotary_embedding"}
+
+
+def test_reliability_report_counts_no_silent_wrong_answer(tmp_path):
+    """benchmarks/reliability.py, small: its tables are parsed back and the counts that must be zero are."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "reliability.md"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "reliability.py"), "--calls", "8", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    text = out.read_text()
+
+    def row(title):
+        header, _, values = text.split(f"## {title}")[1].strip().splitlines()[:3]
+        return dict(zip(header.strip("| ").split(" | "), map(int, values.strip("| ").split(" | "))))
+
+    inputs = row("Bad inputs (cold and warm)")
+    assert inputs["tried"] >= 100 and inputs["clear error"] == inputs["tried"] and inputs["wrong-silent"] == 0
+    unusual = row("Valid-but-unusual calls vs a float64 oracle")
+    assert unusual["tried"] > 0 and unusual["right"] == unusual["tried"]
+    policies = row("Malformed policy files")
+    assert policies["tried"] >= 200 and policies["accepted"] == 0 and policies["other error"] == 0
+    guard_rows = [line for line in text.splitlines() if line.startswith("| guard on |")]
+    assert len(guard_rows) == 9 and not any("WRONG" in line for line in guard_rows)

@@ -1,0 +1,275 @@
+"""Reliability figures: bad inputs, valid-but-unusual inputs, malformed policies and injected kernel faults.
+
+Prints one markdown report (``--out`` also writes it). Each section counts what was tried and what the user got:
+
+- bad inputs (the validation cases of tests/test_validation.py and tests/test_fast_path_exactness.py, each cold
+  and again after a valid call of the same tensors warmed the fast path): a clear error (the expected exception
+  type, its message naming the argument and what is allowed: the tests' regexes), another error, or a result
+  (wrong-silent);
+- valid-but-unusual calls (random shapes, strided views, dtypes and flags, as tests/test_strided_property.py
+  draws them) against a float64 oracle, through every CPU implementation: right, wrong (silently), or refused;
+- malformed policies (tests/test_policy_errors.py, tests/test_policy_hostile.py's shapes, and generated
+  mutations of the shipped default): a PolicyError with file:line, or accepted;
+- kernel faults injected into a registered implementation (raising, out of memory, wrong outputs): what the
+  caller sees with the defaults, and with the output guard (OPDISPATCH_CHECK_OUTPUTS=1).
+
+Run: ``python benchmarks/reliability.py [--calls 300] [--out benchmarks/results/reliability-cpu.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+import opdispatch  # noqa: E402
+from opdispatch._errors import PolicyError  # noqa: E402
+
+
+def bad_inputs() -> tuple[list[str], dict[str, int]]:
+    from tests import test_fast_path_exactness as fast
+    from tests import test_validation as validation
+
+    counts = {"tried": 0, "clear error": 0, "other error": 0, "wrong-silent": 0}
+    notes: list[str] = []
+    for name, build, exc_type, pattern in validation.BAD_CASES:
+        args, kwargs = build()
+        for warm in (False, True):
+            counts["tried"] += 1
+            if warm:  # the same tensors, valid flags: warms the fast path for this signature when it can
+                try:
+                    opdispatch.attention(*args)
+                except Exception:
+                    pass
+            try:
+                opdispatch.attention(*args, **kwargs)
+            except exc_type as exc:
+                if re.search(pattern, str(exc)):
+                    counts["clear error"] += 1
+                else:
+                    counts["other error"] += 1
+                    notes.append(f"{name} ({'warm' if warm else 'cold'}): message {str(exc)[:120]!r}")
+            except Exception as exc:
+                counts["other error"] += 1
+                notes.append(f"{name} ({'warm' if warm else 'cold'}): {type(exc).__name__}: {str(exc)[:120]}")
+            else:
+                counts["wrong-silent"] += 1
+                notes.append(f"{name} ({'warm' if warm else 'cold'}): accepted")
+    q = torch.randn(1, 8, 2, 16)
+    accepted_by_design = ({"window": [4, 0]}, {"layout": __import__("numpy").str_("bshd")})
+    for bad in fast.BAD:
+        if bad in accepted_by_design:
+            continue
+        for warm in (False, True):
+            counts["tried"] += 1
+            if warm:
+                opdispatch.attention(q, q, q, **fast.GOOD)
+            try:
+                opdispatch.attention(q, q, q, **{**fast.GOOD, **bad})
+            except (TypeError, ValueError) as exc:
+                key = next(iter(bad))
+                counts["clear error" if key in str(exc) else "other error"] += 1
+            else:
+                counts["wrong-silent"] += 1
+                notes.append(f"{bad} ({'warm' if warm else 'cold'}): accepted")
+    return notes, counts
+
+
+def unusual_calls(n: int, seed: int) -> tuple[list[str], dict[str, int]]:
+    from hypothesis import given, settings
+
+    from tests import test_strided_property as prop
+
+    counts = {"tried": 0, "right": 0, "wrong-silent": 0, "refused": 0}
+    notes: list[str] = []
+    manager = opdispatch.get_manager()
+    cases: list[dict[str, Any]] = []
+
+    @settings(max_examples=n, database=None, deadline=None, derandomize=seed == 0)
+    @given(case=prop.attention_cases())
+    def draw(case: dict[str, Any]) -> None:  # hypothesis draws the cases, the same strategy as the test's
+        cases.append(case)
+
+    draw()
+    for case in cases:
+        views, dense = prop.inputs(case)
+        kw = prop.kwargs(case)
+        for impl in ("cpu.flash", "reference.math", None):
+            call = opdispatch.validate_attention(*views, **kw)
+            if impl is not None and manager.implementation("attention", impl).not_supported_reasons(
+                    call, manager.device_info("cpu")):
+                continue
+            counts["tried"] += 1
+            try:
+                prop.check(case, opdispatch.attention(*views, impl=impl, **kw), *dense)
+            except AssertionError as exc:
+                counts["wrong-silent"] += 1
+                notes.append(f"{impl}: {str(exc)[:160]}")
+            except Exception as exc:
+                counts["refused"] += 1
+                notes.append(f"{impl}: refused with {type(exc).__name__}: {str(exc)[:120]}")
+            else:
+                counts["right"] += 1
+    return notes, counts
+
+
+def _mutations(default: str, rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """Malformed variants of the shipped default policy: one edit each that makes it invalid."""
+    edits = [
+        ("version: 1", "version: 2"), ("version: 1", "version: true"),
+        ("fallback_on_error: true", "fallback_on_error: 'on'"), ("strict: false", "strict: 0"),
+        ("vendor: nvidia", "vendor: nvida"), ("seqlen_q: '<=16'", "seqlen_q: '<=x'"), ("softcap: true", "softcap: 30"),
+        ("order:", "ordr:"), ("prefer: [nvidia.flash]", "prefer: nvidia.flash]"),
+        ("requires_grad: true", "requires_grad: 'yes'"), ("- nvidia.cudnn", "- nvidia.cudnn.x"),
+        ("alibi: true", "alibi: [true]"), ("gqa_ratio: '>1'", "gqa_ratio: '>>1'"),
+        ("name: decode-on-flash", "name: ''"), ("- reference.math", "- reference.math\n      - reference.math"),
+        ("vendor: nvidia", "vendor: [nvidia, '']"), ("dtype:", "dtyp:"), ("head_dim:", "head_dim: '>=256,<=128' #"),
+        ("arch:", "arch: '>=sm90,<sm80' #"),
+    ]
+    out = []
+    for _ in range(n):
+        old, new = rng.choice(edits)
+        if old not in default:
+            continue
+        positions = [m.start() for m in re.finditer(re.escape(old), default)]
+        at = rng.choice(positions)
+        out.append((f"{old!r} -> {new!r}", default[:at] + new + default[at + len(old):]))
+    return out
+
+
+def malformed_policies(seed: int) -> tuple[list[str], dict[str, int]]:
+    from opdispatch.policies import load_policy
+    from opdispatch.policies._policy import default_policy_path
+    from tests import test_policy_errors as errors
+
+    texts = [(name, text) for name, text, *_ in errors.CASES]
+    texts += [("alias bomb", "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+        f"{c}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n" for p, c in zip("abcdefg", "bcdefgh"))),
+              ("recursive alias", "ops: &o\n  attention:\n    x: *o\n"), ("deep", "a: " + "[" * 3000 + "]" * 3000),
+              ("NUL byte", "version: 1\n\0\n"), ("set order", "ops:\n  attention:\n    order: !!set {a.b, c.d}\n")]
+    default = default_policy_path().read_text()
+    texts += [(f"default with {edit}", t) for edit, t in _mutations(default, random.Random(seed), 120)]
+    counts = {"tried": 0, "PolicyError with file:line": 0, "other error": 0, "accepted": 0}
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, text) in enumerate(texts):
+            path = Path(tmp) / f"p{i}.yaml"
+            path.write_bytes(text.encode("utf-8", "surrogatepass"))
+            counts["tried"] += 1
+            try:
+                load_policy(path, environ={})
+            except PolicyError as exc:
+                if re.match(re.escape(str(path)) + r":\d+: ", str(exc)):
+                    counts["PolicyError with file:line"] += 1
+                else:
+                    counts["other error"] += 1
+                    notes.append(f"{name}: no line: {str(exc)[:120]}")
+            except Exception as exc:
+                counts["other error"] += 1
+                notes.append(f"{name}: {type(exc).__name__}: {str(exc)[:120]}")
+            else:
+                counts["accepted"] += 1
+                notes.append(f"{name}: accepted")
+    return notes, counts
+
+
+def kernel_faults() -> tuple[list[str], list[tuple[str, str, str]]]:
+    """Inject faults into an implementation the policy puts first; what does the caller get?"""
+    from typing import ClassVar
+
+    from opdispatch import AttentionCaps, AttentionImpl
+    from opdispatch.policies import parse_policy
+
+    faults = {
+        "raises RuntimeError": lambda call: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory access")),
+        "raises NotImplementedError": lambda call: (_ for _ in ()).throw(NotImplementedError("head_dim 72")),
+        "raises out of memory": lambda call: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")),
+        "returns None": lambda call: None,
+        "returns a list": lambda call: [call.q],
+        "returns the wrong shape": lambda call: call.q[..., :1].clone(),
+        "returns the wrong dtype": lambda call: call.q.double(),
+        "returns NaN everywhere": lambda call: torch.full_like(call.q, float("nan")),
+        "corrupts q, then raises": lambda call: (call.q.mul_(0.0), (_ for _ in ()).throw(RuntimeError("late")))[1],
+    }
+    rows = []
+    q = torch.randn(1, 8, 2, 16)
+    want = opdispatch.attention(q, q, q, impl="reference.math")
+    for guard in ("", "1"):
+        for name, fault in faults.items():
+            class Faulty(AttentionImpl):
+                vendor: ClassVar[str] = "faulty"
+                name: ClassVar[str] = "kernel"
+                caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True)
+
+                def run(self, call, _fault=fault):
+                    return _fault(call)
+
+            os.environ.pop("OPDISPATCH_CHECK_OUTPUTS", None)
+            if guard:
+                os.environ["OPDISPATCH_CHECK_OUTPUTS"] = guard
+            manager = opdispatch.OpManager()
+            previous = opdispatch.set_manager(manager)
+            try:
+                manager.register_impl(Faulty())
+                manager.set_policy(parse_policy("ops: {attention: {order: [faulty.kernel, cpu.flash]}}", "<p>"))
+                x = q.clone()
+                try:
+                    out = opdispatch.attention(x, x, x)
+                except Exception as exc:
+                    seen = f"{type(exc).__name__}: {str(exc)[:70]}"
+                    survived = "clear error"
+                else:
+                    ok = isinstance(out, torch.Tensor) and out.shape == want.shape and out.dtype == want.dtype and \
+                        torch.allclose(out, want, atol=1e-5) if isinstance(out, torch.Tensor) else False
+                    survived = "right result (fell back)" if ok else "WRONG result passed through"
+                    seen = "result" if ok else f"got {type(out).__name__}" + (
+                        f" {tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else "")
+            finally:
+                opdispatch.set_manager(previous)
+                os.environ.pop("OPDISPATCH_CHECK_OUTPUTS", None)
+            rows.append(("guard on" if guard else "defaults", name, f"{survived} ({seen})"))
+    return [], rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=150, help="valid-but-unusual cases drawn")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lines = ["# opdispatch reliability (cpu)", "",
+             f"- opdispatch {opdispatch.__version__}, torch {torch.__version__}, python {platform.python_version()}, "
+             f"{platform.machine()}", ""]
+    sections = (("Bad inputs (cold and warm)", bad_inputs()),
+                ("Valid-but-unusual calls vs a float64 oracle", unusual_calls(args.calls, args.seed)),
+                ("Malformed policy files", malformed_policies(args.seed)))
+    for title, (notes, counts) in sections:
+        lines += [f"## {title}", "", "| " + " | ".join(counts) + " |", "|" + "--:|" * len(counts),
+                  "| " + " | ".join(str(v) for v in counts.values()) + " |", ""]
+        lines += [f"- {n}" for n in notes[:20]] + ([""] if notes else [])
+    _, rows = kernel_faults()
+    lines += ["## Kernel faults injected (the faulty kernel first in the order, cpu.flash next)", "",
+              "| mode | fault | what the caller got |", "|---|---|---|"]
+    lines += [f"| {m} | {f} | {s} |" for m, f, s in rows]
+    survived = sum(1 for _, _, s in rows if not s.startswith("WRONG"))
+    lines += ["", f"Survived (a right result or a clear error): {survived} of {len(rows)}.", ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
