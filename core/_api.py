@@ -25,6 +25,10 @@ _manager: OpManager | None = None
 _manager_lock = threading.Lock()
 
 
+if hasattr(os, "register_at_fork"):  # a thread holding it at fork time does not exist in the child
+    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_manager_lock", threading.Lock()))
+
+
 def get_manager() -> OpManager:
     """The process-wide OpManager (created on first use; plugins load lazily)."""
     global _manager

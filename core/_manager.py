@@ -14,7 +14,8 @@ from typing import Any
 import pluggy
 
 from opdispatch.plugins import hookspec as _hookspec
-from opdispatch.plugins._loader import PluginRecord, load_entry_point_plugins
+from opdispatch.plugins._loader import (PluginRecord, check_hooks, check_plugin_api, load_entry_point_plugins,
+                                        plugin_namespaces)
 
 from ._decision import (CHOSEN, DEMOTED, DENIED, ELIGIBLE, FAILED, REJECTED, UNAVAILABLE, Candidate, Decision,
                         Provenance)
@@ -25,7 +26,7 @@ from ._output_guard import ImplementationOutputError, check_values_enabled, guar
 from ._classes import DecisionClasses
 from ._device import DeviceInfo, probe_cpu, probe_generic
 from ._graphs import is_capturing, raise_if_capturing
-from ._errors import NoImplementationError, PinnedImplementationError
+from ._errors import NoImplementationError, PinnedImplementationError, RegistrationError
 from ._impl import Impl, _template
 from ._registry import Origin, Registry
 from ._state import CACHE_LIMIT, DispatchState, bounded_put
@@ -113,33 +114,50 @@ class OpManager:
             self._initialized = True
 
     def _collect_impls(self, record: PluginRecord) -> None:
-        """Call one plugin's `opdispatch_impls` hook and register what it returns, isolating failures."""
+        """Call one plugin's `opdispatch_impls` hook (through pluggy, for this plugin alone) and register all it
+        returns, or nothing: an id outside the plugin's namespaces, in a built-in vendor's namespace (for a
+        third-party plugin) or refused by the registry fails the whole plugin."""
         plugin = self._pm.get_plugin(record.name)
-        for hook_impl in self._pm.hook.opdispatch_impls.get_hookimpls():
-            if hook_impl.plugin is not plugin:
-                continue
-            try:
-                impls: Iterable[Impl] | None = hook_impl.function()  # type: ignore[assignment]  # by contract
-                if impls is None:
-                    continue
-                module = getattr(plugin, "__name__", type(plugin).__module__)
-                for impl in impls:
-                    self.registry.register(impl, Origin(record.name, type(impl).__module__ or module))
-                    record.impl_ids.append(impl.id)
-            except Exception as exc:  # keep the others working; doctor and explain show this
-                record.fail("register", exc)
-                log.warning("%s", record.describe())
+        others = [p for p in self._pm.get_plugins() if p is not plugin]
+        try:
+            results = self._pm.subset_hook_caller("opdispatch_impls", remove_plugins=others)()
+            module = getattr(plugin, "__name__", type(plugin).__module__)
+            impls: list[Impl] = [impl for result in results if result is not None for impl in result]
+            reserved = {ns: r.name for r in self.plugins if r.builtin and r is not record for ns in r.namespaces}
+            for impl in impls:
+                vendor = getattr(impl, "vendor", None)
+                if vendor not in record.namespaces:
+                    raise RegistrationError(
+                        f"plugin {record.name!r} registered {getattr(impl, 'id', impl)!r}, outside its namespaces "
+                        f"{', '.join(record.namespaces)}; a plugin's ids start with its entry-point name, or with a "
+                        "name its module lists in OPDISPATCH_NAMESPACES (plugins/hookspec.py)", impl=impl)
+                if not record.builtin and vendor in reserved:
+                    raise RegistrationError(
+                        f"plugin {record.name!r} registered {impl.id!r}, but {vendor!r} is the namespace of the "
+                        f"built-in plugin {reserved[vendor]!r}: a third-party plugin cannot register or displace a "
+                        "built-in vendor's implementations; use your own vendor name", impl=impl)
+            self.registry.register_all([(impl, Origin(record.name, type(impl).__module__ or module))
+                                        for impl in impls])
+            record.impl_ids.extend(impl.id for impl in impls)
+        except Exception as exc:  # keep the others working; doctor and explain show this
+            record.fail("register", exc)
+            log.warning("%s", record.describe())
 
     def register_plugin(self, plugin: Any, name: str) -> PluginRecord:
-        """Register an in-memory plugin object (anything with ``@opdispatch.hookimpl`` functions)."""
+        """Register an in-memory plugin object (anything with ``@opdispatch.hookimpl`` functions), by the same
+        rules as an entry point named `name`."""
         self.ensure_initialized()
         with self._lock:
             record = PluginRecord(name=name, value=getattr(plugin, "__name__", repr(plugin)))
             self.plugins.append(record)
             try:
+                check_plugin_api(plugin, name)
+                record.namespaces = plugin_namespaces(plugin, name)
                 self._pm.register(plugin, name=name)
+                check_hooks(self._pm, plugin, name)
             except Exception as exc:
                 record.fail("load", exc)
+                log.warning("%s", record.describe())
                 return record
             self._collect_impls(record)
             self.clear_cache()
@@ -240,9 +258,13 @@ class OpManager:
         return info
 
     def _probe_with_plugins(self, dev: Any) -> DeviceInfo | None:
-        for hook_impl in reversed(self._pm.hook.opdispatch_probe_device.get_hookimpls()):
+        """`opdispatch_probe_device` through pluggy, in pluggy's call order, each plugin's hook called alone so
+        that one raising is recorded and skipped (the first non-None answer wins: the hook's firstresult)."""
+        hook = self._pm.hook.opdispatch_probe_device
+        for hook_impl in reversed(hook.get_hookimpls()):
+            others = [p for p in self._pm.get_plugins() if p is not hook_impl.plugin]
             try:
-                result = hook_impl.function(device=dev)
+                result = self._pm.subset_hook_caller("opdispatch_probe_device", remove_plugins=others)(device=dev)
             except Exception as exc:
                 for record in self.plugins:
                     if record.name == hook_impl.plugin_name:
@@ -250,7 +272,7 @@ class OpManager:
                 log.warning("plugin %r failed to probe %s: %s", hook_impl.plugin_name, dev, exc)
                 continue
             if result is not None:
-                return result  # type: ignore[return-value]  # a DeviceInfo, by the hook's contract
+                return result  # type: ignore[no-any-return]  # a DeviceInfo, by the hook's contract
         return None
 
     def availability(self, impl: Impl, device: DeviceInfo, state: DispatchState | None = None) -> str | None:
@@ -610,6 +632,12 @@ def _unknown_pin_error(op: str, pin_id: str, prov: Provenance, known: list[str],
     text = (f"{op}: implementation {pin_id!r} pinned by {prov.source} is not registered; registered "
             f"implementations: {', '.join(known) or 'none'}.")
     text += _failed_plugins_text(plugins)
+    owner = next((r for r in disabled if r.name == pin_id.split(".")[0]), None)
+    if owner is not None:  # installed, but switched off: installing it again would not help
+        text += (f"\nIts plugin {owner.name!r} is installed but disabled: {owner.error}."
+                 f"\nFix: enable plugin {owner.name!r} (OPDISPATCH_PLUGINS / OPDISPATCH_DISABLE_PLUGINS), or pin "
+                 "one of the registered implementations.")
+        return PinnedImplementationError(text, decision=decision)
     if disabled:
         text += "\nDisabled plugins: " + ", ".join(f"{r.name} ({r.error})" for r in disabled)
     text += "\nFix: install the plugin that provides it, or pin one of the registered implementations."
@@ -634,6 +662,8 @@ def _after_fork_in_child() -> None:
     # Locks may be held by threads that do not exist in the child; device state does not survive a fork.
     for manager in list(_MANAGERS):
         manager._lock = threading.RLock()
+        manager.registry._lock = threading.Lock()
+        manager.breaker._lock = threading.Lock()
         manager._devices = {}
         if manager._state is not None:
             manager._use(manager._state.fresh())

@@ -9,6 +9,7 @@ policy.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -125,6 +126,8 @@ class OpSpec:
 
 _OPS: dict[str, OpSpec] = {}
 _LOCK = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a thread holding it at fork time does not exist in the child
+    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_LOCK", threading.Lock()))
 
 
 def register_op(spec: OpSpec) -> OpSpec:

@@ -36,6 +36,28 @@ class Registry:
         self._by_op: dict[str, dict[str, Registered]] = {}
 
     def register(self, impl: Impl, origin: Origin) -> None:
+        self.register_all([(impl, origin)])
+
+    def register_all(self, entries: list[tuple[Impl, Origin]]) -> None:
+        """Register every entry or none: one refused implementation (an invalid declaration, an id registered
+        before or twice in `entries`) raises RegistrationError and leaves the registry as it was."""
+        for impl, origin in entries:
+            self._check(impl, origin)
+        with self._lock:
+            pending: dict[tuple[str, str], Origin] = {}
+            for impl, origin in entries:
+                existing = self._by_op.get(impl.op, {}).get(impl.id)
+                first = existing.origin if existing is not None else pending.get((impl.op, impl.id))
+                if first is not None:
+                    raise RegistrationError(
+                        f"implementation id {impl.id!r} for op {impl.op!r} is registered twice: first by "
+                        f"{first}, again by {origin}; give one of them another vendor or name, or disable "
+                        "one plugin with OPDISPATCH_DISABLE_PLUGINS", impl=impl)
+                pending[(impl.op, impl.id)] = origin
+            for impl, origin in entries:
+                self._by_op.setdefault(impl.op, {})[impl.id] = Registered(impl, origin)
+
+    def _check(self, impl: Impl, origin: Origin) -> None:
         if not isinstance(impl, Impl):
             raise RegistrationError(
                 f"{origin} registered {impl!r} ({type(impl).__name__}), which is not an opdispatch.Impl instance; "
@@ -52,15 +74,6 @@ class Registry:
             raise RegistrationError(
                 f"{origin} registered {type(impl).__module__}.{type(impl).__qualname__} with an invalid "
                 "declaration: " + "; ".join(problems), impl=impl)
-        with self._lock:
-            impls = self._by_op.setdefault(impl.op, {})
-            existing = impls.get(impl.id)
-            if existing is not None:
-                raise RegistrationError(
-                    f"implementation id {impl.id!r} for op {impl.op!r} is registered twice: first by "
-                    f"{existing.origin}, again by {origin}; give one of them another vendor or name, or disable "
-                    "one plugin with OPDISPATCH_DISABLE_PLUGINS", impl=impl)
-            impls[impl.id] = Registered(impl, origin)
 
     def get(self, op: str, impl_id: str) -> Registered | None:
         return self._by_op.get(op, {}).get(impl_id)

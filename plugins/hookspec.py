@@ -9,6 +9,17 @@ Publish it through the ``opdispatch.plugins`` entry-point group in your package'
 The entry-point name is the plugin name that ``OPDISPATCH_PLUGINS`` / ``OPDISPATCH_DISABLE_PLUGINS``,
 ``opdispatch doctor`` and error messages use. The built-in vendors are published exactly this way.
 
+A plugin owns the vendor prefixes of the ids it registers: its entry-point name, plus the names a plugin module
+lists in ``OPDISPATCH_NAMESPACES = ("acme", "acme_npu")``. An implementation in another namespace refuses the
+plugin's whole registration (nothing of it stays registered), and the built-in vendors' namespaces (``nvidia``,
+``rocm``, ``reference``, ``torch``, …) are theirs alone: a third-party plugin cannot register or displace their
+ids, whatever the load order. A plugin module may state the plugin API it was written for,
+``OPDISPATCH_PLUGIN_API = 1`` (`PLUGIN_API_VERSION`; missing means the current one); another is refused with the
+versions named. A hook function whose name matches no hook below (``opdispatch_impl``) fails the plugin with the
+name it probably meant. An import that does not finish in ``OPDISPATCH_PLUGIN_TIMEOUT`` seconds (30) fails its
+plugin, and dispatch goes on without it. Every such failure is logged once as a WARNING and shown by
+``opdispatch doctor`` and ``explain()``.
+
 Rules every hook follows:
 
 - Import vendor libraries lazily: a hook runs on machines where the vendor's library and hardware are absent
@@ -32,6 +43,8 @@ if TYPE_CHECKING:
     from opdispatch._impl import Impl
 
 PROJECT_NAME = "opdispatch"
+# The plugin contract's version: what a plugin module's OPDISPATCH_PLUGIN_API must equal (when it sets one).
+PLUGIN_API_VERSION = 1
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

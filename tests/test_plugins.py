@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch.plugins import ENTRY_POINT_GROUP, load_entry_point_plugins
+from opdispatch.plugins import ENTRY_POINT_GROUP, hookspec, load_entry_point_plugins
 from tests.conftest import REPO
 
 F32 = frozenset({torch.float32})
@@ -36,8 +36,10 @@ class DoubleScale(opdispatch.AttentionImpl):
         return opdispatch.get_manager().registry.get("attention", "reference.math").impl.run(call)
 
 
-def _plugin_module(name: str, impls=None, raise_in_hook: Exception | None = None) -> types.ModuleType:
+def _plugin_module(name: str, impls=None, raise_in_hook: Exception | None = None,
+                   namespaces=("memvendor", "hookvendor")) -> types.ModuleType:
     module = types.ModuleType(name)
+    module.OPDISPATCH_NAMESPACES = namespaces
 
     @opdispatch.hookimpl
     def opdispatch_impls():
@@ -137,7 +139,9 @@ def test_pin_to_an_impl_whose_plugin_failed_says_why_it_is_gone(fake_modules):
     ({"OPDISPATCH_PLUGINS": "good,missing", "OPDISPATCH_DISABLE_PLUGINS": "missing"}, {"good"}),
 ])
 def test_allow_and_block_lists(fake_modules, env, loaded):
-    records = load_entry_point_plugins(__import__("pluggy").PluginManager("opdispatch"), fake_modules, env)
+    pm = __import__("pluggy").PluginManager("opdispatch")
+    pm.add_hookspecs(hookspec)
+    records = load_entry_point_plugins(pm, fake_modules, env)
     assert {r.name for r in records if r.status == "loaded"} == loaded
     disabled = [r for r in records if r.status == "disabled"]
     assert disabled and all(("OPDISPATCH_PLUGINS" in r.error) or ("OPDISPATCH_DISABLE_PLUGINS" in r.error)

@@ -10,6 +10,8 @@ from ._rotary import ReferenceRotary
 
 __all__ = ["ReferenceAttention", "ReferenceRmsNorm", "ReferenceRotary", "TorchRmsNorm"]
 
+OPDISPATCH_NAMESPACES = ("torch",)  # torch.rms_norm: torch's own kernel, beside the references
+
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:

@@ -9,6 +9,8 @@ from ._attention import FlexOptions, TorchFlexAttention
 
 __all__ = ["FlexOptions", "TorchFlexAttention"]
 
+OPDISPATCH_NAMESPACES = ("torch",)  # torch.flex: torch's own FlexAttention
+
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
