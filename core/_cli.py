@@ -379,6 +379,27 @@ def ops_markdown() -> str:
     return "\n".join(parts)
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ._validate import run_validation
+    from .policies._policy import user_quarantine_path
+
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout {args.timeout} must be a positive number of seconds")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs} must be at least 1")
+    device = args.on or str(_local_torch_device())
+    quarantine = None if args.no_quarantine else Path(args.quarantine) if args.quarantine else user_quarantine_path()
+    impls = [i.strip() for i in args.impl.split(",") if i.strip()] if args.impl else None
+    code = run_validation(impls, device, timeout=args.timeout, quick=args.quick, quarantine_path=quarantine,
+                          report_md=Path(args.report) if args.report else None,
+                          report_json=Path(args.json) if args.json else None, stream=sys.stdout, jobs=args.jobs)
+    if quarantine is not None:
+        print(f"policies read {quarantine} from now on (`opdispatch explain` shows what it denies)")
+    return code
+
+
 def cmd_ops(args: argparse.Namespace) -> int:
     print(ops_markdown(), end="")
     return 0
@@ -450,6 +471,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--verbose", "-v", action="store_true", help="print every decision table")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("validate", help="run each implementation's conformance matrix in its own process against "
+                                        "the float64 reference; write a quarantine and a report")
+    p.add_argument("--impl", default=None, help="comma-separated ids (default: every available one but the reference)")
+    p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds one case may take before its worker is "
+                                                               "killed (default 120: first calls compile kernels)")
+    p.add_argument("--quick", action="store_true", help="a smaller matrix: " + ", ".join(
+        __import__("opdispatch._validate", fromlist=["QUICK"]).QUICK))
+    p.add_argument("--quarantine", default=None, help="where to write the quarantine (default: OPDISPATCH_QUARANTINE "
+                                                      "or ~/.cache/opdispatch/quarantine.yaml, which policies read)")
+    p.add_argument("--no-quarantine", action="store_true", help="write no quarantine file")
+    p.add_argument("--jobs", type=int, default=1, help="implementations validated at once, each in its own worker "
+                                                       "(default 1; on a GPU they share its memory)")
+    p.add_argument("--report", default=None, help="also write the markdown report here")
+    p.add_argument("--json", default=None, help="also write the JSON report (every case) here")
+    p.set_defaults(func=cmd_validate)
 
     # -- performance: tune, bench (opdispatch._bench) ----------------------------------------------------------
     from ._bench import add_perf_commands

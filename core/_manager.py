@@ -452,7 +452,9 @@ class OpManager:
                 decided_by = prov
             candidates.append(cand)
         for impl_id, prov in plan.denied.items():
-            candidates.append(Candidate(impl_id, DENIED, [f"denied by {prov}"], prov, origins[impl_id]))
+            reason = (f"quarantined by validate: {prov.note} ({prov.source})" if prov.kind == "quarantine"
+                      else f"denied by {prov}")
+            candidates.append(Candidate(impl_id, DENIED, [reason], prov, origins[impl_id]))
         candidates.extend(self._failed_candidates())
         return Decision(op, call.describe(), device, chosen, candidates, decided_by, policy.source, policy.hash,
                         cache_key=key, retry_at=min(retry_at, default=None))

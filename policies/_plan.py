@@ -12,6 +12,10 @@ that `explain()` prints:
    ``when:`` holds for the call and device, in file order; and its ``order``.
 5. ``default`` — the shipped ``configs/default.yaml``, read the same way. (A user file with ``extends: none``
    has no default layer below it.)
+5b. ``quarantine`` — the quarantine files of ``opdispatch validate``: the shipped ``configs/quarantine.yaml``
+   (learned on the GPU machines) and the user's (``OPDISPATCH_QUARANTINE``, default
+   ``~/.cache/opdispatch/quarantine.yaml``). Deny rules only, each scoped by its `when:` to the feature class,
+   device and library versions it failed on; as every deny, they yield to a pin from any layer above.
 6. ``autotune`` — the ``autotune:`` table named by the highest YAML layer that names one: the measured order of
    the call's shape bucket, when the table was measured on this device with these library versions.
 7. ``priority`` — each implementation's declared priority, for implementations no layer ranks.
@@ -70,9 +74,11 @@ SCOPE = Layer("scope", "context", "with opdispatch.policy_override(...), innermo
 ENV = Layer("env", "env", f"{ENV_PIN_PREFIX}<OP> (pin), {ENV_PREFER}, {ENV_DENY}", ("pin", "prefer", "deny"))
 USER = Layer("user", "policy", "the user's YAML (OPDISPATCH_POLICY)", ("pin", "prefer", "deny", "require", "order"))
 DEFAULT = Layer("default", "policy", "the shipped configs/default.yaml", ("pin", "prefer", "deny", "require", "order"))
+QUARANTINE = Layer("quarantine", "quarantine", "opdispatch validate's quarantine files (shipped and the user's)",
+                   ("deny",))
 AUTOTUNE = Layer("autotune", "policy", "the autotune: table of the highest YAML layer naming one", ("rank",))
 PRIORITY = Layer("priority", "priority", "each implementation's declared priority", ("rank",))
-LAYERS = (ARGUMENT, SCOPE, ENV, USER, DEFAULT, AUTOTUNE, PRIORITY)
+LAYERS = (ARGUMENT, SCOPE, ENV, USER, DEFAULT, QUARANTINE, AUTOTUNE, PRIORITY)
 
 # Ranking tiers, first first: what places an implementation that no pin or deny removed.
 RANK_TIERS = ("prefer", "autotune", "order", "priority")

@@ -19,25 +19,41 @@ from opdispatch._errors import PolicyError
 from opdispatch._ops import known_ops, op_spec
 
 from ._overrides import Override
-from ._plan import DEFAULT, ENV_DENY, ENV_PIN_PREFIX, ENV_PREFER, USER, Layer, PolicyPlan, build_plan
+from ._plan import (DEFAULT, ENV_DENY, ENV_PIN_PREFIX, ENV_PREFER, QUARANTINE, USER, Layer, PolicyPlan,
+                    build_plan)
 from ._schema import ConditionError, OpPolicy, PolicyFile, Rule, Settings, When
 from ._yaml import LineMap, load_yaml_with_lines
 
 ENV_POLICY = "OPDISPATCH_POLICY"
+ENV_QUARANTINE = "OPDISPATCH_QUARANTINE"
 
 
 def default_policy_path() -> Path:
     return Path(str(resources.files("opdispatch.configs").joinpath("default.yaml")))
 
 
+def shipped_quarantine_path() -> Path:
+    return Path(str(resources.files("opdispatch.configs").joinpath("quarantine.yaml")))
+
+
+def user_quarantine_path(environ: Mapping[str, str] | None = None) -> Path:
+    """Where `opdispatch validate` writes, and the policy reads, this user's quarantine: OPDISPATCH_QUARANTINE, else
+    $XDG_CACHE_HOME/opdispatch/quarantine.yaml (~/.cache/...)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(ENV_QUARANTINE):
+        return Path(environ[ENV_QUARANTINE])
+    cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "opdispatch" / "quarantine.yaml"
+
 class PolicyLayer:
     """One parsed policy file."""
 
-    def __init__(self, model: PolicyFile, source: str, lines: LineMap, text: str) -> None:
+    def __init__(self, model: PolicyFile, source: str, lines: LineMap, text: str, quarantine: bool = False) -> None:
         self.model = model
         self.source = source
         self.lines = lines
         self.text = text
+        self.quarantine = quarantine  # a quarantine file of `opdispatch validate` (deny rules only)
 
     def where(self, *path: Any) -> str:
         line = self.lines.line(path)
@@ -92,7 +108,8 @@ class Policy:
         # Each YAML layer with its place in the precedence: the shipped file is the default, any other the user's.
         default_source = str(default_policy_path())
         self.yaml_layers: list[tuple[Layer, PolicyLayer]] = [
-            (DEFAULT if layer.source == default_source else USER, layer) for layer in self.layers]
+            (QUARANTINE if layer.quarantine else DEFAULT if layer.source == default_source else USER, layer)
+            for layer in self.layers]
         self.env = env or EnvOverrides()
         digest = hashlib.sha256()
         for layer in self.layers:
@@ -295,12 +312,40 @@ def read_policy_file(path: str | os.PathLike[str]) -> PolicyLayer:
     return parse_policy_layer(text, str(path))
 
 
+def read_quarantine_file(path: str | os.PathLike[str]) -> PolicyLayer:
+    """A quarantine file: a policy file of deny rules only (what `opdispatch validate` writes)."""
+    layer = read_policy_file(path)
+    layer.quarantine = True
+    for op, spec in layer.model.ops.items():
+        if spec.order is not None or spec.options or spec.autotune:
+            raise PolicyError(f"{layer.where('ops', op)}: a quarantine file holds deny rules only (no order, options "
+                              "or autotune); move them to your policy file", path=layer.source, field=f"ops.{op}")
+        for i, rule in enumerate(spec.rules):
+            if rule.deny is None or rule.prefer or rule.require or rule.pin:
+                raise PolicyError(f"{layer.where('ops', op, 'rules', i)}: quarantine rule {rule.name!r} must only "
+                                  "deny (prefer, require and pin belong in a policy file)", path=layer.source,
+                                  field=f"ops.{op}.rules.{i}")
+    return layer
+
+
+def quarantine_layers(environ: Mapping[str, str] | None) -> list[PolicyLayer]:
+    """The shipped quarantine, then the user's if the file exists (read from the real environment, or from
+    OPDISPATCH_QUARANTINE in `environ`)."""
+    layers = [read_quarantine_file(shipped_quarantine_path())]
+    if environ is None or environ.get(ENV_QUARANTINE):
+        path = user_quarantine_path(environ)
+        if path.exists():
+            layers.append(read_quarantine_file(path))
+    return layers
+
+
 def _stack(user: PolicyLayer | None, environ: Mapping[str, str] | None) -> Policy:
     layers = []
     if user is not None:
         layers.append(user)
     if user is None or user.model.extends == "default":
         layers.append(read_policy_file(default_policy_path()))
+    layers.extend(quarantine_layers(environ))
     env = EnvOverrides.from_environ(os.environ if environ is None else environ)
     return Policy(layers, env)
 
@@ -312,8 +357,9 @@ def parse_policy(text: str, source: str = "<string>", *, environ: Mapping[str, s
 
 def load_policy(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> Policy:
     """Load `path`, else ``$OPDISPATCH_POLICY``, over the shipped default; env overrides are read now."""
+    real = environ is None or environ is os.environ
     environ = os.environ if environ is None else environ
     if path is None:
         path = environ.get(ENV_POLICY) or None
     user = read_policy_file(path) if path is not None else None
-    return _stack(user, environ)
+    return _stack(user, None if real else environ)

@@ -28,6 +28,8 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(__import__("os").environ):
         if name.startswith("OPDISPATCH_"):
             monkeypatch.delenv(name, raising=False)
+    # Nor a quarantine `opdispatch validate` wrote on this machine: only the shipped one.
+    monkeypatch.setenv("OPDISPATCH_QUARANTINE", "/nonexistent/opdispatch-test-quarantine.yaml")
 
 
 @pytest.fixture

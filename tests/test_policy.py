@@ -205,7 +205,7 @@ def test_user_file_layers_over_default_unless_extends_none(four, tmp_path):
     user.write_text("ops:\n  attention:\n    rules:\n      - name: mine\n        prefer: [slow.c]\n")
     policy = load_policy(user, environ={})
     assert [layer.source for layer in policy.layers][0] == str(user)
-    assert policy.layers[-1].source.endswith("default.yaml")
+    assert [layer.source.rsplit("/", 1)[-1] for layer in policy.layers[1:]] == ["default.yaml", "quarantine.yaml"]
     four.set_policy(policy)
     d = chosen()
     assert d.chosen_id == "slow.c" and d.decided_by.source == f"{user}:4"
@@ -213,7 +213,7 @@ def test_user_file_layers_over_default_unless_extends_none(four, tmp_path):
     assert [c.impl_id for c in d.candidates][1] == "cpu.flash"
     user.write_text("extends: none\nops:\n  attention:\n    order: [fast.b]\n")
     policy = load_policy(user, environ={})
-    assert len(policy.layers) == 1
+    assert [layer.source for layer in policy.layers if not layer.quarantine] == [str(user)]  # quarantine stays
 
 
 def test_precedence_argument_context_env_user_default(four, tmp_path, monkeypatch):

@@ -1,0 +1,90 @@
+"""Fake implementations for `opdispatch validate`'s tests: one right, the others wrong in one way each. Loaded by
+the validate workers through a real entry point (the tests write its dist-info); namespace `vfake`."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+import opdispatch
+
+F32 = frozenset({torch.float32})
+
+
+class Right(opdispatch.AttentionImpl):
+    vendor, name = "vfake", "right"
+    caps = opdispatch.AttentionCaps(dtypes=F32, gqa=True, causal_alignments=frozenset({"top_left", "bottom_right"}))
+
+    def compute(self, call):
+        q, k, v = (call.bhsd(t) for t in (call.q, call.k, call.v))
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        mask = None
+        if call.causal:
+            sq, sk = q.shape[-2], k.shape[-2]
+            offset = sk - sq if call.causal_alignment == "bottom_right" else 0
+            mask = torch.ones(sq, sk, dtype=torch.bool).tril(offset)
+        return call.from_bhsd(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=call.scale))
+
+    def run(self, call):
+        return self.compute(call)
+
+
+class WrongShape(Right):
+    name = "shape"
+
+    def run(self, call):
+        return self.compute(call)[..., :1]
+
+
+class Nan(Right):
+    name = "nan"
+
+    def run(self, call):
+        return torch.full_like(self.compute(call), float("nan"))
+
+
+class Corrupts(Right):
+    name = "corrupt"
+
+    def run(self, call):
+        call.q.mul_(0.5)
+        raise RuntimeError("failed after writing into q")
+
+
+class AbortsOnCausal(Right):
+    name = "abort"
+
+    def run(self, call):
+        if call.causal:
+            os.abort()
+        return self.compute(call)
+
+
+class HangsOnGqa(Right):
+    name = "hang"
+
+    def run(self, call):
+        if call.heads_q != call.heads_kv:
+            time.sleep(600)
+        return self.compute(call)
+
+
+class TopLeftOnly(Right):
+    """Declares bottom-right alignment but computes top-left: wrong only for that feature class."""
+
+    name = "bottom"
+
+    def run(self, call):
+        if call.causal and call.causal_alignment == "bottom_right":
+            call = call.with_tensors(call.q, call.k, call.v)
+            call.causal_alignment = "top_left"
+        return self.compute(call)
+
+
+@opdispatch.hookimpl
+def opdispatch_impls():
+    return [Right(), WrongShape(), Nan(), Corrupts(), AbortsOnCausal(), HangsOnGqa(), TopLeftOnly()]
