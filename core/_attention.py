@@ -755,6 +755,10 @@ def _unit_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[to
     return _unit_stride(q), _unit_stride(k), _unit_stride(v)
 
 
+def _contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return q.contiguous(), k.contiguous(), v.contiguous()  # no copy for a contiguous tensor
+
+
 def _bshd_to_bhsd(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
@@ -816,6 +820,10 @@ class AttentionCaps:
     # op hands them q/k/v whose head dim is unit-stride, copying a view that is not (channels-last views, a
     # `[..., ::2]` slice, a tensor expanded from a scalar); every other stride may be anything.
     strided_inputs: bool = False
+    # Whether the kernel needs q/k/v contiguous in the call's layout (each tensor's strides those of a fresh one):
+    # some kernels read k's and v's strides from q's. The op copies any that is not, checked every call (a view's
+    # other strides are not in the fast-path key).
+    contiguous_inputs: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return caps_as_dict(self)
@@ -902,11 +910,17 @@ class AttentionImpl(Impl):
         return call.signature()
 
     def conform(self, call: AttentionCall) -> AttentionCall:
-        if self.caps.strided_inputs or not any(_needs_unit_stride(t) for t in (call.q, call.k, call.v)):
+        tensors = (call.q, call.k, call.v)
+        if self.caps.contiguous_inputs:
+            return call if all(t.is_contiguous() for t in tensors) else call.with_tensors(
+                *(t.contiguous() for t in tensors))
+        if self.caps.strided_inputs or not any(_needs_unit_stride(t) for t in tensors):
             return call
-        return call.with_tensors(*(_unit_stride(t) for t in (call.q, call.k, call.v)))
+        return call.with_tensors(*(_unit_stride(t) for t in tensors))
 
     def input_conformer(self, call: AttentionCall) -> Callable[..., tuple[Any, ...]] | None:
+        if self.caps.contiguous_inputs:
+            return _contiguous
         # The fast-path key holds each tensor's innermost stride, so a signature either always or never needs it.
         if self.caps.strided_inputs or not any(_needs_unit_stride(t) for t in (call.q, call.k, call.v)):
             return None

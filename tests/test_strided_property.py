@@ -178,3 +178,20 @@ def test_the_contract_is_declared_and_enforced_where_needed():
     assert all(t.stride(-1) == 1 for t in (conformed.q, conformed.k, conformed.v))
     plain = opdispatch.validate_attention(*(torch.randn(1, 4, 2, 8) for _ in range(3)))
     assert CpuFlashAttention().input_conformer(plain) is None  # nothing runs per call for ordinary inputs
+
+
+def test_contiguous_inputs_are_made_contiguous_every_call():
+    """A kernel that reads k/v with q's strides (FlagGems SDPA) declares contiguous_inputs: views of any strides,
+    even with a unit-stride head dim, reach it contiguous in the call's layout."""
+    from opdispatch.vendors.flagos import FlagGemsAttention
+
+    assert FlagGemsAttention.caps.contiguous_inputs
+    impl = FlagGemsAttention()
+    q = torch.randn(2, 8, 4, 16)
+    v = torch.randn(2, 4, 8, 16).transpose(1, 2)  # bshd view of bhsd storage: unit stride, other strides differ
+    call = opdispatch.validate_attention(q, q, v)
+    conformed = impl.conform(call)
+    assert conformed.v.is_contiguous() and conformed.q is q  # a contiguous tensor is not copied
+    conformer = impl.input_conformer(call)
+    assert all(t.is_contiguous() for t in conformer(q, q, v))
+    torch.testing.assert_close(conformer(q, q, v)[2], v)

@@ -63,10 +63,13 @@ class FlagGemsAttention(AttentionImpl):
     requires = (FLAG_GEMS,)
     # Union of the two kernels' checks; extra_reasons narrows per kernel. fp16/bf16 ("FlashAttention only
     # support fp16 and bf16 data type"), head_dim <= 256 and a multiple of 8, one head dim for q/k/v, GQA,
-    # no dropout (SDPA asserts dropout_p == 0), bool masks on the dense kernel only.
+    # no dropout (SDPA asserts dropout_p == 0), bool masks on the dense kernel only. Contiguous inputs: on an H100,
+    # `opdispatch validate` measured out error 1.3-1.4 (fp16/bf16) when q, k and v had different stride patterns
+    # (q's head dim transposed, k sliced, v from bhsd storage) — the kernel reads k/v with q's strides
+    # (benchmarks/results/validate-h100.md).
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=frozenset({torch.float16, torch.bfloat16}), head_dim_min=8, head_dim_max=256, head_dim_multiple=8,
-        layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}),
+        layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}), contiguous_inputs=True,
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, softcap=True,
         alibi=True, dropout=False, attn_mask=True, attn_bias=False, lse=True, backward=False,
     )
