@@ -242,6 +242,79 @@ def kernel_faults() -> tuple[list[str], list[tuple[str, str, str]]]:
     return [], rows
 
 
+def plugin_faults() -> list[tuple[str, str]]:
+    """Faulty third-party plugins next to the built-ins: is each refused clearly while dispatch goes on?"""
+    import importlib.metadata
+    import types
+    from opdispatch import AttentionCaps, AttentionImpl
+    from opdispatch.plugins import ENTRY_POINT_GROUP
+
+    def impl(vendor: str, caps: Any = None, name: str = "x") -> Any:
+        attrs: dict[str, Any] = {"vendor": vendor, "name": name, "run": lambda self, call: call.q,
+                                 "caps": caps or AttentionCaps(dtypes=frozenset({torch.float32}))}
+        return type(f"{vendor}_x", (AttentionImpl,), attrs)()
+
+    def module(name: str, impls: list[Any] = (), hook: str = "opdispatch_impls", **attrs: Any) -> Any:
+        mod = types.ModuleType(name)
+        fn = opdispatch.hookimpl(lambda: list(impls))
+        fn.__name__ = hook
+        setattr(mod, hook, fn)
+        for k, v in attrs.items():
+            setattr(mod, k, v)
+        return mod
+
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "rel_hangs.py").write_text("import time\ntime.sleep(60)\n")
+    (tmp / "rel_raises.py").write_text("raise ImportError('libvendor.so: cannot open shared object file')\n")
+    sys.path.insert(0, str(tmp))
+
+    def probe_raises(device: Any) -> Any:
+        raise RuntimeError("driver query failed")
+
+    probe = module("rel_probe")
+    probe_raises.__name__ = "opdispatch_probe_device"
+    probe.opdispatch_probe_device = opdispatch.hookimpl(probe_raises)
+    faults = {
+        "registers a built-in id (nvidia.cudnn)": module("rel_rogue", [impl("nvidia", name="cudnn")],
+                                                         OPDISPATCH_NAMESPACES=("nvidia",)),
+        "registers outside its namespace": module("rel_outside", [impl("other")]),
+        "second implementation refused": module("rel_half", [impl("acme"), impl("acme", caps="not caps")]),
+        "misspelt hook opdispatch_impl": module("rel_typo", [impl("acme")], hook="opdispatch_impl"),
+        "plugin API 2": module("rel_api", [impl("acme")], OPDISPATCH_PLUGIN_API=2),
+        "hook raises": module("rel_hook", [], hook="opdispatch_impls"),
+        "import hangs": "rel_hangs",
+        "import raises": "rel_raises",
+        "probe raises": probe,
+    }
+    def hook_raises() -> Any:
+        raise RuntimeError("bad caps")
+
+    hook_raises.__name__ = "opdispatch_impls"
+    faults["hook raises"].opdispatch_impls = opdispatch.hookimpl(hook_raises)
+    rows = []
+    for what, mod in faults.items():
+        name = mod if isinstance(mod, str) else mod.__name__
+        if not isinstance(mod, str):
+            sys.modules[name] = mod
+        eps = [*importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+               importlib.metadata.EntryPoint(name="acme", value=name, group=ENTRY_POINT_GROUP)]
+        manager = opdispatch.OpManager(entry_points=eps, environ={"OPDISPATCH_PLUGIN_TIMEOUT": "1"})
+        previous = opdispatch.set_manager(manager)
+        try:
+            q = torch.randn(1, 4, 2, 8)
+            out = opdispatch.attention(q, q, q)
+            manager._probe_with_plugins(torch.device("meta"))
+            record = next(r for r in manager.plugins if r.name == "acme")
+            builtin_ok = manager.registry.get("attention", "nvidia.cudnn").origin.plugin == "nvidia"
+            survived = out.shape == q.shape and builtin_ok and (record.status == "failed" or what == "probe raises")
+            rows.append((what, f"{'survived' if survived else 'NOT SURVIVED'}: plugin {record.status}"
+                               f"{' at ' + str(record.stage) if record.stage else ''}: "
+                               f"{(record.error or '').splitlines()[0][:110]}"))
+        finally:
+            opdispatch.set_manager(previous)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=150, help="valid-but-unusual cases drawn")
@@ -265,6 +338,13 @@ def main() -> None:
     lines += [f"| {m} | {f} | {s} |" for m, f, s in rows]
     survived = sum(1 for _, _, s in rows if not s.startswith("WRONG"))
     lines += ["", f"Survived (a right result or a clear error): {survived} of {len(rows)}.", ""]
+    plugin_rows = plugin_faults()
+    lines += ["## Plugin faults injected (a third-party plugin `acme` beside the built-ins; dispatch must go on)", "",
+              "| fault | what happened |", "|---|---|"] + [f"| {f} | {s} |" for f, s in plugin_rows]
+    survived = sum(1 for _, s in plugin_rows if s.startswith("survived"))
+    lines += ["", f"Survived: {survived} of {len(plugin_rows)}.", "",
+              "Kernels that abort, hang or return wrong results under `opdispatch validate`: "
+              "tests/test_validate.py (each costs one case; the rest run in a fresh worker).", ""]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -108,3 +108,4 @@ def test_reliability_report_counts_no_silent_wrong_answer(tmp_path):
     assert policies["tried"] >= 200 and policies["accepted"] == 0 and policies["other error"] == 0
     guard_rows = [line for line in text.splitlines() if line.startswith("| guard on |")]
     assert len(guard_rows) == 9 and not any("WRONG" in line for line in guard_rows)
+    assert "Survived: 9 of 9." in text  # plugin faults
