@@ -25,10 +25,11 @@ VIEWS = ("contiguous", "head_dim_not_innermost", "every_other", "expanded_batch"
          "every_other_row")
 
 
-def make(shape: tuple[int, ...], view: str, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """A tensor of `shape` with random values, laid out in memory as `view` says."""
+def make(shape: tuple[int, ...], view: str, dtype: torch.dtype, gen: torch.Generator | None,
+         device: str = "cpu") -> torch.Tensor:
+    """A tensor of `shape` with random values, laid out in memory as `view` says (the GPU tests use it too)."""
     def rand(*s: int) -> torch.Tensor:
-        return (torch.randn(*s, generator=gen, dtype=torch.float64) + 0.1).to(dtype)
+        return (torch.randn(*s, generator=gen, dtype=torch.float64) + 0.1).to(dtype).to(device)
 
     if view == "contiguous":
         return rand(*shape)

@@ -13,6 +13,7 @@ import torch
 import opdispatch
 from opdispatch import AttentionCaps, AttentionImpl
 from opdispatch.policies import parse_policy
+from tests.test_strided_property import make
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -21,23 +22,6 @@ pytestmark = [pytest.mark.gpu]
 
 IMPLS = ["nvidia.cudnn", "nvidia.flash", "nvidia.mem_efficient", "torch.flex", "flagos.triton", "reference.math"]
 VIEWS = ["head_dim_not_innermost", "every_other", "expanded_batch", "reversed_storage", "every_other_row"]
-
-
-def make(shape, view, dtype):
-    def rand(*s):
-        return torch.randn(*s, device="cuda", dtype=torch.float32).to(dtype)
-
-    if view == "head_dim_not_innermost":
-        return rand(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
-    if view == "every_other":
-        return rand(*shape[:-1], 2 * shape[-1])[..., ::2]
-    if view == "expanded_batch":
-        return rand(1, *shape[1:]).expand(shape)
-    if view == "reversed_storage":
-        return rand(*shape[::-1]).permute(3, 2, 1, 0)
-    if view == "every_other_row":
-        return rand(shape[0], 2 * shape[1], *shape[2:])[:, ::2]
-    raise AssertionError(view)
 
 
 def oracle(q, k, v, causal):
@@ -56,8 +40,8 @@ def test_every_view_is_computed_right(impl, view):
     if manager.implementation("attention", impl) is None:
         pytest.skip(f"{impl} is not registered")
     dtype = torch.bfloat16
-    q = make((2, 128, 8, 64), view, dtype)
-    k, v = make((2, 128, 2, 64), view, dtype), make((2, 128, 2, 64), view, dtype)
+    q = make((2, 128, 8, 64), view, dtype, None, "cuda")
+    k, v = make((2, 128, 2, 64), view, dtype, None, "cuda"), make((2, 128, 2, 64), view, dtype, None, "cuda")
     decision = opdispatch.explain(q, k, v, causal=True, impl=impl)
     if decision.chosen is None or decision.candidate(impl).status != "chosen":
         pytest.skip(f"{impl}: {decision.candidate(impl).reasons}")
