@@ -410,7 +410,8 @@ class OpManager:
         def demoted(cand: Candidate) -> Candidate:
             """An eligible candidate the breaker demoted for this class (never a pinned one: a pin never falls
             back) — with the error it raised and when it is retried."""
-            demotion = self.breaker.active(key, cand.impl_id, now) if key is not None and self.breaker else None
+            consult = key is not None and self.breaker and policy.settings.fallback_on_error  # off: never demoted
+            demotion = self.breaker.active(key, cand.impl_id, now) if consult else None
             if cand.status == ELIGIBLE and demotion is not None:
                 cand.status, cand.reasons = DEMOTED, [demotion.reason(now)]
                 if demotion.retry_at is not None:

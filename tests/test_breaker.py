@@ -193,3 +193,14 @@ def test_other_ops_fail_over_through_their_generated_front_door(basic_manager, m
     for _ in range(4):
         torch.testing.assert_close(opdispatch.rms_norm(x, w, eps=1e-6), want.float(), atol=1e-5, rtol=1e-5)
     assert len(runs) == 1
+
+
+def test_turning_fallback_off_forgets_demotions_for_new_decisions(flaky):
+    q = randn(1, 8, 2, 16)
+    opdispatch.attention(q, q, q)
+    assert opdispatch.explain(q, q, q).chosen_id == "cpu.flash"
+    flaky.set_policy(parse_policy("settings: {fallback_on_error: false}\n"
+                                  "ops: {attention: {order: [flaky.kernel, cpu.flash]}}", "<p>"))
+    assert opdispatch.explain(q, q, q).chosen_id == "flaky.kernel"  # off means: the error reaches the caller
+    with pytest.raises(RuntimeError, match="misaligned address"):
+        opdispatch.plan(q, q, q)(q, q, q)
