@@ -1,11 +1,14 @@
-"""`opdispatch validate`: a conformance matrix per implementation, each in its own process, and a quarantine.
+"""`opdispatch validate`: a conformance matrix per implementation (every op), each in its own process, and a
+quarantine.
 
 For every attention implementation available on the device (or those named), a matrix of calls — each feature
 class its capabilities declare (causal in both alignments, window, softcap, ALiBi, masks, bias, GQA, varlen, LSE,
 backward), in each dtype it declares, plus odd shapes and strided views — runs through the op, pinned to it, with
 the output guard on (structure, NaN, inputs unchanged), and is compared with `reference.math` computing in float64
 (an implementation is never compared with itself: the reference is not validated here; its own tests hold it to an
-independent oracle). Tolerance per dtype (`TOLERANCE`).
+independent oracle). Tolerance per dtype (`TOLERANCE`). The other ops' implementations run their op's tuning
+cases (`OpSpec.tuning`, CPU sizes) with every combination of the cases' boolean fields (weight, residual,
+interleaved, backward…) against the op's reference implementation in float64 (`op_cases`).
 
 Each implementation runs in a worker process (``python -m opdispatch._validate WORKER_ARGS``) that reports each
 case as one JSON line when it ends. A case that kills its process (abort, segfault), hangs past ``--timeout``
@@ -73,8 +76,12 @@ class Case:
     hkv: int = 8
     d: int = 64
     options: tuple[tuple[str, Any], ...] = ()
+    op: str = "attention"
+    data: tuple[tuple[str, Any], ...] = ()  # another op's tuning case (`TuningSpec.case.to_dict()`)
 
     def describe(self) -> str:
+        if self.op != "attention":
+            return f"{self.op} {self.feature}"
         opts = " ".join(f"{k}={v}" for k, v in self.options)
         return (f"{self.feature} {self.dtype} b={self.b} sq={self.sq} sk={self.sk} heads={self.hq}/{self.hkv} "
                 f"d={self.d}" + (f" {opts}" if opts else ""))
@@ -95,6 +102,91 @@ def attention_cases(dtypes: Sequence[str], features: Sequence[str] | None = None
         for dtype in dtypes:
             cases.append(Case(len(cases), feature, dtype, options=tuple(sorted(options.items())), **shape))
     return cases
+
+
+def op_cases(op: str, dtypes: Sequence[str]) -> list[Case]:
+    """Another op's matrix: its tuning presets' cases (the CPU sizes: correctness, not speed) with each boolean
+    field also flipped (weight, residual, interleaved, backward…), one case per combination, in each dtype."""
+    import itertools
+
+    from ._ops import op_spec
+
+    tuning = op_spec(op).tuning
+    if tuning is None:
+        return []
+    case_type: Any = tuning.case
+    cases: list[Case] = []
+    seen: set[tuple[Any, ...]] = set()
+    for preset in tuning.presets:
+        for case in tuning.preset(preset, "cpu"):
+            base = case.to_dict()
+            flags = [k for k, v in base.items() if isinstance(v, bool)]
+            for values, dtype in itertools.product(itertools.product((False, True), repeat=len(flags)), dtypes):
+                data = {**base, **dict(zip(flags, values)), "dtype": dtype}
+                key = (dtype, *values)
+                if key in seen:
+                    continue
+                seen.add(key)
+                typed = case_type.from_dict(data)
+                when = _op_when(op, tuning.validate(**typed.inputs("meta")))
+                cases.append(Case(len(cases), typed.describe() + "".join(f" {k}={v}" for k, v in zip(flags, values)),
+                                  dtype, op=op, data=tuple(sorted(data.items())), options=tuple(sorted(when.items()))))
+    return cases
+
+
+def _op_when(op: str, call: Any) -> dict[str, Any]:
+    """A non-attention case's quarantine conditions: the call's boolean features that hold."""
+    from ._ops import op_spec
+
+    features = op_spec(op).call_features(call)
+    return {k: True for k, v in sorted(features.items()) if v is True}
+
+
+def run_op_case(impl_id: str, case: Case, device: str) -> CaseResult:
+    """A case of an op other than attention: through its front door, pinned, against its reference in float64."""
+    import torch
+
+    import opdispatch
+
+    from ._ops import op_spec
+
+    spec = op_spec(case.op)
+    assert spec.tuning is not None
+    case_type: Any = spec.tuning.case
+    inputs = case_type.from_dict(dict(case.data)).inputs(device, torch.Generator().manual_seed(case.index))
+    call = spec.tuning.validate(**inputs)
+    manager = opdispatch.get_manager()
+    impl = manager.implementation(case.op, impl_id)
+    if impl is None:
+        return CaseResult(case, "not declared", f"{impl_id} is not registered")
+    reasons = impl.not_supported_reasons(call, manager.device_info(call.device))
+    if reasons:
+        return CaseResult(case, "not declared", "; ".join(reasons))
+    reference = next(i.id for i in manager.implementations(case.op) if getattr(i, "reference_fallback", False))
+    front_door = getattr(opdispatch, case.op)
+    leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+
+    def outputs(result: Any) -> list[Any]:
+        return list(result) if isinstance(result, tuple) else [result]
+
+    try:
+        got = outputs(front_door(**inputs, impl=impl_id))
+        weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)).to(o) for i, o in enumerate(got)]
+        grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(got, weights)), leaves) if leaves else ()
+    except Exception as exc:
+        return CaseResult(case, "fail", f"raised {type(exc).__name__}: {str(exc)[:300]}")
+    ref_inputs = {k: (v.detach().double().requires_grad_(v.requires_grad)
+                      if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in inputs.items()}
+    want = outputs(front_door(**ref_inputs, impl=reference))
+    fwd_tol, grad_tol = TOLERANCE[case.dtype]
+    errors = [_rel(g, w) for g, w in zip(got, want)]
+    problems = [f"output {i} error {e:.3g} > {fwd_tol:g}" for i, e in enumerate(errors) if not e <= fwd_tol]
+    if leaves:
+        ref_leaves = [v for v in ref_inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+        ref_grads = torch.autograd.grad(sum((o * w.double()).sum() for o, w in zip(want, weights)), ref_leaves)
+        problems += [f"gradient {i} error {_rel(g, r):.3g} > {grad_tol:g}" for i, (g, r) in
+                     enumerate(zip(grads, ref_grads)) if not _rel(g, r) <= grad_tol]
+    return CaseResult(case, "fail" if problems else "pass", "; ".join(problems), max(errors, default=0.0))
 
 
 # -- the worker: runs cases and reports each as a JSON line -----------------------------------------------------
@@ -196,12 +288,13 @@ def run_case(impl_id: str, case: Case, device: str) -> CaseResult:
 
 def _worker(impl_id: str, device: str, cases_path: str, start: int, out: TextIO) -> None:
     os.environ["OPDISPATCH_CHECK_OUTPUTS"] = "1"  # structure, NaN and untouched inputs, every call
-    cases = [Case(**{**c, "options": tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in c["options"])})
+    cases = [Case(**{**c, "options": tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in c["options"]),
+                     "data": tuple((k, v) for k, v in c["data"])})
              for c in json.loads(Path(cases_path).read_text())]
     for case in cases[start:]:
         out.write(json.dumps({"start": case.index}) + "\n")
         out.flush()
-        result = run_case(impl_id, case, device)
+        result = run_case(impl_id, case, device) if case.op == "attention" else run_op_case(impl_id, case, device)
         out.write(json.dumps({"index": case.index, "status": result.status, "detail": result.detail,
                               "error": result.error}) + "\n")
         out.flush()
@@ -281,6 +374,7 @@ def quarantine_yaml(failures: dict[str, list[CaseResult]], device: Any, when_ext
     import yaml
 
     rules = []
+    ops_of = {impl_id: results[0].case.op for impl_id, results in failures.items() if results}
     for impl_id, results in sorted(failures.items()):
         by_feature: dict[str, list[CaseResult]] = {}
         for r in results:
@@ -288,21 +382,32 @@ def quarantine_yaml(failures: dict[str, list[CaseResult]], device: Any, when_ext
         for feature, bad in by_feature.items():
             when: dict[str, Any] = {"vendor": device.vendor, "arch": device.arch,
                                     "device_name": "".join(f"[{c}]" if c in "[]*?" else c for c in device.name)}
-            when.update(_FEATURES[feature][2])
+            first = bad[0]
+            when.update(_FEATURES[feature][2] if first.case.op == "attention" else dict(first.case.options))
             when["dtype"] = sorted({r.case.dtype for r in bad})
             libraries = when_extra(impl_id)
             if libraries:
                 when["libraries"] = libraries
-            first = bad[0]
-            rules.append({"name": f"quarantine-{impl_id}-{feature}", "when": when, "deny": [impl_id],
+            rules.append({"name": _rule_name(impl_id, feature), "when": when, "deny": [impl_id],
                           "reason": f"{first.status}: {first.detail} on [{first.case.describe()}]"
                                     + (f" (and {len(bad) - 1} more case(s) of this class)" if len(bad) > 1 else "")})
     header = (f"# Written by `{command}` on {time.strftime('%Y-%m-%d %H:%M')} for {device.describe()}.\n"
               "# Deny rules only, each scoped to the feature class, dtypes, device and library versions it failed on.\n"
               "# Delete a rule (or the file) to try the implementation again; a pin still reaches it.\n")
-    body = {"version": 1, "extends": "none", "ops": {"attention": {"rules": rules}}} if rules else {
-        "version": 1, "extends": "none"}
+    ops: dict[str, Any] = {}
+    for impl_id, rule in rules_by_impl(rules):
+        ops.setdefault(ops_of[impl_id], {"rules": []})["rules"].append(rule)
+    body = {"version": 1, "extends": "none", "ops": ops} if ops else {"version": 1, "extends": "none"}
     return header + yaml.safe_dump(body, sort_keys=False, width=120)
+
+
+def rules_by_impl(rules: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [(rule["deny"][0], rule) for rule in rules]
+
+
+def _rule_name(impl_id: str, feature: str) -> str:
+    """A policy rule name (letters, digits, ``_.:-``) for an implementation's failing feature class."""
+    return "quarantine-" + "".join(c if c.isalnum() or c in "_.:-" else "-" for c in f"{impl_id}-{feature}")
 
 
 def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: float, quick: bool,
@@ -315,17 +420,20 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
 
     from ._attention import dtype_name
 
+    from ._ops import known_ops
+
     manager = opdispatch.get_manager()
     info = manager.device_info(device)
-    available = [i for i in manager.implementations("attention") if manager.availability(i, info) is None]
+    everything = [i for op in known_ops() for i in manager.implementations(op)]
+    available = [i for i in everything if manager.availability(i, info) is None]
     if impl_ids:
-        known = {i.id for i in manager.implementations("attention")}
+        known = {i.id for i in everything}
         unknown = [i for i in impl_ids if i not in known]
         if unknown:
             raise ValueError(f"validate: unknown implementation(s) {unknown}; registered: {', '.join(sorted(known))}")
         chosen = [i for i in available if i.id in impl_ids]
-    else:
-        chosen = [i for i in available if i.id != "reference.math"]  # the oracle is not validated against itself
+    else:  # the oracles are not validated against themselves
+        chosen = [i for i in available if not getattr(i, "reference_fallback", False)]
     tty = stream.isatty()
 
     def progress(impl_id: str, done: int, total: int, status: str) -> None:
@@ -348,7 +456,8 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
         dtypes = sorted(dtype_name(d) for d in getattr(impl, "caps").dtypes if dtype_name(d) in TOLERANCE)
         if info.type != "cpu":
             dtypes = [d for d in dtypes if d != "fp64"] or dtypes
-        results = validate_impl(impl.id, device, attention_cases(dtypes, features), timeout,
+        cases = attention_cases(dtypes, features) if impl.op == "attention" else op_cases(impl.op, dtypes)
+        results = validate_impl(impl.id, device, cases, timeout,
                                 locked_progress if jobs > 1 else progress, Path(tmp))
         if tty and jobs == 1:
             stream.write("\n")
@@ -366,7 +475,7 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
     failures = {k: v for k, v in failures.items() if v}
 
     def libraries(impl_id: str) -> dict[str, str]:
-        impl = manager.implementation("attention", impl_id)
+        impl = next(i for i in everything if i.id == impl_id)
         keys = {"torch"} | {r.library_key for r in getattr(impl, "requires", ())}
         return {k: f"=={v}" for k, v in sorted(info.libraries.items()) if k in keys}
 

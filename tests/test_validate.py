@@ -36,7 +36,7 @@ def test_validate_isolates_crashes_and_hangs_and_quarantines_exactly_the_failing
     quarantine, report = tmp_path / "quarantine.yaml", tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPDISPATCH_")}
     env.update(PYTHONPATH=f"{site}{os.pathsep}{REPO}", OPDISPATCH_PLUGINS="cpu,reference,vfake")
-    impls = "vfake.right,vfake.shape,vfake.nan,vfake.corrupt,vfake.abort,vfake.hang,vfake.bottom"
+    impls = "vfake.right,vfake.shape,vfake.nan,vfake.corrupt,vfake.abort,vfake.hang,vfake.bottom,vfake.norm"
     result = subprocess.run([sys.executable, "-m", "opdispatch._cli", "validate", "--impl", impls, "--on", "cpu",
                              "--quick", "--timeout", "4", "--jobs", "2", "--quarantine", str(quarantine), "--json", str(report)],
                             env=env, capture_output=True, text=True, timeout=600)
@@ -62,6 +62,13 @@ def test_validate_isolates_crashes_and_hangs_and_quarantines_exactly_the_failing
     assert "quarantine-vfake.bottom-causal_bottom_right" in text and "quarantine-vfake.right" not in text
     assert "quarantine-vfake.abort-causal" in text and "quarantine-vfake.hang-gqa" in text
     assert "quarantine-vfake.abort-dense" not in text
+    norm = cases["vfake.norm"]  # another op: its tuning cases (no backward declared: those are not run)
+    assert {c["status"] for c in norm if ("weight", False) in map(tuple, c["data"])} == {"pass", "not declared"}
+    assert {c["status"] for c in norm if ("weight", True) in map(tuple, c["data"])} == {"fail", "not declared"}
+    import yaml
+
+    rules = yaml.safe_load(text)["ops"]["rms_norm"]["rules"]
+    assert rules and all(r["deny"] == ["vfake.norm"] and r["when"].get("weight") is True for r in rules)
 
     # The quarantine now steers dispatch, in a process that reads it as a user would.
     check = """

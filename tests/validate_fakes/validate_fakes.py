@@ -85,6 +85,19 @@ class TopLeftOnly(Right):
         return self.compute(call)
 
 
+class NormIgnoresWeight(opdispatch.RmsNormImpl):
+    """rms_norm that forgets the weight: right only for weightless calls."""
+
+    vendor, name = "vfake", "norm"
+    caps = opdispatch.RmsNormCaps(dtypes=F32)
+
+    def run(self, call):
+        h = call.x if call.residual is None else call.x + call.residual
+        y = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + call.eps).to(h.dtype)
+        return y if call.residual is None else (y, h)
+
+
 @opdispatch.hookimpl
 def opdispatch_impls():
-    return [Right(), WrongShape(), Nan(), Corrupts(), AbortsOnCausal(), HangsOnGqa(), TopLeftOnly()]
+    return [Right(), WrongShape(), Nan(), Corrupts(), AbortsOnCausal(), HangsOnGqa(), TopLeftOnly(),
+            NormIgnoresWeight()]
