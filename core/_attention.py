@@ -1059,7 +1059,7 @@ def attention_features(call: AttentionCall) -> dict[str, Any]:
         "window": call.window is not None, "softcap": call.softcap > 0, "alibi": call.alibi_slopes is not None,
         "dropout": call.dropout_p > 0, "mask": call.attn_mask is not None, "bias": call.attn_bias is not None,
         "varlen": call.varlen, "requires_grad": call.requires_grad, "deterministic": call.deterministic,
-        "return_lse": call.return_lse,
+        "return_lse": call.return_lse, "causal_alignment": call.causal_alignment,
     }
 
 
@@ -1067,8 +1067,8 @@ ATTENTION = register_op(OpSpec(
     name="attention", impl_base=AttentionImpl, call_features=attention_features, arguments=ATTENTION_ARGS,
     validator=validate_attention, tuning=ATTENTION_TUNING,
     description="scaled dot-product attention (dense layouts and packed varlen)",
-    vocabularies={"layout": LAYOUTS}, expected_outputs=attention_outputs,
-    features={"dtype": "dtype", "layout": "name", **dict.fromkeys(
+    vocabularies={"layout": LAYOUTS, "causal_alignment": CAUSAL_ALIGNMENTS}, expected_outputs=attention_outputs,
+    features={"dtype": "dtype", "layout": "name", "causal_alignment": "name", **dict.fromkeys(
         ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio"), "int"),
         **dict.fromkeys(("causal", "window", "softcap", "alibi", "dropout", "mask", "bias", "varlen",
                          "requires_grad", "deterministic", "return_lse"), "bool")},

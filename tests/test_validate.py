@@ -109,6 +109,14 @@ def test_a_quarantine_applies_on_its_device_and_versions_only(basic_manager, tmp
     assert causal.candidate("cpu.flash").reasons[0].startswith(
         "quarantined by validate: fail: out error 3.1 > 0.002 on [causal fp32")
     assert opdispatch.explain(q, q, q).chosen_id == "cpu.flash"  # another class
+    k = torch.randn(1, 9, 2, 16)
+    bottom = attention_cases(["fp32"], ["causal_bottom_right"])[0]
+    path.write_text(quarantine_yaml({"cpu.flash": [CaseResult(bottom, "fail", "out error 2.0")]}, cpu,
+                                    lambda impl: {}, "test"))
+    basic_manager.set_policy(parse_policy("ops: {}", "<p>", environ={"OPDISPATCH_QUARANTINE": str(path)}))
+    assert opdispatch.explain(q, k, k, causal=True, causal_alignment="bottom_right").chosen_id == "reference.math"
+    assert opdispatch.explain(q, k, k, causal=True).chosen_id == "cpu.flash"  # top-left causal: not quarantined
+    basic_manager.set_policy(policy)
     assert opdispatch.explain(q.double(), q.double(), q.double(), causal=True).chosen_id == "cpu.flash"  # dtype
     other = load_device_descriptor(REPO / "configs" / "devices" / "cpu.yaml")  # a simulated CPU, another name
     assert opdispatch.explain(q, q, q, causal=True, device=other).chosen_id == "cpu.flash"
