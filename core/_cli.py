@@ -18,6 +18,7 @@ from ._device import DeviceInfo
 from ._rms_norm import validate_rms_norm
 from ._rotary import validate_rotary_embedding
 from ._errors import OpDispatchError
+from ._ops import known_ops
 
 
 def _ints(text: str, count: int | None = None, what: str = "value") -> list[int]:
@@ -28,6 +29,16 @@ def _ints(text: str, count: int | None = None, what: str = "value") -> list[int]
     if count is not None and len(values) != count:
         raise argparse.ArgumentTypeError(f"{what} {text!r} needs {count} comma-separated integers")
     return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1 (leave the flag out for the default)")
+    return value
 
 
 def _device_arg(args: argparse.Namespace) -> DeviceInfo:
@@ -48,6 +59,8 @@ def _local_torch_device() -> torch.device:
 def cmd_list(args: argparse.Namespace) -> int:
     manager = get_manager()
     manager.ensure_initialized()
+    if args.op is not None and args.op not in known_ops():
+        raise ValueError(f"--op {args.op!r} is not an op; known ops: {', '.join(known_ops())}")
     device = _device_arg(args)
     rows = [("implementation", "op", "vendor", "priority", "available", "origin")]
     for registered in manager.registry:
@@ -176,17 +189,21 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     manager = get_manager()
     manager.ensure_initialized()
     device = _device_arg(args)
-    policy = manager.policy
+    try:
+        policy = manager.policy
+        policy_line, broken = f"{policy.source} (hash {policy.hash})", False
+    except OpDispatchError as exc:  # a broken policy is what doctor is for: report it, then the rest
+        policy_line, broken = f"BROKEN — {exc}", True
     print(f"opdispatch {__import__('opdispatch').__version__}, torch {torch.__version__}, python "
           f"{sys.version.split()[0]}")
     print(f"device:  {device.describe()}")
     for name, version in sorted(device.libraries.items()):
         print(f"  {name} {version}")
-    print(f"policy:  {policy.source} (hash {policy.hash})")
+    print(f"policy:  {policy_line}")
     env = {k: v for k, v in os.environ.items() if k.startswith("OPDISPATCH_")}
     print("env:     " + (", ".join(f"{k}={v}" for k, v in sorted(env.items())) or "no OPDISPATCH_* variables"))
     print("plugins:")
-    status = 0
+    status = 1 if broken else 0
     for record in manager.plugins:
         print(f"  - {record.describe()}")
         if record.impl_ids:
@@ -197,7 +214,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 print("      " + record.traceback.replace("\n", "\n      "))
     print("implementations:")
     for registered in manager.registry:
-        reason = manager.availability(registered.impl, device)
+        # With a broken policy there are no configured implementations: ask the registered ones, without options.
+        reason = (registered.impl.availability(device) if broken
+                  else manager.availability(registered.impl, device))
         print(f"  - {registered.impl.id}: {'available' if reason is None else 'unavailable: ' + reason}")
     return status
 
@@ -336,9 +355,10 @@ def cmd_policy_lint(args: argparse.Namespace) -> int:
     manager.ensure_initialized()
     device = resolve_device(args.device) if args.device else None
     ids = {op: [r.impl.id for r in manager.registry.for_op(op)] for op in manager.registry.ops()}
+    impls = {op: {r.impl.id: r.impl for r in manager.registry.for_op(op)} for op in manager.registry.ops()}
     status = 0
     for path in args.files:
-        findings = lint_policy_file(path, ids, device)
+        findings = lint_policy_file(path, ids, device, impls)
         for finding in findings:
             print(finding)
         if findings:
@@ -409,6 +429,7 @@ def cmd_ops(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opdispatch", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"opdispatch {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("list", help="implementations, their availability and origin")
@@ -425,9 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the op (default: attention); each reads the flags that apply to it")
     p.add_argument("--shape", required=True, help="B,S,H,D of q (S = seqlen_q, H = q heads); for rms_norm "
                                                   "TOKENS,HIDDEN of x")
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--seqlen-k", type=int, default=None)
-    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--kv-heads", type=_positive, default=None)
+    p.add_argument("--seqlen-k", type=_positive, default=None)
+    p.add_argument("--head-dim-v", type=_positive, default=None)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--layout", default="bshd", choices=["bshd", "bhsd", "sbhd"])
     p.add_argument("--varlen", action="store_true", help="pack as thd with B sequences of S tokens")
@@ -496,9 +517,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("opdispatch")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--window -1,0` as `--window=-1,0`: argparse would take "-1,0" for an option."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in _NEGATIVE_OK and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+_NEGATIVE_OK = ("--window",)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
     try:
         return int(args.func(args))
     except (OpDispatchError, ValueError, TypeError, argparse.ArgumentTypeError) as exc:

@@ -139,15 +139,37 @@ class _DescriptorModel(BaseModel):
         return value
 
 
+def _shipped_descriptor(path: Path) -> Path:
+    if path.exists():
+        return path
+    from importlib import resources
+
+    shipped = resources.files("opdispatch.configs.devices")
+    name = path.name if path.suffix == ".yaml" else f"{path.name}.yaml"
+    candidate = Path(str(shipped.joinpath(name)))
+    if candidate.exists() and (path.parent == Path(".") or path.parent.parts[-2:] == ("configs", "devices")):
+        return candidate
+    return path
+
+
+def _shipped_names() -> list[str]:
+    from importlib import resources
+
+    return sorted(p.name.removesuffix(".yaml") for p in resources.files("opdispatch.configs.devices").iterdir()
+                  if p.name.endswith(".yaml"))
+
+
 def load_device_descriptor(path: str | os.PathLike[str]) -> DeviceInfo:
-    """Load a simulated device from a YAML descriptor; errors name the file and the field."""
-    path = Path(path)
+    """Load a simulated device from a YAML descriptor — a path, or the name of a shipped one (``h100``, also
+    ``configs/devices/h100.yaml`` where that path does not exist: the descriptors ship inside the package);
+    errors name the file and the field."""
+    path = _shipped_descriptor(Path(path))
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise DeviceDescriptorError(
-            f"cannot read device descriptor {str(path)!r}: {exc.strerror}. "
-            "Pass the path of a YAML file such as configs/devices/h100.yaml.") from exc
+            f"cannot read device descriptor {str(path)!r}: {exc.strerror}. Pass the path of a YAML file, or the "
+            f"name of a shipped one: {', '.join(_shipped_names())}.") from exc
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -140,7 +140,23 @@ def _matching(pattern: str, ids: Iterable[str]) -> list[str]:
     return [i for i in ids if fnmatch.fnmatchcase(i, pattern)]
 
 
-def lint_layer(layer: PolicyLayer, impl_ids: dict[str, list[str]], device: Any = None) -> list[Finding]:
+def option_problem(impl: Any, options: dict[str, Any]) -> str | None:
+    """Why `options` are not valid for `impl` (its own options model says), in one line, or None."""
+    from pydantic import ValidationError
+
+    try:
+        impl.with_options(options)
+    except ValidationError as exc:
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(options)'}: {e['msg']} (got {e.get('input')!r})"
+                         for e in exc.errors())
+    except ValueError as exc:
+        return str(exc).splitlines()[0]
+    return None
+
+
+def lint_layer(layer: PolicyLayer, impl_ids: dict[str, list[str]], device: Any = None,
+               impls: dict[str, dict[str, Any]] | None = None) -> list[Finding]:
+    """`impls` (op -> id -> implementation): also check option values with each implementation's own model."""
     findings: list[Finding] = []
     for op, spec in layer.model.ops.items():
         known = impl_ids.get(op, [])
@@ -160,6 +176,11 @@ def lint_layer(layer: PolicyLayer, impl_ids: dict[str, list[str]], device: Any =
                                         f"{impl_id} is denied everywhere by deny {p!r}: it can never be chosen"))
         for impl_id in spec.options:
             check(impl_id, "options for", "ops", op, "options", impl_id)
+            impl = (impls or {}).get(op, {}).get(impl_id)
+            problem = None if impl is None else option_problem(impl, spec.options[impl_id])
+            if problem:
+                findings.append(Finding(layer.where("ops", op, "options", impl_id), "error",
+                                        f"options for {impl_id}: {problem}"))
         findings.extend(_require_findings(layer, op, spec, known))
         findings.extend(_autotune_findings(layer, op, spec))
 
@@ -197,7 +218,8 @@ def lint_layer(layer: PolicyLayer, impl_ids: dict[str, list[str]], device: Any =
     return findings
 
 
-def lint_policy_file(path: str | Path, impl_ids: dict[str, list[str]], device: Any = None) -> list[Finding]:
+def lint_policy_file(path: str | Path, impl_ids: dict[str, list[str]], device: Any = None,
+                     impls: dict[str, dict[str, Any]] | None = None) -> list[Finding]:
     """Lint one policy file. A schema error is returned as the single finding (level error)."""
     try:
         layer = read_policy_file(path)
@@ -207,4 +229,4 @@ def lint_policy_file(path: str | Path, impl_ids: dict[str, list[str]], device: A
         if message.startswith(where + ": "):
             message = message[len(where) + 2:]
         return [Finding(where, "error", message)]
-    return lint_layer(layer, impl_ids, device)
+    return lint_layer(layer, impl_ids, device, impls)

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import opdispatch
+
 from opdispatch._cli import main
 from opdispatch.policies._lint import lint_policy_file
 from tests.conftest import REPO, device_descriptor
@@ -196,3 +198,53 @@ ops:
     (tmp_path / "tuned-missing.yaml").write_text("format: nope\n")
     invalid = [str(f) for f in lint_policy_file(path, ids) if "tuned-missing.yaml" in str(f)]
     assert len(invalid) == 1 and "tuned table" in invalid[0] and ": error: " in invalid[0], invalid
+
+
+def test_lint_checks_option_values_with_each_implementations_model(tmp_path, capsys, manager):
+    path = tmp_path / "p.yaml"
+    path.write_text("ops:\n  attention:\n    options:\n      rocm.aotriton: {fa_library: nope}\n")
+    assert main(["policy", "lint", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"{path}:4: error: options for rocm.aotriton: fa_library: Input should be 'aotriton', 'ck' or " \
+           "'default' (got 'nope')" in out
+
+
+def test_doctor_reports_a_broken_policy_instead_of_dying(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "p.yaml"
+    path.write_text("ops:\n  attention:\n    options:\n      rocm.aotriton: {fa_library: nope}\n")
+    monkeypatch.setenv("OPDISPATCH_POLICY", str(path))
+    fresh = opdispatch.OpManager()
+    previous = opdispatch.set_manager(fresh)
+    try:
+        assert main(["doctor"]) == 1
+    finally:
+        opdispatch.set_manager(previous)
+    out = capsys.readouterr().out
+    assert f"policy:  BROKEN — {path}:4: field ops.attention.options.rocm.aotriton" in out
+    assert "  - cpu.flash: available" in out  # the rest of the report still comes
+
+
+@pytest.mark.parametrize("device", ["h100", "configs/devices/h100.yaml", "h100.yaml"])
+def test_device_descriptors_resolve_by_name_and_documented_path(device, capsys, basic_manager, tmp_path,
+                                                                monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the checkout: the shipped descriptors must be found in the package
+    assert main(["list", "--device", device]) == 0
+    assert "sm90 (capability 9.0), simulated from" in capsys.readouterr().out
+    info = opdispatch.load_device_descriptor(device)
+    assert info.arch == "sm90" and info.simulated
+
+
+def test_cli_flags_are_validated(capsys, basic_manager):
+    assert main(["list", "--op", "atention"]) == 2
+    assert "--op 'atention' is not an op; known ops: attention, rms_norm, rotary_embedding" in capsys.readouterr().err
+    for flag in ("--kv-heads", "--seqlen-k", "--head-dim-v"):
+        with pytest.raises(SystemExit):
+            main(["explain", "--shape", "1,8,2,16", flag, "0"])
+        assert "must be at least 1" in capsys.readouterr().err
+    assert main(["explain", "--shape", "1,8,2,16", "--causal", "--window", "-1,0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chosen"]
+    assert main(["explain", "--shape", "1,8,2,16", "--window=4,0", "--causal", "--json"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("opdispatch ")
