@@ -909,15 +909,6 @@ class AttentionImpl(Impl):
             return ()
         return call.signature()
 
-    def conform(self, call: AttentionCall) -> AttentionCall:
-        tensors = (call.q, call.k, call.v)
-        if self.caps.contiguous_inputs:
-            return call if all(t.is_contiguous() for t in tensors) else call.with_tensors(
-                *(t.contiguous() for t in tensors))
-        if self.caps.strided_inputs or not any(_needs_unit_stride(t) for t in tensors):
-            return call
-        return call.with_tensors(*(_unit_stride(t) for t in tensors))
-
     def input_conformer(self, call: AttentionCall) -> Callable[..., tuple[Any, ...]] | None:
         if self.caps.contiguous_inputs:
             return _contiguous

@@ -225,13 +225,20 @@ class Impl:
 
     def conform(self, call: Any) -> Any:
         """`call` with its tensors made to meet this implementation's declared input needs (strides, …): what
-        `run` and `bind` are given. Default: `call` itself (ops whose capabilities declare such needs override
-        it, as attention does with `AttentionCaps.strided_inputs`)."""
-        return call
+        `run` and `bind` are given — the op's bound tensors passed through `input_conformer`."""
+        conformer = self.input_conformer(call)
+        if conformer is None:
+            return call
+        from ._ops import op_spec
+
+        arguments = op_spec(self.op).arguments
+        assert arguments is not None  # an op with an input conformer binds tensors
+        return call.with_tensors(*conformer(*(getattr(call, name) for name in arguments.bound)))
 
     def input_conformer(self, call: Any) -> Callable[..., tuple[Any, ...]] | None:
-        """For a function bound to `call`'s signature: a function mapping its tensors to conforming ones, or None
-        when the signature's tensors already conform (then nothing runs per call). See `conform`."""
+        """A function mapping the op's bound tensors (for `call`'s signature) to ones meeting this implementation's
+        declared needs, or None when they already do (then nothing runs per call). Default: None (ops whose
+        capabilities declare such needs override it, as attention does with `AttentionCaps.strided_inputs`)."""
         return None
 
     def bind(self, call: Any) -> Callable[..., Any]:
