@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
 
 from ._state import bounded_put
 
@@ -99,10 +98,6 @@ class Breaker:
 
     def __bool__(self) -> bool:
         return bool(self._demoted)
-
-    def demotions(self) -> list[tuple[Any, Demotion]]:
-        with self._lock:
-            return [(key, d) for (key, _), d in self._demoted.items()]
 
     def clear(self) -> None:
         with self._lock:

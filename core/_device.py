@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,6 @@ TORCH_DEVICE_TYPES = ("cpu", "cuda", "hpu", "ipu", "lazy", "maia", "meta", "mps"
 
 def known_device_types() -> tuple[str, ...]:
     """torch's device types, with the renamed private-use backend of this process (e.g. ``npu``) if any."""
-    import sys
-
     torch = sys.modules.get("torch")
     renamed = getattr(getattr(torch, "_C", None), "_get_privateuse1_backend_name", None)
     extra = (str(renamed()),) if renamed is not None else ()
