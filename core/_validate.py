@@ -21,6 +21,7 @@ with the evidence as the reason — that every policy loads (`opdispatch.policie
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -157,12 +158,9 @@ def run_op_case(impl_id: str, case: Case, device: str) -> CaseResult:
     inputs = case_type.from_dict(dict(case.data)).inputs(device, torch.Generator().manual_seed(case.index))
     call = spec.tuning.validate(**inputs)
     manager = opdispatch.get_manager()
-    impl = manager.implementation(case.op, impl_id)
-    if impl is None:
-        return CaseResult(case, "not declared", f"{impl_id} is not registered")
-    reasons = impl.not_supported_reasons(call, manager.device_info(call.device))
-    if reasons:
-        return CaseResult(case, "not declared", "; ".join(reasons))
+    undeclared = _undeclared(manager, case, impl_id, call)
+    if undeclared is not None:
+        return undeclared
     reference = next(i.id for i in manager.implementations(case.op) if getattr(i, "reference_fallback", False))
     front_door = getattr(opdispatch, case.op)
     leaves = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
@@ -234,6 +232,15 @@ def _tensors(case: Case, device: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (q, k, v), kwargs
 
 
+def _undeclared(manager: Any, case: Case, impl_id: str, call: Any) -> CaseResult | None:
+    """The case's result when `impl_id` does not declare it (not registered, or a reason it cannot take it)."""
+    impl = manager.implementation(case.op, impl_id)
+    if impl is None:
+        return CaseResult(case, "not declared", f"{impl_id} is not registered")
+    reasons = impl.not_supported_reasons(call, manager.device_info(call.device))
+    return CaseResult(case, "not declared", "; ".join(reasons)) if reasons else None
+
+
 def _rel(a: Any, b: Any) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -248,12 +255,9 @@ def run_case(impl_id: str, case: Case, device: str) -> CaseResult:
     (q, k, v), kwargs = _tensors(case, device)
     call = opdispatch.validate_attention(q, k, v, **kwargs)
     manager = opdispatch.get_manager()
-    impl = manager.implementation("attention", impl_id)
-    if impl is None:
-        return CaseResult(case, "not declared", f"{impl_id} is not registered")
-    reasons = impl.not_supported_reasons(call, manager.device_info(call.device))
-    if reasons:
-        return CaseResult(case, "not declared", "; ".join(reasons))
+    undeclared = _undeclared(manager, case, impl_id, call)
+    if undeclared is not None:
+        return undeclared
     try:
         result = opdispatch.attention(q, k, v, impl=impl_id, **kwargs)
         out, lse = result if kwargs.get("return_lse") else (result, None)
@@ -320,7 +324,7 @@ def validate_impl(impl_id: str, device: str, cases: list[Case], timeout: float,
         proc = subprocess.Popen([sys.executable, "-m", "opdispatch._validate", impl_id, device, str(cases_path),
                                  str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines: queue.Queue[str | None] = queue.Queue()
-        stderr_tail: list[str] = []
+        stderr_tail: collections.deque[str] = collections.deque(maxlen=50)  # the crash message comes last
 
         def pump(stream: Any, sink: Callable[[str], None]) -> None:
             for line in stream:
@@ -329,8 +333,7 @@ def validate_impl(impl_id: str, device: str, cases: list[Case], timeout: float,
                 lines.put(None)
 
         threading.Thread(target=pump, args=(proc.stdout, lines.put), daemon=True).start()
-        threading.Thread(target=pump, args=(proc.stderr, lambda s: stderr_tail.append(s) if len(stderr_tail) < 200
-                                            else None), daemon=True).start()
+        threading.Thread(target=pump, args=(proc.stderr, stderr_tail.append), daemon=True).start()
         current: int | None = None
         deadline = time.monotonic() + timeout + STARTUP_S  # importing torch and the plugins is not the case's time
         while True:
@@ -348,12 +351,12 @@ def validate_impl(impl_id: str, device: str, cases: list[Case], timeout: float,
                 code = proc.wait()
                 if current is not None and current not in results:
                     how = f"signal {-code}" if code < 0 else f"exit code {code}"
-                    tail = "".join(stderr_tail[-5:]).strip().replace("\n", " | ")[-300:]
+                    tail = "".join(list(stderr_tail)[-5:]).strip().replace("\n", " | ")[-300:]
                     results[current] = CaseResult(cases[current], "crashed", f"the worker died ({how}): {tail}")
                     progress(impl_id, len(results), len(cases), "crashed")
                     start = current + 1
                 elif current is None and code != 0:
-                    tail = "".join(stderr_tail[-5:]).strip()[-300:]
+                    tail = "".join(list(stderr_tail)[-5:]).strip()[-300:]
                     raise RuntimeError(f"validate: the worker for {impl_id} failed before any case ({code}): {tail}")
                 else:
                     start = (current + 1) if current is not None else len(cases)
@@ -374,8 +377,7 @@ def quarantine_yaml(failures: dict[str, list[CaseResult]], device: Any, when_ext
     """The quarantine file for `failures` (implementation id -> its failed, crashed or timed-out cases)."""
     import yaml
 
-    rules = []
-    ops_of = {impl_id: results[0].case.op for impl_id, results in failures.items() if results}
+    ops: dict[str, Any] = {}
     for impl_id, results in sorted(failures.items()):
         by_feature: dict[str, list[CaseResult]] = {}
         for r in results:
@@ -389,21 +391,15 @@ def quarantine_yaml(failures: dict[str, list[CaseResult]], device: Any, when_ext
             libraries = when_extra(impl_id)
             if libraries:
                 when["libraries"] = libraries
+            rules = ops.setdefault(first.case.op, {"rules": []})["rules"]
             rules.append({"name": _rule_name(impl_id, feature), "when": when, "deny": [impl_id],
                           "reason": f"{first.status}: {first.detail} on [{first.case.describe()}]"
                                     + (f" (and {len(bad) - 1} more case(s) of this class)" if len(bad) > 1 else "")})
     header = (f"# Written by `{command}` on {time.strftime('%Y-%m-%d %H:%M')} for {device.describe()}.\n"
               "# Deny rules only, each scoped to the feature class, dtypes, device and library versions it failed on.\n"
               "# Delete a rule (or the file) to try the implementation again; a pin still reaches it.\n")
-    ops: dict[str, Any] = {}
-    for impl_id, rule in rules_by_impl(rules):
-        ops.setdefault(ops_of[impl_id], {"rules": []})["rules"].append(rule)
     body = {"version": 1, "extends": "none", "ops": ops} if ops else {"version": 1, "extends": "none"}
     return header + yaml.safe_dump(body, sort_keys=False, width=120)
-
-
-def rules_by_impl(rules: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    return [(rule["deny"][0], rule) for rule in rules]
 
 
 def _rule_name(impl_id: str, feature: str) -> str:
