@@ -210,7 +210,9 @@ def kernel_faults() -> tuple[list[str], list[tuple[str, str, str]]]:
             class Faulty(AttentionImpl):
                 vendor: ClassVar[str] = "faulty"
                 name: ClassVar[str] = "kernel"
-                caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True)
+                caps: ClassVar[AttentionCaps] = AttentionCaps(
+                    dtypes=frozenset({torch.float32}), gqa=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}),
+                    causal=True, causal_alignments=frozenset({"top_left"}))
 
                 def run(self, call, _fault=fault):
                     return _fault(call)
@@ -251,7 +253,9 @@ def plugin_faults() -> list[tuple[str, str]]:
 
     def impl(vendor: str, caps: Any = None, name: str = "x") -> Any:
         attrs: dict[str, Any] = {"vendor": vendor, "name": name, "run": lambda self, call: call.q,
-                                 "caps": caps or AttentionCaps(dtypes=frozenset({torch.float32}))}
+                                 "caps": caps or AttentionCaps(
+                                     dtypes=frozenset({torch.float32}), layouts=frozenset({"bshd", "bhsd", "sbhd"}),
+                                     causal=True, causal_alignments=frozenset({"top_left"}))}
         return type(f"{vendor}_x", (AttentionImpl,), attrs)()
 
     def module(name: str, impls: list[Any] = (), hook: str = "opdispatch_impls", **attrs: Any) -> Any:

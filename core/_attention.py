@@ -787,10 +787,14 @@ def layout_views(layout: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], C
 
 @dataclass(frozen=True)
 class AttentionCaps:
-    """What an attention implementation supports, declared as data.
+    """What an attention implementation supports, declared as data (docs/plugins.md lists every field).
 
-    `layouts` are the layouts the adapter accepts (it may permute or copy); `causal_alignments` are those it can
-    honour when sq != sk (with equal lengths both alignments are the same computation).
+    Features default to unsupported: an implementation claims exactly what it declares. Limits (`head_dim_max`,
+    `max_seqlen`) default to none. `dtypes` and `layouts` have no default: registration refuses an
+    implementation that leaves them empty. `layouts` are the layouts `run()` accepts — it receives q/k/v in the
+    caller's layout, one of these (convert with ``call.bhsd(t)``/``call.from_bhsd(out)``);
+    `causal_alignments` are those it honours when seqlen_q != seqlen_k (declare at least one when claiming
+    `causal` or `window`; with equal lengths both alignments are the same computation).
     """
 
     dtypes: frozenset[torch.dtype]
@@ -798,9 +802,10 @@ class AttentionCaps:
     head_dim_max: int | None = None
     head_dim_multiple: int = 1
     head_dim_v_differs: bool = False
-    layouts: frozenset[str] = frozenset(DENSE_LAYOUTS)
-    causal: bool = True
-    causal_alignments: frozenset[str] = frozenset({"top_left"})
+    layouts: frozenset[str] = frozenset()
+    causal: bool = False
+    # None: not declared (refused when claiming causal or window); frozenset(): equal lengths only.
+    causal_alignments: frozenset[str] | None = None
     gqa: bool = False
     window: bool = False
     softcap: bool = False
@@ -811,10 +816,10 @@ class AttentionCaps:
     bias_grad: bool = False
     lse: bool = False
     backward: bool = False
-    deterministic_backward: bool = True
-    # Bitwise-reproducible forward for every shape (some kernels split the key axis by shape and reduce in
-    # launch order); declare it from measurement, as deterministic_backward.
-    deterministic_forward: bool = True
+    # Bitwise-reproducible backward / forward for every shape (some kernels split the key axis by shape and reduce
+    # in launch order, or accumulate gradients with atomics); declare them from measurement.
+    deterministic_backward: bool = False
+    deterministic_forward: bool = False
     max_seqlen: int | None = None
     # Whether `run`/`bind` read q/k/v of any strides correctly. False (the default, what vendor kernels need): the
     # op hands them q/k/v whose head dim is unit-stride, copying a view that is not (channels-last views, a
@@ -874,11 +879,21 @@ class AttentionImpl(Impl):
         unknown = set(caps.layouts) - set(LAYOUTS)
         if unknown:
             problems.append(f"caps.layouts has unknown layouts {sorted(unknown)}; allowed: {list(LAYOUTS)}")
-        bad_align = set(caps.causal_alignments) - set(CAUSAL_ALIGNMENTS)
+        bad_align = set(caps.causal_alignments or ()) - set(CAUSAL_ALIGNMENTS)
         if bad_align:
             problems.append(f"caps.causal_alignments has {sorted(bad_align)}; allowed: {list(CAUSAL_ALIGNMENTS)}")
         if not caps.dtypes or not all(isinstance(d, torch.dtype) for d in caps.dtypes):
             problems.append("caps.dtypes must be a non-empty set of torch dtypes")
+        if not caps.layouts:
+            problems.append(f"caps.layouts is not declared: list the layouts run() accepts, e.g. "
+                            f"layouts=frozenset({{'bshd'}}) (allowed: {list(LAYOUTS)}); run() receives q/k/v in the "
+                            f"caller's layout, one of these")
+        claims = [name for name in ("causal", "window") if getattr(caps, name)]
+        if claims and caps.causal_alignments is None:
+            problems.append(f"caps.causal_alignments is not declared but caps claims {', '.join(claims)}: declare "
+                            f"the alignments run() honours when seqlen_q != seqlen_k, e.g. "
+                            f"causal_alignments=frozenset({{'top_left'}}) (allowed: {list(CAUSAL_ALIGNMENTS)}; "
+                            f"frozenset() for equal lengths only)")
         return problems
 
     def not_supported_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
@@ -993,9 +1008,10 @@ def _masking_pattern(caps: AttentionCaps, call: AttentionCall, reasons: list[str
     """Causal masking, its alignment where the lengths differ, and the sliding window."""
     if call.causal and not caps.causal:
         reasons.append("causal masking not supported")
-    if call.alignment_matters and call.causal_alignment not in caps.causal_alignments:
+    alignments = caps.causal_alignments or frozenset()
+    if call.alignment_matters and call.causal_alignment not in alignments:
         reasons.append(f"causal_alignment {call.causal_alignment!r} with seqlen_q != seqlen_k not supported "
-                       f"(supported: {', '.join(sorted(caps.causal_alignments)) or 'none'})")
+                       f"(supported: {', '.join(sorted(alignments)) or 'none: equal lengths only'})")
     if call.window is not None and not caps.window:
         reasons.append(f"sliding window {call.window} not supported")
 

@@ -43,6 +43,10 @@ class Requirement:
     def library_key(self) -> str:
         return self.key or self.module
 
+    def describe(self) -> str:
+        """The requirement as `opdispatch list -v` shows it: ``flash-attn>=2.6.0``."""
+        return self.distribution + (f">={self.min_version}" if self.min_version else "")
+
     def hint(self) -> str:
         bound = f">={self.min_version}" if self.min_version else ""
         return self.install_hint or f"pip install '{self.distribution}{bound}'"
@@ -265,7 +269,7 @@ class Impl:
         if self.max_capability:
             out["max_capability"] = _fmt_cap(self.max_capability)
         if self.requires:
-            out["requires"] = [r.distribution + (f">={r.min_version}" if r.min_version else "") for r in self.requires]
+            out["requires"] = [r.describe() for r in self.requires]
         return out
 
 

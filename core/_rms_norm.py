@@ -127,7 +127,7 @@ class RmsNormCaps:
     """What an ``rms_norm`` implementation supports, declared as data."""
 
     dtypes: frozenset[torch.dtype]
-    weight_optional: bool = True   # takes calls without a weight
+    weight_optional: bool = False  # takes calls without a weight
     residual: bool = False         # the fused residual add
     backward: bool = False         # autograd flows through run()
     max_hidden_size: int | None = None

@@ -283,13 +283,13 @@ class RotaryCaps:
     """What a ``rotary_embedding`` implementation supports, declared as data."""
 
     dtypes: frozenset[torch.dtype]
-    neox: bool = True               # half-rotated pairs (x[i], x[i + rotary_dim / 2])
-    interleaved: bool = True        # GPT-J pairs (x[2i], x[2i + 1])
-    partial: bool = True            # rotary_dim < head_dim
-    varlen: bool = True             # layout thd with cu_seqlens
-    positions: bool = True          # explicit per-token positions
-    offsets: bool = True            # seqlen_offsets (int or per-sequence tensor)
-    gqa: bool = True                # k with fewer heads than q
+    neox: bool = False              # half-rotated pairs (x[i], x[i + rotary_dim / 2])
+    interleaved: bool = False       # GPT-J pairs (x[2i], x[2i + 1]); declare one of the two at least
+    partial: bool = False           # rotary_dim < head_dim
+    varlen: bool = False            # layout thd with cu_seqlens
+    positions: bool = False         # explicit per-token positions
+    offsets: bool = False           # seqlen_offsets (int or per-sequence tensor)
+    gqa: bool = False               # k with fewer heads than q
     backward: bool = False          # gradients for q and k
     cos_sin_grad: bool = False      # gradients into the cos/sin caches
     max_head_dim: int | None = None
@@ -305,7 +305,12 @@ class RotaryImpl(Impl):
     caps: ClassVar[RotaryCaps]
 
     def check_declaration(self) -> list[str]:
-        return super().check_declaration() + caps_problems(getattr(self, "caps", None), RotaryCaps)
+        problems = super().check_declaration() + caps_problems(getattr(self, "caps", None), RotaryCaps)
+        caps = getattr(self, "caps", None)
+        if not problems and not (caps.neox or caps.interleaved):  # type: ignore[union-attr]
+            problems.append("caps declares neither neox=True (half-rotated pairs) nor interleaved=True (GPT-J "
+                            "pairs): declare the pairing run() computes")
+        return problems
 
     def not_supported_reasons(self, call: RotaryCall, device: Any) -> list[str]:
         caps = self.caps

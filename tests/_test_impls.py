@@ -23,7 +23,7 @@ class ShortOnly(AttentionImpl):
     name: ClassVar[str] = "short"
     priority: ClassVar[int] = 1000
     caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, max_seqlen=20,
-                                                  backward=True)
+                                                  backward=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
 
     def run(self, call):
         q, k, v = (call.bhsd(t).double() for t in (call.q, call.k, call.v))
@@ -38,7 +38,7 @@ class EvenKeysOnly(ShortOnly):
     re-checked per call under torch.compile (no guard can stand for them)."""
 
     name: ClassVar[str] = "even"
-    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, backward=True)
+    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, backward=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
 
     def extra_reasons(self, call, device):
         return [] if call.seqlen_k % 2 == 0 else [f"seqlen_k {call.seqlen_k} is odd"]

@@ -21,7 +21,7 @@ class Flaky(AttentionImpl):
 
     vendor: ClassVar[str] = "flaky"
     name: ClassVar[str] = "kernel"
-    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, backward=True)
+    caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, backward=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
     runs = 0
     failing = True
     error: ClassVar[type[BaseException]] = RuntimeError

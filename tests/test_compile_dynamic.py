@@ -195,7 +195,7 @@ class _Recording(ShortOnly):
     name: ClassVar[str] = "record"
     priority: ClassVar[int] = -1000
     caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, causal=True,
-                                                  backward=True)
+                                                  backward=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal_alignments=frozenset({"top_left"}))
     calls: ClassVar[list[tuple[int, ...]]] = []
 
     def run(self, call):

@@ -233,7 +233,7 @@ def test_reference_on_the_cpu_does_not_warn(basic_manager, rng, caplog):
 class _NondeterministicForward(ShortOnly):
     name: ClassVar[str] = "racy"
     caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True,
-                                                  deterministic_forward=False)
+                                                  deterministic_forward=False, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
 
 
 def test_deterministic_requests_exclude_nondeterministic_forwards(basic_manager, rng, tmp_path):

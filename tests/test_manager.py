@@ -14,10 +14,12 @@ from opdispatch import AttentionCaps, AttentionImpl, Origin, Registry, Registrat
 from opdispatch._decision import CHOSEN, DENIED, ELIGIBLE, REJECTED, UNAVAILABLE
 
 F32 = frozenset({torch.float32})
+DENSE = frozenset({"bshd", "bhsd", "sbhd"})
+TOP_LEFT = frozenset({"top_left"})
 
 
 def make_impl(vendor="fake", name="impl", priority=0, caps=None, run=None, availability=None, **attrs):
-    caps = caps or AttentionCaps(dtypes=F32)
+    caps = caps or AttentionCaps(dtypes=F32, layouts=DENSE, causal=True, causal_alignments=TOP_LEFT)
 
     def _run(self, call):
         return run(call) if run else call.q * 1.0
@@ -53,8 +55,14 @@ def test_duplicate_id_names_both_origins():
     (dict(priority="high"), "priority='high' must be an int"),
     (dict(min_capability=(8,)), "min_capability=(8,) must be None or a (major, minor) tuple"),
     (dict(device_types=["cuda"]), "device_types must be a set or frozenset"),
-    (dict(caps=AttentionCaps(dtypes=F32, layouts=frozenset({"bsdh"}))), "caps.layouts has unknown layouts ['bsdh']"),
-    (dict(caps=AttentionCaps(dtypes=frozenset())), "caps.dtypes must be a non-empty set"),
+    (dict(caps=AttentionCaps(dtypes=F32, layouts=frozenset({"bsdh"}), causal=True, causal_alignments=TOP_LEFT)), "caps.layouts has unknown layouts ['bsdh']"),
+    (dict(caps=AttentionCaps(dtypes=frozenset(), layouts=DENSE, causal=True, causal_alignments=TOP_LEFT)), "caps.dtypes must be a non-empty set"),
+    # Undeclared means unsupported; where nothing would be supported, registration asks for the declaration.
+    (dict(caps=AttentionCaps(dtypes=F32)), "caps.layouts is not declared: list the layouts run() accepts"),
+    (dict(caps=AttentionCaps(dtypes=F32, layouts=DENSE, window=True)),
+     "caps.causal_alignments is not declared but caps claims window"),
+    (dict(caps=AttentionCaps(dtypes=F32, layouts=DENSE, causal=True)),
+     "caps.causal_alignments is not declared but caps claims causal"),
 ])
 def test_invalid_declarations_are_refused_at_registration(attrs, problem):
     caps = attrs.pop("caps", None)
@@ -64,6 +72,40 @@ def test_invalid_declarations_are_refused_at_registration(attrs, problem):
             setattr(impl, key, attrs[key])
     with pytest.raises(RegistrationError, match=problem.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         Registry().register(impl, Origin("p", "m"))
+
+
+def test_undeclared_features_are_unsupported(basic_manager):
+    impl = make_impl("minimal", "impl", caps=AttentionCaps(dtypes=F32, layouts=frozenset({"bshd"})))
+    basic_manager.register_impl(impl)
+    device = basic_manager.device_info(torch.device("cpu"))
+    q, k, v = qkv()
+    ok = opdispatch.validate_attention(q, k, v)
+    assert impl.not_supported_reasons(ok, device) == []
+    reasons = impl.not_supported_reasons(opdispatch.validate_attention(q, k, v, causal=True, deterministic=True,
+                                                                       layout="bhsd"), device)
+    assert "causal masking not supported" in reasons
+    assert "layout 'bhsd' not supported (supported layouts: bshd)" in reasons
+    assert any("deterministic" in r for r in reasons), reasons
+    # An explicit empty alignment set is a declaration: causal with equal lengths only.
+    equal_only = make_impl("equal", "only", caps=AttentionCaps(dtypes=F32, layouts=DENSE, causal=True,
+                                                               causal_alignments=frozenset()))
+    basic_manager.register_impl(equal_only)
+    longer_k = opdispatch.validate_attention(q, torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8), causal=True)
+    assert equal_only.not_supported_reasons(opdispatch.validate_attention(q, k, v, causal=True), device) == []
+    assert equal_only.not_supported_reasons(longer_k, device) == [
+        "causal_alignment 'top_left' with seqlen_q != seqlen_k not supported (supported: none: equal lengths only)"]
+
+
+def test_rotary_must_declare_its_pairing():
+    class NoPairing(opdispatch.RotaryImpl):
+        vendor, name = "fake", "rope"
+        caps = opdispatch.RotaryCaps(dtypes=F32)
+
+        def run(self, call):
+            raise AssertionError("never runs")
+
+    with pytest.raises(RegistrationError, match="declares neither neox=True"):
+        Registry().register(NoPairing(), Origin("p", "m"))
 
 
 def test_registering_a_non_impl_is_refused():
@@ -106,7 +148,7 @@ def test_policy_order_then_priority(basic_manager):
 
 def test_chosen_is_first_eligible_and_statuses_are_reported(basic_manager):
     basic_manager.register_impl(make_impl("aaa", "unavail", availability="library 'aaa' is not installed"))
-    basic_manager.register_impl(make_impl("bbb", "bf16only", caps=AttentionCaps(dtypes=frozenset({torch.bfloat16}))))
+    basic_manager.register_impl(make_impl("bbb", "bf16only", caps=AttentionCaps(dtypes=frozenset({torch.bfloat16}), layouts=DENSE, causal=True, causal_alignments=TOP_LEFT)))
     basic_manager.set_policy(_policy(basic_manager, "order: [aaa.unavail, bbb.bf16only, reference.math, cpu.flash]"))
     q, k, v = qkv()
     decision = opdispatch.explain(q, k, v)

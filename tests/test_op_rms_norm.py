@@ -189,7 +189,7 @@ def test_registration_checks_the_op_and_its_base_class(basic_manager):
     class WrongBase(opdispatch.AttentionImpl):
         op = "rms_norm"
         vendor, name = "acme", "norm"
-        caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}))
+        caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
 
         def run(self, call):
             return call.x

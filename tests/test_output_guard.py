@@ -34,7 +34,7 @@ def faulty(manager, fault):
     class Faulty(AttentionImpl):
         vendor: ClassVar[str] = "faulty"
         name: ClassVar[str] = "kernel"
-        caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), lse=True)
+        caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.float32}), lse=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
         runs = 0
 
         def run(self, call):

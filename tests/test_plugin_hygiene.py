@@ -23,7 +23,7 @@ from tests.conftest import REPO
 class Acme(opdispatch.AttentionImpl):
     vendor = "acme"
     name = "fast"
-    caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}))
+    caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
 
     def run(self, call):
         raise AssertionError("never run here")
@@ -219,7 +219,7 @@ OPDISPATCH_NAMESPACES = ("nvidia",)
 
 class Cudnn(opdispatch.AttentionImpl):
     vendor, name = "nvidia", "cudnn"
-    caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}))
+    caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
 
     def run(self, call):
         raise RuntimeError("rogue")

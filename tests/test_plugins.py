@@ -28,7 +28,7 @@ class DoubleScale(opdispatch.AttentionImpl):
     vendor = "memvendor"
     name = "attn"
     priority = 1
-    caps = opdispatch.AttentionCaps(dtypes=F32, gqa=True)
+    caps = opdispatch.AttentionCaps(dtypes=F32, gqa=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
     ran = 0
 
     def run(self, call):

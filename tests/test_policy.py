@@ -18,7 +18,7 @@ F32 = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 def _impl(vendor: str, name: str) -> AttentionImpl:
     cls = type(f"T_{vendor}_{name}", (AttentionImpl,), dict(
-        vendor=vendor, name=name, caps=AttentionCaps(dtypes=F32, gqa=True, window=True, softcap=True, lse=True, backward=True),
+        vendor=vendor, name=name, caps=AttentionCaps(dtypes=F32, gqa=True, window=True, softcap=True, lse=True, backward=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"})),
         run=lambda self, call: call.q * 1.0))
     return cls()
 

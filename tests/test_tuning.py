@@ -191,7 +191,7 @@ def test_time_fn_returns_a_median():
 def test_failing_impl_is_recorded_not_ranked(basic_manager):
     class Broken(opdispatch.AttentionImpl):
         vendor, name = "broken", "impl"
-        caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True)
+        caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
 
         def run(self, call):
             raise RuntimeError("kernel exploded")

@@ -121,7 +121,7 @@ def test_bad_input_never_reaches_an_implementation(manager):
 
     class Spy(opdispatch.AttentionImpl):
         vendor, name, priority = "spy", "impl", 1000
-        caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}))
+        caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
 
         def run(self, call):
             calls.append(call)

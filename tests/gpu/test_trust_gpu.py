@@ -72,7 +72,7 @@ def test_a_kernel_that_raises_on_the_gpu_is_demoted_once():
         vendor: ClassVar[str] = "broken"
         name: ClassVar[str] = "kernel"
         device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
-        caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.bfloat16}), gqa=True)
+        caps: ClassVar[AttentionCaps] = AttentionCaps(dtypes=frozenset({torch.bfloat16}), gqa=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
 
         def run(self, call):
             runs.append(1)

@@ -16,7 +16,8 @@ F32 = frozenset({torch.float32})
 
 class Right(opdispatch.AttentionImpl):
     vendor, name = "vfake", "right"
-    caps = opdispatch.AttentionCaps(dtypes=F32, gqa=True, causal_alignments=frozenset({"top_left", "bottom_right"}))
+    caps = opdispatch.AttentionCaps(dtypes=F32, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True,
+                                    causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True)
 
     def compute(self, call):
         q, k, v = (call.bhsd(t) for t in (call.q, call.k, call.v))
@@ -89,7 +90,7 @@ class NormIgnoresWeight(opdispatch.RmsNormImpl):
     """rms_norm that forgets the weight: right only for weightless calls."""
 
     vendor, name = "vfake", "norm"
-    caps = opdispatch.RmsNormCaps(dtypes=F32)
+    caps = opdispatch.RmsNormCaps(dtypes=F32, weight_optional=True)
 
     def run(self, call):
         h = call.x if call.residual is None else call.x + call.residual

@@ -40,6 +40,7 @@ class CpuFlashAttention(AttentionImpl):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, alibi=True, attn_mask=True,
         attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=True,
+        layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, deterministic_forward=True,
     )
 
     def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:

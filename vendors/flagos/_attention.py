@@ -72,6 +72,7 @@ class FlagGemsAttention(AttentionImpl):
         layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}), contiguous_inputs=True,
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, softcap=True,
         alibi=True, dropout=False, attn_mask=True, attn_bias=False, lse=True, backward=False,
+        causal=True, deterministic_forward=True, deterministic_backward=True,
     )
 
     def extra_availability(self, device: DeviceInfo) -> str | None:

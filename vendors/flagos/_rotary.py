@@ -28,7 +28,8 @@ class FlagGemsRotary(RotaryImpl):
     device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
     requires = (FLAG_GEMS,)
     caps: ClassVar[RotaryCaps] = RotaryCaps(
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), partial=False, backward=True)
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), neox=True, interleaved=True, partial=False,
+        varlen=True, positions=True, offsets=True, gqa=True, backward=True)
 
     def extra_reasons(self, call: RotaryCall, device: Any) -> list[str]:
         if call.cos.stride(-1) != 1 or call.sin.stride(-1) != 1:

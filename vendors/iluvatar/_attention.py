@@ -82,6 +82,7 @@ class IluvatarIxformer(AttentionImpl):
         dtypes=frozenset({torch.float16, torch.bfloat16}), head_dim_max=256, head_dim_multiple=8,
         layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}), causal_alignments=frozenset({"bottom_right"}),
         gqa=True, window=False, softcap=False, alibi=False, dropout=False, lse=False, backward=False,
+        causal=True, deterministic_forward=True, deterministic_backward=True,
     )
     options_model: ClassVar[type[BaseModel]] = IxformerOptions
 

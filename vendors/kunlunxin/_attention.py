@@ -68,6 +68,7 @@ class KunlunxinPrefill(AttentionImpl):
         # seqlen_q == seqlen_k is enforced below, so both alignments are the same computation.
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=False, softcap=False,
         alibi=False, dropout=False, lse=False, backward=False,
+        causal=True, deterministic_forward=True, deterministic_backward=True,
     )
     options_model: ClassVar[type[BaseModel]] = KunlunOptions
 

@@ -51,6 +51,10 @@ FLASH_ATTN = Requirement(module="flash_attn", distribution="flash-attn", min_ver
 class _TorchBuildRequirement(Requirement):
     """A capability of the torch build (cuDNN), read from the probe's `libraries` instead of pip metadata."""
 
+    def describe(self) -> str:
+        bound = f">={self.min_version}" if self.min_version else ""
+        return f"{self.library_key}{bound} (in the {self.distribution} build)"
+
     def unmet_reason(self, device: DeviceInfo) -> str | None:
         version = device.libraries.get(self.library_key)
         if version is None:
@@ -127,6 +131,7 @@ class CudnnAttention(AttentionImpl):
         # Measured on an H200: fp16 decode-like calls (sq 1, sk 239, d 160, batch 60) gave a different output in
         # 73 of 100 repeats — cuDNN picks split-KV plans per shape and reduces their partial results unordered.
         deterministic_forward=False,
+        causal=True,
     )
 
     def __init__(self) -> None:
@@ -296,6 +301,7 @@ class TorchFlashAttention(AttentionImpl):
         dtypes=_LOW, head_dim_max=256, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, dropout=True,
         lse=True, backward=True, deterministic_backward=False,
+        causal=True, deterministic_forward=True,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
@@ -444,6 +450,7 @@ class MemEfficientAttention(AttentionImpl):
         # Deterministic only under torch.use_deterministic_algorithms(True), which the aten backward reads when it
         # runs (it then reduces dK/dV without atomics): extra_reasons asks for that flag.
         deterministic_backward=True,
+        causal=True, deterministic_forward=True,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
@@ -611,6 +618,7 @@ class FlashAttn2(AttentionImpl):
         dtypes=_LOW, head_dim_max=256, layouts=_ALL_LAYOUTS, causal_alignments=frozenset({"bottom_right"}),
         gqa=True, window=True, softcap=True, alibi=True, dropout=True, lse=True, backward=True,
         deterministic_backward=True,
+        causal=True, deterministic_forward=True,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
@@ -663,6 +671,7 @@ class FlashAttn3(AttentionImpl):
         dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, lse=True,
         backward=True, deterministic_backward=True,
+        causal=True, deterministic_forward=True,
     )
 
     def run(self, call: AttentionCall) -> Any:

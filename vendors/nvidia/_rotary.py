@@ -28,8 +28,8 @@ class FlashRotary(RotaryImpl):
     device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia", "amd"})
     requires = (FLASH_ATTN,)
     caps: ClassVar[RotaryCaps] = RotaryCaps(
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), positions=False, backward=True,
-        max_head_dim=256)
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), neox=True, interleaved=True, partial=True,
+        varlen=True, positions=False, offsets=True, gqa=True, backward=True, max_head_dim=256)
 
     def run(self, call: RotaryCall) -> Any:
         from flash_attn.layers.rotary import apply_rotary_emb

@@ -23,7 +23,7 @@ class ReferenceRmsNorm(RmsNormImpl):
     priority: ClassVar[int] = -100
     reference_fallback: ClassVar[bool] = True
     description: ClassVar[str] = "RMSNorm from composite torch ops, statistics in float32 (float64 for float64)"
-    caps: ClassVar[RmsNormCaps] = RmsNormCaps(dtypes=_ALL, residual=True, backward=True)
+    caps: ClassVar[RmsNormCaps] = RmsNormCaps(dtypes=_ALL, weight_optional=True, residual=True, backward=True)
 
     def run(self, call: RmsNormCall) -> Any:
         h = _added(call)
@@ -40,7 +40,7 @@ class TorchRmsNorm(RmsNormImpl):
     name: ClassVar[str] = "rms_norm"
     priority: ClassVar[int] = 10
     description: ClassVar[str] = "torch.rms_norm (aten rms_norm: a fused kernel on CUDA, composite elsewhere)"
-    caps: ClassVar[RmsNormCaps] = RmsNormCaps(dtypes=_ALL, residual=True, backward=True)
+    caps: ClassVar[RmsNormCaps] = RmsNormCaps(dtypes=_ALL, weight_optional=True, residual=True, backward=True)
 
     def extra_reasons(self, call: RmsNormCall, device: Any) -> list[str]:
         # aten rms_norm multiplies by a weight of x's dtype; a weight of another dtype would be promoted.

@@ -34,7 +34,8 @@ class ReferenceRotary(RotaryImpl):
     priority: ClassVar[int] = -100
     reference_fallback: ClassVar[bool] = True
     description: ClassVar[str] = "RoPE from composite torch ops in float32 (float64 for float64), autograd"
-    caps: ClassVar[RotaryCaps] = RotaryCaps(dtypes=_ALL, backward=True, cos_sin_grad=True)
+    caps: ClassVar[RotaryCaps] = RotaryCaps(dtypes=_ALL, neox=True, interleaved=True, partial=True, varlen=True,
+                                            positions=True, offsets=True, gqa=True, backward=True, cos_sin_grad=True)
 
     def run(self, call: RotaryCall) -> Any:
         compute = call.compute_dtype

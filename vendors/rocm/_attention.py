@@ -77,6 +77,7 @@ class RocmFlashAttnCK(AttentionImpl):
         dtypes=_HALF, head_dim_max=256, layouts=_ALL_LAYOUTS, causal_alignments=frozenset({"bottom_right"}),
         gqa=True, window=True, softcap=False, alibi=True, dropout=True, lse=True, backward=True,
         deterministic_backward=True,
+        causal=True, deterministic_forward=True,
     )
     options_model: ClassVar[type[BaseModel]] = CkOptions
 
@@ -157,6 +158,7 @@ class RocmAiter(AttentionImpl):
         dtypes=_HALF, head_dim_max=256, head_dim_v_differs=True, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, alibi=True,
         dropout=True, lse=True, backward=True, deterministic_backward=True,
+        causal=True, deterministic_forward=True,
     )
     options_model: ClassVar[type[BaseModel]] = AiterOptions
 
@@ -261,6 +263,7 @@ class RocmAOTriton(AttentionImpl):
         dtypes=_HALF, head_dim_max=256, layouts=_ALL_LAYOUTS, causal_alignments=frozenset(), gqa=True,
         window=False, softcap=False, alibi=False, dropout=True, lse=True, backward=True,
         deterministic_backward=False,
+        causal=True, deterministic_forward=True,
     )
     options_model: ClassVar[type[BaseModel]] = AOTritonOptions
 

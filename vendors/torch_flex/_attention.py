@@ -304,6 +304,7 @@ class TorchFlexAttention(AttentionImpl):
         # The one atomic path is the gradient of a captured tensor (attn_bias with grad: a Scatter with
         # atomic_add), declined for deterministic calls in extra_reasons.
         deterministic_forward=True, deterministic_backward=True,
+        causal=True,
     )
 
     def __init__(self) -> None:

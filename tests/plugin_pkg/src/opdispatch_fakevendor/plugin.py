@@ -13,7 +13,7 @@ class FakeVendorSdpa(opdispatch.AttentionImpl):
     name = "sdpa"
     priority = 5
     description = "torch.nn.functional.scaled_dot_product_attention behind a third-party plugin"
-    caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32, torch.float64}), gqa=True)
+    caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32, torch.float64}), gqa=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, causal_alignments=frozenset({"top_left"}))
 
     def run(self, call):
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
