@@ -295,7 +295,10 @@ def autotune_order(policy: Policy, op: str, call: Any, device: Any,
 # -- matching -----------------------------------------------------------------------------------------------
 
 def match_any(impl_id: str, patterns: Sequence[str]) -> str | None:
-    """The first of `patterns` (ids or globs) that names `impl_id`, or None."""
+    """The pattern of `patterns` (ids or globs) that names `impl_id`, or None: the id itself where it is listed,
+    else the first glob that matches (so ``[..., '*', reference.math]`` keeps the reference last)."""
+    if impl_id in patterns:
+        return impl_id
     for pattern in patterns:
         if fnmatch.fnmatchcase(impl_id, pattern):
             return pattern

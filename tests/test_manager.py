@@ -135,14 +135,21 @@ def test_registry_is_thread_safe():
 # -- manager -----------------------------------------------------------------------------------------------
 
 def test_policy_order_then_priority(basic_manager):
+    basic_manager.register_impl(make_impl("alpha", "slow", priority=10))
     basic_manager.register_impl(make_impl("zeta", "fast", priority=50))
     q, k, v = qkv()
     decision = opdispatch.explain(q, k, v)
     ids = [c.impl_id for c in decision.candidates]
-    # The default policy names cpu.flash and reference.math; unnamed implementations follow by priority.
-    assert ids[:3] == ["cpu.flash", "reference.math", "zeta.fast"]
+    # The default policy names cpu.flash, then '*' (what it does not name, highest priority first), then the
+    # reference: a plugin's implementation outranks the unfused last resort without any policy edit.
+    assert ids[:4] == ["cpu.flash", "zeta.fast", "alpha.slow", "reference.math"]
     assert decision.chosen_id == "cpu.flash"
     assert decision.candidate("zeta.fast").status == ELIGIBLE
+    assert decision.candidate("zeta.fast").decided_by.note == "order '*'"
+    # Without an order that places it, priority ranks it.
+    basic_manager.set_policy(_policy(basic_manager, "order: [cpu.flash]"))
+    decision = opdispatch.explain(q, k, v)
+    assert [c.impl_id for c in decision.candidates][1:3] == ["zeta.fast", "alpha.slow"]
     assert decision.candidate("zeta.fast").decided_by.kind == "priority"
 
 

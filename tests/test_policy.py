@@ -414,3 +414,15 @@ def test_simulated_descriptor_from_file(four):
     x = torch.empty(1, 16, 4, 32, device="meta")
     d = opdispatch.explain(x, x, x, device=device_descriptor("cpu"))
     assert d.device.simulated and d.chosen_id == "cpu.flash"
+
+
+def test_an_id_listed_exactly_is_placed_where_listed_not_by_an_earlier_glob(four):
+    from opdispatch.policies._plan import match_any
+
+    assert match_any("reference.math", ["*", "reference.math"]) == "reference.math"
+    assert match_any("fast.a", ["*", "reference.math"]) == "*"
+    assert match_any("fast.a", ["nope.*", "fast.*", "*"]) == "fast.*"
+    use(four, "ops:\n  attention:\n    order: ['*', reference.math]\n")
+    x = q()
+    ids = [c.impl_id for c in opdispatch.explain(x, x, x).candidates]
+    assert ids[-1] == "reference.math" and len(ids) > 2
