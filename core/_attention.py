@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -802,7 +802,7 @@ class AttentionCaps:
     head_dim_max: int | None = None
     head_dim_multiple: int = 1
     head_dim_v_differs: bool = False
-    layouts: frozenset[str] = frozenset()
+    layouts: frozenset[str] = field(default=frozenset(), metadata={"required": True})  # refused when empty
     causal: bool = False
     # None: not declared (refused when claiming causal or window); frozenset(): equal lengths only.
     causal_alignments: frozenset[str] | None = None
