@@ -4,22 +4,64 @@ Call ``opdispatch.attention(...)``; ask ``opdispatch.explain(...)`` why an imple
 plug in through the ``opdispatch.plugins`` entry-point group (see ``opdispatch.plugins.hookspec``).
 """
 
-from ._api import (Attention, attention, define_explain, define_front_door, explain, get_manager, plan, plan_op,
-                   set_manager)
-from ._attention import AttentionCall, AttentionCaps, AttentionImpl, validate_attention
-from ._ops import OpSpec, known_ops, op_spec, register_op
-from ._rms_norm import RmsNormCall, RmsNormCaps, RmsNormImpl, explain_rms_norm, rms_norm, validate_rms_norm
-from ._rotary import (RotaryCall, RotaryCaps, RotaryImpl, explain_rotary_embedding, rotary_embedding,
-                      validate_rotary_embedding)
-from ._decision import Candidate, Decision, Provenance
-from ._device import DeviceInfo, load_device_descriptor
-from ._errors import (DeviceDescriptorError, NoImplementationError, OpDispatchError, PinnedImplementationError,
-                      PluginLoadError, PolicyError, RegistrationError)
-from ._impl import Impl, Requirement
-from ._manager import OpManager
-from ._registry import Origin, Registry
-from .plugins.hookspec import hookimpl
-from .policies._overrides import policy_override, scope
+from typing import TYPE_CHECKING, Any
+
+from .plugins.hookspec import hookimpl  # plugin modules use it at import time; pluggy only, no torch
+
+# The public names, by the module that defines them. They load on first use (PEP 562), so `opdispatch --help`,
+# `--version` and plugin modules that only need `hookimpl` start without importing torch.
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("Attention", "attention", "define_explain", "define_front_door", "explain", "get_manager",
+                     "plan", "plan_op", "set_manager"), "._api"),
+    **dict.fromkeys(("AttentionCall", "AttentionCaps", "AttentionImpl", "validate_attention"), "._attention"),
+    **dict.fromkeys(("OpSpec", "known_ops", "op_spec", "register_op"), "._ops"),
+    **dict.fromkeys(("RmsNormCall", "RmsNormCaps", "RmsNormImpl", "explain_rms_norm", "rms_norm",
+                     "validate_rms_norm"), "._rms_norm"),
+    **dict.fromkeys(("RotaryCall", "RotaryCaps", "RotaryImpl", "explain_rotary_embedding", "rotary_embedding",
+                     "validate_rotary_embedding"), "._rotary"),
+    **dict.fromkeys(("Candidate", "Decision", "Provenance"), "._decision"),
+    **dict.fromkeys(("DeviceInfo", "load_device_descriptor"), "._device"),
+    **dict.fromkeys(("DeviceDescriptorError", "NoImplementationError", "OpDispatchError",
+                     "PinnedImplementationError", "PluginLoadError", "PolicyError", "RegistrationError"),
+                    "._errors"),
+    **dict.fromkeys(("Impl", "Requirement"), "._impl"),
+    "OpManager": "._manager",
+    **dict.fromkeys(("Origin", "Registry"), "._registry"),
+    **dict.fromkeys(("policy_override", "scope"), ".policies._overrides"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'opdispatch' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from ._api import (Attention, attention, define_explain, define_front_door, explain, get_manager, plan, plan_op,
+                       set_manager)
+    from ._attention import AttentionCall, AttentionCaps, AttentionImpl, validate_attention
+    from ._ops import OpSpec, known_ops, op_spec, register_op
+    from ._rms_norm import RmsNormCall, RmsNormCaps, RmsNormImpl, explain_rms_norm, rms_norm, validate_rms_norm
+    from ._rotary import (RotaryCall, RotaryCaps, RotaryImpl, explain_rotary_embedding, rotary_embedding,
+                          validate_rotary_embedding)
+    from ._decision import Candidate, Decision, Provenance
+    from ._device import DeviceInfo, load_device_descriptor
+    from ._errors import (DeviceDescriptorError, NoImplementationError, OpDispatchError, PinnedImplementationError,
+                          PluginLoadError, PolicyError, RegistrationError)
+    from ._impl import Impl, Requirement
+    from ._manager import OpManager
+    from ._registry import Origin, Registry
+    from .policies._overrides import policy_override, scope
 
 __version__ = "0.1.0"
 

@@ -17,15 +17,17 @@ from typing import Any
 import torch
 
 from ._fingerprint import device_fingerprint, fingerprint_hash
-from ._ops import tunable_ops
-from ._tuning import ALL, Measurement, load_cases, measure, preset, preset_names, tune, tuning_of
+from ._timing import NOISY_SPREAD
+from ._tuning import Measurement, load_cases, measure, preset, preset_names, tuned_table, tuning_of
 
 PLOT_HINT = "pip install 'opdispatch[bench]'  (or: pip install matplotlib)"
 
 
 def _device(args: argparse.Namespace) -> torch.device:
     if getattr(args, "on", None):
-        return torch.device(args.on)
+        from ._timing import usable_device
+
+        return usable_device(args.on)
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -34,6 +36,41 @@ def _cases(args: argparse.Namespace, device: torch.device) -> list[Any]:
     if args.shapes:
         return load_cases(args.shapes, args.op)
     return preset(args.preset, device.type, args.op)
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} µs" if seconds < 1e-2 else f"{seconds * 1e3:.2f} ms"
+
+
+def timing_summary(results: list[Measurement]) -> list[str]:
+    """Per case: the fastest implementation with its min/median/max and the pick; then the implementations that
+    could run nowhere here (one line) and a WARNING when timings spread too widely to rank."""
+    lines = []
+    for m in results:
+        if not m.seconds:
+            lines.append(f"{m.case.describe()}: nothing timed" + (f" ({len(m.failed)} raised)" if m.failed else ""))
+            continue
+        fastest = m.fastest
+        assert fastest is not None
+        s = m.spreads.get(fastest)
+        spread = f" (min {_us(s.min)}, max {_us(s.max)})" if s else ""
+        regret = f", pick {m.pick} +{m.regret * 100:.1f}%" if m.regret else f", pick {m.pick}"
+        lines.append(f"{m.case.describe()}: fastest {fastest} {_us(m.seconds[fastest])}{spread}{regret}")
+    everywhere = set.intersection(*(set(m.skipped) for m in results)) if results else set()
+    if everywhere:
+        lines.append(f"not timed, they cannot run here: {', '.join(sorted(everywhere))} (`opdispatch list` says "
+                     "why)")
+    noisy = [(m, impl_id) for m in results for impl_id in m.noisy()]
+    if noisy:
+        m, impl_id = max(noisy, key=lambda item: item[0].spreads[item[1]].iqr / item[0].spreads[item[1]].median)
+        worst = m.spreads[impl_id]
+        timed = sum(len(r.spreads) for r in results)
+        lines.append(f"WARNING: {len(noisy)} of {timed} timings are noisy (interquartile range above "
+                     f"{NOISY_SPREAD:.0%} of the median); worst: {impl_id} on {m.case.describe()}: median "
+                     f"{_us(worst.median)}, min {_us(worst.min)}, max {_us(worst.max)}. Something else is using "
+                     "this device or its clock is changing: rankings within the spread mean nothing. Re-run on an "
+                     "idle machine, or with more --reps.")
+    return lines
 
 
 def geomean_regret(results: list[Measurement]) -> float | None:
@@ -80,10 +117,16 @@ def markdown_report(results: list[Measurement], device: Any, title: str = "opdis
     failures = [(m, i, e) for m in results for i, e in m.failed.items()]
     if failures:
         lines += ["## Failures", ""] + [f"- {m.case.describe()}: {i}: {e}" for m, i, e in failures] + [""]
-    lines += ["median times (µs):", ""]
+    lines += ["times per call, µs: median (min–max over the reps; `noisy`: interquartile range above "
+              f"{NOISY_SPREAD:.0%} of the median):", ""]
     for m in results:
-        times = ", ".join(f"{i} {s * 1e6:.1f}" for i, s in sorted(m.seconds.items(), key=lambda kv: kv[1]))
-        lines.append(f"- {m.case.describe()}: {times or 'nothing timed'}")
+        times = []
+        for i, median in sorted(m.seconds.items(), key=lambda kv: kv[1]):
+            spread = m.spreads.get(i)
+            detail = f" ({spread.min * 1e6:.1f}–{spread.max * 1e6:.1f}{', noisy' if spread.noisy else ''})" \
+                if spread else ""
+            times.append(f"{i} {median * 1e6:.1f}{detail}")
+        lines.append(f"- {m.case.describe()}: {', '.join(times) or 'nothing timed'}")
     return "\n".join(lines) + "\n"
 
 
@@ -156,8 +199,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
             print(f"opdispatch tune: no {args.op} implementation specific to this device type is registered",
                   file=sys.stderr)
             return 1
-    table = tune(cases, op=args.op, manager=get_manager(), device=device, impls=impls, warmup=args.warmup,
-                 reps=args.reps, progress=not args.quiet)
+    manager = get_manager()
+    results = measure(cases, op=args.op, manager=manager, device=device, impls=impls, warmup=args.warmup,
+                      reps=args.reps, progress=not args.quiet)
+    for line in timing_summary(results):
+        print(line, file=sys.stderr if line.startswith("WARNING") else sys.stdout)
+    table = tuned_table(results, op=args.op, manager=manager, device=device, impls=impls, warmup=args.warmup,
+                        reps=args.reps)
     out = Path(args.out)
     table.save(out)
     print(f"wrote {out}: {args.op}, {len(table.entries)} buckets, fingerprint {table.hash} "
@@ -205,37 +253,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         print(f"no PNG: matplotlib is not installed; {PLOT_HINT}", file=sys.stderr)
     md.write_text(text, encoding="utf-8")
+    for line in timing_summary(results):
+        print(line, file=sys.stderr if line.startswith("WARNING") else sys.stdout)
     print(f"wrote {md}")
     gm = geomean_regret(results)
     print(f"geometric-mean regret of the pick: {'n/a' if gm is None else f'{gm * 100:.2f}%'}")
     return 0
-
-
-def add_perf_commands(sub: Any) -> None:
-    """Register `tune` and `bench` on the `opdispatch` argument parser's subcommands."""
-    ops = tunable_ops()
-    presets = sorted({name for op in ops for name in preset_names(op)})
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--op", default="attention", choices=ops, help="the op to time (default: attention)")
-        p.add_argument("--preset", default=ALL, choices=presets,
-                       help="call signatures to time, from the op's presets (default: all)")
-        p.add_argument("--shapes", default=None, help="YAML file of call signatures instead of a preset")
-        p.add_argument("--impl", action="append", default=[], help="only these implementation ids/globs "
-                       "(repeatable)")
-        p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
-        p.add_argument("--warmup", type=int, default=3)
-        p.add_argument("--reps", type=int, default=10)
-        p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-
-    p = sub.add_parser("tune", help="time every eligible implementation per shape bucket; write a tuned table")
-    common(p)
-    p.add_argument("--out", default="opdispatch-tuned.yaml", help="tuned table to write (YAML)")
-    p.add_argument("--device-only", action="store_true",
-                   help="only implementations specific to this device type (skip portable ones like reference)")
-    p.set_defaults(func=cmd_tune)
-
-    p = sub.add_parser("bench", help="an op's shapes on this device: markdown + PNG of TFLOP/s, pick, regret")
-    common(p)
-    p.add_argument("--out-dir", default="bench-results", help="folder for the .md and .png")
-    p.set_defaults(func=cmd_bench)

@@ -8,17 +8,36 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ._api import get_manager, resolve_device
-from ._attention import dtype_from_name, validate_attention
-from ._device import DeviceInfo
-from ._rms_norm import validate_rms_norm
-from ._rotary import validate_rotary_embedding
 from ._errors import OpDispatchError
-from ._ops import known_ops
+
+# Only what a command needs is imported, inside it: `--help`, `--version` and argument errors never import torch
+# (seconds); `list`, `explain`, `policy lint` and the rest load the plugins, which do.
+if TYPE_CHECKING:
+    import torch
+
+    from ._api import get_manager, resolve_device
+    from ._attention import dtype_from_name, validate_attention
+    from ._device import DeviceInfo
+    from ._ops import known_ops
+    from ._rms_norm import validate_rms_norm
+    from ._rotary import validate_rotary_embedding
+
+
+def _import_runtime() -> None:
+    """Bind the names above for real (the commands use them as module globals); run once arguments parsed."""
+    import torch
+
+    from ._api import get_manager, resolve_device
+    from ._attention import dtype_from_name, validate_attention
+    from ._ops import known_ops
+    from ._rms_norm import validate_rms_norm
+    from ._rotary import validate_rotary_embedding
+
+    globals().update(torch=torch, get_manager=get_manager, resolve_device=resolve_device,
+                     dtype_from_name=dtype_from_name, validate_attention=validate_attention, known_ops=known_ops,
+                     validate_rms_norm=validate_rms_norm, validate_rotary_embedding=validate_rotary_embedding)
 
 
 def _ints(text: str, count: int | None = None, what: str = "value") -> list[int]:
@@ -286,7 +305,9 @@ def _upcast(kw: dict[str, Any]) -> dict[str, Any]:
 def cmd_demo(args: argparse.Namespace) -> int:
     import opdispatch
 
-    device = torch.device(args.on) if args.on else _local_torch_device()
+    from ._timing import usable_device
+
+    device = usable_device(args.on) if args.on else _local_torch_device()
     manager = get_manager()
     info = manager.device_info(device)
     print(f"opdispatch demo on {info.describe()}")
@@ -384,6 +405,7 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
 
 def ops_markdown() -> str:
     """Every registered op: its front door's arguments (from the op's one definition) and its `when:` keys."""
+    from opdispatch._api import get_manager
     from opdispatch._ops import known_ops, op_spec
 
     get_manager().ensure_initialized()  # plugins may register ops
@@ -409,7 +431,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout {args.timeout} must be a positive number of seconds")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs} must be at least 1")
-    device = args.on or str(_local_torch_device())
+    from ._timing import usable_device
+
+    device = str(usable_device(args.on)) if args.on else str(_local_torch_device())
     quarantine = None if args.no_quarantine else Path(args.quarantine) if args.quarantine else user_quarantine_path()
     impls = [i.strip() for i in args.impl.split(",") if i.strip()] if args.impl else None
     code = run_validation(impls, device, timeout=args.timeout, quick=args.quick, quarantine_path=quarantine,
@@ -510,11 +534,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="also write the JSON report (every case) here")
     p.set_defaults(func=cmd_validate)
 
-    # -- performance: tune, bench (opdispatch._bench) ----------------------------------------------------------
-    from ._bench import add_perf_commands
-
     add_perf_commands(sub)
     return parser
+
+
+# -- performance: tune, bench (their commands are in opdispatch._bench) -----------------------------------------
+
+def _bench() -> Any:
+    from . import _bench
+
+    return _bench
+
+
+def add_perf_commands(sub: Any) -> None:
+    """Register `tune` and `bench` on the `opdispatch` argument parser's subcommands (without importing torch:
+    --op and --preset are checked when the command runs, against the registered ops)."""
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--op", default="attention", help="the op to time (default: attention; any op with a "
+                       "tuning description: attention, rms_norm, rotary_embedding)")
+        p.add_argument("--preset", default="all",
+                       help="call signatures to time, from the op's presets (default: all; attention: decode, "
+                            "prefill, training, all)")
+        p.add_argument("--shapes", default=None, help="YAML file of call signatures instead of a preset")
+        p.add_argument("--impl", action="append", default=[], help="only these implementation ids/globs "
+                       "(repeatable)")
+        p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
+        p.add_argument("--warmup", type=int, default=3)
+        p.add_argument("--reps", type=int, default=10)
+        p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("tune", help="time every eligible implementation per shape bucket; write a tuned table")
+    common(p)
+    p.add_argument("--out", required=True, help="the tuned table to write (YAML); a policy names it with "
+                                                "`ops.<op>.autotune: FILE`")
+    p.add_argument("--device-only", action="store_true",
+                   help="only implementations specific to this device type (skip portable ones like reference)")
+    p.set_defaults(func=lambda args: _bench().cmd_tune(args))
+
+    p = sub.add_parser("bench", help="an op's shapes on this device: markdown + PNG of TFLOP/s, pick, regret")
+    common(p)
+    p.add_argument("--out-dir", required=True, help="folder for the .md and .png (created if missing)")
+    p.set_defaults(func=lambda args: _bench().cmd_bench(args))
 
 
 def _version() -> str:
@@ -543,6 +604,7 @@ _NEGATIVE_OK = ("--window",)
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    _import_runtime()
     try:
         return int(args.func(args))
     except (OpDispatchError, ValueError, TypeError, argparse.ArgumentTypeError) as exc:

@@ -58,6 +58,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ._compile_ops import constant_result
 from .policies._overrides import MODULE, OVERRIDES
 
 __all__ = ["attention_for_compile", "compiled_attention", "decide_for_compile", "fake_outputs",
@@ -83,7 +84,7 @@ _SIZE_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operat
 _FIELDS = ("batch", "seqlen_q", "seqlen_k")  # the sizes that may change between calls (may be symbolic)
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+@constant_result
 def size_predicates(device: str, epoch: int = 0) -> tuple[tuple[tuple[str, str, Any], ...], bool]:
     """The size comparisons a decision may depend on, as ``((field, op, n), ...)``, and whether it may read more.
 
@@ -183,7 +184,7 @@ def _token(context: _TraceContext) -> int:
     return token
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+@constant_result
 def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad_enabled: bool,
                        impl: Optional[str], epoch: int = 0, sizes: tuple[Any, ...] = ((), ()),
                        inner: tuple[Any, ...] = ()) -> tuple[str, int, bool]:

@@ -22,6 +22,7 @@ memory-bound ops.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -79,7 +80,17 @@ _SCOPES: list[tuple[Any, ...]] = [()]  # token -> the scopes/overrides recorded 
 _SCOPE_TOKENS: dict[tuple[Any, ...], int] = {(): 0}
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compiler.assume_constant_result`, without importing Dynamo at import time (about 1 s of every
+    `import opdispatch`): the decorator only sets this marker on the function, which Dynamo reads when it traces
+    (tests/test_compile.py checks that torch still marks functions this way)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)  # type: ignore[no-any-return,no-untyped-call]
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@constant_result
 def _scopes_token(inner: tuple[Any, ...]) -> int:
     """A graph constant naming the scopes and overrides entered inside the traced function (0: none)."""
     token = _SCOPE_TOKENS.get(inner)

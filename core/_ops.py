@@ -159,12 +159,33 @@ def register_op(spec: OpSpec) -> OpSpec:
     return spec
 
 
+# The ops opdispatch ships, by the module that registers each: imported on first use of the op table (not at
+# `import opdispatch`, which stays light), so a policy or the registry always sees them.
+BUILTIN_OP_MODULES = ("opdispatch._attention", "opdispatch._rms_norm", "opdispatch._rotary")
+_builtins_loaded = False
+
+
+def _load_builtin_ops() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True  # before importing: each module registers its op through this table
+    import importlib
+
+    for module in BUILTIN_OP_MODULES:
+        importlib.import_module(module)
+
+
 def known_ops() -> tuple[str, ...]:
+    _load_builtin_ops()
     return tuple(sorted(_OPS))
 
 
 def op_spec(name: str) -> OpSpec:
     spec = _OPS.get(name)
+    if spec is None:
+        _load_builtin_ops()
+        spec = _OPS.get(name)
     if spec is None:
         raise KeyError(f"unknown op {name!r}; known ops: {', '.join(known_ops())}")
     return spec
@@ -172,11 +193,13 @@ def op_spec(name: str) -> OpSpec:
 
 def tunable_ops() -> tuple[str, ...]:
     """The ops with a tuning description (`OpSpec.tuning`)."""
+    _load_builtin_ops()
     return tuple(name for name in known_ops() if _OPS[name].tuning is not None)
 
 
 def all_vocabularies() -> dict[str, tuple[str, ...]]:
     """Every registered op's name features with the values they take (the union where ops share a key)."""
+    _load_builtin_ops()
     out: dict[str, set[str]] = {}
     for spec in _OPS.values():
         for key, values in spec.vocabularies.items():
@@ -186,6 +209,7 @@ def all_vocabularies() -> dict[str, tuple[str, ...]]:
 
 def all_features() -> dict[str, str]:
     """Every registered op's `when:` keys with their kinds."""
+    _load_builtin_ops()
     out: dict[str, str] = {}
     for spec in _OPS.values():
         out.update(spec.features)

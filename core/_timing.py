@@ -8,11 +8,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Progress", "resolve_device", "sync", "time_fn"]
+__all__ = ["NOISY_SPREAD", "Progress", "Spread", "resolve_device", "sync", "time_fn", "time_samples", "usable_device"]
 
 
 def sync(device: torch.device) -> None:
@@ -22,7 +22,42 @@ def sync(device: torch.device) -> None:
 
 def time_fn(fn: Callable[[], Any], device: torch.device, *, warmup: int, reps: int,
             min_rep_seconds: float | None = None) -> float:
-    """Median seconds per call of `fn` on `device` (CUDA events on GPUs, perf_counter on the CPU).
+    """Median seconds per call of `fn` on `device` (see `time_samples`)."""
+    return float(statistics.median(time_samples(fn, device, warmup=warmup, reps=reps,
+                                                min_rep_seconds=min_rep_seconds)))
+
+
+# Timings whose interquartile range exceeds this fraction of their median are reported as noisy: the machine was
+# busy (another process, clock scaling) and a ranking within that spread means nothing.
+NOISY_SPREAD = 0.10
+
+
+class Spread(NamedTuple):
+    """Seconds per call over the timed reps."""
+
+    min: float
+    median: float
+    max: float
+    iqr: float
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Spread:
+        ordered = sorted(samples)
+        if len(ordered) >= 4:
+            q1, _, q3 = statistics.quantiles(ordered, n=4)
+        else:
+            q1, q3 = ordered[0], ordered[-1]
+        return cls(ordered[0], float(statistics.median(ordered)), ordered[-1], q3 - q1)
+
+    @property
+    def noisy(self) -> bool:
+        return self.iqr > NOISY_SPREAD * self.median
+
+
+def time_samples(fn: Callable[[], Any], device: torch.device, *, warmup: int, reps: int,
+                 min_rep_seconds: float | None = None) -> list[float]:
+    """Seconds per call of `fn` on `device` in each of `reps` timed reps (CUDA events on GPUs, perf_counter on
+    the CPU).
 
     Calls that take less than `min_rep_seconds` are repeated inside one timed rep (the count is calibrated
     during warm-up), so launch jitter does not dominate tiny kernels.
@@ -55,7 +90,7 @@ def time_fn(fn: Callable[[], Any], device: torch.device, *, warmup: int, reps: i
             for _ in range(inner):
                 fn()
             samples.append((time.perf_counter() - start) / inner)
-    return float(statistics.median(samples))
+    return samples
 
 
 class Progress:
@@ -93,3 +128,25 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def usable_device(text: str, flag: str = "--on") -> torch.device:
+    """The torch device `text` names, checked to exist here: ValueError saying what is wrong and what to pass."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"{flag} {text!r} is not a torch device; pass e.g. cpu, cuda or cuda:1") from None
+    if device.type == "cpu" or device.type == "meta":
+        return device
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        build = f"this torch build ({torch.__version__})"
+        hint = "install a torch build for it, or leave the flag out to use " + (
+            "the CPU" if not torch.cuda.is_available() else "the current CUDA device")
+        raise ValueError(f"{flag} {text}: {build} sees no {device.type} device; {hint}")
+    count = getattr(backend, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"{flag} {text}: there are {count} {device.type} device(s) (indices 0 to {count - 1})")
+    return device
+

@@ -13,7 +13,7 @@ import fnmatch
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,7 +22,7 @@ import yaml
 
 from ._fingerprint import device_fingerprint
 from ._ops import TuningSpec, op_spec, tunable_ops
-from ._timing import Progress, resolve_device, time_fn
+from ._timing import Progress, Spread, resolve_device, time_samples
 
 if TYPE_CHECKING:
     from opdispatch.policies._tuned_table import TunedTable
@@ -118,7 +118,8 @@ def random_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device
 
 @dataclass
 class Measurement:
-    """The timings of one case: median seconds per implementation, failures, the policy's pick, the bucket."""
+    """The timings of one case: median seconds per implementation (and their spread over the reps), failures,
+    the policy's pick, the bucket."""
 
     case: TuningCase
     call: str
@@ -128,6 +129,11 @@ class Measurement:
     pick: str | None
     flops: float
     features: tuple[tuple[Any, ...], tuple[int, ...]] | None = None
+    spreads: dict[str, Spread] = field(default_factory=dict)
+
+    def noisy(self) -> list[str]:
+        """The implementations whose timings here spread too widely to rank (`Spread.noisy`)."""
+        return [impl_id for impl_id, spread in self.spreads.items() if spread.noisy]
 
     @property
     def fastest(self) -> str | None:
@@ -191,7 +197,9 @@ def measure(cases: Sequence[TuningCase], *, op: str = "attention", manager: Any 
     device = resolve_device(device)
     info = manager.device_info(device)
     registered = [r.impl for r in manager.registry.for_op(op) if _matches_filter(r.impl.id, impls)]
-    bar = Progress(len(cases) * max(len(registered), 1), progress)
+    # One progress step per case, naming what is timed: implementations that cannot run here print nothing per
+    # case (the commands summarise them once).
+    bar = Progress(len(cases), progress)
     generator = torch.Generator(device=device).manual_seed(seed)
     results = []
     try:
@@ -203,24 +211,29 @@ def measure(cases: Sequence[TuningCase], *, op: str = "attention", manager: Any 
             except OpDispatchError:
                 pick = None
             seconds: dict[str, float] = {}
+            spreads: dict[str, Spread] = {}
             failed: dict[str, str] = {}
             skipped: dict[str, str] = {}
+            runnable = []
             for impl in registered:
-                bar.step(f"{case.describe()}: {impl.id}")
                 reason = manager.availability(impl, info)
                 if reason is None:
                     reasons = impl.not_supported_reasons(call, info)
                     reason = "; ".join(reasons) if reasons else None
                 if reason is not None:
                     skipped[impl.id] = reason
-                    continue
+                else:
+                    runnable.append(impl)
+            bar.step(f"{case.describe()}: " + (", ".join(i.id for i in runnable) or "nothing can run it here"))
+            for impl in runnable:
                 try:
                     run = _runner(impl, call, inputs, case.requires_grad)
-                    seconds[impl.id] = time_fn(run, device, warmup=warmup, reps=reps)
+                    spread = Spread.of(time_samples(run, device, warmup=warmup, reps=reps))
+                    seconds[impl.id], spreads[impl.id] = spread.median, spread
                 except Exception as exc:  # a kernel that fails on this shape is not a candidate for it
                     failed[impl.id] = f"{type(exc).__name__}: {str(exc)[:300]}"
             results.append(Measurement(case, call.describe(), seconds, failed, skipped, pick, case.flops(),
-                                       tuning.bucket(call)))
+                                       tuning.bucket(call), spreads))
             del inputs, call
     finally:
         bar.close()
@@ -232,11 +245,18 @@ def tune(cases: Sequence[TuningCase], *, op: str = "attention", manager: Any = N
          reps: int = 10, progress: bool = True, seed: int = 0) -> TunedTable:
     """Measure `cases` of `op` on this device and return the tuned table (save it with `.save(path)`)."""
     import opdispatch
-    from opdispatch.policies._tuned_table import TunedEntry, TunedTable
 
     manager = manager or opdispatch.get_manager()
     results = measure(cases, op=op, manager=manager, device=device, impls=impls, warmup=warmup, reps=reps,
                       progress=progress, seed=seed)
+    return tuned_table(results, op=op, manager=manager, device=device, impls=impls, warmup=warmup, reps=reps)
+
+
+def tuned_table(results: Sequence[Measurement], *, op: str, manager: Any, device: torch.device | str | None,
+                impls: Sequence[str] | None, warmup: int, reps: int) -> TunedTable:
+    """The tuned table of `measure`'s results (what `tune` returns)."""
+    from opdispatch.policies._tuned_table import TunedEntry, TunedTable
+
     info = manager.device_info(resolve_device(device))
     entries = []
     for m in results:

@@ -333,3 +333,19 @@ def test_a_backward_returning_the_wrong_shapes_is_a_clear_error(basic_manager, m
     out = attention_for_compile(q, k, v)
     with pytest.raises(RuntimeError, match=r"cpu\.flash\.backward must return \(dq, dk, dv\)"):
         out.sum().backward()
+
+
+def test_constant_result_marks_functions_as_torch_does():
+    """opdispatch marks its trace-time constants without importing Dynamo; the marker must be torch's own."""
+    from opdispatch._compile_ops import constant_result
+
+    def by_torch():
+        return 0
+
+    def by_opdispatch():
+        return 0
+
+    torch.compiler.assume_constant_result(by_torch)
+    constant_result(by_opdispatch)
+    marks = {k: v for k, v in vars(by_torch).items()}
+    assert marks and marks == {k: v for k, v in vars(by_opdispatch).items()}

@@ -248,3 +248,25 @@ def test_cli_flags_are_validated(capsys, basic_manager):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.startswith("opdispatch ")
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["tune", "--help"], ["explain"]])
+def test_help_version_and_argument_errors_do_not_import_torch(argv):
+    code = ("import sys\nfrom opdispatch._cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "heavy = sorted(m for m in ('torch', 'pydantic', 'yaml') if m in sys.modules)\n"
+            "print('imported:', heavy)\n" % (argv,))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "imported: []" in result.stdout, result.stdout + result.stderr
+
+
+def test_tune_and_bench_need_an_explicit_output():
+    with pytest.raises(SystemExit):
+        main(["tune", "--preset", "decode"])
+    with pytest.raises(SystemExit):
+        main(["bench", "--preset", "decode"])
+
+
+def test_list_verbose_names_the_cudnn_requirement_not_torch(capsys):
+    assert main(["list", "-v", "--device", "h100", "--op", "attention"]) == 0
+    text = capsys.readouterr().out
+    assert "cudnn>=9.0.0 (in the torch build)" in text and "torch>=9" not in text

@@ -51,7 +51,7 @@ def test_impl_filter(basic_manager):
 def test_progress_bar_goes_to_stderr(basic_manager, capsys):
     measure(TINY[:1], manager=basic_manager, device="cpu", warmup=0, reps=1, progress=True)
     err = capsys.readouterr().err
-    assert "[" in err and "2/2" in err and "reference.math" in err
+    assert "[" in err and "1/1" in err and "reference.math" in err
 
 
 def test_round_trip(basic_manager, tmp_path):
@@ -324,3 +324,37 @@ def test_an_autotune_table_is_read_inside_one_plan(basic_manager, tmp_path, monk
     rules = [rule for _, layer in basic_manager.policy.yaml_layers if layer.op("attention")
              for rule in layer.op("attention").rules]
     assert len(plans) == 1 and len(matched) == len(rules)  # every rule matched once, in one plan
+
+
+def test_spread_and_noise():
+    from opdispatch._timing import Spread
+
+    steady = Spread.of([1.00, 1.01, 0.99, 1.00, 1.02, 1.00])
+    assert (steady.min, steady.max) == (0.99, 1.02) and steady.median == 1.0 and not steady.noisy
+    busy = Spread.of([1.0, 1.0, 3.0, 1.1, 2.5, 0.9])  # another process took the CPU for some reps
+    assert busy.noisy and busy.max == 3.0
+
+
+def test_measure_records_every_timing_spread_and_the_summary_reports_noise_and_skips(basic_manager):
+    from opdispatch._bench import timing_summary
+    from opdispatch._timing import Spread
+
+    results = measure(TINY[:1], manager=basic_manager, device="cpu", warmup=1, reps=4, progress=False)
+    (m,) = results
+    assert set(m.spreads) == set(m.seconds) == {"cpu.flash", "reference.math"}
+    for impl_id, spread in m.spreads.items():
+        assert spread.min <= spread.median == m.seconds[impl_id] <= spread.max
+    m.spreads["reference.math"] = Spread(1e-4, 2e-4, 9e-4, 1e-4)  # as a busy machine measures
+    m.skipped["nvidia.cudnn"] = "runs on device type 'cuda', not 'cpu'"
+    lines = timing_summary(results)
+    assert lines[0].startswith(f"{m.case.describe()}: fastest {m.fastest} ") and "(min " in lines[0]
+    assert lines[1] == "not timed, they cannot run here: nvidia.cudnn (`opdispatch list` says why)"
+    assert lines[2].startswith("WARNING: 1 of 2 timings are noisy") and "worst: reference.math" in lines[2]
+    assert "median 200.0 µs, min 100.0 µs, max 900.0 µs" in lines[2]
+
+
+def test_progress_off_a_terminal_is_one_line_per_case_naming_what_runs(basic_manager, capsys):
+    measure(TINY, manager=basic_manager, device="cpu", warmup=0, reps=1, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == len(TINY)  # one per case, however many implementations are registered
+    assert lines[0].endswith("causal: cpu.flash, reference.math") and lines[1].endswith("d16: reference.math")
