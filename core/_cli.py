@@ -81,24 +81,25 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.op is not None and args.op not in known_ops():
         raise ValueError(f"--op {args.op!r} is not an op; known ops: {', '.join(known_ops())}")
     device = _device_arg(args)
-    rows = [("implementation", "op", "vendor", "priority", "available", "origin")]
-    for registered in manager.registry:
-        impl = registered.impl
-        if args.op and impl.op != args.op:
-            continue
-        reason = manager.availability(impl, device)
-        if reason is not None:
-            # Also say which libraries are missing, with their install hints, even when the device rules it out.
-            missing = [r.unmet_reason(device) for r in impl.requires]
-            extra = [m for m in missing if m and m not in reason]
-            if extra:
-                reason = "; ".join([reason, *extra])
-        rows.append((impl.id, impl.op, impl.vendor, str(impl.priority), "yes" if reason is None else f"no: {reason}",
-                     str(registered.origin)))
-    print(f"device: {device.describe()}\n")
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for r in rows:
-        print("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] + "   [" + r[5] + "]")
+    from ._table import format_table, terminal_width
+
+    print(f"device: {device.describe()}")
+    for op in sorted({r.impl.op for r in manager.registry} if args.op is None else {args.op}):
+        rows = [(f"{op}:", "priority", "origin", "available")]
+        for registered in manager.registry.for_op(op):
+            impl = registered.impl
+            reason = manager.availability(impl, device)
+            if reason is not None:
+                # Also say which libraries are missing, with their install hints, even when the device rules it out.
+                missing = [r.unmet_reason(device) for r in impl.requires]
+                extra = [m for m in missing if m and m not in reason]
+                if extra:
+                    reason = "; ".join([reason, *extra])
+            origin = str(registered.origin) if args.wide else registered.origin.plugin
+            rows.append((f"  {impl.id}", str(impl.priority), origin, "yes" if reason is None else f"no: {reason}"))
+        print()
+        for line in format_table(rows, width=terminal_width(args.wide)):
+            print(line)
     if args.verbose:
         for registered in manager.registry:
             print(f"\n{registered.impl.id}: {registered.impl.description}")
@@ -198,7 +199,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(decision.to_dict(), indent=2, default=str))
     else:
-        print(decision)
+        from ._table import terminal_width
+
+        print(decision.format(width=terminal_width(args.wide)))
     return 0 if decision.chosen is not None else 1
 
 
@@ -460,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="simulate a device from a YAML descriptor (configs/devices/*.yaml)")
     p.add_argument("--op", default=None)
     p.add_argument("--verbose", "-v", action="store_true", help="also print declared capabilities")
+    p.add_argument("--wide", action="store_true", help="no wrapping; origins in full")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("ops", help="the registered ops: arguments and policy `when:` keys (markdown, docs/ops.md)")
@@ -496,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", default=None, help="pin an implementation id")
     p.add_argument("--device", help="simulate a device from a YAML descriptor (configs/devices/*.yaml)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--wide", action="store_true", help="one line per candidate, provenance in full (no wrapping)")
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("doctor", help="device, plugins (with load errors), policy")

@@ -35,6 +35,42 @@ class Provenance:
             text += f" ({self.note})"
         return text
 
+    def short(self, impl_id: str | None = None) -> str:
+        """A table cell: the file by its name (shipped configs) or relative path, and the rule's name — or the
+        list entry, left out when it is `impl_id` itself (`default.yaml:21 order`). `str()` has it all."""
+        source = _short_path(self.source)
+        if self.rule:
+            return f"{source} rule {self.rule!r}"
+        if self.note:
+            note = self.note.split(";")[0]
+            if impl_id is not None and note.endswith(f" {impl_id!r}"):
+                note = note[: -len(impl_id) - 3]
+            return f"{source} {note}"
+        return source
+
+
+def _short_path(source: str) -> str:
+    """`source` ("path:line" or a name) with a shipped config as its file name and a path under the working
+    directory relative to it."""
+    import os
+    from importlib import resources
+    from pathlib import Path
+
+    path, sep, line = source.rpartition(":")
+    if not sep or not line.isdigit():
+        path, line = source, ""
+    if not path.endswith((".yaml", ".yml")):
+        return source
+    configs = Path(str(resources.files("opdispatch.configs"))).resolve()
+    try:
+        resolved = Path(path).resolve()
+        if configs in resolved.parents or Path.cwd() in resolved.parents:
+            base = configs if configs in resolved.parents else Path.cwd()
+            path = os.path.relpath(resolved, base)
+    except (OSError, ValueError):
+        pass
+    return f"{path}:{line}" if line else path
+
 
 @dataclass
 class Candidate:
@@ -87,6 +123,13 @@ class Decision:
         }
 
     def __str__(self) -> str:
+        return self.format()
+
+    def format(self, width: int | None = None) -> str:
+        """The decision as text. `width`: wrap the table's reasons to fit that many columns, and show each
+        candidate's provenance in short (`Provenance.short`); None: one line per candidate, all of it."""
+        from ._table import format_table
+
         head = [f"op:      {self.op}", f"call:    {self.call}", f"device:  {self.device.describe()}",
                 f"policy:  {self.policy_source} (hash {self.policy_hash})"]
         if self.chosen is not None:
@@ -96,10 +139,6 @@ class Decision:
         rows = [("#", "implementation", "status", "decided by", "reasons")]
         for i, c in enumerate(self.candidates, 1):
             reasons = "; ".join(c.reasons) if c.reasons else "-"
-            rows.append((str(i), c.impl_id, c.status, str(c.decided_by) if c.decided_by else "-", reasons))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = []
-        for r in rows:
-            lines.append("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4])
-        lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 7)
-        return "\n".join(head) + "\n\n" + "\n".join(line.rstrip() for line in lines)
+            by = "-" if c.decided_by is None else c.decided_by.short(c.impl_id) if width else str(c.decided_by)
+            rows.append((str(i), c.impl_id, c.status, by, reasons))
+        return "\n".join(head) + "\n\n" + "\n".join(format_table(rows, width=width, rule=True))

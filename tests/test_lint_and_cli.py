@@ -92,7 +92,7 @@ def test_shipped_default_policy_lints_clean_against_all_plugins(manager, capsys)
 
 
 def test_list_shows_availability_and_origin(capsys, basic_manager):
-    assert main(["list"]) == 0
+    assert main(["list", "--wide"]) == 0
     out = capsys.readouterr().out
     assert "cpu.flash" in out and "reference.math" in out and "plugin 'cpu' (module opdispatch.vendors.cpu" in out
     assert main(["list", "--device", str(device_descriptor("cpu")), "--verbose"]) == 0
@@ -146,7 +146,7 @@ def test_explain_any_op_from_the_command_line(capsys, manager):
     out = capsys.readouterr().out
     assert "op:      rms_norm" in out and "chosen:  flagos.rms_norm" in out and "flagos-for-large-rms-norm" in out
     assert main(["explain", "--op", "rotary_embedding", "--shape", "2,128,32,128", "--kv-heads", "8",
-                 "--rotary-dim", "64", "--grad", "--device", h100]) == 0
+                 "--rotary-dim", "64", "--grad", "--device", h100, "--wide"]) == 0
     out = capsys.readouterr().out
     assert "rotary_dim 64/128" in out and "partial rotary (rotary_dim 64 < head_dim 128) not supported" in out
     assert main(["explain", "--op", "rms_norm", "--shape", "4,8,16", "--device", h100]) == 2
@@ -154,12 +154,12 @@ def test_explain_any_op_from_the_command_line(capsys, manager):
 
 
 def test_list_names_missing_vendor_libraries_with_install_hints(capsys, manager):
-    assert main(["list"]) == 0
+    assert main(["list", "--wide"]) == 0
     out = capsys.readouterr().out
-    line = next(l for l in out.splitlines() if l.startswith("rocm.aiter"))
+    line = next(l for l in out.splitlines() if l.startswith("  rocm.aiter "))
     assert "library 'aiter' is not installed; install it with:" in line
-    line = next(l for l in out.splitlines() if l.startswith("cpu.flash"))
-    assert " yes " in line
+    line = next(l for l in out.splitlines() if l.startswith("  cpu.flash "))
+    assert line.endswith(" yes")
 
 
 def test_lint_reports_unsatisfiable_require_and_missing_autotune(tmp_path, basic_manager):
@@ -270,3 +270,31 @@ def test_list_verbose_names_the_cudnn_requirement_not_torch(capsys):
     assert main(["list", "-v", "--device", "h100", "--op", "attention"]) == 0
     text = capsys.readouterr().out
     assert "cudnn>=9.0.0 (in the torch build)" in text and "torch>=9" not in text
+
+
+@pytest.mark.parametrize("argv", [["list"], ["explain", "--shape", "1,1,8,64", "--seqlen-k", "512", "--causal",
+                                             "--causal-alignment", "bottom_right", "--device", "h100"]])
+def test_tables_fit_the_terminal_unless_wide(argv, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    main(argv)
+    narrow = capsys.readouterr().out.splitlines()
+    table = narrow[narrow.index("") + 1:]  # the header lines (device, call) are not the table
+    assert table and max(map(len, table)) <= 100, max(table, key=len)
+    main([*argv, "--wide"])
+    wide = capsys.readouterr().out.splitlines()
+    assert max(map(len, wide)) > 100  # nothing wrapped
+    if argv[0] == "explain":
+        row = next(line for line in narrow if " nvidia.cudnn " in line)
+        assert "default.yaml:" in row and "rule 'decode-on-flash'" not in row  # short provenance, not the reason
+        chosen = next(line for line in narrow if line.startswith("chosen:"))
+        assert "rule 'decode-on-flash'" in chosen and "configs/default.yaml:" in chosen  # the why, in full
+
+
+def test_format_table_wraps_only_the_last_column():
+    from opdispatch._table import format_table
+
+    rows = [("id", "reason"), ("a.b", "word " * 40), ("c.dd", "short")]
+    lines = format_table(rows, width=50)
+    assert all(len(line) <= 50 for line in lines)
+    assert lines[1].startswith("a.b   word") and lines[2].startswith("      word") and lines[-1] == "c.dd  short"
+    assert format_table(rows, width=None)[1] == "a.b   " + ("word " * 40).rstrip()
