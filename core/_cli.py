@@ -305,6 +305,10 @@ def _upcast(kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _why(decision: Any) -> str:
+    return "-" if decision.decided_by is None else decision.decided_by.short(decision.chosen_id)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import opdispatch
 
@@ -342,7 +346,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             err = max(err, gerr)
         failures += not ok
         print(f"{'PASS' if ok else 'FAIL'}  {title:<40} -> {decision.chosen_id:<16} "
-              f"max|err| {err:.2e} (tol {tol:g}) {elapsed:7.2f} ms   [{decision.decided_by}]")
+              f"max|err| {err:.2e} (tol {tol:g}) {elapsed:7.2f} ms   [{_why(decision)}]")
         if args.verbose:
             print("    " + str(decision).replace("\n", "\n    "))
     others = demo_other_ops(device)
@@ -362,7 +366,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ok = err <= tol * max(1.0, max(r.abs().max().item() for r in refs))
         failures += not ok
         print(f"{'PASS' if ok else 'FAIL'}  {title:<40} -> {decision.chosen_id:<16} "
-              f"max|err| {err:.2e} (tol {tol:g}) {elapsed:7.2f} ms   [{decision.decided_by}]")
+              f"max|err| {err:.2e} (tol {tol:g}) {elapsed:7.2f} ms   [{_why(decision)}]")
         if args.verbose:
             print("    " + str(decision).replace("\n", "\n    "))
     total = len(demo_calls(device)) + len(others)
@@ -615,6 +619,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OpDispatchError, ValueError, TypeError, argparse.ArgumentTypeError) as exc:
         print(f"opdispatch {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `opdispatch list | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
