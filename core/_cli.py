@@ -40,13 +40,15 @@ def _import_runtime() -> None:
                      validate_rms_norm=validate_rms_norm, validate_rotary_embedding=validate_rotary_embedding)
 
 
-def _ints(text: str, count: int | None = None, what: str = "value") -> list[int]:
+def _ints(text: str, count: int | None = None, what: str = "value", minimum: int | None = None) -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{what} {text!r} must be comma-separated integers") from None
     if count is not None and len(values) != count:
         raise argparse.ArgumentTypeError(f"{what} {text!r} needs {count} comma-separated integers")
+    if minimum is not None and any(v < minimum for v in values):
+        raise argparse.ArgumentTypeError(f"{what} {text!r}: every value must be at least {minimum}")
     return values
 
 
@@ -57,6 +59,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1 (leave the flag out for the default)")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be 0 or more")
     return value
 
 
@@ -114,7 +126,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 # -- explain ---------------------------------------------------------------------------------------------------
 
 def _explain_call_args(args: argparse.Namespace, device_type: str) -> dict[str, Any]:
-    b, s, h, d = _ints(args.shape, 4, "--shape")
+    b, s, h, d = _ints(args.shape, 4, "--shape", minimum=1)
     dtype = dtype_from_name(args.dtype)
     hkv = args.kv_heads or h
     sk = args.seqlen_k or s
@@ -153,7 +165,7 @@ def _explain_call_args(args: argparse.Namespace, device_type: str) -> dict[str, 
 
 
 def _rms_norm_call(args: argparse.Namespace, dev: str) -> Any:
-    tokens, hidden = _ints(args.shape, 2, "--shape (TOKENS,HIDDEN for rms_norm)")
+    tokens, hidden = _ints(args.shape, 2, "--shape (TOKENS,HIDDEN for rms_norm)", minimum=1)
     dtype = dtype_from_name(args.dtype)
     x = torch.empty(tokens, hidden, dtype=dtype, device=dev, requires_grad=args.grad)
     weight = None if args.no_weight else torch.empty(hidden, dtype=dtype, device=dev, requires_grad=args.grad)
@@ -162,7 +174,7 @@ def _rms_norm_call(args: argparse.Namespace, dev: str) -> Any:
 
 
 def _rotary_call(args: argparse.Namespace, dev: str) -> Any:
-    b, s, h, d = _ints(args.shape, 4, "--shape")
+    b, s, h, d = _ints(args.shape, 4, "--shape", minimum=1)
     dtype = dtype_from_name(args.dtype)
     hkv = args.kv_heads or h
     rotary_dim = args.rotary_dim or d
@@ -497,10 +509,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--residual", action="store_true", help="rms_norm: with the fused residual add")
     p.add_argument("--no-weight", action="store_true", help="rms_norm: without a weight")
-    p.add_argument("--rotary-dim", type=int, default=None, help="rotary_embedding: rotated channels (default D)")
+    p.add_argument("--rotary-dim", type=_positive, default=None, help="rotary_embedding: rotated channels (default D)")
     p.add_argument("--interleaved", action="store_true", help="rotary_embedding: GPT-J pairs")
     p.add_argument("--positions", action="store_true", help="rotary_embedding: explicit per-token positions")
-    p.add_argument("--max-positions", type=int, default=4096, help="rotary_embedding: rows of the cos/sin caches")
+    p.add_argument("--max-positions", type=_positive, default=4096,
+                   help="rotary_embedding: rows of the cos/sin caches")
     p.add_argument("--impl", default=None, help="pin an implementation id")
     p.add_argument("--device", help="simulate a device from a YAML descriptor (configs/devices/*.yaml)")
     p.add_argument("--json", action="store_true")
@@ -537,8 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quarantine", default=None, help="where to write the quarantine (default: OPDISPATCH_QUARANTINE "
                                                       "or ~/.cache/opdispatch/quarantine.yaml, which policies read)")
     p.add_argument("--no-quarantine", action="store_true", help="write no quarantine file")
-    p.add_argument("--jobs", type=int, default=1, help="implementations validated at once, each in its own worker "
-                                                       "(default 1; on a GPU they share its memory)")
+    p.add_argument("--jobs", type=_positive, default=1, help="implementations validated at once, each in its own "
+                                                           "worker (default 1; on a GPU they share its memory)")
     p.add_argument("--report", default=None, help="also write the markdown report here")
     p.add_argument("--json", default=None, help="also write the JSON report (every case) here")
     p.set_defaults(func=cmd_validate)
@@ -569,8 +582,9 @@ def add_perf_commands(sub: Any) -> None:
         p.add_argument("--impl", action="append", default=[], help="only these implementation ids/globs "
                        "(repeatable)")
         p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
-        p.add_argument("--warmup", type=int, default=3)
-        p.add_argument("--reps", type=int, default=10)
+        p.add_argument("--warmup", type=_non_negative, default=3, help="untimed calls first (default 3)")
+        p.add_argument("--reps", type=_positive, default=10, help="timed reps; the median is reported, with the "
+                                                                 "min, max and interquartile range (default 10)")
         p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
     p = sub.add_parser("tune", help="time every eligible implementation per shape bucket; write a tuned table")
@@ -597,7 +611,8 @@ def _version() -> str:
 
 
 def _join_negative_values(argv: list[str]) -> list[str]:
-    """`--window -1,0` as `--window=-1,0`: argparse would take "-1,0" for an option."""
+    """`--window -1,0` as `--window=-1,0` (any flag of `_NEGATIVE_OK`): argparse would take "-1,0" for an option
+    and say the flag lacks a value, instead of letting the flag's own check say what is allowed."""
     out: list[str] = []
     for arg in argv:
         if out and out[-1] in _NEGATIVE_OK and arg[:1] == "-" and arg[1:2].isdigit():
@@ -607,7 +622,8 @@ def _join_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
-_NEGATIVE_OK = ("--window",)
+_NEGATIVE_OK = ("--window", "--shape", "--warmup", "--reps", "--max-positions", "--rotary-dim", "--softcap",
+                "--dropout", "--kv-heads", "--seqlen-k", "--head-dim-v", "--jobs", "--timeout")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

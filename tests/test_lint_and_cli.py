@@ -298,3 +298,24 @@ def test_format_table_wraps_only_the_last_column():
     assert all(len(line) <= 50 for line in lines)
     assert lines[1].startswith("a.b   word") and lines[2].startswith("      word") and lines[-1] == "c.dd  short"
     assert format_table(rows, width=None)[1] == "a.b   " + ("word " * 40).rstrip()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["explain", "--shape", "0,1,8,64"], "--shape '0,1,8,64': every value must be at least 1"),
+    (["explain", "--op", "rms_norm", "--shape", "-4,64"], "every value must be at least 1"),
+    (["explain", "--op", "rotary_embedding", "--shape", "1,1,8,64", "--rotary-dim", "0"], "0 must be at least 1"),
+    (["explain", "--shape", "1,4,8,64", "--max-positions", "-5"], "-5 must be at least 1"),
+    (["explain", "--shape", "1,4,8,64", "--softcap", "-1"], "softcap=-1.0 is out of range"),
+    (["explain", "--shape", "1,4,8,64", "--dropout", "2"], "dropout_p=2.0 is out of range"),
+    (["tune", "--reps", "0", "--out", "x.yaml"], "0 must be at least 1"),
+    (["tune", "--warmup", "-1", "--out", "x.yaml"], "-1 must be 0 or more"),
+    (["validate", "--jobs", "0"], "0 must be at least 1"),
+    (["demo", "--on", "cdua"], "--on 'cdua' is not a torch device"),
+])
+def test_every_flag_refuses_out_of_range_values_with_a_clean_error(argv, message, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    assert code == 2
+    assert message in capsys.readouterr().err
