@@ -61,12 +61,17 @@ class Requirement:
         else:
             version = device.libraries.get(self.library_key)
             if version is None:
-                if importlib.util.find_spec(self.module) is None:
+                spec = importlib.util.find_spec(self.module)
+                if spec is None:
                     return f"library {self.module!r} is not installed; install it with: {self.hint()}"
                 try:
                     version = importlib.metadata.version(self.distribution)
                 except importlib.metadata.PackageNotFoundError:
-                    version = None
+                    # Importable but not installed as its distribution: a local module or a shim of that name
+                    # (possibly one that routes back into opdispatch), never the vendor library.
+                    return (f"module {self.module!r} is importable (from {spec.origin}) but the distribution "
+                            f"{self.distribution!r} is not installed, so it is not the vendor library; install it "
+                            f"with: {self.hint()}")
         if self.min_version and version is not None:
             try:
                 too_old = Version(version.split("+")[0]) < Version(self.min_version)

@@ -336,3 +336,18 @@ def test_simulated_device_never_imports_vendor_library(manager, monkeypatch):
     assert cand.status in (ELIGIBLE, CHOSEN)
     real_reason = manager.availability(impl, manager.device_info(torch.device("cpu")))
     assert "library 'ghost_lib_xyz' is not installed; install it with: pip install 'ghost-lib>=1.2'" == real_reason
+
+
+def test_an_importable_module_without_its_distribution_is_not_the_vendor_library(tmp_path, monkeypatch):
+    """A shim named like the vendor's module (e.g. one that routes back into opdispatch) must not make the vendor's
+    implementation available: availability checks the installed distribution, not just the import name."""
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text("def flash_attn_func(*a, **k):\n    raise AssertionError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    req = opdispatch.Requirement("flash_attn", "flash-attn", "2.6.0")
+    local = opdispatch.get_manager().device_info(torch.device("cpu"))
+    reason = req.unmet_reason(local)
+    assert reason is not None and "is importable (from " in reason and "not the vendor library" in reason
+    assert str(tmp_path) in reason
+    # A module that is its distribution's passes (pluggy is installed with metadata).
+    assert opdispatch.Requirement("pluggy", "pluggy", "1.0").unmet_reason(local) is None
