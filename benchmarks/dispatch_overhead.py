@@ -134,6 +134,8 @@ def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: in
     impl = planned.decision.chosen
     impl_id = impl.id
     attention = opdispatch.attention
+    from opdispatch.compat import scaled_dot_product_attention as compat_sdpa, torch_sdpa
+
     floor = signature_floor(planned)
     fns: dict[str, Callable[[], Any]] = {
         "direct": direct_kernel(impl_id, call) or (lambda: impl.run(call)),
@@ -142,6 +144,8 @@ def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: in
         "pinned": lambda: attention(q, k, v, layout="bhsd", impl=impl_id),
         "policy": lambda: attention(q, k, v, layout="bhsd"),
         "plan": lambda: planned(q, k, v),
+        "compat.sdpa": lambda: compat_sdpa(q, k, v),
+        "torch sdpa": lambda: torch_sdpa(q, k, v),
     }
     samples = per_call_seconds(fns, device, repeat)
     return {"impl": impl_id, "median": {n: statistics.median(x) for n, x in samples.items()},
@@ -193,8 +197,8 @@ def key_costs_markdown(device: torch.device, size: tuple[int, int, int, int], re
     return "\n".join(lines) + "\n"
 
 
-COLUMNS = ["direct", "floor", "impl.run", "pinned", "policy", "plan"]
-OVERHEAD_COLUMNS = ["floor", "pinned", "policy", "plan"]
+COLUMNS = ["direct", "floor", "impl.run", "pinned", "policy", "plan", "compat.sdpa", "torch sdpa"]
+OVERHEAD_COLUMNS = ["floor", "pinned", "policy", "plan", "compat.sdpa", "torch sdpa"]
 
 
 def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repeat: int) -> str:
@@ -202,7 +206,9 @@ def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repea
         f"- {repeat} round-robin rounds; per-call medians; layout bhsd, "
         f"{'float32' if device.type == 'cpu' else 'bfloat16'}; overhead = median over rounds of (variant - direct)",
         "- floor = a do-nothing function with `opdispatch.attention`'s exact signature calling the plan: the cost "
-        "of entering any per-call Python API of that shape", "",
+        "of entering any per-call Python API of that shape; compat.sdpa = `opdispatch.compat."
+        "scaled_dot_product_attention` (the drop-in for torch's functional, policy-dispatched); torch sdpa = torch's "
+        "own `F.scaled_dot_product_attention` (its own backend choice)", "",
         "| size (b,h,s,d) | impl | " + " | ".join(f"{c} µs" for c in COLUMNS) + " | "
         + " | ".join(f"{c} - direct" for c in OVERHEAD_COLUMNS) + " |",
         "|---|---|" + "--:|" * (len(COLUMNS) + len(OVERHEAD_COLUMNS))]

@@ -38,6 +38,10 @@ class Requirement:
     min_version: str | None = None
     install_hint: str = ""
     key: str | None = None
+    # Whether the module must come with its installed distribution: a library always installed by pip, whose
+    # import name a shim or a local module could take (flash_attn). Off for vendor SDK modules that may be
+    # installed without pip metadata; then a module of that name is taken for the library, its version unknown.
+    verify_distribution: bool = False
 
     @property
     def library_key(self) -> str:
@@ -67,11 +71,12 @@ class Requirement:
                 try:
                     version = importlib.metadata.version(self.distribution)
                 except importlib.metadata.PackageNotFoundError:
-                    # Importable but not installed as its distribution: a local module or a shim of that name
-                    # (possibly one that routes back into opdispatch), never the vendor library.
-                    return (f"module {self.module!r} is importable (from {spec.origin}) but the distribution "
-                            f"{self.distribution!r} is not installed, so it is not the vendor library; install it "
-                            f"with: {self.hint()}")
+                    if not self.verify_distribution:
+                        version = None
+                    else:  # a local module or a shim of that name (maybe one routing back into opdispatch)
+                        return (f"module {self.module!r} is importable (from {spec.origin}) but the distribution "
+                                f"{self.distribution!r} is not installed, so it is not the vendor library; install "
+                                f"it with: {self.hint()}")
         if self.min_version and version is not None:
             try:
                 too_old = Version(version.split("+")[0]) < Version(self.min_version)

@@ -344,10 +344,15 @@ def test_an_importable_module_without_its_distribution_is_not_the_vendor_library
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text("def flash_attn_func(*a, **k):\n    raise AssertionError\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    req = opdispatch.Requirement("flash_attn", "flash-attn", "2.6.0")
+    req = opdispatch.Requirement("flash_attn", "flash-attn", "2.6.0", verify_distribution=True)
     local = opdispatch.get_manager().device_info(torch.device("cpu"))
     reason = req.unmet_reason(local)
     assert reason is not None and "is importable (from " in reason and "not the vendor library" in reason
     assert str(tmp_path) in reason
-    # A module that is its distribution's passes (pluggy is installed with metadata).
-    assert opdispatch.Requirement("pluggy", "pluggy", "1.0").unmet_reason(local) is None
+    # A module that is its distribution's passes (pluggy is installed with metadata); a vendor SDK module that may
+    # come without pip metadata is taken as it is unless the requirement asks for the distribution.
+    assert opdispatch.Requirement("pluggy", "pluggy", "1.0", verify_distribution=True).unmet_reason(local) is None
+    assert opdispatch.Requirement("flash_attn", "flash-attn", "2.6.0").unmet_reason(local) is None
+    from opdispatch.vendors.nvidia._attention import FLASH_ATTN
+
+    assert "not the vendor library" in FLASH_ATTN.unmet_reason(local)

@@ -28,7 +28,7 @@ MI250X = device_descriptor("mi250x")
 @pytest.fixture
 def fa_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     calls: list = []
-    install(monkeypatch, {"flash_attn": fake_fa.make(calls)})
+    install(monkeypatch, {"flash_attn": fake_fa.make(calls)}, distributions={"flash_attn": "2.8.3"})
     return calls
 
 

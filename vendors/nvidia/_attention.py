@@ -46,6 +46,7 @@ _flash_backward = torch.ops.aten._flash_attention_backward.default
 
 
 FLASH_ATTN = Requirement(module="flash_attn", distribution="flash-attn", min_version="2.6.0", key="flash_attn",
+                         verify_distribution=True,
                          install_hint="pip install 'flash-attn>=2.6' --no-build-isolation")
 
 class _TorchBuildRequirement(Requirement):

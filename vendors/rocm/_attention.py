@@ -66,7 +66,7 @@ class RocmFlashAttnCK(AttentionImpl):
     # setup.py validate_and_update_archs: the CK build accepts GPU_ARCHS gfx90a, gfx942, gfx950.
     archs: ClassVar[frozenset[str]] = frozenset({"gfx90a", "gfx942", "gfx950"})
     requires: ClassVar[tuple[Requirement, ...]] = (Requirement(
-        module="flash_attn", distribution="flash_attn",
+        module="flash_attn", distribution="flash_attn", verify_distribution=True,
         install_hint=("build ROCm's flash-attention with its CK backend: git clone --recursive "
                       "https://github.com/ROCm/flash-attention && cd flash-attention && "
                       "GPU_ARCHS=gfx942 python setup.py install (MI200/MI300, ROCm >= 6.0)")),)

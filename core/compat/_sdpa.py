@@ -1,0 +1,230 @@
+"""`scaled_dot_product_attention`: torch's functional, dispatched by opdispatch.
+
+Same signature, broadcasting and results as ``torch.nn.functional.scaled_dot_product_attention``: any number of
+leading dims (2-D and 3-D inputs included), batch dims broadcast between q, k and v, k/v with one head for many
+(as torch broadcasts them), ``enable_gqa``, boolean and float masks broadcast to the scores, ``is_causal``
+(top-left, combinable with a mask), ``dropout_p``, any ``scale`` (folded into q where the op's range excludes it),
+a value head dim of its own. Invalid calls raise `SdpaError` — a ``RuntimeError``, as torch raises, and a
+``ValueError`` — naming the argument, its value and what is allowed.
+
+What opdispatch cannot represent goes to torch's own function unchanged: nested (jagged) tensors and tensor
+subclasses, and calls made by an implementation while the program is routed through this function (so a plugin
+that calls ``F.scaled_dot_product_attention`` never loops back into opdispatch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._api import attention
+
+__all__ = ["SdpaError", "route_sdpa", "routed_sdpa", "scaled_dot_product_attention", "torch_sdpa", "unroute_sdpa"]
+
+# torch's function as imported, before any routing: what the unusual calls (and re-entrant ones) go to.
+torch_sdpa = torch.nn.functional.scaled_dot_product_attention
+_MAX_SCALE = 2**20  # opdispatch's scale range (attention() refuses scales outside (0, 2**20])
+_state = threading.local()
+
+
+class SdpaError(RuntimeError, ValueError):
+    """An invalid `scaled_dot_product_attention` call: a RuntimeError where torch raises one, and a ValueError."""
+
+
+def _plain(t: Any) -> bool:
+    return type(t) is Tensor or type(t) is torch.nn.Parameter
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention``, computed by the implementation the policy picks."""
+    if getattr(_state, "inside", False):  # an implementation calling it while the program is routed: torch's
+        return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    # The common call — 4-D tensors of one batch, heads that divide, a mask of an allowed dtype, a scale the op
+    # takes — goes straight to opdispatch.attention (its per-call fast path); anything else, or anything it
+    # refuses, takes the general path below, which reshapes, and raises as torch does.
+    try:
+        qs, ks, vs = query.shape, key.shape, value.shape
+    except RuntimeError:  # a strided nested tensor has no sizes: torch's
+        return _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and type(query) is Tensor and ks[0] == qs[0] == vs[0]
+            and ks[1] == vs[1] and (ks[1] == qs[1] or ((enable_gqa or ks[1] == 1) and qs[1] % ks[1] == 0))
+            and (scale is None or 0 < scale <= _MAX_SCALE)
+            and (attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32, query.dtype))):
+        bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
+        mask, bias = (attn_mask, None) if bool_mask else (None, attn_mask)
+        try:
+            out: Tensor
+            if not _routed_depth:  # nothing can loop back into this function: no guard to set
+                out = attention(query, key, value, layout="bhsd", causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                attn_mask=mask, attn_bias=bias)
+                return out
+            _state.inside = True
+            try:
+                out = attention(query, key, value, layout="bhsd", causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                attn_mask=mask, attn_bias=bias)
+                return out
+            finally:
+                _state.inside = False
+        except (ValueError, TypeError):
+            pass  # the general path says what is wrong, as torch would, or computes what the op cannot take
+    return _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _general(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
+             is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor:
+    if not all(_plain(t) for t in (query, key, value)) or (
+            attn_mask is not None and not _plain(attn_mask)) or query.is_nested:
+        return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    q, k, v, mask, bias, out_shape, scale = _as_bhsd(query, key, value, attn_mask, scale, enable_gqa)
+    if not 0.0 <= dropout_p <= 1.0 or math.isnan(dropout_p):
+        raise SdpaError(f"scaled_dot_product_attention: dropout_p={dropout_p!r} is out of range; allowed: "
+                        "0 <= dropout_p <= 1")
+    if 0 in q.shape or 0 in k.shape or dropout_p == 1.0:
+        # No query, no key, or every weight dropped: zeros (as torch gives), still part of the autograd graph.
+        connect = (query.sum() + key.sum() + value.sum()) * 0
+        return torch.zeros(out_shape, dtype=query.dtype, device=query.device) + connect
+    _state.inside = True
+    try:
+        out: Tensor = attention(q, k, v, layout="bhsd", causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                attn_mask=mask, attn_bias=bias)
+    except (ValueError, TypeError) as exc:  # what the op refuses that torch's checks above did not catch
+        raise SdpaError(f"scaled_dot_product_attention: {exc}") from exc
+    finally:
+        _state.inside = False
+    return out.reshape(out_shape)
+
+
+def _broadcast(what: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        raise SdpaError(f"scaled_dot_product_attention: the {what} of query, key and value do not broadcast: "
+                        f"{', '.join(str(tuple(s)) for s in shapes)}") from None
+
+
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    return all(a in (1, b) for a, b in zip(reversed(shape), reversed(target)))
+
+
+def _as_bhsd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, scale: float | None,
+             enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, tuple[int, ...], float]:
+    """The call as opdispatch's (batch, heads, seq, dim) tensors, the mask split into a boolean mask or a float
+    bias, the output's shape and the scale to pass."""
+    if min(query.dim(), key.dim(), value.dim()) < 2:
+        raise SdpaError("scaled_dot_product_attention: expected query, key and value to be at least 2-dimensional, "
+                        f"got query.dim()={query.dim()}, key.dim()={key.dim()}, value.dim()={value.dim()}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise SdpaError("scaled_dot_product_attention: expected query, key and value to have the same dtype, got "
+                        f"{query.dtype}, {key.dtype} and {value.dtype}")
+    if not query.dtype.is_floating_point:
+        raise SdpaError(f"scaled_dot_product_attention: query dtype {query.dtype} is not a floating-point dtype")
+    if not (query.device == key.device == value.device):
+        raise SdpaError("scaled_dot_product_attention: expected query, key and value on one device, got "
+                        f"{query.device}, {key.device} and {value.device}")
+    if key.shape[-1] != query.shape[-1]:
+        raise SdpaError(f"scaled_dot_product_attention: key's last dim {key.shape[-1]} must equal query's "
+                        f"{query.shape[-1]} (the dot-product dim)")
+    if key.shape[-2] != value.shape[-2]:
+        raise SdpaError(f"scaled_dot_product_attention: key and value must hold as many positions: "
+                        f"{key.shape[-2]} vs {value.shape[-2]}")
+    seq_q, seq_k, dim, dim_v = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
+    lead_q, lead_k, lead_v = (tuple(t.shape[:-2]) for t in (query, key, value))
+    width = max(len(lead_q), len(lead_k), len(lead_v), 1)
+    lead_q, lead_k, lead_v = ((1,) * (width - len(s)) + s for s in (lead_q, lead_k, lead_v))
+    heads_q, heads_k, heads_v = lead_q[-1], lead_k[-1], lead_v[-1]
+    if heads_k != heads_v:
+        if not (enable_gqa or 1 in (heads_k, heads_v)):
+            raise SdpaError(f"scaled_dot_product_attention: key has {heads_k} heads and value {heads_v}")
+    if enable_gqa and heads_k != heads_q:
+        if heads_k != heads_v or heads_q % heads_k:
+            raise SdpaError(f"scaled_dot_product_attention: with enable_gqa, the heads of key and value "
+                            f"({heads_k}, {heads_v}) must be equal and divide the query's ({heads_q})")
+        heads_kv = heads_k
+    elif heads_k == heads_v == 1:
+        heads_kv = 1  # one key/value head for every query head: torch broadcasts it, opdispatch reads it as MQA
+    else:
+        heads_kv = _broadcast("head dims", (heads_q,), (heads_k,), (heads_v,))[0]
+        if heads_kv != heads_q:  # k/v have more heads than q: torch broadcasts q
+            heads_q = heads_kv
+    batch = _broadcast("batch dims", lead_q[:-1], lead_k[:-1], lead_v[:-1])
+    flat = math.prod(batch)
+
+    def shaped(t: Tensor, lead: tuple[int, ...], heads: int, seq: int, last: int) -> Tensor:
+        t = t.reshape(*lead, seq, last).expand(*batch, heads, seq, last)
+        return t.reshape(flat, heads, seq, last)  # a view when the batch dims merge; a copy when broadcast
+
+    q = shaped(query, lead_q, heads_q, seq_q, dim)
+    k = shaped(key, lead_k, heads_kv, seq_k, dim)
+    v = shaped(value, lead_v, heads_kv, seq_k, dim_v)
+    # torch's result: the broadcast leading dims, q's heads, L, Ev — as many dims as the widest input.
+    out_shape = (*batch, heads_q, seq_q, dim_v)[-max(query.dim(), key.dim(), value.dim()):]
+    mask = bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in (torch.float32, query.dtype):
+            raise SdpaError(f"scaled_dot_product_attention: attn_mask dtype {attn_mask.dtype} is not allowed; "
+                            f"allowed: bool (True = attend), float32, or query's dtype {query.dtype}")
+        full = (*batch, heads_q, seq_q, seq_k)
+        if attn_mask.dim() > len(full) or not _broadcasts(tuple(attn_mask.shape), full):
+            raise SdpaError(f"scaled_dot_product_attention: attn_mask of shape {tuple(attn_mask.shape)} does not "
+                            f"broadcast to the scores' shape {full}")
+        m = attn_mask.reshape(*(1,) * (len(full) - attn_mask.dim()), *attn_mask.shape)
+        lead = m.shape[:-3]
+        if all(n == 1 for n in lead):
+            m = m.reshape(1, *m.shape[-3:])  # a view: opdispatch broadcasts the rest
+        else:  # per-batch masks over several batch dims: one batch dim, as the call's
+            m = m.expand(*batch, *m.shape[-3:]).reshape(flat, *m.shape[-3:])
+        if m.dtype == torch.bool:
+            mask = m
+        else:
+            bias = m
+    if scale is None:
+        scale = 1.0 / math.sqrt(dim)
+    elif not (math.isfinite(scale) and 0 < scale <= _MAX_SCALE):
+        q, scale = q * scale, 1.0  # a scale opdispatch's kernels do not take (0, negative, huge): fold it into q
+    return q, k, v, mask, bias, tuple(out_shape), float(scale)
+
+
+# -- routing the program's F.scaled_dot_product_attention ---------------------------------------------------
+
+_routing_lock = threading.Lock()
+_routed_depth = 0
+
+
+def route_sdpa() -> None:
+    """Make ``torch.nn.functional.scaled_dot_product_attention`` (as looked up by attribute, the way most code
+    calls it) this function, for the whole process; `unroute_sdpa` undoes it. Nested calls count: the original
+    returns when every `route_sdpa` has been undone. Code that imported the function by name before keeps
+    torch's."""
+    global _routed_depth
+    with _routing_lock:
+        _routed_depth += 1
+        torch.nn.functional.scaled_dot_product_attention = scaled_dot_product_attention  # type: ignore[assignment]
+
+
+def unroute_sdpa() -> None:
+    """Undo one `route_sdpa` (torch's function is back when none is left)."""
+    global _routed_depth
+    with _routing_lock:
+        if _routed_depth == 0:
+            raise RuntimeError("unroute_sdpa() without a route_sdpa() to undo")
+        _routed_depth -= 1
+        if _routed_depth == 0:
+            torch.nn.functional.scaled_dot_product_attention = torch_sdpa
+
+
+@contextlib.contextmanager
+def routed_sdpa() -> Iterator[None]:
+    """``with routed_sdpa():`` — every ``F.scaled_dot_product_attention`` call inside goes through opdispatch."""
+    route_sdpa()
+    try:
+        yield
+    finally:
+        unroute_sdpa()

@@ -1,0 +1,291 @@
+"""opdispatch.compat.scaled_dot_product_attention is torch's functional, dispatched: the same results (forward
+and gradients) as torch's own function and as torch's documented reference in float64, the same broadcasting,
+a RuntimeError wherever torch raises one, and routing of a whole program's F.scaled_dot_product_attention."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import opdispatch
+from opdispatch.compat import (SdpaError, route_sdpa, routed_sdpa, scaled_dot_product_attention, torch_sdpa,
+                               unroute_sdpa)
+
+
+def documented_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """torch's docstring reference implementation, in float64 (no dropout): the independent oracle."""
+    query, key, value = query.double(), key.double(), value.double()
+    L, S = query.size(-2), key.size(-2)
+    scale_factor = 1 / math.sqrt(query.size(-1)) if scale is None else scale
+    attn_bias = torch.zeros(L, S, dtype=torch.float64)
+    if is_causal:
+        attn_bias.masked_fill_(torch.ones(L, S, dtype=torch.bool).tril(diagonal=0).logical_not(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            attn_bias = attn_bias.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            attn_bias = attn_mask.double() + attn_bias
+    if enable_gqa:
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    weight = query @ key.transpose(-2, -1) * scale_factor + attn_bias
+    weight = torch.softmax(weight, dim=-1).nan_to_num(0.0)  # a row that sees nothing: zeros, as torch's CPU kernel
+    return weight @ value
+
+
+def rand(*shape, dtype=torch.float32, grad=False, gen=None):
+    return torch.randn(*shape, generator=gen).to(dtype).requires_grad_(grad)
+
+
+CASES = {
+    "4-D": dict(q=(2, 4, 5, 8), k=(2, 4, 7, 8), v=(2, 4, 7, 8)),
+    "causal, fewer queries": dict(q=(2, 4, 5, 8), k=(2, 4, 7, 8), v=(2, 4, 7, 8), is_causal=True),
+    "causal, more queries": dict(q=(1, 2, 9, 8), k=(1, 2, 4, 8), v=(1, 2, 4, 8), is_causal=True),
+    "3-D (no heads)": dict(q=(3, 5, 16), k=(3, 6, 16), v=(3, 6, 16)),
+    "2-D": dict(q=(5, 16), k=(6, 16), v=(6, 16)),
+    "5-D": dict(q=(3, 2, 4, 5, 8), k=(3, 2, 4, 7, 8), v=(3, 2, 4, 7, 8)),
+    "batch broadcast": dict(q=(2, 4, 5, 8), k=(1, 4, 7, 8), v=(1, 4, 7, 8)),
+    "leading dims broadcast": dict(q=(2, 4, 5, 8), k=(4, 7, 8), v=(4, 7, 8)),
+    "one kv head (broadcast)": dict(q=(2, 4, 5, 8), k=(2, 1, 7, 8), v=(2, 1, 7, 8)),
+    "GQA 4:2": dict(q=(2, 4, 5, 8), k=(2, 2, 7, 8), v=(2, 2, 7, 8), enable_gqa=True),
+    "value head dim 16": dict(q=(2, 4, 5, 8), k=(2, 4, 7, 8), v=(2, 4, 7, 16)),
+    "bool mask 2-D": dict(q=(2, 4, 5, 8), k=(2, 4, 7, 8), v=(2, 4, 7, 8), mask=((5, 7), torch.bool)),
+    "bool mask per batch": dict(q=(2, 4, 5, 8), k=(2, 4, 7, 8), v=(2, 4, 7, 8), mask=((2, 1, 1, 7), torch.bool)),
+    "float mask per head": dict(q=(2, 4, 5, 8), k=(2, 4, 7, 8), v=(2, 4, 7, 8), mask=((4, 5, 7), torch.float32)),
+    "float mask, 5-D batch": dict(q=(3, 2, 4, 5, 8), k=(3, 2, 4, 7, 8), v=(3, 2, 4, 7, 8),
+                                  mask=((3, 2, 1, 5, 7), torch.float32)),
+    "causal and a mask": dict(q=(2, 4, 6, 8), k=(2, 4, 6, 8), v=(2, 4, 6, 8), is_causal=True,
+                              mask=((6, 6), torch.bool)),
+    "scale 0.3": dict(q=(2, 4, 5, 8), k=(2, 4, 7, 8), v=(2, 4, 7, 8), scale=0.3),
+    "negative scale": dict(q=(2, 4, 5, 8), k=(2, 4, 7, 8), v=(2, 4, 7, 8), scale=-0.5),
+    "zero scale": dict(q=(2, 4, 5, 8), k=(2, 4, 7, 8), v=(2, 4, 7, 8), scale=0.0),
+}
+
+
+def _inputs(case, dtype, grad, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (rand(*case[n], dtype=dtype, grad=grad, gen=gen) for n in ("q", "k", "v"))
+    kw = {key: case[key] for key in ("is_causal", "scale", "enable_gqa") if key in case}
+    if "mask" in case:
+        shape, mdtype = case["mask"]
+        if mdtype == torch.bool:
+            mask = torch.rand(*shape, generator=gen) > 0.3
+            mask[..., 0] = True  # every row sees a key (rows that see none: tested apart)
+        else:
+            mask = torch.randn(*shape, generator=gen).to(mdtype)
+        kw["attn_mask"] = mask
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_torch_and_the_documented_reference(basic_manager, case):
+    q, k, v, kw = _inputs(CASES[case], torch.float32, grad=True)
+    ours = scaled_dot_product_attention(q, k, v, **kw)
+    theirs = torch_sdpa(q, k, v, **kw)
+    oracle = documented_sdpa(q, k, v, **kw)
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    torch.testing.assert_close(ours.double(), oracle, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    grad = torch.randn(ours.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad(ours, (q, k, v), grad)
+    want = torch.autograd.grad(oracle, (q, k, v), grad.double())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w.double(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_other_dtypes(basic_manager, dtype):
+    for case in ("4-D", "GQA 4:2", "bool mask 2-D", "3-D (no heads)"):
+        q, k, v, kw = _inputs(CASES[case], dtype, grad=False, seed=3)
+        ours = scaled_dot_product_attention(q, k, v, **kw)
+        assert ours.dtype == dtype
+        tol = 1e-10 if dtype == torch.float64 else 2e-2
+        torch.testing.assert_close(ours.double(), documented_sdpa(q, k, v, **kw), atol=tol, rtol=tol)
+
+
+def test_rows_that_see_no_key_and_empty_inputs_give_what_torch_gives(basic_manager):
+    q, k, v = rand(2, 4, 5, 8), rand(2, 4, 7, 8), rand(2, 4, 7, 8)
+    mask = torch.ones(5, 7, dtype=torch.bool)
+    mask[2] = False
+    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               torch_sdpa(q, k, v, attn_mask=mask))
+    for args in ((rand(2, 4, 0, 8), k, v), (q, rand(2, 4, 0, 8), rand(2, 4, 0, 8))):
+        ours, theirs = scaled_dot_product_attention(*args), torch_sdpa(*args)
+        assert ours.shape == theirs.shape and torch.equal(ours, theirs)
+    qg = q.clone().requires_grad_()
+    out = scaled_dot_product_attention(qg, k, v, dropout_p=1.0)  # every weight dropped
+    assert torch.equal(out, torch.zeros_like(out)) and out.requires_grad
+
+
+def test_dropout_keeps_the_expectation(basic_manager):
+    torch.manual_seed(0)
+    q, k, v = rand(1, 2, 64, 8), rand(1, 2, 64, 8), rand(1, 2, 64, 8)
+    mean = torch.stack([scaled_dot_product_attention(q, k, v, dropout_p=0.3) for _ in range(200)]).mean(0)
+    # Inverted dropout: E[out] is the undropped output.
+    torch.testing.assert_close(mean, torch_sdpa(q, k, v), atol=0.08, rtol=0)
+
+
+INVALID = {
+    "1-D inputs": lambda: (rand(8), rand(8), rand(8)),
+    "dtypes differ": lambda: (rand(2, 4, 5, 8, dtype=torch.float16), rand(2, 4, 7, 8), rand(2, 4, 7, 8)),
+    "integer inputs": lambda: (torch.ones(2, 4, 5, 8, dtype=torch.int32),) * 3,
+    "dot-product dims differ": lambda: (rand(2, 4, 5, 8), rand(2, 4, 7, 4), rand(2, 4, 7, 8)),
+    "heads differ without enable_gqa": lambda: (rand(2, 4, 5, 8), rand(2, 2, 7, 8), rand(2, 2, 7, 8)),
+    "mask does not broadcast": lambda: (rand(2, 4, 5, 8), rand(2, 4, 7, 8), rand(2, 4, 7, 8),
+                                        torch.ones(3, 7, dtype=torch.bool)),
+    "integer mask": lambda: (rand(2, 4, 5, 8), rand(2, 4, 7, 8), rand(2, 4, 7, 8),
+                             torch.ones(5, 7, dtype=torch.int32)),
+    "float64 mask for float32": lambda: (rand(2, 4, 5, 8), rand(2, 4, 7, 8), rand(2, 4, 7, 8),
+                                         torch.zeros(5, 7, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_raises_where_torch_raises(basic_manager, name):
+    args = INVALID[name]()
+    with pytest.raises(RuntimeError):
+        torch_sdpa(*args)
+    with pytest.raises(RuntimeError) as info:
+        scaled_dot_product_attention(*args)
+    assert "scaled_dot_product_attention" in str(info.value)
+
+
+def test_gqa_heads_must_divide(basic_manager):
+    args = (rand(2, 4, 5, 8), rand(2, 3, 7, 8), rand(2, 3, 7, 8))
+    with pytest.raises(RuntimeError):
+        torch_sdpa(*args, enable_gqa=True)
+    with pytest.raises(SdpaError, match=r"must be equal and divide the query's \(4\)"):
+        scaled_dot_product_attention(*args, enable_gqa=True)
+    with pytest.raises(SdpaError, match="dropout_p=-0.1 is out of range"):
+        scaled_dot_product_attention(rand(1, 1, 2, 4), rand(1, 1, 2, 4), rand(1, 1, 2, 4), dropout_p=-0.1)
+
+
+def test_same_signature_as_torch():
+    import inspect
+
+    ours = inspect.signature(scaled_dot_product_attention)
+    assert list(ours.parameters) == ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                                     "enable_gqa"]
+    assert [p.kind for p in ours.parameters.values()][-2:] == [inspect.Parameter.KEYWORD_ONLY] * 2
+    with pytest.raises(TypeError):
+        scaled_dot_product_attention(rand(1, 1, 2, 4), rand(1, 1, 2, 4), rand(1, 1, 2, 4), None, 0.0, False, 0.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.lists(st.integers(1, 3), min_size=0, max_size=3), heads=st.sampled_from([(1, 1), (2, 2), (4, 1),
+                                                                                        (4, 2)]),
+       sq=st.integers(1, 9), sk=st.integers(1, 9), d=st.sampled_from([4, 8, 12]), dv=st.sampled_from([4, 8]),
+       causal=st.booleans(), mask=st.sampled_from([None, "bool", "float"]), k_batch_one=st.booleans())
+def test_property_any_shape_matches_torch(lead, heads, sq, sk, d, dv, causal, mask, k_batch_one):
+    manager = opdispatch.OpManager()
+    previous = opdispatch.set_manager(manager)
+    try:
+        hq, hk = heads
+        gen = torch.Generator().manual_seed(sq * 31 + sk)
+        kv_lead = [1 if k_batch_one else n for n in lead]
+        q = torch.randn(*lead, hq, sq, d, generator=gen)
+        k = torch.randn(*kv_lead, hk, sk, d, generator=gen)
+        v = torch.randn(*kv_lead, hk, sk, dv, generator=gen)
+        kw = dict(is_causal=causal, enable_gqa=hq != hk and hk != 1)
+        if mask == "bool":
+            m = torch.rand(sq, sk, generator=gen) > 0.4
+            m[:, 0] = True
+            kw["attn_mask"] = m
+        elif mask == "float":
+            kw["attn_mask"] = torch.randn(hq, sq, sk, generator=gen)
+        ours = scaled_dot_product_attention(q, k, v, **kw)
+        if causal and mask is not None:
+            # torch's fused CPU kernel applies both; its math path refuses the pair (its docstring asserts no
+            # mask with is_causal). opdispatch applies both, everywhere: compare with the documented arithmetic.
+            theirs = documented_sdpa(q, k, v, **kw).float()
+        else:
+            theirs = torch_sdpa(q, k, v, **kw)
+        assert ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
+    finally:
+        opdispatch.set_manager(previous)
+
+
+# -- routing ----------------------------------------------------------------------------------------------------
+
+def test_routing_sends_a_programs_calls_through_opdispatch_and_back(basic_manager):
+    q, k, v = rand(1, 2, 4, 8), rand(1, 2, 4, 8), rand(1, 2, 4, 8)
+    original = F.scaled_dot_product_attention
+    before = basic_manager.decisions_made
+    with routed_sdpa():
+        assert F.scaled_dot_product_attention is scaled_dot_product_attention
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with routed_sdpa():  # nested: still routed after the inner one leaves
+            pass
+        assert F.scaled_dot_product_attention is scaled_dot_product_attention
+    assert F.scaled_dot_product_attention is original
+    assert basic_manager.decisions_made == before + 1
+    route_sdpa()
+    try:
+        assert F.scaled_dot_product_attention is scaled_dot_product_attention
+    finally:
+        unroute_sdpa()
+    assert F.scaled_dot_product_attention is original
+    with pytest.raises(RuntimeError, match="without a route_sdpa"):
+        unroute_sdpa()
+
+
+def test_routing_reaches_torch_multihead_attention(basic_manager):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True)  # train mode: the Python path (eval may take
+    x = torch.randn(2, 6, 16)                                   # torch's fused C++ fast path, which bypasses it)
+    expected, _ = mha(x, x, x, need_weights=False, is_causal=False)
+    before = basic_manager.decisions_made
+    with routed_sdpa(), torch.no_grad():
+        got, _ = mha(x, x, x, need_weights=False)
+    assert basic_manager.decisions_made > before
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_implementation_calling_sdpa_while_routed_reaches_torch_not_itself(basic_manager):
+    class UsesTorchSdpa(opdispatch.AttentionImpl):
+        vendor, name, priority = "loop", "sdpa", 100
+        caps: ClassVar[opdispatch.AttentionCaps] = opdispatch.AttentionCaps(
+            dtypes=frozenset({torch.float32}), layouts=frozenset({"bhsd"}), causal=True,
+            causal_alignments=frozenset({"top_left"}))
+        calls = 0
+
+        def run(self, call):
+            type(self).calls += 1
+            return F.scaled_dot_product_attention(call.q, call.k, call.v, is_causal=call.causal, scale=call.scale)
+
+    basic_manager.register_impl(UsesTorchSdpa())
+    q, k, v = rand(1, 2, 4, 8), rand(1, 2, 4, 8), rand(1, 2, 4, 8)
+    with routed_sdpa(), opdispatch.policy_override(prefer=["loop.sdpa"]):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        explained = opdispatch.explain(q, k, v, layout="bhsd", causal=True)
+    assert UsesTorchSdpa.calls == 1 and explained.chosen_id == "loop.sdpa"
+    torch.testing.assert_close(out, torch_sdpa(q, k, v, is_causal=True))
+
+
+def test_nested_tensors_go_to_torch(basic_manager):
+    parts = [torch.randn(3, 2, 8), torch.randn(5, 2, 8)]
+    nt = torch.nested.nested_tensor(parts, layout=torch.jagged).transpose(1, 2)
+    out = scaled_dot_product_attention(nt, nt, nt)
+    assert out.is_nested
+
+
+def test_strided_nested_tensors_go_to_torch_too(basic_manager):
+    nt = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)])  # (heads, seq, dim) each
+    assert nt.is_nested and type(nt) is torch.Tensor
+    try:
+        expected = torch_sdpa(nt, nt, nt)
+    except RuntimeError as exc:  # torch may not take this layout on the CPU: then neither does the drop-in
+        with pytest.raises(RuntimeError):
+            scaled_dot_product_attention(nt, nt, nt)
+        pytest.skip(f"torch refuses it too: {exc}")
+    got = scaled_dot_product_attention(nt, nt, nt)
+    for a, b in zip(got.unbind(), expected.unbind()):
+        torch.testing.assert_close(a, b)
