@@ -1,0 +1,251 @@
+"""flash-attn 2.8's public functions, dispatched by opdispatch: ``from opdispatch.compat import flash_attn`` and
+call ``flash_attn.flash_attn_func(q, k, v, causal=True)`` as you would flash-attn's.
+
+Signatures, defaults and conventions are flash-attn's: (batch, seqlen, heads, dim) tensors, packed varlen
+``(total, heads, dim)`` with int32 ``cu_seqlens``, causal masks aligned bottom-right, ``window_size=(left,
+right)`` with -1 unbounded (``causal=True`` makes the right bound 0, as flash-attn does), ``softmax_scale``,
+``softcap``, ALiBi slopes (aligned bottom-right like the mask), dropout, ``deterministic``. With
+``return_attn_probs=True`` the result is ``(out, softmax_lse, None)``: opdispatch never materialises the
+probability matrix (flash-attn returns it only as a debugging aid with dropout). LSE shapes are flash-attn's:
+``(batch, heads, seqlen_q)``, or ``(heads, total_q)`` packed.
+
+``flash_attn_with_kvcache`` appends ``k``/``v`` to the caches in place at ``cache_seqlens`` (per sequence; the
+caches may be addressed through ``cache_batch_idx``, or paged through ``block_table``), applies rotary
+embeddings (``rotary_cos``/``rotary_sin``, ``rotary_interleaved``) to the new keys at their positions and to q —
+at its positions when causal or windowed, else at ``cache_seqlens`` — and attends over each sequence's keys.
+It reads the cache lengths back to the host once per call (to gather the keys of each sequence); ``num_splits``
+is a flash-attn scheduling knob and is ignored; ``cache_leftpad`` is refused (not supported yet).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import threading
+
+from .._api import attention
+from .._rotary import rotary_embedding
+
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+
+
+def _window(window_size: Any, causal: bool) -> tuple[int, int] | None:
+    """flash-attn's (left, right) — ints or 0-d tensors, -1 unbounded — as opdispatch's window (None: none)."""
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0  # flash-attn: causal means no key to the right of the diagonal, whatever right says
+    if left < 0 and right < 0:
+        return None
+    return (left if left >= 0 else -1, right if right >= 0 else -1)
+
+
+_inside = threading.local()
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, layout: str, dropout_p: float, softmax_scale: float | None, causal: bool,
+         window_size: Any, softcap: float, alibi_slopes: Tensor | None, deterministic: bool, want_lse: bool,
+         **varlen: Any) -> Any:
+    if getattr(_inside, "depth", 0):
+        # An implementation called back into this module: `flash_attn` is aliased to it, and the real library's
+        # adapter would dispatch to itself forever.
+        raise RuntimeError("opdispatch.compat.flash_attn was called from inside an opdispatch implementation: the "
+                           "module named flash_attn is this front door, not the flash-attn library; do not alias "
+                           "sys.modules['flash_attn'] to it (the nvidia.flash_attn adapter needs the real one)")
+    window = _window(window_size, causal)
+    _inside.depth = 1
+    try:
+        return attention(q, k, v, layout=layout, causal=causal, causal_alignment="bottom_right", window=window,
+                         scale=softmax_scale, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
+                         return_lse=want_lse, deterministic=deterministic, **varlen)
+    finally:
+        _inside.depth = 0
+
+
+def _result(result: Any, return_attn_probs: bool) -> Any:
+    if not return_attn_probs:
+        return result
+    out, lse = result
+    return out, lse, None  # no probability matrix: opdispatch's kernels never build one
+
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                    causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                    return_attn_probs: bool = False) -> Any:
+    """q (batch, seqlen_q, heads, dim), k/v (batch, seqlen_k, heads_k, dim): out like q (value's dim)."""
+    return _result(_run(q, k, v, "bshd", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        deterministic, return_attn_probs), return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                              causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                              return_attn_probs: bool = False) -> Any:
+    """qkv (batch, seqlen, 3, heads, dim): q, k and v are views of it (no copies)."""
+    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                           softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                             causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                             return_attn_probs: bool = False) -> Any:
+    """q (batch, seqlen_q, heads, dim), kv (batch, seqlen_k, 2, heads_k, dim)."""
+    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: float | None = None, causal: bool = False, window_size: Any = (-1, -1),
+                           softcap: float = 0.0, alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table: Tensor | None = None) -> Any:
+    """Packed sequences: q (total_q, heads, dim), k/v (total_k, heads_k, dim) — or, with `block_table`
+    (batch, max_blocks) int32, k/v are paged caches (num_blocks, block_size, heads_k, dim) and sequence i's keys
+    are its `cu_seqlens_k` length read through its row of pages."""
+    if block_table is not None:
+        lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+        k, v = _gather_pages(k, block_table, lengths), _gather_pages(v, block_table, lengths)
+    return _result(_run(q, k, v, "thd", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        deterministic, return_attn_probs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k)), return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen: int, dropout_p: float = 0.0,
+                                     softmax_scale: float | None = None, causal: bool = False,
+                                     window_size: Any = (-1, -1), softcap: float = 0.0,
+                                     alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                                     return_attn_probs: bool = False) -> Any:
+    """qkv (total, 3, heads, dim) with one `cu_seqlens` for queries and keys."""
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                                    softmax_scale: float | None = None, causal: bool = False,
+                                    window_size: Any = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes: Tensor | None = None, deterministic: bool = False,
+                                    return_attn_probs: bool = False) -> Any:
+    """q (total_q, heads, dim), kv (total_k, 2, heads_k, dim)."""
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def _gather_pages(cache: Tensor, block_table: Tensor, lengths: list[int]) -> Tensor:
+    """Sequence i's first lengths[i] positions of a paged cache (num_blocks, block_size, heads, dim), packed."""
+    block = cache.shape[1]
+    parts = []
+    for i, n in enumerate(lengths):
+        pages = block_table[i, : (n + block - 1) // block].long()
+        parts.append(cache[pages].flatten(0, 1)[:n])
+    return torch.cat(parts) if parts else cache.new_empty(0, *cache.shape[2:])
+
+
+def _check_kvcache(q: Tensor, k_cache: Tensor, block_table: Tensor | None, cache_batch_idx: Tensor | None,
+                   cache_leftpad: Tensor | None) -> None:
+    if cache_leftpad is not None:
+        raise ValueError("flash_attn_with_kvcache: cache_leftpad is not supported by opdispatch yet; pass caches "
+                         "whose sequences start at position 0")
+    if q.dim() != 4 or k_cache.dim() != 4:
+        raise ValueError(f"flash_attn_with_kvcache: q and k_cache must be 4-D, got q {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}")
+    if block_table is not None and cache_batch_idx is not None:
+        raise ValueError("flash_attn_with_kvcache: cache_batch_idx and block_table cannot be used together (as "
+                         "in flash-attn)")
+    if block_table is not None and block_table.dtype != torch.int32:
+        raise TypeError(f"flash_attn_with_kvcache: block_table must be int32, got {block_table.dtype}")
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
+                            v: Tensor | None = None, rotary_cos: Tensor | None = None,
+                            rotary_sin: Tensor | None = None, cache_seqlens: int | Tensor | None = None,
+                            cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
+                            block_table: Tensor | None = None, softmax_scale: float | None = None,
+                            causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes: Tensor | None = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False) -> Any:
+    """Decode and chunked prefill against a KV cache (see the module docstring): q (batch, seqlen_q, heads, dim);
+    k_cache/v_cache (batch_cache, seqlen_cache, heads_k, dim), or with `block_table` (batch, max_blocks) int32
+    paged (num_blocks, block_size, heads_k, dim); k/v (batch, seqlen_new, heads_k, dim) appended in place."""
+    del num_splits  # flash-attn's split-KV scheduling: the chosen kernel schedules itself
+    _check_kvcache(q, k_cache, block_table, cache_batch_idx, cache_leftpad)
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    device = q.device
+    if cache_seqlens is None:
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        cache_seqlens = 0 if k is not None else capacity
+    lens = (torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
+            if not isinstance(cache_seqlens, Tensor) else cache_seqlens.to(torch.int32))
+    rows = (cache_batch_idx.long() if cache_batch_idx is not None
+            else torch.arange(batch, device=device))
+    new = 0 if k is None else k.shape[1]
+    if (k is None) != (v is None):
+        raise ValueError("flash_attn_with_kvcache: pass k and v together (or neither)")
+    if rotary_cos is not None and rotary_sin is not None:
+        q, k = _rotate(q, k, rotary_cos, rotary_sin, lens, rotary_interleaved, causal or _window(
+            window_size, causal) is not None)
+    starts = lens.tolist()
+    if k is not None and v is not None:
+        _append(k_cache, v_cache, k, v, starts, rows, block_table)
+    lengths = [n + new for n in starts]
+    if block_table is not None:
+        keys = _gather_pages(k_cache, block_table, lengths)
+        values = _gather_pages(v_cache, block_table, lengths)
+    else:
+        keys = torch.cat([k_cache[int(r), :n] for r, n in zip(rows.tolist(), lengths)])
+        values = torch.cat([v_cache[int(r), :n] for r, n in zip(rows.tolist(), lengths)])
+    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    result = _run(q.flatten(0, 1), keys, values, "thd", 0.0, softmax_scale, causal, window_size, softcap,
+                  alibi_slopes, False, return_softmax_lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                  max_seqlen_q=seqlen_q, max_seqlen_k=max(lengths))
+    out = (result[0] if return_softmax_lse else result).unflatten(0, (batch, seqlen_q))
+    if not return_softmax_lse:
+        return out
+    lse = result[1].unflatten(1, (batch, seqlen_q)).permute(1, 0, 2)  # (heads, total) -> (batch, heads, seqlen_q)
+    return out, lse
+
+
+def _rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, lens: Tensor, interleaved: bool,
+            q_at_own_positions: bool) -> tuple[Tensor, Tensor | None]:
+    """flash-attn's rotary in with_kvcache: new keys at cache_seqlens + i; q at cache_seqlens + i when causal or
+    windowed, else every query at cache_seqlens."""
+    if k is not None:
+        if q_at_own_positions:
+            q, k = rotary_embedding(q, k, cos, sin, seqlen_offsets=lens, interleaved=interleaved)
+            return q, k
+        _, k = rotary_embedding(k, k, cos, sin, seqlen_offsets=lens, interleaved=interleaved)
+    if q_at_own_positions:
+        q, _ = rotary_embedding(q, q, cos, sin, seqlen_offsets=lens, interleaved=interleaved)
+    else:
+        positions = lens.long()[:, None].expand(q.shape[0], q.shape[1])
+        q, _ = rotary_embedding(q, q, cos, sin, positions=positions, interleaved=interleaved)
+    return q, k
+
+
+def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, starts: list[int], rows: Tensor,
+            block_table: Tensor | None) -> None:
+    """Write the new keys/values into the caches in place, sequence i from position starts[i]."""
+    new = k.shape[1]
+    for i, start in enumerate(starts):
+        if block_table is None:
+            r = int(rows[i])
+            if start + new > k_cache.shape[1]:
+                raise ValueError(f"flash_attn_with_kvcache: sequence {i} would hold {start + new} keys but the "
+                                 f"cache holds {k_cache.shape[1]}")
+            k_cache[r, start:start + new] = k[i]
+            v_cache[r, start:start + new] = v[i]
+            continue
+        block = k_cache.shape[1]
+        for j in range(new):
+            position = start + j
+            page = int(block_table[i, position // block])
+            k_cache[page, position % block] = k[i, j]
+            v_cache[page, position % block] = v[i, j]
