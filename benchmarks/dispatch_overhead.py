@@ -135,6 +135,9 @@ def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: in
     impl_id = impl.id
     attention = opdispatch.attention
     from opdispatch.compat import scaled_dot_product_attention as compat_sdpa, torch_sdpa
+    from opdispatch.compat.flash_attn import flash_attn_func
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # flash-attn's (batch, seq, heads, dim), as views
 
     floor = signature_floor(planned)
     fns: dict[str, Callable[[], Any]] = {
@@ -145,6 +148,7 @@ def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: in
         "policy": lambda: attention(q, k, v, layout="bhsd"),
         "plan": lambda: planned(q, k, v),
         "compat.sdpa": lambda: compat_sdpa(q, k, v),
+        "compat.flash_attn": lambda: flash_attn_func(qt, kt, vt),
         "torch sdpa": lambda: torch_sdpa(q, k, v),
     }
     samples = per_call_seconds(fns, device, repeat)
@@ -197,8 +201,9 @@ def key_costs_markdown(device: torch.device, size: tuple[int, int, int, int], re
     return "\n".join(lines) + "\n"
 
 
-COLUMNS = ["direct", "floor", "impl.run", "pinned", "policy", "plan", "compat.sdpa", "torch sdpa"]
-OVERHEAD_COLUMNS = ["floor", "pinned", "policy", "plan", "compat.sdpa", "torch sdpa"]
+COLUMNS = ["direct", "floor", "impl.run", "pinned", "policy", "plan", "compat.sdpa", "compat.flash_attn",
+           "torch sdpa"]
+OVERHEAD_COLUMNS = ["floor", "pinned", "policy", "plan", "compat.sdpa", "compat.flash_attn", "torch sdpa"]
 
 
 def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repeat: int) -> str:
@@ -208,7 +213,8 @@ def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repea
         "- floor = a do-nothing function with `opdispatch.attention`'s exact signature calling the plan: the cost "
         "of entering any per-call Python API of that shape; compat.sdpa = `opdispatch.compat."
         "scaled_dot_product_attention` (the drop-in for torch's functional, policy-dispatched); torch sdpa = torch's "
-        "own `F.scaled_dot_product_attention` (its own backend choice)", "",
+        "own `F.scaled_dot_product_attention` (its own backend choice); compat.flash_attn = `opdispatch.compat."
+        "flash_attn.flash_attn_func` on bshd views of the same tensors", "",
         "| size (b,h,s,d) | impl | " + " | ".join(f"{c} µs" for c in COLUMNS) + " | "
         + " | ".join(f"{c} - direct" for c in OVERHEAD_COLUMNS) + " |",
         "|---|---|" + "--:|" * (len(COLUMNS) + len(OVERHEAD_COLUMNS))]
