@@ -308,7 +308,7 @@ def test_format_table_wraps_only_the_last_column():
     (["explain", "--shape", "1,4,8,64", "--softcap", "-1"], "softcap=-1.0 is out of range"),
     (["explain", "--shape", "1,4,8,64", "--dropout", "2"], "dropout_p=2.0 is out of range"),
     (["tune", "--reps", "0", "--out", "x.yaml"], "0 must be at least 1"),
-    (["tune", "--warmup", "-1", "--out", "x.yaml"], "-1 must be 0 or more"),
+    (["tune", "--warmup", "-1", "--out", "x.yaml"], "-1 must be at least 0"),
     (["validate", "--jobs", "0"], "0 must be at least 1"),
     (["demo", "--on", "cdua"], "--on 'cdua' is not a torch device"),
 ])
