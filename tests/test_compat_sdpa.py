@@ -289,3 +289,18 @@ def test_strided_nested_tensors_go_to_torch_too(basic_manager):
     got = scaled_dot_product_attention(nt, nt, nt)
     for a, b in zip(got.unbind(), expected.unbind()):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_the_front_doors_compile_without_graph_breaks(basic_manager):
+    from opdispatch.compat import flash_attn as fa
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = rand(2, 4, 8, 16, gen=gen), rand(2, 2, 8, 16, gen=gen), rand(2, 2, 8, 16, gen=gen)
+    sdpa = torch.compile(lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                         fullgraph=True)
+    torch.testing.assert_close(sdpa(q, k, v), torch_sdpa(q, k, v, is_causal=True, enable_gqa=True))
+    flash = torch.compile(lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True, window_size=(3, 0)),
+                          fullgraph=True)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    torch.testing.assert_close(flash(qt, kt, vt), fa.flash_attn_func(qt, kt, vt, causal=True, window_size=(3, 0)))
