@@ -132,3 +132,20 @@ def test_torch_compile_runs_the_model_without_graph_breaks_in_attention(basic_ma
         got = compiled(ids, attention_mask=mask).logits
         want = sdpa(ids, attention_mask=mask).logits
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_from_pretrained_and_set_attn_implementation(basic_manager, tmp_path):
+    sdpa, = models(tiny(transformers.LlamaConfig), "sdpa")
+    sdpa.save_pretrained(tmp_path / "tiny")  # a local checkpoint: no hub
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", attn_implementation="opdispatch")
+    assert loaded.config._attn_implementation == "opdispatch"
+    switched, = models(tiny(transformers.LlamaConfig), "sdpa")
+    switched.set_attn_implementation("opdispatch")
+    ids, mask = batch(seed=5)
+    before = basic_manager.decisions_made
+    with torch.no_grad():
+        want = sdpa.eval()(ids, attention_mask=mask).logits
+        for model in (loaded.eval(), switched.eval()):
+            torch.testing.assert_close(model(ids, attention_mask=mask).logits[mask.bool()], want[mask.bool()],
+                                       atol=2e-5, rtol=2e-5)
+    assert basic_manager.decisions_made > before
