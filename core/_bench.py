@@ -52,10 +52,10 @@ def timing_summary(results: list[Measurement]) -> list[str]:
             continue
         fastest = m.fastest
         assert fastest is not None
-        s = m.spreads.get(fastest)
-        spread = f" (min {_us(s.min)}, max {_us(s.max)})" if s else ""
+        s = m.spreads[fastest]
         regret = f", pick {m.pick} +{m.regret * 100:.1f}%" if m.regret else f", pick {m.pick}"
-        lines.append(f"{m.case.describe()}: fastest {fastest} {_us(m.seconds[fastest])}{spread}{regret}")
+        lines.append(f"{m.case.describe()}: fastest {fastest} {_us(s.median)} (min {_us(s.min)}, max {_us(s.max)})"
+                     f"{regret}")
     everywhere = set.intersection(*(set(m.skipped) for m in results)) if results else set()
     if everywhere:
         lines.append(f"not timed, they cannot run here: {', '.join(sorted(everywhere))} (`opdispatch list` says "
@@ -71,6 +71,12 @@ def timing_summary(results: list[Measurement]) -> list[str]:
                      "this device or its clock is changing: rankings within the spread mean nothing. Re-run on an "
                      "idle machine, or with more --reps.")
     return lines
+
+
+def print_summary(results: list[Measurement]) -> None:
+    """`timing_summary` on stdout, its WARNING on stderr."""
+    for line in timing_summary(results):
+        print(line, file=sys.stderr if line.startswith("WARNING") else sys.stdout)
 
 
 def geomean_regret(results: list[Measurement]) -> float | None:
@@ -121,11 +127,10 @@ def markdown_report(results: list[Measurement], device: Any, title: str = "opdis
               f"{NOISY_SPREAD:.0%} of the median):", ""]
     for m in results:
         times = []
-        for i, median in sorted(m.seconds.items(), key=lambda kv: kv[1]):
-            spread = m.spreads.get(i)
-            detail = f" ({spread.min * 1e6:.1f}–{spread.max * 1e6:.1f}{', noisy' if spread.noisy else ''})" \
-                if spread else ""
-            times.append(f"{i} {median * 1e6:.1f}{detail}")
+        for i in m.ranking():
+            spread = m.spreads[i]
+            times.append(f"{i} {spread.median * 1e6:.1f} ({spread.min * 1e6:.1f}–{spread.max * 1e6:.1f}"
+                         f"{', noisy' if spread.noisy else ''})")
         lines.append(f"- {m.case.describe()}: {', '.join(times) or 'nothing timed'}")
     return "\n".join(lines) + "\n"
 
@@ -202,8 +207,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     manager = get_manager()
     results = measure(cases, op=args.op, manager=manager, device=device, impls=impls, warmup=args.warmup,
                       reps=args.reps, progress=not args.quiet)
-    for line in timing_summary(results):
-        print(line, file=sys.stderr if line.startswith("WARNING") else sys.stdout)
+    print_summary(results)
     table = tuned_table(results, op=args.op, manager=manager, device=device, impls=impls, warmup=args.warmup,
                         reps=args.reps)
     out = Path(args.out)
@@ -253,8 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         print(f"no PNG: matplotlib is not installed; {PLOT_HINT}", file=sys.stderr)
     md.write_text(text, encoding="utf-8")
-    for line in timing_summary(results):
-        print(line, file=sys.stderr if line.startswith("WARNING") else sys.stdout)
+    print_summary(results)
     print(f"wrote {md}")
     gm = geomean_regret(results)
     print(f"geometric-mean regret of the pick: {'n/a' if gm is None else f'{gm * 100:.2f}%'}")

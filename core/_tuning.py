@@ -13,7 +13,7 @@ import fnmatch
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -118,18 +118,22 @@ def random_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device
 
 @dataclass
 class Measurement:
-    """The timings of one case: median seconds per implementation (and their spread over the reps), failures,
-    the policy's pick, the bucket."""
+    """The timings of one case: each timed implementation's spread over the reps (its median is `seconds`),
+    failures, the policy's pick, the bucket."""
 
     case: TuningCase
     call: str
-    seconds: dict[str, float]
+    spreads: dict[str, Spread]
     failed: dict[str, str]
     skipped: dict[str, str]
     pick: str | None
     flops: float
     features: tuple[tuple[Any, ...], tuple[int, ...]] | None = None
-    spreads: dict[str, Spread] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Median seconds per call of each timed implementation."""
+        return {impl_id: spread.median for impl_id, spread in self.spreads.items()}
 
     def noisy(self) -> list[str]:
         """The implementations whose timings here spread too widely to rank (`Spread.noisy`)."""
@@ -137,20 +141,22 @@ class Measurement:
 
     @property
     def fastest(self) -> str | None:
-        return min(self.seconds, key=self.seconds.__getitem__) if self.seconds else None
+        ranking = self.ranking()
+        return ranking[0] if ranking else None
 
     def ranking(self) -> list[str]:
-        return sorted(self.seconds, key=self.seconds.__getitem__)
+        return sorted(self.spreads, key=lambda impl_id: self.spreads[impl_id].median)
 
     def tflops(self, impl_id: str) -> float:
-        return self.flops / self.seconds[impl_id] / 1e12
+        return self.flops / self.spreads[impl_id].median / 1e12
 
     @property
     def regret(self) -> float | None:
         """time(pick) / time(fastest) - 1, or None when the pick was not timed."""
-        if self.pick is None or self.pick not in self.seconds or not self.seconds:
+        fastest = self.fastest
+        if self.pick is None or self.pick not in self.spreads or fastest is None:
             return None
-        return self.seconds[self.pick] / self.seconds[self.fastest] - 1.0  # type: ignore[index]
+        return self.spreads[self.pick].median / self.spreads[fastest].median - 1.0
 
 
 def _matches_filter(impl_id: str, patterns: Sequence[str] | None) -> bool:
@@ -210,7 +216,6 @@ def measure(cases: Sequence[TuningCase], *, op: str = "attention", manager: Any 
                 pick = manager.resolve(op, call).chosen_id
             except OpDispatchError:
                 pick = None
-            seconds: dict[str, float] = {}
             spreads: dict[str, Spread] = {}
             failed: dict[str, str] = {}
             skipped: dict[str, str] = {}
@@ -228,12 +233,11 @@ def measure(cases: Sequence[TuningCase], *, op: str = "attention", manager: Any 
             for impl in runnable:
                 try:
                     run = _runner(impl, call, inputs, case.requires_grad)
-                    spread = Spread.of(time_samples(run, device, warmup=warmup, reps=reps))
-                    seconds[impl.id], spreads[impl.id] = spread.median, spread
+                    spreads[impl.id] = Spread.of(time_samples(run, device, warmup=warmup, reps=reps))
                 except Exception as exc:  # a kernel that fails on this shape is not a candidate for it
                     failed[impl.id] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            results.append(Measurement(case, call.describe(), seconds, failed, skipped, pick, case.flops(),
-                                       tuning.bucket(call), spreads))
+            results.append(Measurement(case, call.describe(), spreads, failed, skipped, pick, case.flops(),
+                                       tuning.bucket(call)))
             del inputs, call
     finally:
         bar.close()
