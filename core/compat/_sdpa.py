@@ -61,18 +61,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
         mask, bias = (attn_mask, None) if bool_mask else (None, attn_mask)
         try:
-            out: Tensor
-            if not _routed_depth:  # nothing can loop back into this function: no guard to set
-                out = attention(query, key, value, layout="bhsd", causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                attn_mask=mask, attn_bias=bias)
-                return out
-            _state.inside = True
-            try:
-                out = attention(query, key, value, layout="bhsd", causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                attn_mask=mask, attn_bias=bias)
-                return out
-            finally:
-                _state.inside = False
+            return _dispatch(query, key, value, is_causal, scale, dropout_p, mask, bias)
         except (ValueError, TypeError):
             pass  # the general path says what is wrong, as torch would, or computes what the op cannot take
     return _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -91,15 +80,24 @@ def _general(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None
         # No query, no key, or every weight dropped: zeros (as torch gives), still part of the autograd graph.
         connect = (query.sum() + key.sum() + value.sum()) * 0
         return torch.zeros(out_shape, dtype=query.dtype, device=query.device) + connect
-    _state.inside = True
     try:
-        out: Tensor = attention(q, k, v, layout="bhsd", causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                attn_mask=mask, attn_bias=bias)
+        out = _dispatch(q, k, v, is_causal, scale, dropout_p, mask, bias)
     except (ValueError, TypeError) as exc:  # what the op refuses that torch's checks above did not catch
         raise SdpaError(f"scaled_dot_product_attention: {exc}") from exc
+    return out.reshape(out_shape)
+
+
+def _dispatch(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, dropout_p: float,
+              mask: Tensor | None, bias: Tensor | None) -> Tensor:
+    """`opdispatch.attention` on (batch, heads, seq, dim) tensors, marked as inside it so that an implementation
+    calling F.scaled_dot_product_attention while the program is routed reaches torch's."""
+    _state.inside = True
+    try:
+        out: Tensor = attention(q, k, v, layout="bhsd", causal=causal, scale=scale, dropout_p=dropout_p,
+                                attn_mask=mask, attn_bias=bias)
+        return out
     finally:
         _state.inside = False
-    return out.reshape(out_shape)
 
 
 def _broadcast(what: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
