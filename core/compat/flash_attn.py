@@ -244,8 +244,7 @@ def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, starts: list
             v_cache[r, start:start + new] = v[i]
             continue
         block = k_cache.shape[1]
-        for j in range(new):
-            position = start + j
-            page = int(block_table[i, position // block])
-            k_cache[page, position % block] = k[i, j]
-            v_cache[page, position % block] = v[i, j]
+        positions = torch.arange(start, start + new, device=k_cache.device)
+        pages = block_table[i, positions // block].long()
+        k_cache[pages, positions % block] = k[i]
+        v_cache[pages, positions % block] = v[i]
