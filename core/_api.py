@@ -105,10 +105,6 @@ def _attention_slow(manager: OpManager, key: Any, *args: Any) -> Any:
     return _run_and_remember(manager, "attention", key, call, impl, (q, k, arguments["v"]))
 
 
-def _attention_failed(manager: OpManager, key: Any, fn: Any, exc: Exception, *args: Any) -> Any:
-    return _fast_path_failed(manager, key, fn, exc, _attention_slow, args)
-
-
 def _fast_path_failed(manager: OpManager, key: Any, fn: Any, exc: Exception, slow: Callable[..., Any],
                       args: tuple[Any, ...]) -> Any:
     """The kernel bound to a fast-path hit raised `exc`. With settings.fallback_on_error (and no pin), demote it
@@ -241,10 +237,14 @@ def _slow_path(op: str, validate: Callable[..., Any], arguments: OpArguments) ->
 
 
 def _failed_path(slow: Callable[..., Any]) -> Callable[..., Any]:
+    """The front door's `failed` hook for the op whose slow path is `slow` (`_fast_path_failed`)."""
     def failed(manager: OpManager, key: Any, fn: Any, exc: Exception, *args: Any) -> Any:
         return _fast_path_failed(manager, key, fn, exc, slow, args)
 
     return failed
+
+
+_attention_failed = _failed_path(_attention_slow)  # attention's front door names it (it is generated above)
 
 
 def _definition(op: str, what: str) -> tuple[OpArguments, Callable[..., Any]]:
