@@ -69,6 +69,12 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("cu_seqlens_k", "torch.Tensor | None", None, key="bypass", doc="int32 (batch + 1,) offsets for `thd`"),
     Arg("max_seqlen_q", "int | None", None, doc="longest query sequence of a `thd` call"),
     Arg("max_seqlen_k", "int | None", None, doc="longest key sequence of a `thd` call"),
+    Arg("seqused_k", "torch.Tensor | None", None, key="bypass",
+        doc="int32 (batch,): keys each sequence uses — a KV cache's fill; sequence b sees only its first "
+            "`seqused_k[b]` keys, and bottom-right alignment counts from there"),
+    Arg("block_table", "torch.Tensor | None", None, key="bypass",
+        doc="int32 (batch, max_pages): a paged KV cache; k/v are then page pools (num_pages, page_size, "
+            "heads_kv, dim) and row b lists sequence b's pages in order; needs `seqused_k`"),
     Arg("return_lse", "bool", False, doc="also return the log-sum-exp of the scores"),
     Arg("deterministic", "bool", False, doc="only implementations with a deterministic backward"),
     Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
@@ -104,6 +110,8 @@ class AttentionCall:
     cu_seqlens_k: torch.Tensor | None
     max_seqlen_q: int | None
     max_seqlen_k: int | None
+    seqused_k: torch.Tensor | None
+    block_table: torch.Tensor | None
     return_lse: bool
     deterministic: bool
     batch: int
@@ -130,10 +138,27 @@ class AttentionCall:
         return self.heads_q // self.heads_kv
 
     @property
+    def kv_cache(self) -> bool:
+        """Whether each sequence uses only its first `seqused_k[b]` keys (a KV cache, paged or not)."""
+        return self.seqused_k is not None
+
+    @property
+    def paged(self) -> bool:
+        """Whether k/v are page pools addressed through `block_table`."""
+        return self.block_table is not None
+
+    @property
+    def page_size(self) -> int:
+        """Keys per page of a paged call (0 when not paged)."""
+        return self.k.shape[1] if self.block_table is not None else 0
+
+    @property
     def alignment_matters(self) -> bool:
         """Whether top-left and bottom-right alignment give different results for this call."""
         if not (self.causal or self.window is not None):
             return False
+        if self.seqused_k is not None:
+            return True  # the lengths are the cache's fill, read by the kernel, not by selection
         if self.varlen:
             return self.cu_seqlens_q is not self.cu_seqlens_k
         return self.seqlen_q != self.seqlen_k
@@ -141,7 +166,9 @@ class AttentionCall:
     @property
     def same_lengths(self) -> bool:
         """Whether every sequence has as many queries as keys (varlen: cu_seqlens_k is cu_seqlens_q, which
-        validation makes so whenever their values are equal)."""
+        validation makes so whenever their values are equal; never for a KV cache, whose fill varies)."""
+        if self.seqused_k is not None:
+            return False
         if self.varlen:
             return self.cu_seqlens_q is self.cu_seqlens_k
         return self.seqlen_q == self.seqlen_k
@@ -213,6 +240,9 @@ class AttentionCall:
                                        self.head_dim, self.head_dim_v, self.alignment_matters)
         else:
             shapes = (tuple(self.q.shape), tuple(self.k.shape), tuple(self.v.shape))
+        if self.seqused_k is not None:
+            table = self.block_table
+            shapes += (tuple(self.k.shape), None if table is None else tuple(table.shape))
         return (
             self.layout, shapes, self.dtype, self.device, self.causal, self.causal_alignment, self.window,
             self.dropout_p > 0.0, self.softcap > 0.0,
@@ -235,6 +265,7 @@ class AttentionCall:
             self.layout, self.dtype, self.device, self.head_dim, self.head_dim_v, self.heads_q // self.heads_kv,
             self.causal, self.causal_alignment, self.same_lengths, self.window, self.dropout_p > 0.0,
             self.softcap > 0.0, None if alibi is None else alibi.dim(),
+            None if self.seqused_k is None else self.page_size,
             None if mask is None else (tuple(s == 1 for s in mask.shape), mask.requires_grad),
             None if bias is None else (tuple(s == 1 for s in bias.shape), bias.dtype, bias.requires_grad),
             self.return_lse, self.deterministic, self.requires_grad, self.module,
@@ -249,6 +280,10 @@ class AttentionCall:
             parts.append(f"head_dim_v={self.head_dim_v}")
         if self.varlen:
             parts.append(f"varlen batch={self.batch} max_seqlen_q={self.seqlen_q} max_seqlen_k={self.seqlen_k}")
+        if self.block_table is not None:
+            parts.append(f"paged_kv(page_size={self.page_size}, max_pages={self.block_table.shape[1]})")
+        elif self.seqused_k is not None:
+            parts.append("kv_cache(seqused_k)")
         if self.causal:
             parts.append(f"causal({self.causal_alignment})")
         if self.window is not None:
@@ -324,8 +359,9 @@ def validate_attention(
     q: Any, k: Any, v: Any, *, layout: Any = "bshd", causal: Any = False, causal_alignment: Any = "top_left",
     window: Any = None, scale: Any = None, dropout_p: Any = 0.0, softcap: Any = 0.0, alibi_slopes: Any = None,
     attn_mask: Any = None, attn_bias: Any = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-    max_seqlen_q: Any = None, max_seqlen_k: Any = None, return_lse: Any = False, deterministic: Any = False,
-    module: str | None = None, check_values: bool = True, varlen_same: bool | None = None,
+    max_seqlen_q: Any = None, max_seqlen_k: Any = None, seqused_k: Any = None, block_table: Any = None,
+    return_lse: Any = False, deterministic: Any = False, module: str | None = None, check_values: bool = True,
+    varlen_same: bool | None = None,
 ) -> AttentionCall:
     """Validate every argument of `opdispatch.attention` and build the canonical call.
 
@@ -337,14 +373,16 @@ def validate_attention(
     Equivalent forms are rewritten to one canonical call (`canonicalize`), so kernels and the decision cache see
     one form; `call.rewrites` says what changed.
     """
-    q, k, v = _checked_qkv(q, k, v, layout)
+    q, k, v = _checked_qkv(q, k, v, layout, paged=block_table is not None)
     call = AttentionCall()
     call.q, call.k, call.v, call.layout = q, k, v, layout
     call.dtype, call.device = q.dtype, q.device
     call.module = module
-    batch, seqlen_q, seqlen_k = _read_heads_and_dims(call)
+    batch, seqlen_q, seqlen_k = _read_heads_and_dims(call, paged=block_table is not None)
     _read_flags(call, causal, causal_alignment, window, scale, dropout_p, softcap, return_lse, deterministic)
-    if layout == "thd":
+    if layout == "thd" and block_table is not None:
+        batch, seqlen_q = _read_paged_varlen(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, check_values)
+    elif layout == "thd":
         batch, seqlen_q, seqlen_k = _read_varlen(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                  check_values, varlen_same)
     else:
@@ -353,6 +391,10 @@ def validate_attention(
         call.cu_seqlens_q = call.cu_seqlens_k = None
         call.max_seqlen_q = call.max_seqlen_k = None
     call.batch, call.seqlen_q, call.seqlen_k = batch, seqlen_q, seqlen_k
+    if seqused_k is None and block_table is None:
+        call.seqused_k = call.block_table = None
+    else:
+        _read_kv_cache(call, seqused_k, block_table, max_seqlen_k, check_values)
     if alibi_slopes is None and attn_mask is None and attn_bias is None:  # the common call: no step to take
         call.alibi_slopes = call.attn_mask = call.attn_bias = None
     else:
@@ -366,8 +408,10 @@ def validate_attention(
 
 # The steps of `validate_attention`, in the order it takes them (the first problem found is the one raised).
 
-def _checked_qkv(q: Any, k: Any, v: Any, layout: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v are tensors of `layout`'s rank, one floating dtype and one device, with no empty dimension."""
+def _checked_qkv(q: Any, k: Any, v: Any, layout: Any,
+                 paged: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v are tensors of `layout`'s rank (k/v: 4-D page pools when `paged`), one floating dtype and one
+    device, with no empty dimension."""
     q = _check_tensor("q", q)
     k = _check_tensor("k", k)
     v = _check_tensor("v", v)
@@ -376,7 +420,12 @@ def _checked_qkv(q: Any, k: Any, v: Any, layout: Any) -> tuple[torch.Tensor, tor
                          "(b=batch, s=sequence, h=heads, d=head dim; thd = packed variable-length sequences)")
     want_ndim = 3 if layout == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != want_ndim:
+        if paged and name != "q":
+            if t.dim() != 4:
+                raise ValueError(f"attention(): {name} has shape {_shape_of(t)} ({t.dim()} dims) but with "
+                                 "block_table k and v are page pools of 4 dims (num_pages, page_size, heads_kv, "
+                                 "head_dim), whatever q's layout")
+        elif t.dim() != want_ndim:
             raise ValueError(f"attention(): {name} has shape {_shape_of(t)} ({t.dim()} dims) but layout "
                              f"{layout!r} needs {want_ndim} dims ({' '.join(layout)})")
         if not _is_float(t.dtype):
@@ -394,11 +443,24 @@ def _checked_qkv(q: Any, k: Any, v: Any, layout: Any) -> tuple[torch.Tensor, tor
     return q, k, v
 
 
-def _read_heads_and_dims(call: AttentionCall) -> tuple[int, int, int]:
+def _read_heads_and_dims(call: AttentionCall, paged: bool = False) -> tuple[int, int, int]:
     """Check that q, k and v agree (batch, lengths, heads, head dims, the GQA ratio) and set the call's heads and
-    head dims; (batch, seqlen_q, seqlen_k) of a dense call, -1s for packed varlen (read from cu_seqlens)."""
+    head dims; (batch, seqlen_q, seqlen_k) of a dense call, -1s for what packed varlen reads from cu_seqlens and
+    a paged call from its block table."""
     q, k, v, layout = call.q, call.k, call.v, call.layout
-    if layout == "thd":
+    if paged:
+        if layout == "thd":
+            _, hq, d = q.shape
+            b = sq = -1
+        else:
+            b, sq, hq, d = _dims(layout, q.shape)
+        pages_k, page_k, hkv, dk = k.shape
+        pages_v, page_v, hv, dv = v.shape
+        if (pages_k, page_k) != (pages_v, page_v):
+            raise ValueError(f"attention(): the k and v page pools differ: k has {pages_k} pages of {page_k}, v "
+                             f"{pages_v} of {page_v}; both are (num_pages, page_size, heads_kv, head_dim)")
+        sk = tk = tv = -1
+    elif layout == "thd":
         _, hq, d = q.shape
         tk, hkv, dk = k.shape
         tv, hv, dv = v.shape
@@ -414,7 +476,7 @@ def _read_heads_and_dims(call: AttentionCall) -> tuple[int, int, int]:
             raise ValueError(f"attention(): k and v sequence lengths differ: k {sk}, v {sv} (layout {layout!r})")
         b = bq
         tk = tv = 0
-    if layout == "thd" and tk != tv:
+    if layout == "thd" and not paged and tk != tv:
         raise ValueError(f"attention(): k and v token counts differ: k {tk}, v {tv} (layout 'thd')")
     if hkv != hv:
         raise ValueError(f"attention(): k and v head counts differ: k {hkv}, v {hv}")
@@ -488,6 +550,10 @@ def _read_alibi_mask_and_bias(call: AttentionCall, alibi_slopes: Any, attn_mask:
     """ALiBi slopes, the boolean mask and the additive bias: dtypes, devices, and shapes that broadcast to the
     scores (batch, heads_q, seqlen_q, seqlen_k); masks and biases are dense-only."""
     q, layout = call.q, call.layout
+    if (attn_mask is not None or attn_bias is not None) and call.seqused_k is not None:
+        raise ValueError("attention(): attn_mask/attn_bias are not taken with a KV cache (seqused_k): their key "
+                         "axis would have to follow each sequence's fill; express the pattern with causal/window, "
+                         "or gather the keys into a dense call")
     call.alibi_slopes = _check_alibi(alibi_slopes, call.batch, call.heads_q, q.device)
     full = (call.batch, call.heads_q, call.seqlen_q, call.seqlen_k)
     if attn_mask is not None:
@@ -599,56 +665,150 @@ def _check_alibi(alibi: Any, batch: int, heads: int, device: torch.device) -> to
     return alibi  # type: ignore[no-any-return]  # checked to be a tensor above
 
 
+def _check_cu_seqlens(name: str, cu: Any, device: torch.device) -> torch.Tensor:
+    """A cu_seqlens argument's type, dtype, shape and device (not its values)."""
+    if cu is None:
+        raise ValueError(f"attention(): layout='thd' needs {name}: an int32 tensor of cumulative sequence "
+                         "lengths, [0, len_0, len_0+len_1, …] of size batch+1")
+    _check_tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"attention(): {name} must be int32, got {cu.dtype}; use .to(torch.int32)")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"attention(): {name} must be 1-D with batch+1 >= 2 entries, got shape {_shape_of(cu)}")
+    if cu.device != device:
+        raise ValueError(f"attention(): {name} is on {cu.device} but q is on {device}")
+    return cu  # type: ignore[no-any-return]  # checked to be a tensor above
+
+
+def _check_max_seqlen(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"attention(): {name}={value!r} must be a positive int or None (computed from cu_seqlens)")
+
+
+def _cu_values(name: str, cu: torch.Tensor, tokens: int, given: int | None) -> tuple[list[int], int]:
+    """cu_seqlens' values (a host read) checked against the packed tensor's `tokens`; (values, longest length —
+    `given` when set, which must not be shorter)."""
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"attention(): {name} must start at 0, got {values[0]} ({name}={values})")
+    steps = [b - a for a, b in zip(values, values[1:])]
+    if any(s < 0 for s in steps):
+        raise ValueError(f"attention(): {name} must be non-decreasing, got {values}")
+    if values[-1] != tokens:
+        tensor = "q" if name.endswith("q") else "k"
+        raise ValueError(f"attention(): {name} ends at {values[-1]} but {tensor} has {tokens} tokens; the "
+                         "last entry must equal the total token count")
+    longest = max(steps)
+    if given is not None and given < longest:
+        raise ValueError(f"attention(): max_seqlen_{name[-1]}={given} is smaller than the longest sequence "
+                         f"({longest}) in {name}")
+    return values, given if given is not None else longest
+
+
 def _check_varlen(q: torch.Tensor, k: torch.Tensor, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any,
                   check_values: bool) -> tuple[int, int, int, bool | None]:
     """(batch, max_seqlen_q, max_seqlen_k, whether cu_q and cu_k hold equal values — None when not read)."""
-    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-        if cu is None:
-            raise ValueError(f"attention(): layout='thd' needs {name}: an int32 tensor of cumulative sequence "
-                             "lengths, [0, len_0, len_0+len_1, …] of size batch+1")
-        _check_tensor(name, cu)
-        if cu.dtype != torch.int32:
-            raise TypeError(f"attention(): {name} must be int32, got {cu.dtype}; use .to(torch.int32)")
-        if cu.dim() != 1 or cu.numel() < 2:
-            raise ValueError(f"attention(): {name} must be 1-D with batch+1 >= 2 entries, got shape {_shape_of(cu)}")
-        if cu.device != q.device:
-            raise ValueError(f"attention(): {name} is on {cu.device} but q is on {q.device}")
+    _check_cu_seqlens("cu_seqlens_q", cu_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_k, q.device)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"attention(): cu_seqlens_q has {cu_q.numel()} entries but cu_seqlens_k has "
                          f"{cu_k.numel()}; both must have batch+1 entries")
-    for name, value in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"attention(): {name}={value!r} must be a positive int or None (computed from "
-                             "cu_seqlens)")
+    _check_max_seqlen("max_seqlen_q", max_q)
+    _check_max_seqlen("max_seqlen_k", max_k)
     batch = cu_q.numel() - 1
     need_values = check_values or max_q is None or max_k is None
-    if cu_q is cu_k:
-        same: bool | None = True
-    elif not need_values:
-        same = None
     if not need_values:
-        return batch, max_q, max_k, same
-    lengths = {}
-    values_by_name = {}
-    for name, cu, t, given in (("cu_seqlens_q", cu_q, q, max_q), ("cu_seqlens_k", cu_k, k, max_k)):
-        values = cu.tolist()
-        values_by_name[name] = values
-        if values[0] != 0:
-            raise ValueError(f"attention(): {name} must start at 0, got {values[0]} ({name}={values})")
-        steps = [b - a for a, b in zip(values, values[1:])]
-        if any(s < 0 for s in steps):
-            raise ValueError(f"attention(): {name} must be non-decreasing, got {values}")
-        if values[-1] != t.shape[0]:
-            tensor = "q" if name.endswith("q") else "k"
-            raise ValueError(f"attention(): {name} ends at {values[-1]} but {tensor} has {t.shape[0]} tokens; the "
-                             "last entry must equal the total token count")
-        longest = max(steps)
-        if given is not None and given < longest:
-            raise ValueError(f"attention(): max_seqlen_{name[-1]}={given} is smaller than the longest sequence "
-                             f"({longest}) in {name}")
-        lengths[name] = given if given is not None else longest
-    same = values_by_name["cu_seqlens_q"] == values_by_name["cu_seqlens_k"]
-    return batch, lengths["cu_seqlens_q"], lengths["cu_seqlens_k"], same
+        return batch, max_q, max_k, True if cu_q is cu_k else None
+    values_q, longest_q = _cu_values("cu_seqlens_q", cu_q, q.shape[0], max_q)
+    values_k, longest_k = _cu_values("cu_seqlens_k", cu_k, k.shape[0], max_k)
+    return batch, longest_q, longest_k, values_q == values_k
+
+
+def _read_paged_varlen(call: AttentionCall, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any,
+                       check_values: bool) -> tuple[int, int]:
+    """Packed queries over a paged KV cache: cu_seqlens_q (cu_seqlens_k has no meaning: the block table and
+    seqused_k say where each sequence's keys are and how many); (batch, max_seqlen_q)."""
+    if cu_seqlens_k is not None:
+        raise ValueError("attention(): cu_seqlens_k is not taken with block_table: each sequence's keys are its "
+                         "pages (block_table) and their count is seqused_k; drop cu_seqlens_k")
+    cu = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, call.q.device)
+    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    longest = max_seqlen_q
+    if check_values or max_seqlen_q is None:
+        _, longest = _cu_values("cu_seqlens_q", cu, call.q.shape[0], max_seqlen_q)
+    call.cu_seqlens_q, call.cu_seqlens_k = cu, None
+    call.max_seqlen_q = longest
+    return cu.numel() - 1, longest
+
+
+def _check_index(name: str, value: Any, ndim: int, device: torch.device, what: str) -> torch.Tensor:
+    t = _check_tensor(name, value)
+    if t.dtype != torch.int32:
+        raise TypeError(f"attention(): {name} must be int32, got {t.dtype}; use .to(torch.int32)")
+    if t.dim() != ndim:
+        raise ValueError(f"attention(): {name} must be {what}, got shape {_shape_of(t)}")
+    if t.device != device:
+        raise ValueError(f"attention(): {name} is on {t.device} but q is on {device}")
+    return t
+
+
+def _read_kv_cache(call: AttentionCall, seqused_k: Any, block_table: Any, max_seqlen_k: Any,
+                   check_values: bool) -> None:
+    """A KV cache: seqused_k (keys each sequence uses) and, for a paged one, the block table. Sets the call's
+    seqlen_k to the cache's capacity per sequence (the longest fill it can hold)."""
+    device, batch = call.q.device, call.batch
+    if seqused_k is None:
+        raise ValueError("attention(): block_table needs seqused_k, the number of keys each sequence holds "
+                         "(int32, (batch,)): the last page is usually only partly filled")
+    seqused_k = _check_index("seqused_k", seqused_k, 1, device, f"1-D (batch,) = ({batch},)")
+    if seqused_k.shape[0] != batch:
+        raise ValueError(f"attention(): seqused_k has {seqused_k.shape[0]} entries but the batch is {batch}; one "
+                         "count per sequence")
+    pages = 0
+    if block_table is not None:
+        block_table = _check_index("block_table", block_table, 2, device, f"2-D (batch, max_pages), batch {batch}")
+        if block_table.shape[0] != batch:
+            raise ValueError(f"attention(): block_table has {block_table.shape[0]} rows but the batch is {batch}; "
+                             "one row of page indices per sequence")
+        pages = block_table.shape[1]
+        capacity = pages * call.k.shape[1]
+        if call.varlen:
+            _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+            if max_seqlen_k is not None and max_seqlen_k > capacity:
+                raise ValueError(f"attention(): max_seqlen_k={max_seqlen_k} exceeds what block_table addresses "
+                                 f"({pages} pages of {call.k.shape[1]} = {capacity} keys)")
+            call.max_seqlen_k = max_seqlen_k if max_seqlen_k is not None else capacity
+            call.seqlen_k = call.max_seqlen_k
+        else:
+            call.seqlen_k = capacity
+    call.seqused_k, call.block_table = seqused_k, block_table
+    if check_values and device.type == "cpu":  # a host read elsewhere; kernels trust these values as given
+        _check_kv_values(call, seqused_k, block_table, pages)
+
+
+def _check_kv_values(call: AttentionCall, seqused_k: torch.Tensor, block_table: torch.Tensor | None,
+                     pages: int) -> None:
+    used = seqused_k.tolist()
+    if call.varlen and block_table is None:
+        assert call.cu_seqlens_k is not None
+        cu = call.cu_seqlens_k.tolist()
+        room = [b - a for a, b in zip(cu, cu[1:])]
+        where = "its cu_seqlens_k span"
+    else:
+        room = [call.seqlen_k] * len(used)
+        where = "the block table's pages" if block_table is not None else "the cache's length"
+    for b, (n, limit) in enumerate(zip(used, room)):
+        if not 0 <= n <= limit:
+            raise ValueError(f"attention(): seqused_k[{b}]={n} is out of range; allowed: 0..{limit} ({where})")
+    if block_table is None:
+        return
+    num_pages, page_size = call.k.shape[0], call.k.shape[1]
+    rows = block_table.tolist()
+    for b, n in enumerate(used):
+        for p in rows[b][: (n + page_size - 1) // page_size]:
+            if not 0 <= p < num_pages:
+                raise ValueError(f"attention(): block_table[{b}] names page {p}, but the pools hold pages "
+                                 f"0..{num_pages - 1}; every page a sequence uses must exist")
 
 
 def allowed_positions(sq: int, sk: int, causal: bool, window: tuple[int, int] | None, offset: int,
@@ -821,6 +981,13 @@ class AttentionCaps:
     deterministic_backward: bool = False
     deterministic_forward: bool = False
     max_seqlen: int | None = None
+    # A KV cache: `kv_cache` — each sequence uses its first `call.seqused_k[b]` keys of k/v (dense layouts: the
+    # cache's rows; thd: its cu_seqlens_k span), bottom-right alignment counting from there; `paged_kv` — k/v
+    # are page pools (num_pages, page_size, heads_kv, dim) read through `call.block_table` (with seqused_k),
+    # pages of a multiple of `page_size_multiple` keys.
+    kv_cache: bool = False
+    paged_kv: bool = False
+    page_size_multiple: int = 1
     # Whether `run`/`bind` read q/k/v of any strides correctly. False (the default, what vendor kernels need): the
     # op hands them q/k/v whose head dim is unit-stride, copying a view that is not (channels-last views, a
     # `[..., ::2]` slice, a tensor expanded from a scalar); every other stride may be anything.
@@ -1045,6 +1212,17 @@ def _outputs_and_training(caps: AttentionCaps, call: AttentionCall, reasons: lis
         reasons.append("deterministic=True not supported: its backward is not deterministic")
 
 
+def _kv_cache(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
+    """A KV cache (seqused_k) and a paged one (block_table), with the page sizes the kernel takes."""
+    if call.block_table is not None:
+        if not caps.paged_kv:
+            reasons.append("paged KV cache (block_table) not supported")
+        elif call.page_size % caps.page_size_multiple:
+            reasons.append(f"page size {call.page_size} is not a multiple of {caps.page_size_multiple}")
+    elif call.seqused_k is not None and not caps.kv_cache:
+        reasons.append("KV cache with per-sequence lengths (seqused_k) not supported")
+
+
 def _sequence_limits(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
     if caps.max_seqlen is not None and max(call.seqlen_q, call.seqlen_k) > caps.max_seqlen:
         reasons.append(f"sequence length {max(call.seqlen_q, call.seqlen_k)} above the supported "
@@ -1052,7 +1230,8 @@ def _sequence_limits(caps: AttentionCaps, call: AttentionCall, reasons: list[str
 
 
 _CAPABILITY_STEPS: tuple[Callable[[AttentionCaps, AttentionCall, list[str]], None], ...] = (
-    _dtype_and_layout, _head_dims_and_gqa, _masking_pattern, _score_terms, _outputs_and_training, _sequence_limits)
+    _dtype_and_layout, _head_dims_and_gqa, _masking_pattern, _score_terms, _outputs_and_training, _kv_cache,
+    _sequence_limits)
 
 
 # -- the op ---------------------------------------------------------------------------------------------------
@@ -1067,6 +1246,7 @@ def attention_features(call: AttentionCall) -> dict[str, Any]:
         "dropout": call.dropout_p > 0, "mask": call.attn_mask is not None, "bias": call.attn_bias is not None,
         "varlen": call.varlen, "requires_grad": call.requires_grad, "deterministic": call.deterministic,
         "return_lse": call.return_lse, "causal_alignment": call.causal_alignment,
+        "kv_cache": call.seqused_k is not None, "paged": call.block_table is not None, "page_size": call.page_size,
     }
 
 
@@ -1076,7 +1256,8 @@ ATTENTION = register_op(OpSpec(
     description="scaled dot-product attention (dense layouts and packed varlen)",
     vocabularies={"layout": LAYOUTS, "causal_alignment": CAUSAL_ALIGNMENTS}, expected_outputs=attention_outputs,
     features={"dtype": "dtype", "layout": "name", "causal_alignment": "name", **dict.fromkeys(
-        ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio"), "int"),
+        ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio", "page_size"),
+        "int"),
         **dict.fromkeys(("causal", "window", "softcap", "alibi", "dropout", "mask", "bias", "varlen",
-                         "requires_grad", "deterministic", "return_lse"), "bool")},
+                         "requires_grad", "deterministic", "return_lse", "kv_cache", "paged"), "bool")},
 ))

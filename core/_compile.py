@@ -194,13 +194,13 @@ def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any],
     `backward`: the forward then keeps out and LSE, and the backward calls that instead of recomputing.
 
     `tensors` holds (shape recipe, dtype, device, requires_grad) of q, k, v, alibi_slopes, attn_mask, attn_bias,
-    cu_seqlens_q, cu_seqlens_k (None where absent; cu_seqlens_k is "same" when it is cu_seqlens_q); a recipe's
-    entries are ints or the name of a size field. `sizes` is (size fields, predicate outcomes), or empty when
-    every shape is exact: the fields take representative values that reproduce every outcome, so the decision
-    is a function of exactly what Dynamo guards on. `options` are the remaining keyword arguments as sorted
-    (name, value) pairs. `inner` are the scopes and overrides entered inside the traced function, outermost
-    first. The call is rebuilt on the meta device (nothing is computed), validated like any call in the active
-    scope, and resolved for the tensors' real device under the active overrides.
+    cu_seqlens_q, cu_seqlens_k, seqused_k, block_table (None where absent; cu_seqlens_k is "same" when it is
+    cu_seqlens_q); a recipe's entries are ints or the name of a size field. `sizes` is (size fields, predicate
+    outcomes), or empty when every shape is exact: the fields take representative values that reproduce every
+    outcome, so the decision is a function of exactly what Dynamo guards on. `options` are the remaining keyword
+    arguments as sorted (name, value) pairs. `inner` are the scopes and overrides entered inside the traced
+    function, outermost first. The call is rebuilt on the meta device (nothing is computed), validated like any
+    call in the active scope, and resolved for the tensors' real device under the active overrides.
     """
     import opdispatch
 
@@ -209,9 +209,10 @@ def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any],
     values.setdefault("tokens_q", values.get("batch", 1) * values.get("seqlen_q", 1))
     values.setdefault("tokens_k", values.get("batch", 1) * values.get("seqlen_k", 1))
     values["batch+1"] = values.get("batch", 0) + 1  # cu_seqlens hold batch + 1 offsets
-    names = ("q", "k", "v", "alibi_slopes", "attn_mask", "attn_bias", "cu_seqlens_q", "cu_seqlens_k")
+    names = ("q", "k", "v", "alibi_slopes", "attn_mask", "attn_bias", "cu_seqlens_q", "cu_seqlens_k", "seqused_k",
+             "block_table")
     same_cu = tensors[7] == "same"
-    kwargs: dict[str, Any] = {name: _meta(key, values) for name, key in zip(names, tensors[:7])}
+    kwargs: dict[str, Any] = {name: _meta(key, values) for name, key in zip(names, tensors) if name != "cu_seqlens_k"}
     kwargs["cu_seqlens_k"] = kwargs["cu_seqlens_q"] if same_cu else _meta(tensors[7], values)
     kwargs.update(dict(options))
     if symbolic and kwargs.get("layout") == "thd":
@@ -588,26 +589,30 @@ def _truth(predicate: Any) -> bool:
 
 
 def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, attn_mask: Tensor | None,
-                attn_bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, layout: str,
+                attn_bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                seqused_k: Tensor | None, block_table: Tensor | None, layout: str,
                 max_seqlen_q: Any, max_seqlen_k: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], Any]:
     """(tensor keys, sizes, (max_seqlen_q, max_seqlen_k)) for `decide_for_compile`, traced by Dynamo.
 
     Batch and sequence lengths may be symbolic: they enter the decision only through the outcomes of
     `size_predicates`, each evaluated with ``_truth()`` so that Dynamo guards on exactly that predicate. Calls
     whose sizes are inconsistent (validation would reject them) are specialised so the error names real sizes.
+    KV-cache calls (seqused_k, block_table) are specialised: one graph per cache shape.
     """
-    tensors = (q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k)
+    tensors = (q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     field_sizes: dict[str, Any] = {}
     recipes: list[Any] = []
     consistent = True
-    if layout == "thd" and cu_seqlens_q is not None and max_seqlen_q is not None and max_seqlen_k is not None \
+    if seqused_k is not None or block_table is not None:
+        consistent = False
+    elif layout == "thd" and cu_seqlens_q is not None and max_seqlen_q is not None and max_seqlen_k is not None \
             and q.dim() == 3 and k.dim() == 3 and v.dim() == 3:
         field_sizes = {"batch": cu_seqlens_q.shape[0] - 1, "seqlen_q": max_seqlen_q, "seqlen_k": max_seqlen_k}
         consistent = _truth(v.shape[0] == k.shape[0]) and (cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
                                                            or _truth(cu_seqlens_k.shape[0] == cu_seqlens_q.shape[0]))
         cu_recipe = ("batch+1",)
         recipes = [_recipe(q, {0: "tokens_q"}), _recipe(k, {0: "tokens_k"}), _recipe(v, {0: "tokens_k"}),
-                   None, None, None, cu_recipe, "same" if cu_seqlens_k is cu_seqlens_q else cu_recipe]
+                   None, None, None, cu_recipe, "same" if cu_seqlens_k is cu_seqlens_q else cu_recipe, None, None]
         consistent = consistent and alibi_slopes is None and attn_mask is None and attn_bias is None
     elif layout in _DENSE_DIMS and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and cu_seqlens_q is None \
             and cu_seqlens_k is None:
@@ -622,7 +627,7 @@ def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, at
             recipe = None if t is None else _broadcast_recipe(t, field_sizes, targets)
             consistent = consistent and (t is None or recipe is not None)
             recipes.append(recipe)
-        recipes += [None, None]
+        recipes += [None, None, None, None]
     else:
         consistent = False
     # Dynamo cannot tell a symbolic size from a constant in traced code (isinstance says int), so every field
@@ -633,7 +638,7 @@ def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, at
         keys: tuple[Any, ...] = tuple(_tensor_key(t, None if t is None else tuple(_static(n) for n in t.shape))
                                       for t in tensors)
         if cu_seqlens_k is not None and cu_seqlens_k is cu_seqlens_q:
-            keys = keys[:7] + ("same",)
+            keys = keys[:7] + ("same",) + keys[8:]
         return keys, ((), ()), (_static(max_seqlen_q), _static(max_seqlen_k))
     atoms, _unlisted = size_predicates(str(q.device), DECISION_EPOCH)
     outcomes = []
@@ -644,7 +649,7 @@ def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, at
             outcomes.append((atom, _truth(_SIZE_OPS[op](field_sizes[field], other))))
     keys = tuple(_tensor_key(t, r if isinstance(r, tuple) else None) for t, r in zip(tensors, recipes))
     if recipes[7] == "same":
-        keys = keys[:7] + ("same",)
+        keys = keys[:7] + ("same",) + keys[8:]
     return keys, (symbolic, tuple(outcomes)), (max_seqlen_q, max_seqlen_k)
 
 
@@ -654,7 +659,8 @@ def attention_for_compile(
     dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
     attn_mask: Tensor | None = None, attn_bias: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
     cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-    return_lse: bool = False, deterministic: bool = False, impl: str | None = None,
+    seqused_k: Tensor | None = None, block_table: Tensor | None = None, return_lse: bool = False,
+    deterministic: bool = False, impl: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`opdispatch.attention` as one graph node: decided at trace time, traced without a graph break.
 
@@ -671,7 +677,8 @@ def attention_for_compile(
                          "backward recomputes the forward, which would draw a different dropout mask; use "
                          "dropout_p=0.0 or run this call eagerly")
     keys, sizes, (static_max_q, static_max_k) = _size_class(
-        q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, layout, max_seqlen_q, max_seqlen_k)
+        q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, layout,
+        max_seqlen_q, max_seqlen_k)
     symbolic_max = bool(sizes[0]) and layout == "thd"
     options = (("causal", causal), ("causal_alignment", causal_alignment), ("deterministic", deterministic),
                ("dropout_p", _float_class(dropout_p)), ("layout", layout),
@@ -693,7 +700,8 @@ def attention_for_compile(
         if causal and left == -1:
             left, right = -1, -1
     lowered = dict(q=q, k=k, v=v, alibi_slopes=alibi_slopes, attn_mask=attn_mask, attn_bias=attn_bias,
-                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, layout=layout, causal=causal,
+                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                   block_table=block_table, layout=layout, causal=causal,
                    causal_alignment=causal_alignment, window_left=left, window_right=right,
                    scale=float(scale) if scale is not None else 1.0 / math.sqrt(head_dim), dropout_p=float(dropout_p),
                    softcap=float(softcap), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,

@@ -7,6 +7,8 @@ every other implementation is tested against:
   j <= i + o (causal) and i + o - left <= j <= i + o + right (window, -1 = unbounded).
 - ALiBi adds -slope * |i + o - j|; softcap applies softcap * tanh(s / softcap) before bias and masks.
 - A query that may see no key returns zeros and lse = -inf.
+- A KV cache (seqused_k): sequence b attends to its first seqused_k[b] keys — of its cache rows (dense), of its
+  cu_seqlens_k span (thd), or of its pages in block_table order (paged) — as if they were all its keys.
 """
 
 from __future__ import annotations
@@ -65,13 +67,13 @@ class ReferenceAttention(AttentionImpl):
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, softcap=True,
         alibi=True, dropout=True, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, backward=True,
         deterministic_backward=True, strided_inputs=True,
-        causal=True, deterministic_forward=True,
+        causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True,
     )
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         compute = torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
-        if call.varlen:
-            out, lse = self._varlen(call, compute)
+        if call.varlen or call.kv_cache:
+            out, lse = self._per_sequence(call, compute)
         else:
             q, k, v = (call.bhsd(t).to(compute) for t in (call.q, call.k, call.v))
             out, lse = dense_attention(q, k, v, call, alibi=call.alibi_slopes, mask=call.attn_mask,
@@ -81,20 +83,40 @@ class ReferenceAttention(AttentionImpl):
             return out, lse.float() if compute != torch.float64 else lse
         return out
 
-    def _varlen(self, call: AttentionCall, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        assert call.cu_seqlens_q is not None and call.cu_seqlens_k is not None
-        cu_q = call.cu_seqlens_q.tolist()
-        cu_k = call.cu_seqlens_k.tolist()
+    def _per_sequence(self, call: AttentionCall, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed sequences and KV caches: each sequence on its own, with its own keys (one host read of the
+        lengths)."""
+        cu_q = call.cu_seqlens_q.tolist() if call.cu_seqlens_q is not None else None
+        cu_k = call.cu_seqlens_k.tolist() if call.cu_seqlens_k is not None else None
+        used = call.seqused_k.tolist() if call.seqused_k is not None else None
+        queries = call.q if call.varlen else call.bshd(call.q)
         outs, lses = [], []
         for b in range(call.batch):
-            # (t, h, d) -> (1, h, t, d)
-            q = call.q[cu_q[b]:cu_q[b + 1]].transpose(0, 1).unsqueeze(0).to(compute)
-            k = call.k[cu_k[b]:cu_k[b + 1]].transpose(0, 1).unsqueeze(0).to(compute)
-            v = call.v[cu_k[b]:cu_k[b + 1]].transpose(0, 1).unsqueeze(0).to(compute)
+            q = queries[cu_q[b]:cu_q[b + 1]] if cu_q is not None else queries[b]  # (s, h, d)
+            k, v = (_sequence_keys(call, t, b, cu_k, used) for t in (call.k, call.v))
             alibi = call.alibi_slopes
             if alibi is not None and alibi.dim() == 2:
                 alibi = alibi[b:b + 1]
+            # (s, h, d) -> (1, h, s, d)
+            q, k, v = (t.transpose(0, 1).unsqueeze(0).to(compute) for t in (q, k, v))
             out, lse = dense_attention(q, k, v, call, alibi=alibi)
             outs.append(out[0].transpose(0, 1))
             lses.append(lse[0])
-        return torch.cat(outs, dim=0).to(call.dtype), torch.cat(lses, dim=1)
+        if call.varlen:
+            return torch.cat(outs, dim=0).to(call.dtype), torch.cat(lses, dim=1)
+        return call.from_bshd(torch.stack(outs).to(call.dtype)), torch.stack(lses)
+
+
+def _sequence_keys(call: AttentionCall, pool: torch.Tensor, b: int, cu_k: list[int] | None,
+                   used: list[int] | None) -> torch.Tensor:
+    """Sequence b's keys (or values) of `pool` (call.k or call.v) as (n, heads_kv, dim)."""
+    if call.block_table is not None:
+        assert used is not None
+        n, size = used[b], call.page_size
+        pages = call.block_table[b, : (n + size - 1) // size].long()
+        return pool[pages].reshape(-1, pool.shape[2], pool.shape[3])[:n]
+    if cu_k is not None:
+        start, end = cu_k[b], cu_k[b + 1]
+        return pool[start:start + used[b] if used is not None else end]
+    keys = call.bshd(pool)[b]
+    return keys[: used[b]] if used is not None else keys
