@@ -984,10 +984,12 @@ class AttentionCaps:
     # A KV cache: `kv_cache` — each sequence uses its first `call.seqused_k[b]` keys of k/v (dense layouts: the
     # cache's rows; thd: its cu_seqlens_k span), bottom-right alignment counting from there; `paged_kv` — k/v
     # are page pools (num_pages, page_size, heads_kv, dim) read through `call.block_table` (with seqused_k),
-    # pages of a multiple of `page_size_multiple` keys.
+    # pages of a multiple of `page_size_multiple` keys; `kv_cache_alibi` — ALiBi over a cache, its distances
+    # counted from each sequence's own fill.
     kv_cache: bool = False
     paged_kv: bool = False
     page_size_multiple: int = 1
+    kv_cache_alibi: bool = False
     # Whether `run`/`bind` read q/k/v of any strides correctly. False (the default, what vendor kernels need): the
     # op hands them q/k/v whose head dim is unit-stride, copying a view that is not (channels-last views, a
     # `[..., ::2]` slice, a tensor expanded from a scalar); every other stride may be anything.
@@ -1221,6 +1223,8 @@ def _kv_cache(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> N
             reasons.append(f"page size {call.page_size} is not a multiple of {caps.page_size_multiple}")
     elif call.seqused_k is not None and not caps.kv_cache:
         reasons.append("KV cache with per-sequence lengths (seqused_k) not supported")
+    if call.seqused_k is not None and call.alibi_slopes is not None and not caps.kv_cache_alibi:
+        reasons.append("ALiBi over a KV cache not supported (its distances follow each sequence's fill)")
 
 
 def _sequence_limits(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:

@@ -38,6 +38,20 @@ Dense ↔ packed varlen (for kernels that take only packed ``thd`` sequences):
 - `pack_padded_lse(lse, cu_seqlens_q, total_q)`: a per-sequence padded (batch, heads, max_seqlen_q) varlen LSE as
   the packed (heads, total_q), gathered on the device (no host sync).
 
+KV caches (calls with ``seqused_k``, and ``block_table`` when paged), for FlashAttention-lineage kernels:
+
+- `packed_queries(call)` → `KvQueries(q, cu_seqlens_q, max_seqlen_q)` and `unpack_kv_out(call, out)`: the queries
+  as packed sequences and the output back.
+- `cache_as_pages(call)` → (k pool, v pool, block table): a paged call's own, or a dense cache read as one page
+  per sequence (views, no copy).
+- `cumulative_lengths(seqused_k)`: int32 offsets of the key counts, for kernels that want ``cu_seqlens_k``.
+- `kv_lse_fix(lse, call)`: -inf for the queries of a KV-cache call that see no key.
+- `kv_cache_reasons(call, kernel)`: the limits such entries share (forward only, bottom-right, no dropout).
+- `flash_attn_kv_cache(module, call)`: the call through a module with flash-attn 2's Python API
+  (``flash_attn_with_kvcache``, or ``flash_attn_varlen_func(block_table=)`` for packed queries).
+- `kv_cache_as_mask(call)`: a dense KV-cache call as a masked call over the whole cache, for kernels that take
+  boolean masks but no per-sequence lengths.
+
 Layouts: the call record converts views itself — ``call.bhsd(t)``/``call.from_bhsd(t)`` and
 ``call.bshd(t)``/``call.from_bshd(t)`` (see `opdispatch.AttentionCall`); in a bound function use
 `layout_views(layout)` → ``(to_bhsd, from_bhsd)``, which keep no call (and no tensor) alive.
@@ -56,11 +70,15 @@ from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, 
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window
+from ._kv_cache import (KvQueries, cache_as_pages, cumulative_lengths, flash_attn_kv_cache, kv_cache_as_mask,
+                        kv_cache_reasons, kv_lse_fix, packed_queries, unpack_kv_out)
 from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlens, unpack_lse, unpack_out
 from ._signatures import unaccepted_keywords
 from ._versions import at_least, installed_versions, version_tuple
 
-__all__ = ["PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions", "at_least",
-           "bind_dense", "blind_rows", "causal_alibi_lse_reason", "dense_lse_fix", "empty_rows_to_neg_inf",
-           "installed_versions", "kernel_window", "layout_views", "pack_dense", "pack_padded_lse", "shift_rows",
-           "unaccepted_keywords", "uniform_cu_seqlens", "unpack_lse", "unpack_out", "varlen_lse_fix", "version_tuple"]
+__all__ = ["KvQueries", "PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
+           "at_least", "bind_dense", "blind_rows", "cache_as_pages", "causal_alibi_lse_reason", "cumulative_lengths",
+           "dense_lse_fix", "empty_rows_to_neg_inf", "flash_attn_kv_cache", "installed_versions", "kernel_window",
+           "kv_cache_as_mask", "kv_cache_reasons", "kv_lse_fix", "layout_views", "pack_dense", "pack_padded_lse",
+           "packed_queries", "shift_rows", "unaccepted_keywords", "uniform_cu_seqlens", "unpack_kv_out", "unpack_lse",
+           "unpack_out", "varlen_lse_fix", "version_tuple"]

@@ -60,9 +60,10 @@ def _rand(*shape, gen, dtype=torch.float64):
     return torch.randn(*shape, generator=gen, dtype=dtype)
 
 
+@pytest.mark.parametrize("impl", ["cpu.flash", "reference.math"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mask", ["none", "causal-br", "causal-tl", "window"])
-def test_dense_cache_uses_each_sequences_fill(layout, mask, manager):
+def test_dense_cache_uses_each_sequences_fill(layout, mask, impl, manager):
     gen = torch.Generator().manual_seed(LAYOUTS.index(layout) * 10 + len(mask))
     b, sq, cap, h, hk, d = 4, 3, 11, 4, 2, 8
     q, k, v = _rand(b, sq, h, d, gen=gen), _rand(b, cap, hk, d, gen=gen), _rand(b, cap, hk, d, gen=gen)
@@ -71,7 +72,7 @@ def test_dense_cache_uses_each_sequences_fill(layout, mask, manager):
           "causal-tl": dict(causal=True, causal_alignment="top_left"),
           "window": dict(window=(2, 1), causal_alignment="bottom_right")}[mask]
     out, lse = opdispatch.attention(_to_layout(q, layout), _to_layout(k, layout), _to_layout(v, layout),
-                                    layout=layout, seqused_k=used, return_lse=True, **kw)
+                                    layout=layout, seqused_k=used, return_lse=True, impl=impl, **kw)
     out = _from_layout(out, layout)
     for i, n in enumerate(used.tolist()):
         want_out, want_lse = oracle_sequence(q[i], k[i, :n], v[i, :n], scale=d ** -0.5, causal=kw.get("causal", False),
@@ -200,10 +201,12 @@ def test_implementations_without_kv_support_say_so(basic_manager):
     assert decision.chosen_id == "reference.math"
     flash = next(c for c in decision.candidates if c.impl_id == "cpu.flash")
     assert "paged KV cache (block_table) not supported" in flash.reasons
-    dense = opdispatch.explain(q, _rand(2, 8, 2, 8, gen=gen, dtype=torch.float32),
-                               _rand(2, 8, 2, 8, gen=gen, dtype=torch.float32), seqused_k=kw["seqused_k"])
-    flash = next(c for c in dense.candidates if c.impl_id == "cpu.flash")
-    assert "KV cache with per-sequence lengths (seqused_k) not supported" in flash.reasons
+    # A dense cache: cpu.flash takes it (its fill as a mask); ALiBi it declines, saying why.
+    cache = _rand(2, 8, 2, 8, gen=gen, dtype=torch.float32), _rand(2, 8, 2, 8, gen=gen, dtype=torch.float32)
+    assert opdispatch.explain(q, *cache, seqused_k=kw["seqused_k"]).chosen_id == "cpu.flash"
+    alibi = opdispatch.explain(q, *cache, seqused_k=kw["seqused_k"], alibi_slopes=torch.rand(2))
+    flash = next(c for c in alibi.candidates if c.impl_id == "cpu.flash")
+    assert flash.reasons == ["ALiBi over a KV cache not supported (its distances follow each sequence's fill)"]
     with pytest.raises(opdispatch.NoImplementationError, match="paged KV cache"):
         opdispatch.attention(q, k, v, impl="cpu.flash", **kw)
 

@@ -51,3 +51,27 @@ def varlen(q, k, v, cu_q, cu_k, fn):
         outs.append(o[0])
         lses.append(l[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def sequence_keys(pool, i, n, block_table=None, start=0):
+    """Sequence i's first n keys: pages block_table[i, 0], [i, 1], … of a (pages, page_size, h, d) pool, or rows
+    start.. of a (tokens, h, d) / (batch, seq, h, d) cache."""
+    if block_table is None:
+        return pool[i, :n] if pool.dim() == 4 else pool[start:start + n]
+    size = pool.shape[1]
+    pages = [pool[int(block_table[i, p])] for p in range(-(-n // size))]
+    return torch.cat(pages)[:n] if pages else pool[0, :0]
+
+
+def kv_cache(q_seqs, k_cache, v_cache, seqused_k, fn, block_table=None, cu_k=None):
+    """fn over each sequence's queries (1, s, h, d) and its first seqused_k[i] keys; (outs, lses) per sequence."""
+    outs, lses = [], []
+    for i, qi in enumerate(q_seqs):
+        n = int(seqused_k[i])
+        start = int(cu_k[i]) if cu_k is not None else 0
+        ki = sequence_keys(k_cache, i, n, block_table, start).unsqueeze(0)
+        vi = sequence_keys(v_cache, i, n, block_table, start).unsqueeze(0)
+        o, l = fn(qi.unsqueeze(0), ki, vi, i)
+        outs.append(o[0])
+        lses.append(l[0])
+    return outs, lses

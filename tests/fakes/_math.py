@@ -1,22 +1,20 @@
-"""Attention as the vendor kernels define it, computed with opdispatch's reference math (fp32)."""
+"""Attention as the vendor kernels define it, in float64 with the fakes' own math (`_fa_math.attend`), never
+with opdispatch's reference implementation (the one they are compared to)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import math
 
 import torch
 
-from opdispatch.vendors.reference._attention import dense_attention
+from ._fa_math import attend
 
 
 def bshd_attention(q, k, v, *, scale, causal, window, alignment, softcap=0.0, alibi=None):
-    """(b, s, h, d) inputs → (out (b, sq, h, dv) in q's dtype, lse (b, h, sq) fp32), vendor window convention."""
-    left, right = window
-    spec = SimpleNamespace(scale=scale, softcap=softcap, causal=causal, causal_alignment=alignment,
-                           window=None if (left, right) == (-1, -1) else (left, right), dropout_p=0.0)
-    qf, kf, vf = (t.transpose(1, 2).float() for t in (q, k, v))
-    out, lse = dense_attention(qf, kf, vf, spec, alibi=alibi)
-    return out.transpose(1, 2).to(q.dtype), lse
+    """(b, s, h, d) inputs → (out (b, sq, h, dv) in q's dtype, lse (b, h, sq) fp32, -inf where a query sees no
+    key), vendor window convention ((-1, -1): none)."""
+    offset = k.shape[1] - q.shape[1] if alignment == "bottom_right" else 0
+    return attend(q, k, v, scale, causal, tuple(window), softcap, alibi, offset, blind_lse=-math.inf)
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, **kw):

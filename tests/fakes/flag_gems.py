@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from ._fa_math import attend, varlen
+from ._fa_math import attend, kv_cache, varlen
 
 __version__ = "5.0.2"
 calls: list = []
@@ -35,7 +35,18 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         sl = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[i]
         return attend(qi, ki, vi, scale, causal, window, softcap, sl, ki.shape[1] - qi.shape[1])
 
-    o, lse = varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, one)
+    if block_table is not None:
+        assert seqused_k is not None, "seqused_k must be provided if block_table is provided"
+        assert k.dim() == 4 and k.stride() == v.stride()
+        # The kernel addresses slot `page * block_size + i` with k's row stride: pages must be row-adjacent.
+        assert k.stride(0) == k.shape[1] * k.stride(1), "paged pools must hold their pages' rows adjacently"
+        assert block_table.dtype == torch.int32 and seqused_k.dtype == torch.int32
+        cq = cu_seqlens_q.tolist()
+        outs, lses = kv_cache([q[cq[i]:cq[i + 1]] for i in range(len(cq) - 1)], k, v, seqused_k, one, block_table)
+        o, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    else:
+        assert seqused_k is None, "this fake knows seqused_k only with a block_table (all the adapter sends)"
+        o, lse = varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, one)
     return (o, lse) if return_softmax_lse else o
 
 

@@ -49,6 +49,26 @@ def make(calls: list) -> types.ModuleType:
                                           window=tuple(window_size), alignment="bottom_right", alibi=alibi_slopes)
         return out if not return_attn_probs else (out, _math.fa2_lse(lse), torch.empty(0))
 
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+        calls.append(("flash_attn_with_kvcache", (q, k_cache, v_cache), dict(cache_seqlens=cache_seqlens,
+                                                                             causal=causal)))
+        assert block_table is None and k is None and cache_batch_idx is None
+        assert q.dim() == 4 and k_cache.stride(-1) == 1 and cache_seqlens.dtype == torch.int32
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        outs, lses = [], []
+        for i, n in enumerate(cache_seqlens.tolist()):
+            a = alibi_slopes[i:i + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
+            o, l = _math.bshd_attention(q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n], scale=scale,
+                                        causal=causal, window=tuple(window_size), alignment="bottom_right", alibi=a)
+            outs.append(o[0])
+            lses.append(l[0])
+        out, lse = torch.stack(outs), torch.stack(lses)
+        return (out, _math.fa2_lse(lse)) if return_softmax_lse else out
+
+    mod.flash_attn_with_kvcache = flash_attn_with_kvcache
     mod.flash_attn_func = flash_attn_func
     mod.flash_attn_varlen_func = flash_attn_varlen_func
     return mod

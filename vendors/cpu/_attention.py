@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch.plugins.toolkit import additive_bias, layout_views, shift_rows
+from opdispatch.plugins.toolkit import additive_bias, kv_cache_as_mask, layout_views, shift_rows
 
 _aten_kernel = torch._scaled_dot_product_flash_attention_for_cpu
 # Its backward has no torch.* binding; the OpOverload is the direct entry (called once per compiled backward).
@@ -41,10 +41,11 @@ class CpuFlashAttention(AttentionImpl):
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, alibi=True, attn_mask=True,
         attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=True,
         layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, deterministic_forward=True,
+        kv_cache=True,  # a dense cache, its fill folded into the mask (kv_cache_as_mask)
     )
 
     def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
-        if (call.positional_mask or call.attn_mask is not None or call.attn_bias is not None
+        if (call.kv_cache or call.positional_mask or call.attn_mask is not None or call.attn_bias is not None
                 or call.alibi_slopes is not None):
             return super().bind(call)
         # The common case binds the kernel itself: no call object, no branches per call.
@@ -65,7 +66,7 @@ class CpuFlashAttention(AttentionImpl):
                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         # The kernel's own backward from the saved out and LSE; calls with a folded mask (whose LSE run() adjusts)
         # recompute instead.
-        if (call.positional_mask or call.attn_mask is not None or call.attn_bias is not None
+        if (call.kv_cache or call.positional_mask or call.attn_mask is not None or call.attn_bias is not None
                 or call.alibi_slopes is not None):
             return None
         to_bhsd, from_bhsd = call.bhsd, call.from_bhsd
@@ -75,6 +76,8 @@ class CpuFlashAttention(AttentionImpl):
         return from_bhsd(grads[0]), from_bhsd(grads[1]), from_bhsd(grads[2])
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if call.kv_cache:
+            call = kv_cache_as_mask(call)
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
         alibi = call.alibi_slopes is not None
         # The kernel takes is_causal or a mask, not both: with a mask, bias or ALiBi, causal is folded into it too.

@@ -8,6 +8,9 @@ Two entries, chosen per call:
   max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, ...)`` (vLLM's argument order: max_seqlen_q comes
   before cu_seqlens_q); dense inputs are packed to (batch*seq, heads, dim) with uniform cu_seqlens. Causal,
   window and ALiBi are aligned bottom-right there (FlashAttention-2 semantics).
+- KV caches → the same entry with ``seqused_k`` and ``block_table`` (it takes no ``cu_seqlens_k`` then). A dense
+  cache is read as one page per sequence; the kernel addresses slot ``page * page_size + i`` with k's row
+  stride, so that needs a bshd cache (rows of one sequence adjacent).
 
 flag_gems is imported lazily: its import raises "No device were detected on your machine" without a GPU.
 
@@ -25,8 +28,9 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import (alibi_alignment_reason, causal_alibi_lse_reason, dense_lse_fix, kernel_window,
-                                        pack_dense, unpack_lse, unpack_out, varlen_lse_fix)
+from opdispatch.plugins.toolkit import (alibi_alignment_reason, cache_as_pages, causal_alibi_lse_reason, dense_lse_fix,
+                                        kernel_window, kv_lse_fix, pack_dense, packed_queries, unpack_kv_out,
+                                        unpack_lse, unpack_out, varlen_lse_fix)
 
 _LN2 = math.log(2.0)
 # v5.0.2 scaled_dot_product_attention_forward: `assert HEAD_DIM_K in {16, 32, 64, 128, 256}`.
@@ -47,7 +51,8 @@ FLAG_GEMS = Requirement(module="flag_gems", distribution="flag-gems", min_versio
 
 def uses_varlen_kernel(call: AttentionCall) -> bool:
     """Whether the call goes to flash_attn_varlen_func (else to the dense SDPA kernel)."""
-    return call.varlen or call.positional_mask or call.softcap > 0 or call.alibi_slopes is not None
+    return (call.varlen or call.kv_cache or call.positional_mask or call.softcap > 0
+            or call.alibi_slopes is not None)
 
 
 class FlagGemsAttention(AttentionImpl):
@@ -72,7 +77,8 @@ class FlagGemsAttention(AttentionImpl):
         layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}), contiguous_inputs=True,
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, softcap=True,
         alibi=True, dropout=False, attn_mask=True, attn_bias=False, lse=True, backward=False,
-        causal=True, deterministic_forward=True, deterministic_backward=True,
+        causal=True, deterministic_forward=True, deterministic_backward=True, kv_cache=True, paged_kv=True,
+        kv_cache_alibi=True,
     )
 
     def extra_availability(self, device: DeviceInfo) -> str | None:
@@ -102,6 +108,9 @@ class FlagGemsAttention(AttentionImpl):
             alibi = alibi_alignment_reason(call, "flash_attn_varlen_func")
             if alibi:
                 reasons.append(alibi)
+            if call.kv_cache and not call.paged and call.layout != "bshd":
+                reasons.append(f"a dense KV cache in layout {call.layout!r}: flag_gems reads it as pages of adjacent "
+                               "rows, which needs layout 'bshd' (or page it with block_table)")
         elif call.head_dim not in SDPA_HEAD_DIMS:
             reasons.append(f"head_dim {call.head_dim} not in {sorted(SDPA_HEAD_DIMS)} (flag_gems "
                            "scaled_dot_product_attention_forward)")
@@ -131,6 +140,16 @@ class FlagGemsAttention(AttentionImpl):
 
         kwargs = dict(softmax_scale=call.scale, causal=call.causal, window_size=kernel_window(call),
                       softcap=call.softcap, alibi_slopes=call.alibi_slopes, return_softmax_lse=call.return_lse)
+        if call.kv_cache:
+            queries = packed_queries(call)
+            k, v, table = cache_as_pages(call)
+            res = flag_gems.flash_attn_varlen_func(queries.q, k, v, queries.max_seqlen_q, queries.cu_seqlens_q,
+                                                   call.seqlen_k, None, seqused_k=call.seqused_k, block_table=table,
+                                                   **kwargs)
+            if not call.return_lse:
+                return unpack_kv_out(call, res)
+            lse = res[1] if call.varlen else unpack_lse(call, res[1])
+            return unpack_kv_out(call, res[0]), kv_lse_fix(lse, call)
         if call.varlen:
             res = flag_gems.flash_attn_varlen_func(call.q, call.k, call.v, call.max_seqlen_q, call.cu_seqlens_q,
                                                    call.max_seqlen_k, call.cu_seqlens_k, **kwargs)

@@ -21,8 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, at_least, bind_dense,
-                                        causal_alibi_lse_reason, dense_lse_fix, empty_rows_to_neg_inf, kernel_window,
-                                        pack_padded_lse, shift_rows, varlen_lse_fix, version_tuple)
+                                        causal_alibi_lse_reason, cumulative_lengths, dense_lse_fix,
+                                        empty_rows_to_neg_inf, kernel_window, kv_cache_as_mask, kv_cache_reasons,
+                                        flash_attn_kv_cache, kv_lse_fix,
+                                        pack_padded_lse, packed_queries, shift_rows, uniform_cu_seqlens,
+                                        unpack_kv_out, unpack_lse, varlen_lse_fix, version_tuple)
 
 _LOW = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
@@ -35,6 +38,9 @@ _efficient_sdpa = torch._scaled_dot_product_efficient_attention
 # _flash_attention_forward has no torch.* binding; its OpOverload is the direct entry (window, ALiBi, varlen).
 _flash_forward = torch.ops.aten._flash_attention_forward.default
 _FLASH_FORWARD_ARGS = frozenset(a.name for a in _flash_forward._schema.arguments)
+# Paged KV in torch's vendored FlashAttention-2: its flash_api.cpp keeps FA2's "Paged KV cache block size must be
+# divisible by 256" (torch 2.11, the GPU machine's, has no block_table argument to measure it with).
+_TORCH_PAGE = 256
 # _cudnn_attention_forward: the cuDNN entry that takes packed (total, heads, dim) tensors with cumulative offsets
 # (torch.nn.attention.varlen's cuDNN path). Absent from older torch builds.
 _cudnn_forward = getattr(getattr(torch.ops.aten, "_cudnn_attention_forward", None), "default", None)
@@ -132,7 +138,9 @@ class CudnnAttention(AttentionImpl):
         # Measured on an H200: fp16 decode-like calls (sq 1, sk 239, d 160, batch 60) gave a different output in
         # 73 of 100 repeats — cuDNN picks split-KV plans per shape and reduces their partial results unordered.
         deterministic_forward=False,
-        causal=True,
+        # A dense KV cache: the fill of each sequence folded into a boolean mask over the whole cache
+        # (kv_cache_as_mask) — the cache keeps one shape, so cuDNN builds its graph once.
+        causal=True, kv_cache=True,
     )
 
     def __init__(self) -> None:
@@ -154,6 +162,9 @@ class CudnnAttention(AttentionImpl):
                 reasons.append("ALiBi with packed varlen (thd) is not supported (cuDNN's varlen op takes no bias)")
         if call.seqlen_k == 1:
             reasons.append("seqlen_k == 1 is rejected by cuDNN SDPA (check_cudnn_tensor_shapes)")
+        if call.kv_cache and call.varlen:
+            reasons.append("a KV cache under packed queries (thd) is not supported: cuDNN takes a dense cache, "
+                           "its fill as a mask")
         if call.dropout_p > 0:
             if call.seqlen_q == 1:
                 reasons.append("dropout with seqlen_q == 1 is rejected by cuDNN SDPA")
@@ -162,7 +173,7 @@ class CudnnAttention(AttentionImpl):
         return reasons
 
     def bind(self, call: AttentionCall) -> Any:
-        if (call.varlen or call.return_lse or call.dropout_p > 0 or call.attn_mask is not None
+        if (call.varlen or call.kv_cache or call.return_lse or call.dropout_p > 0 or call.attn_mask is not None
                 or call.attn_bias is not None or call.positional_mask or call.alibi_slopes is not None
                 or _needs_padding(call)):
             return super().bind(call)
@@ -171,15 +182,17 @@ class CudnnAttention(AttentionImpl):
         return bind_dense(call, lambda q, k, v: kernel(q, k, v, None, need_lse, 0.0, causal, False, scale=scale)[0])
 
     def run(self, call: AttentionCall) -> Any:
+        if call.kv_cache:
+            call = kv_cache_as_mask(call)
         if _needs_padding(call):
             return _run_padded(self._run, call, same_v=False)
         return self._run(call)
 
     def backward(self, call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        # Plain dense calls (causal or not, GQA, padded head dims); masks, biases and windows recompute.
-        if (call.varlen or call.dropout_p > 0 or call.attn_mask is not None or call.attn_bias is not None
-                or call.positional_mask or call.alibi_slopes is not None):
+        # Plain dense calls (causal or not, GQA, padded head dims); masks, biases, windows and caches recompute.
+        if (call.varlen or call.kv_cache or call.dropout_p > 0 or call.attn_mask is not None
+                or call.attn_bias is not None or call.positional_mask or call.alibi_slopes is not None):
             return None
         return _padded_backward(_cudnn_dense_backward, call, out, lse, grad_out, same_v=False)
 
@@ -302,7 +315,9 @@ class TorchFlashAttention(AttentionImpl):
         dtypes=_LOW, head_dim_max=256, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, dropout=True,
         lse=True, backward=True, deterministic_backward=False,
-        causal=True, deterministic_forward=True,
+        # KV caches through _flash_attention_forward's seqused_k/block_table (torch.nn.attention.varlen's path;
+        # forward only: "Inference-only (not supported in backward)"), queries packed.
+        causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, page_size_multiple=_TORCH_PAGE,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
@@ -315,10 +330,17 @@ class TorchFlashAttention(AttentionImpl):
             reasons.append(why)
         if call.window is not None and "window_size_left" not in _FLASH_FORWARD_ARGS:
             reasons.append("this torch's _flash_attention_forward has no window_size_left argument")
+        if call.kv_cache:
+            reasons += kv_cache_reasons(call, "torch's FlashAttention")
+            for name in ("seqused_k", "block_table") if call.paged else ("seqused_k",):
+                if name not in _FLASH_FORWARD_ARGS:
+                    reasons.append(f"this torch's _flash_attention_forward has no {name} argument (torch 2.11 "
+                                   "has seqused_k only; 2.13 has both)")
         return reasons
 
     def bind(self, call: AttentionCall) -> Any:
-        if call.varlen or call.window is not None or call.return_lse or call.dropout_p > 0 or _needs_padding(call):
+        if (call.kv_cache or call.varlen or call.window is not None or call.return_lse or call.dropout_p > 0
+                or _needs_padding(call)):
             return super().bind(call)
         kernel, causal, scale = _flash_sdpa, call.causal, call.scale
         return bind_dense(call, lambda q, k, v: kernel(q, k, v, 0.0, causal, False, scale=scale)[0])
@@ -329,6 +351,8 @@ class TorchFlashAttention(AttentionImpl):
         return self._run(call)
 
     def _run(self, call: AttentionCall) -> Any:
+        if call.kv_cache:
+            return _torch_flash_kv_cache(call)
         if not call.varlen and call.window is None:
             q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
             res = _flash_sdpa(q, k, v, call.dropout_p, call.causal, False, scale=call.scale)
@@ -357,6 +381,38 @@ class TorchFlashAttention(AttentionImpl):
         if call.dropout_p > 0 or (call.varlen and not _PACKED_VARLEN_LSE):
             return None
         return _padded_backward(_flash_backward_from_saved, call, out, lse, grad_out, same_v=True)
+
+
+def _torch_flash_kv_cache(call: AttentionCall) -> Any:
+    """A KV-cache call through _flash_attention_forward's packed path: queries packed, the cache paged (the call's
+    pages) or packed per sequence (a dense cache as (batch * capacity) rows: a view of a bshd cache)."""
+    queries = packed_queries(call)
+    kwargs: dict[str, Any] = {"scale": call.scale, "seqused_k": call.seqused_k}
+    if call.window is not None:
+        kwargs["window_size_left"], kwargs["window_size_right"] = call.window
+    if call.paged:
+        k, v, cu_k = call.k, call.v, cumulative_lengths(call.seqused_k)
+        kwargs["block_table"] = call.block_table
+    elif call.varlen:
+        k, v, cu_k = call.k, call.v, call.cu_seqlens_k
+    else:
+        k, v = (call.bshd(t) for t in (call.k, call.v))
+        k = k.reshape(-1, k.shape[2], k.shape[3])
+        v = v.reshape(-1, v.shape[2], v.shape[3])
+        cu_k = uniform_cu_seqlens(call.batch, call.seqlen_k, k.device)
+    res = _flash_forward(queries.q, k, v, queries.cu_seqlens_q, cu_k, queries.max_seqlen_q, call.seqlen_k, 0.0,
+                         call.causal, False, **kwargs)
+    out = unpack_kv_out(call, res[0])
+    if not call.return_lse:
+        return out
+    lse = res[1]
+    if call.varlen:
+        lse = _varlen_lse(lse, call)
+    elif lse.dim() == 3:  # older builds: padded per sequence, (batch, heads, max_seqlen_q), already dense
+        lse = lse[:, :, :call.seqlen_q]
+    else:
+        lse = unpack_lse(call, lse)
+    return out, kv_lse_fix(lse, call)
 
 
 def _cudnn_dense_backward(call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
@@ -615,11 +671,14 @@ class FlashAttn2(AttentionImpl):
     # csrc/flash_attn/flash_api.cpp: fp16/bf16; head_dim <= 256 (the Python wrapper pads to a multiple of 8);
     # one head dim for q, k, v; GQA; causal and window aligned bottom-right; softcap (not with dropout); ALiBi
     # (fp32, (h,) or (b, h)); dropout; deterministic backward on request.
+    # KV caches: flash_attn_with_kvcache (dense q; a dense or paged cache) and flash_attn_varlen_func(block_table=)
+    # for packed queries over pages; "Paged KV cache block size must be divisible by 256" (flash_api.cpp).
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=_LOW, head_dim_max=256, layouts=_ALL_LAYOUTS, causal_alignments=frozenset({"bottom_right"}),
         gqa=True, window=True, softcap=True, alibi=True, dropout=True, lse=True, backward=True,
         deterministic_backward=True,
-        causal=True, deterministic_forward=True,
+        causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, page_size_multiple=256,
+        kv_cache_alibi=True,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
@@ -630,11 +689,17 @@ class FlashAttn2(AttentionImpl):
                                causal_alibi_lse_reason(call)) if r]
         if call.softcap > 0 and call.dropout_p > 0:
             reasons.append("softcap with dropout is not supported (\"Softcapping does not support dropout\")")
+        reasons += kv_cache_reasons(call, "flash-attn")
+        if call.varlen and call.kv_cache and not call.paged:
+            reasons.append("packed queries over an unpaged cache (thd with seqused_k) are not supported: "
+                           "flash-attn 2's flash_attn_varlen_func takes no seqused_k (page it with block_table)")
         return reasons
 
     def run(self, call: AttentionCall) -> Any:
         import flash_attn
 
+        if call.kv_cache:
+            return flash_attn_kv_cache(flash_attn, call)
         window = kernel_window(call)
         common = dict(dropout_p=call.dropout_p, softmax_scale=call.scale, causal=call.causal, window_size=window,
                       softcap=call.softcap, alibi_slopes=call.alibi_slopes, deterministic=call.deterministic,
@@ -672,11 +737,22 @@ class FlashAttn3(AttentionImpl):
         dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, lse=True,
         backward=True, deterministic_backward=True,
-        causal=True, deterministic_forward=True,
+        # KV caches: flash_attn_with_kvcache (dense or packed q; a dense cache or a page_table of any page size)
+        # and flash_attn_varlen_func(seqused_k=) for packed queries over an unpaged cache.
+        causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True,
     )
+
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads flags and alignment: no sizes
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        return kv_cache_reasons(call, "FlashAttention-3")
 
     def run(self, call: AttentionCall) -> Any:
         import flash_attn_interface as fa3
+
+        if call.kv_cache:
+            return _fa3_kv_cache(fa3, call)
 
         window = kernel_window(call)
         common = dict(softmax_scale=call.scale, causal=call.causal, window_size=window, softcap=call.softcap,
@@ -691,3 +767,21 @@ class FlashAttn3(AttentionImpl):
         if not call.return_lse:
             return call.from_bshd(res)
         return call.from_bshd(res[0]), empty_rows_to_neg_inf(res[1])
+
+
+def _fa3_kv_cache(fa3: Any, call: AttentionCall) -> Any:
+    common = dict(softmax_scale=call.scale, causal=call.causal, window_size=kernel_window(call), softcap=call.softcap)
+    if call.varlen and not call.paged:
+        res = fa3.flash_attn_varlen_func(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k,
+                                         call.max_seqlen_q, call.max_seqlen_k, seqused_k=call.seqused_k,
+                                         return_attn_probs=call.return_lse, **common)
+        return (res[0], kv_lse_fix(res[1], call)) if call.return_lse else res
+    cache = (call.k, call.v) if call.paged else (call.bshd(call.k), call.bshd(call.v))
+    q = call.q if call.varlen else call.bshd(call.q)
+    packed = dict(cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q) if call.varlen else {}
+    res = fa3.flash_attn_with_kvcache(q, *cache, cache_seqlens=call.seqused_k, page_table=call.block_table,
+                                      return_softmax_lse=call.return_lse, **packed, **common)
+    if not call.return_lse:
+        return res if call.varlen else call.from_bshd(res)
+    out = res[0] if call.varlen else call.from_bshd(res[0])
+    return out, kv_lse_fix(res[1], call)

@@ -67,7 +67,7 @@ class ReferenceAttention(AttentionImpl):
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, softcap=True,
         alibi=True, dropout=True, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, backward=True,
         deterministic_backward=True, strided_inputs=True,
-        causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True,
+        causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, kv_cache_alibi=True,
     )
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -25,8 +25,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import (alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window, pack_dense,
-                                        unpack_lse, unpack_out)
+from opdispatch.plugins.toolkit import (alibi_alignment_reason, empty_rows_to_neg_inf, flash_attn_kv_cache,
+                                        kernel_window, kv_cache_reasons, pack_dense, unpack_lse, unpack_out)
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
@@ -72,12 +72,14 @@ class RocmFlashAttnCK(AttentionImpl):
                       "GPU_ARCHS=gfx942 python setup.py install (MI200/MI300, ROCm >= 6.0)")),)
     # The Python wrapper pads head dims to a multiple of 8 before the CK check (<= 256, % 8), so any head dim up
     # to 256 is accepted; v shares q's head dim (one head_size in mha_fwd.cpp). CK accepts a softcap argument
-    # and ignores it, so softcap is not claimed.
+    # and ignores it, so softcap is not claimed. A dense KV cache goes through flash_attn_with_kvcache
+    # (csrc/flash_attn_ck/flash_api.cpp mha_fwd_kvcache); paged caches are not claimed: the CK kernel's page-size
+    # rule is not documented and no AMD machine was at hand to measure it.
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=_HALF, head_dim_max=256, layouts=_ALL_LAYOUTS, causal_alignments=frozenset({"bottom_right"}),
         gqa=True, window=True, softcap=False, alibi=True, dropout=True, lse=True, backward=True,
         deterministic_backward=True,
-        causal=True, deterministic_forward=True,
+        causal=True, deterministic_forward=True, kv_cache=True, kv_cache_alibi=True,
     )
     options_model: ClassVar[type[BaseModel]] = CkOptions
 
@@ -85,7 +87,11 @@ class RocmFlashAttnCK(AttentionImpl):
         return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        return [r for r in (alibi_alignment_reason(call),) if r]
+        reasons = [r for r in (alibi_alignment_reason(call),) if r] + kv_cache_reasons(call, "ROCm flash-attention")
+        if call.kv_cache and call.varlen:
+            reasons.append("packed queries over a KV cache (thd with seqused_k) are not supported: "
+                           "flash_attn_with_kvcache takes dense queries")
+        return reasons
 
     def extra_availability(self, device: DeviceInfo) -> str | None:
         # flash_attn_interface.py picks its backend at import time from this variable, exactly "TRUE".
@@ -103,6 +109,8 @@ class RocmFlashAttnCK(AttentionImpl):
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         import flash_attn
 
+        if call.kv_cache:
+            return flash_attn_kv_cache(flash_attn, call)  # type: ignore[no-any-return]
         deterministic = self.options.deterministic_backward
         if deterministic is None:
             deterministic = call.deterministic

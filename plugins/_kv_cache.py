@@ -1,0 +1,138 @@
+"""KV-cache calls (``seqused_k``, ``block_table``) in the forms FlashAttention-lineage kernels take them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from ._fa2_conventions import _sees_nothing
+from ._packing import uniform_cu_seqlens
+
+
+class KvQueries(NamedTuple):
+    """A KV-cache call's queries packed as (total_q, heads, dim) with int32 offsets (a view when q is
+    bshd-contiguous or already packed)."""
+
+    q: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_seqlen_q: int
+
+
+def packed_queries(call: Any) -> KvQueries:
+    """The call's q as packed sequences: its own for ``thd``, else (batch * seqlen_q) rows with uniform offsets."""
+    if call.varlen:
+        return KvQueries(call.q, call.cu_seqlens_q, call.max_seqlen_q)
+    q = call.bshd(call.q)
+    return KvQueries(q.reshape(call.batch * call.seqlen_q, q.shape[2], q.shape[3]),
+                     uniform_cu_seqlens(call.batch, call.seqlen_q, q.device), call.seqlen_q)
+
+
+def unpack_kv_out(call: Any, out: torch.Tensor) -> torch.Tensor:
+    """A packed output of `packed_queries` back in the call's layout (unchanged for ``thd``)."""
+    if call.varlen:
+        return out
+    dense: torch.Tensor = call.from_bshd(out.reshape(call.batch, call.seqlen_q, out.shape[1], out.shape[2]))
+    return dense
+
+
+def cache_as_pages(call: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k pool, v pool, block table): a paged call's own, or a dense cache (batch, capacity, heads, dim) read as
+    `batch` pages of `capacity` keys — page b is sequence b's row, so the block table is [[0], [1], …]. Pages
+    are views of the cache (no copy)."""
+    if call.block_table is not None:
+        return call.k, call.v, call.block_table
+    k, v = call.bshd(call.k), call.bshd(call.v)
+    table = torch.arange(call.batch, dtype=torch.int32, device=k.device).unsqueeze(1)
+    return k, v, table
+
+
+def cumulative_lengths(seqused_k: torch.Tensor) -> torch.Tensor:
+    """int32 (batch + 1,) offsets [0, n_0, n_0 + n_1, …] of per-sequence key counts, on their device (no sync)."""
+    return torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def kv_lse_fix(lse: torch.Tensor, call: Any) -> torch.Tensor:
+    """A bottom-right-aligned FlashAttention-lineage LSE of a KV-cache call in opdispatch's convention: -inf for
+    every query that sees no key (an empty cache, or causal/window leaving none of its sequence's
+    ``seqused_k`` keys), whatever the kernel wrote there. Dense LSEs are (batch, heads, seqlen_q), packed ones
+    (heads, total_q); computed on the device (no host sync)."""
+    used = call.seqused_k.to(torch.int64)
+    if call.varlen:
+        cu_q = call.cu_seqlens_q
+        tokens = torch.arange(lse.shape[1], device=lse.device, dtype=cu_q.dtype)
+        seq = torch.searchsorted(cu_q[1:].contiguous(), tokens, right=True)
+        length_q = (cu_q[1:] - cu_q[:-1])[seq].to(torch.int64)
+        position = (tokens - cu_q[seq]).to(torch.int64) + used[seq] - length_q
+        blind = _sees_nothing(position, used[seq] - 1, call.causal, call.window)
+        lse = lse.masked_fill(blind.unsqueeze(0), -math.inf)
+    else:
+        position = torch.arange(call.seqlen_q, device=lse.device).unsqueeze(0) + (used - call.seqlen_q).unsqueeze(1)
+        blind = _sees_nothing(position, (used - 1).unsqueeze(1).expand_as(position), call.causal, call.window)
+        lse = lse.masked_fill(blind.unsqueeze(1), -math.inf)
+    return lse.masked_fill(lse == math.inf, -math.inf)
+
+
+def kv_cache_reasons(call: Any, kernel: str) -> list[str]:
+    """What FlashAttention-lineage KV-cache entries share: forward only, bottom-right alignment, no dropout."""
+    if call.seqused_k is None:
+        return []
+    reasons = []
+    if call.requires_grad:
+        reasons.append(f"KV-cache calls have no backward in {kernel} (inference only)")
+    if call.dropout_p > 0:
+        reasons.append(f"dropout with a KV cache is not supported by {kernel}")
+    if call.alignment_matters and call.causal_alignment == "top_left":
+        reasons.append(f"causal/window with causal_alignment='top_left' over a KV cache: {kernel} aligns to the "
+                       "end of each sequence's keys (bottom_right)")
+    return reasons
+
+
+def kv_cache_as_mask(call: Any) -> Any:
+    """A dense KV-cache call as the same computation over the whole cache with a boolean mask: query i of
+    sequence b sees key j when j < seqused_k[b] and the causal/window pattern, aligned at that sequence's fill,
+    allows it. For kernels that take masks but no per-sequence lengths (the mask is (batch, 1, seqlen_q,
+    capacity), built on the device: no host sync). ALiBi is not folded (its distance needs the same offsets)."""
+    used = call.seqused_k.long()
+    device = call.q.device
+    keys = torch.arange(call.seqlen_k, device=device).view(1, 1, -1)
+    queries = torch.arange(call.seqlen_q, device=device).view(1, -1, 1)
+    allowed = keys < used.view(-1, 1, 1)
+    if call.causal or call.window is not None:
+        offset = (used - call.seqlen_q).view(-1, 1, 1) if call.causal_alignment == "bottom_right" else 0
+        rel = keys - queries - offset  # j - (i + o)
+        if call.causal:
+            allowed = allowed & (rel <= 0)
+        if call.window is not None:
+            left, right = call.window
+            if left >= 0:
+                allowed = allowed & (rel >= -left)
+            if right >= 0:
+                allowed = allowed & (rel <= right)
+    masked = call.with_tensors(call.q, call.k, call.v)
+    masked.attn_mask = allowed.unsqueeze(1)
+    masked.seqused_k = None
+    masked.causal, masked.window, masked.causal_alignment = False, None, "top_left"
+    return masked
+
+
+def flash_attn_kv_cache(flash_attn: Any, call: Any) -> Any:
+    """A KV-cache call through a module with flash-attn 2's Python API (flash-attn, ROCm's flash-attention):
+    ``flash_attn_with_kvcache`` for dense queries over a dense or paged cache, ``flash_attn_varlen_func(...,
+    block_table=)`` for packed queries over pages (its cu_seqlens_k made from seqused_k)."""
+    window: tuple[int, int] = call.window if call.window is not None else (-1, -1)
+    common = dict(softmax_scale=call.scale, causal=call.causal, window_size=window, softcap=call.softcap,
+                  alibi_slopes=call.alibi_slopes)
+    if call.varlen:
+        res = flash_attn.flash_attn_varlen_func(
+            call.q, call.k, call.v, call.cu_seqlens_q, cumulative_lengths(call.seqused_k), call.max_seqlen_q,
+            call.seqlen_k, block_table=call.block_table, return_attn_probs=call.return_lse, **common)
+        return (res[0], kv_lse_fix(res[1], call)) if call.return_lse else res
+    cache = (call.k, call.v) if call.block_table is not None else (call.bshd(call.k), call.bshd(call.v))
+    res = flash_attn.flash_attn_with_kvcache(call.bshd(call.q), *cache, cache_seqlens=call.seqused_k,
+                                             block_table=call.block_table, return_softmax_lse=call.return_lse,
+                                             **common)
+    if not call.return_lse:
+        return call.from_bshd(res)
+    return call.from_bshd(res[0]), kv_lse_fix(res[1], call)

@@ -1,0 +1,213 @@
+"""KV-cache calls through the vendor adapters (CPU, fakes mirroring the real signatures and their asserts) and
+their selection on simulated devices.
+
+The fakes compute in float64 with `tests/fakes/_fa_math` and gather pages themselves; they are compared with
+`reference.math`, which shares neither.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+import opdispatch
+from opdispatch import validate_attention
+from opdispatch.vendors.flagos import FlagGemsAttention
+from opdispatch.vendors.nvidia import FlashAttn2, FlashAttn3
+from opdispatch.vendors.rocm import RocmFlashAttnCK
+from tests.conftest import device_descriptor
+from tests.fakes import flag_gems as fake_flag_gems
+from tests.fakes import flash_attn as fake_fa2
+from tests.fakes import flash_attn_interface as fake_fa3
+from tests.fakes import flash_attn_rocm as fake_rocm
+
+
+H100 = opdispatch.DeviceInfo(vendor="nvidia", type="cuda", arch="sm90", name="H100", index=0, capability=(9, 0))
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_fa2)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3)
+    fake_flag_gems.install(monkeypatch)
+
+
+def _pages(used, page_size, heads, dim, dtype, gen):
+    """Pools holding each sequence's keys on shuffled pages, plus noise pages; (k, v, block_table)."""
+    need = [-(-n // page_size) for n in used]
+    total = sum(need) + 2
+    order = torch.randperm(total, generator=gen)
+    table = torch.zeros(len(used), max(need) + 1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[start:start + n].to(torch.int32)
+        start += n
+    k = torch.randn(total, page_size, heads, dim, generator=gen).to(dtype)
+    v = torch.randn(total, page_size, heads, dim, generator=gen).to(dtype)
+    return k, v, table
+
+
+def _case(kind, *, page_size, dtype, gen, causal=True, window=None, alibi=False):
+    """A validated KV-cache call of `kind`: dense (dense q, dense cache), paged (dense q), thd-paged, thd."""
+    h, hk, d = 4, 2, 32
+    used = [5, 0, 1, 3 * page_size - 1] if page_size > 1 else [5, 0, 1, 9]
+    seqused = torch.tensor(used, dtype=torch.int32)
+    lens_q = [2, 1, 1, 3]
+    kw = dict(causal=causal, window=window, causal_alignment="bottom_right", return_lse=True, seqused_k=seqused)
+    if alibi:
+        kw["alibi_slopes"] = torch.rand(h, generator=gen) + 0.1
+    if kind in ("dense", "paged"):
+        q = torch.randn(len(used), 2, h, d, generator=gen).to(dtype)
+    else:
+        q = torch.randn(sum(lens_q), h, d, generator=gen).to(dtype)
+        kw.update(layout="thd", cu_seqlens_q=torch.tensor([0, 2, 3, 4, 7], dtype=torch.int32))
+    if kind == "dense":
+        cap = max(used) + 2
+        k, v = (torch.randn(len(used), cap, hk, d, generator=gen).to(dtype) for _ in range(2))
+    elif kind == "thd":
+        spans = [n + 2 for n in used]
+        k, v = (torch.randn(sum(spans), hk, d, generator=gen).to(dtype) for _ in range(2))
+        kw["cu_seqlens_k"] = torch.tensor([0] + torch.tensor(spans).cumsum(0).tolist(), dtype=torch.int32)
+    else:
+        k, v, kw["block_table"] = _pages(used, page_size, hk, d, dtype, gen)
+    return validate_attention(q, k, v, **kw)
+
+
+def _assert_matches_reference(manager, call, result, tol):
+    manager.ensure_initialized()
+    ref_out, ref_lse = manager.registry.get("attention", "reference.math").impl.run(call)
+    out, lse = result
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    torch.testing.assert_close(out.double(), ref_out.double(), atol=tol, rtol=tol)
+    finite = torch.isfinite(ref_lse)
+    assert not finite.all(), "each case has queries that see no key"
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-4)
+    assert (lse[~finite] == -math.inf).all()
+
+
+ADAPTERS = {
+    # impl, the kinds its vendor entry takes, page size, dtype, tolerance
+    "flash_attn": (FlashAttn2, ("dense", "paged", "thd-paged"), 256, torch.float16, 2e-3),
+    "flash_attn3": (FlashAttn3, ("dense", "paged", "thd-paged", "thd"), 3, torch.bfloat16, 1e-2),
+    "flag_gems": (FlagGemsAttention, ("dense", "paged", "thd-paged"), 3, torch.float16, 2e-3),
+}
+
+
+@pytest.mark.parametrize("name, kind", [(n, k) for n, (_, kinds, *_r) in ADAPTERS.items() for k in kinds])
+@pytest.mark.parametrize("window", [None, (2, 0)])
+def test_adapters_compute_kv_cache_calls(name, kind, window, fakes, manager):
+    impl_type, _kinds, page_size, dtype, tol = ADAPTERS[name]
+    gen = torch.Generator().manual_seed(len(name) * 7 + len(kind))
+    call = _case(kind, page_size=page_size, dtype=dtype, gen=gen, window=window)
+    impl = impl_type()
+    assert impl.not_supported_reasons(call, H100) == []
+    _assert_matches_reference(manager, call, impl.run(impl.conform(call)), tol)
+
+
+@pytest.mark.parametrize("name, kind", [(n, k) for n, (impl, kinds, *_r) in ADAPTERS.items() for k in kinds
+                                        if impl.caps.kv_cache_alibi])
+def test_adapters_fold_alibi_at_each_sequences_fill(name, kind, fakes, manager):
+    impl_type, _kinds, page_size, dtype, tol = ADAPTERS[name]
+    gen = torch.Generator().manual_seed(len(name) * 5 + len(kind))
+    # Not causal: with causal ALiBi these kernels' LSE carries a row-dependent offset (declared elsewhere).
+    call = _case(kind, page_size=page_size, dtype=dtype, gen=gen, alibi=True, causal=False)
+    impl = impl_type()
+    assert impl.not_supported_reasons(call, H100) == []
+    _assert_matches_reference(manager, call, impl.run(impl.conform(call)), tol)
+
+
+def test_alibi_over_a_kv_cache_is_declared(manager):
+    gen = torch.Generator().manual_seed(4)
+    call = _case("paged", page_size=3, dtype=torch.bfloat16, gen=gen, alibi=True)
+    assert "ALiBi over a KV cache not supported (its distances follow each sequence's fill)" in \
+        FlashAttn3().not_supported_reasons(call, H100)
+    assert not any("ALiBi over a KV cache" in r for r in FlagGemsAttention().not_supported_reasons(call, H100))
+
+
+def test_flash_attn_2_entries_and_limits(fakes, manager):
+    gen = torch.Generator().manual_seed(1)
+    impl = FlashAttn2()
+    call = _case("paged", page_size=256, dtype=torch.float16, gen=gen)
+    impl.run(call)
+    assert fake_fa2.calls[-1] == ("flash_attn_with_kvcache", {"paged": True, "causal": True})
+    small = _case("paged", page_size=16, dtype=torch.float16, gen=gen)
+    assert "page size 16 is not a multiple of 256" in impl.not_supported_reasons(small, H100)
+    unpaged = _case("thd", page_size=1, dtype=torch.float16, gen=gen)
+    assert any("takes no seqused_k" in r for r in impl.extra_reasons(unpaged, H100))
+    top_left = validate_attention(call.q, call.k, call.v, seqused_k=call.seqused_k, block_table=call.block_table,
+                                  causal=True)
+    assert any("aligns to the end" in r for r in impl.extra_reasons(top_left, H100))
+    q = call.q.clone().requires_grad_()
+    training = validate_attention(q, call.k, call.v, seqused_k=call.seqused_k, block_table=call.block_table,
+                                  causal=True, causal_alignment="bottom_right")
+    assert any("no backward" in r for r in impl.extra_reasons(training, H100))
+
+
+def test_flag_gems_reads_a_dense_cache_as_pages_only_in_bshd(fakes, manager):
+    gen = torch.Generator().manual_seed(2)
+    call = _case("dense", page_size=1, dtype=torch.float16, gen=gen)
+    bhsd = validate_attention(call.q.transpose(1, 2), call.k.transpose(1, 2), call.v.transpose(1, 2), layout="bhsd",
+                              seqused_k=call.seqused_k, causal=True, causal_alignment="bottom_right")
+    reasons = FlagGemsAttention().extra_reasons(bhsd, H100)
+    assert any("needs layout 'bshd'" in r for r in reasons)
+
+
+# -- selection on simulated devices ---------------------------------------------------------------------------
+
+META = dict(device="meta", dtype=torch.bfloat16)
+
+
+def _decode(page_size=None, batch=8, cap=4096):
+    q = torch.empty(batch, 1, 32, 128, **META)
+    used = torch.empty(batch, device="meta", dtype=torch.int32)
+    if page_size is None:
+        k = torch.empty(batch, cap, 8, 128, **META)
+        return (q, k, k.clone()), dict(seqused_k=used)
+    pages = batch * cap // page_size
+    k = torch.empty(pages, page_size, 8, 128, **META)
+    table = torch.empty(batch, cap // page_size, device="meta", dtype=torch.int32)
+    return (q, k, k.clone()), dict(seqused_k=used, block_table=table)
+
+
+# What the default policy picks for a decode step over a KV cache (bf16, 32/8 heads, d128): every fused kernel
+# that can take it comes before the reference; where none can, the reference takes it and each kernel says why.
+EXPECTED = {
+    ("h100", None): "nvidia.flash", ("h100", 16): "flagos.triton", ("h100", 256): "nvidia.flash",
+    ("h200", None): "nvidia.flash", ("h200", 16): "flagos.triton", ("h200", 256): "nvidia.flash",
+    ("a100", None): "nvidia.flash", ("a100", 256): "nvidia.flash",
+    ("a100", 16): "reference.math",  # no flag_gems declared there, and FA2 pages must hold 256 keys
+    ("mi300x", None): "rocm.ck", ("mi300x", 16): "reference.math", ("mi300x", 256): "reference.math",
+}
+
+
+@pytest.mark.parametrize("device, page_size", list(EXPECTED))
+def test_decode_over_a_kv_cache_on_simulated_devices(device, page_size, manager, monkeypatch):
+    if device == "mi300x":
+        monkeypatch.setitem(sys.modules, "flash_attn", fake_rocm.make([]))
+    args, kw = _decode(page_size)
+    decision = opdispatch.explain(*args, causal=True, causal_alignment="bottom_right",
+                                  device=str(device_descriptor(device)), **kw)
+    assert decision.chosen_id == EXPECTED[device, page_size], str(decision)
+    for candidate in decision.candidates:
+        if candidate.status == "rejected":
+            assert any("KV cache" in r or "page size" in r or "block_table" in r for r in candidate.reasons), \
+                (candidate.impl_id, candidate.reasons)
+    if page_size == 16:
+        flash = next(c for c in decision.candidates if c.impl_id == "nvidia.flash")
+        assert "page size 16 is not a multiple of 256" in flash.reasons or flash.status == "unavailable"
+
+
+def test_rocm_ck_takes_a_dense_cache(manager, monkeypatch):
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_rocm.make(calls))
+    gen = torch.Generator().manual_seed(3)
+    call = _case("dense", page_size=1, dtype=torch.float16, gen=gen)
+    impl = RocmFlashAttnCK()
+    assert impl.extra_reasons(call, H100) == []
+    _assert_matches_reference(manager, call, impl.run(impl.conform(call)), 2e-3)
+    assert calls[-1][0] == "flash_attn_with_kvcache"
+    paged = _case("paged", page_size=4, dtype=torch.float16, gen=gen)
+    assert "paged KV cache (block_table) not supported" in impl.not_supported_reasons(paged, H100)
