@@ -12,9 +12,10 @@ probability matrix (flash-attn returns it only as a debugging aid with dropout).
 ``flash_attn_with_kvcache`` appends ``k``/``v`` to the caches in place at ``cache_seqlens`` (per sequence; the
 caches may be addressed through ``cache_batch_idx``, or paged through ``block_table``), applies rotary
 embeddings (``rotary_cos``/``rotary_sin``, ``rotary_interleaved``) to the new keys at their positions and to q —
-at its positions when causal or windowed, else at ``cache_seqlens`` — and attends over each sequence's keys.
-It reads the cache lengths back to the host once per call (to gather the keys of each sequence); ``num_splits``
-is a flash-attn scheduling knob and is ignored; ``cache_leftpad`` is refused (not supported yet).
+at its positions when causal or windowed, else at ``cache_seqlens`` — and attends over each sequence's keys
+through the op's own KV cache (``seqused_k``, ``block_table``; a ``cache_batch_idx`` reads the cache as one page
+per row), so the cache is neither copied nor read back to the host. ``num_splits`` is a flash-attn scheduling knob
+and is ignored; ``cache_leftpad`` is refused (not supported yet).
 """
 
 from __future__ import annotations
@@ -108,8 +109,10 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     (batch, max_blocks) int32, k/v are paged caches (num_blocks, block_size, heads_k, dim) and sequence i's keys
     are its `cu_seqlens_k` length read through its row of pages."""
     if block_table is not None:
-        lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-        k, v = _gather_pages(k, block_table, lengths), _gather_pages(v, block_table, lengths)
+        return _result(_run(q, k, v, "thd", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                            deterministic, return_attn_probs, cu_seqlens_q=cu_seqlens_q,
+                            seqused_k=cu_seqlens_k[1:] - cu_seqlens_k[:-1], block_table=block_table,
+                            max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k)), return_attn_probs)
     return _result(_run(q, k, v, "thd", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                         deterministic, return_attn_probs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k)), return_attn_probs)
@@ -136,16 +139,6 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs)
-
-
-def _gather_pages(cache: Tensor, block_table: Tensor, lengths: list[int]) -> Tensor:
-    """Sequence i's first lengths[i] positions of a paged cache (num_blocks, block_size, heads, dim), packed."""
-    block = cache.shape[1]
-    parts = []
-    for i, n in enumerate(lengths):
-        pages = block_table[i, : (n + block - 1) // block].long()
-        parts.append(cache[pages].flatten(0, 1)[:n])
-    return torch.cat(parts) if parts else cache.new_empty(0, *cache.shape[2:])
 
 
 def _check_kvcache(q: Tensor, k_cache: Tensor, block_table: Tensor | None, cache_batch_idx: Tensor | None,
@@ -176,41 +169,25 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
     paged (num_blocks, block_size, heads_k, dim); k/v (batch, seqlen_new, heads_k, dim) appended in place."""
     del num_splits  # flash-attn's split-KV scheduling: the chosen kernel schedules itself
     _check_kvcache(q, k_cache, block_table, cache_batch_idx, cache_leftpad)
-    batch, seqlen_q = q.shape[0], q.shape[1]
-    device = q.device
+    batch, device = q.shape[0], q.device
     if cache_seqlens is None:
         capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
         cache_seqlens = 0 if k is not None else capacity
     lens = (torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
             if not isinstance(cache_seqlens, Tensor) else cache_seqlens.to(torch.int32))
-    rows = (cache_batch_idx.long() if cache_batch_idx is not None
-            else torch.arange(batch, device=device))
-    new = 0 if k is None else k.shape[1]
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache: pass k and v together (or neither)")
     if rotary_cos is not None and rotary_sin is not None:
         q, k = _rotate(q, k, rotary_cos, rotary_sin, lens, rotary_interleaved, causal or _window(
             window_size, causal) is not None)
-    starts = lens.tolist()
+    if cache_batch_idx is not None:  # rows of the cache, in any order: one page per row (no copy)
+        block_table = cache_batch_idx.to(torch.int32).unsqueeze(1)
     if k is not None and v is not None:
-        _append(k_cache, v_cache, k, v, starts, rows, block_table)
-    lengths = [n + new for n in starts]
-    if block_table is not None:
-        keys = _gather_pages(k_cache, block_table, lengths)
-        values = _gather_pages(v_cache, block_table, lengths)
-    else:
-        keys = torch.cat([k_cache[int(r), :n] for r, n in zip(rows.tolist(), lengths)])
-        values = torch.cat([v_cache[int(r), :n] for r, n in zip(rows.tolist(), lengths)])
-    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    result = _run(q.flatten(0, 1), keys, values, "thd", 0.0, softmax_scale, causal, window_size, softcap,
-                  alibi_slopes, False, return_softmax_lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                  max_seqlen_q=seqlen_q, max_seqlen_k=max(lengths))
-    out = (result[0] if return_softmax_lse else result).unflatten(0, (batch, seqlen_q))
-    if not return_softmax_lse:
-        return out
-    lse = result[1].unflatten(1, (batch, seqlen_q)).permute(1, 0, 2)  # (heads, total) -> (batch, heads, seqlen_q)
-    return out, lse
+        _append(k_cache, v_cache, k, v, lens, block_table)
+        lens = lens + k.shape[1]
+    result = _run(q, k_cache, v_cache, "bshd", 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  False, return_softmax_lse, seqused_k=lens, block_table=block_table)
+    return result
 
 
 def _rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, lens: Tensor, interleaved: bool,
@@ -230,21 +207,24 @@ def _rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, lens: Tensor,
     return q, k
 
 
-def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, starts: list[int], rows: Tensor,
+def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, lens: Tensor,
             block_table: Tensor | None) -> None:
-    """Write the new keys/values into the caches in place, sequence i from position starts[i]."""
+    """Write the new keys/values into the caches in place, sequence i from position lens[i] (indexed on the
+    device: no host read, except the bounds check on CPU — on an accelerator it would be a sync per call)."""
     new = k.shape[1]
-    for i, start in enumerate(starts):
-        if block_table is None:
-            r = int(rows[i])
-            if start + new > k_cache.shape[1]:
-                raise ValueError(f"flash_attn_with_kvcache: sequence {i} would hold {start + new} keys but the "
-                                 f"cache holds {k_cache.shape[1]}")
-            k_cache[r, start:start + new] = k[i]
-            v_cache[r, start:start + new] = v[i]
-            continue
-        block = k_cache.shape[1]
-        positions = torch.arange(start, start + new, device=k_cache.device)
-        pages = block_table[i, positions // block].long()
-        k_cache[pages, positions % block] = k[i]
-        v_cache[pages, positions % block] = v[i]
+    positions = lens.long().unsqueeze(1) + torch.arange(new, device=k.device)  # (batch, new)
+    if block_table is None:
+        if k.device.type == "cpu" and new and int(positions.max()) >= k_cache.shape[1]:
+            raise ValueError(f"flash_attn_with_kvcache: appending {new} keys at cache_seqlens={lens.tolist()} "
+                             f"overflows the cache of {k_cache.shape[1]} positions")
+        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
+        k_cache[rows, positions] = k
+        v_cache[rows, positions] = v
+        return
+    block = k_cache.shape[1]
+    if k.device.type == "cpu" and new and int(positions.max()) >= block * block_table.shape[1]:
+        raise ValueError(f"flash_attn_with_kvcache: appending {new} keys at cache_seqlens={lens.tolist()} "
+                         f"overflows the {block_table.shape[1]} pages of {block} positions in block_table")
+    pages = block_table.long().gather(1, positions // block)
+    k_cache[pages, positions % block] = k
+    v_cache[pages, positions % block] = v
