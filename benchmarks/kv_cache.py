@@ -1,0 +1,171 @@
+"""KV-cache attention on a GPU: what each kernel takes, whether it computes the right thing, and a decode step's cost.
+
+Run on the GPU machine (see benchmarks/gpu_tests.sh for the setup): ``python3 benchmarks/kv_cache.py``.
+
+1. Probes: torch's ``_flash_attention_forward`` with ``seqused_k`` and with ``block_table`` at several page sizes
+   (the page-size rule of torch's vendored FlashAttention-2 is not documented), each checked against a float64
+   per-sequence oracle.
+2. Through ``opdispatch.attention``: the implementation chosen for a decode step over a dense cache and over paged
+   caches (16 and 256 keys per page), and each KV-capable implementation pinned, checked against the oracle.
+3. A decode step's time (median of CUDA-event timings): each path, and as a baseline torch SDPA over keys gathered
+   into a dense tensor (what a caller without a KV-cache kernel does).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import subprocess
+import sys
+
+import torch
+
+import opdispatch
+
+DEV = "cuda"
+DT = torch.bfloat16
+B, HQ, HK, D, CAP = 8, 32, 8, 128, 4096
+
+
+def oracle(q, k_seqs, v_seqs):
+    """q (b, 1, hq, d); per-sequence keys (n, hk, d) → (b, 1, hq, d) float64, bottom-right causal (decode)."""
+    outs = []
+    for i in range(q.shape[0]):
+        qi = q[i].double().transpose(0, 1)  # (hq, 1, d)
+        ki = k_seqs[i].double().transpose(0, 1).repeat_interleave(HQ // HK, 0)
+        vi = v_seqs[i].double().transpose(0, 1).repeat_interleave(HQ // HK, 0)
+        if ki.shape[1] == 0:
+            outs.append(torch.zeros(1, HQ, D, dtype=torch.float64, device=q.device))
+            continue
+        p = torch.softmax(qi @ ki.transpose(-1, -2) / math.sqrt(D), -1)
+        outs.append((p @ vi).transpose(0, 1))
+    return torch.stack(outs)
+
+
+def make_cache(gen, page_size=None):
+    used = torch.randint(CAP // 2, CAP, (B,), generator=gen, device="cpu").to(torch.int32)
+    used[0] = 1  # one sequence just started
+    k_seqs = [torch.randn(int(n), HK, D, device=DEV, dtype=DT) for n in used]
+    v_seqs = [torch.randn(int(n), HK, D, device=DEV, dtype=DT) for n in used]
+    q = torch.randn(B, 1, HQ, D, device=DEV, dtype=DT)
+    if page_size is None:
+        k = torch.randn(B, CAP, HK, D, device=DEV, dtype=DT)
+        v = torch.randn(B, CAP, HK, D, device=DEV, dtype=DT)
+        for i, n in enumerate(used.tolist()):
+            k[i, :n], v[i, :n] = k_seqs[i], v_seqs[i]
+        return q, k, v, dict(seqused_k=used.to(DEV)), k_seqs, v_seqs
+    per_seq = CAP // page_size
+    pages = B * per_seq + 4
+    order = torch.randperm(pages, generator=gen)[: B * per_seq].view(B, per_seq).to(torch.int32)
+    k = torch.randn(pages, page_size, HK, D, device=DEV, dtype=DT)
+    v = torch.randn(pages, page_size, HK, D, device=DEV, dtype=DT)
+    for i, n in enumerate(used.tolist()):
+        for p in range(-(-n // page_size)):
+            rows = slice(p * page_size, min((p + 1) * page_size, n))
+            k[order[i, p], : rows.stop - rows.start] = k_seqs[i][rows]
+            v[order[i, p], : rows.stop - rows.start] = v_seqs[i][rows]
+    return q, k, v, dict(seqused_k=used.to(DEV), block_table=order.to(DEV)), k_seqs, v_seqs
+
+
+def err(out, want):
+    return (out.double() - want).abs().max().item()
+
+
+def probe_torch_flash(gen):
+    print("## torch _flash_attention_forward with seqused_k / block_table")
+    fwd = torch.ops.aten._flash_attention_forward.default
+    names = [a.name for a in fwd._schema.arguments]
+    print(f"schema has seqused_k: {'seqused_k' in names}, block_table: {'block_table' in names}")
+    for page_size in (None, 16, 64, 128, 256):
+        q, k, v, kw, ks, vs = make_cache(gen, page_size)
+        used = kw["seqused_k"]
+        cu_q = torch.arange(B + 1, device=DEV, dtype=torch.int32)
+        extra = {}
+        if page_size is None:
+            kk, vv = k.reshape(-1, HK, D), v.reshape(-1, HK, D)
+            cu_k = torch.arange(B + 1, device=DEV, dtype=torch.int32) * CAP
+        else:
+            kk, vv = k, v
+            cu_k = torch.nn.functional.pad(used.cumsum(0, dtype=torch.int32), (1, 0))
+            extra["block_table"] = kw["block_table"]
+        try:
+            res = fwd(q.reshape(B, HQ, D), kk, vv, cu_q, cu_k, 1, CAP, 0.0, True, False, scale=D ** -0.5,
+                      seqused_k=used, **extra)
+            torch.cuda.synchronize()
+            print(f"page_size={page_size}: max error {err(res[0].view(B, 1, HQ, D), oracle(q, ks, vs)):.2e}")
+        except Exception as exc:  # noqa: BLE001 - a probe reports what the kernel says
+            print(f"page_size={page_size}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+
+
+def through_opdispatch(gen):
+    print("\n## opdispatch.attention over a KV cache (decode: one query, bottom-right causal)")
+    print(f"batch {B}, heads {HQ}/{HK}, head_dim {D}, capacity {CAP}, fills {CAP // 2}..{CAP}, bf16")
+    rows = []
+    for page_size in (None, 16, 256):
+        q, k, v, kw, ks, vs = make_cache(gen, page_size)
+        want = oracle(q, ks, vs)
+        label = "dense cache" if page_size is None else f"paged, {page_size} keys/page"
+        args = dict(causal=True, causal_alignment="bottom_right", **kw)
+        decision = opdispatch.explain(q, k, v, **args)
+        print(f"{label}: chosen {decision.chosen_id}")
+        for c in decision.candidates:
+            if c.status != "unavailable":
+                print(f"    {c.impl_id:22s} {c.status:10s} {'; '.join(c.reasons)[:150]}")
+        for impl in [None] + [c.impl_id for c in decision.candidates if c.status in ("chosen", "eligible",
+                                                                                      "candidate")]:
+            try:
+                fn = (lambda: opdispatch.attention(q, k, v, **args)) if impl is None else (
+                    lambda impl=impl: opdispatch.attention(q, k, v, impl=impl, **args))
+                e = err(fn(), want)
+                rows.append((label, impl or f"auto ({decision.chosen_id})", e, time_ms(fn)))
+            except Exception as exc:  # noqa: BLE001
+                rows.append((label, impl, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", None))
+        dense_k = [torch.nn.functional.pad(s, (0, 0, 0, 0, 0, CAP - s.shape[0])) for s in ks]
+        dense_v = [torch.nn.functional.pad(s, (0, 0, 0, 0, 0, CAP - s.shape[0])) for s in vs]
+        kd, vd = torch.stack(dense_k).transpose(1, 2), torch.stack(dense_v).transpose(1, 2)
+        mask = torch.arange(CAP, device=DEV)[None, :] < kw["seqused_k"][:, None].long()
+        mask = mask[:, None, None, :]
+
+        def sdpa():
+            return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kd, vd, attn_mask=mask,
+                                                                    enable_gqa=True).transpose(1, 2)
+
+        rows.append((label, "torch SDPA, keys gathered dense + mask", err(sdpa(), want), time_ms(sdpa)))
+    print("\n| cache | path | max error vs float64 | decode step (ms, median) |\n|---|---|---|---|")
+    for label, path, e, t in rows:
+        print(f"| {label} | {path} | {e if isinstance(e, str) else f'{e:.2e}'} | "
+              f"{'-' if t is None else f'{t:.3f}'} |")
+
+
+def time_ms(fn, reps=50):
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main():
+    print("device:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| cuDNN",
+          torch.backends.cudnn.version())
+    try:
+        import flag_gems
+        print("flag_gems", flag_gems.__version__)
+    except Exception as exc:  # noqa: BLE001
+        print("flag_gems not importable:", exc)
+    gen = torch.Generator().manual_seed(0)
+    probe_torch_flash(gen)
+    through_opdispatch(gen)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        main()
+    else:  # a kernel that kills the CUDA context must not take the report with it
+        sys.exit(subprocess.call([sys.executable, __file__, "--child"]))
