@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
                     "._errors"),
     **dict.fromkeys(("Impl", "Requirement"), "._impl"),
     "OpManager": "._manager",
+    **dict.fromkeys(("PACKED_LAYOUTS", "attention_packed", "packed_views"), "._packed"),
     **dict.fromkeys(("Origin", "Registry"), "._registry"),
     **dict.fromkeys(("policy_override", "scope"), ".policies._overrides"),
 }
@@ -60,19 +61,19 @@ if TYPE_CHECKING:
                           PluginLoadError, PolicyError, RegistrationError)
     from ._impl import Impl, Requirement
     from ._manager import OpManager
+    from ._packed import PACKED_LAYOUTS, attention_packed, packed_views
     from ._registry import Origin, Registry
     from .policies._overrides import policy_override, scope
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Attention", "AttentionCall", "AttentionCaps", "AttentionImpl", "Candidate", "Decision",
-    "DeviceDescriptorError", "DeviceInfo", "Impl", "NoImplementationError", "OpDispatchError", "OpManager",
-    "OpSpec", "Origin", "PinnedImplementationError", "PluginLoadError", "PolicyError", "Registry",
-    "RegistrationError", "Requirement", "Provenance", "RmsNormCall", "RmsNormCaps", "RmsNormImpl", "RotaryCall",
-    "RotaryCaps", "RotaryImpl", "__version__", "attention", "define_explain", "define_front_door", "explain",
-    "explain_rms_norm", "explain_rotary_embedding", "get_manager", "hookimpl", "known_ops",
-    "load_device_descriptor", "op_spec", "plan", "plan_op", "policy_override", "register_op", "rms_norm",
-    "rotary_embedding", "scope", "set_manager", "validate_attention", "validate_rms_norm",
-    "validate_rotary_embedding",
+    "Attention", "AttentionCall", "AttentionCaps", "AttentionImpl", "Candidate", "Decision", "DeviceDescriptorError",
+    "DeviceInfo", "Impl", "NoImplementationError", "OpDispatchError", "OpManager", "OpSpec", "Origin", "PACKED_LAYOUTS",
+    "PinnedImplementationError", "PluginLoadError", "PolicyError", "Provenance", "RegistrationError", "Registry",
+    "Requirement", "RmsNormCall", "RmsNormCaps", "RmsNormImpl", "RotaryCall", "RotaryCaps", "RotaryImpl", "__version__",
+    "attention", "attention_packed", "define_explain", "define_front_door", "explain", "explain_rms_norm",
+    "explain_rotary_embedding", "get_manager", "hookimpl", "known_ops", "load_device_descriptor", "op_spec",
+    "packed_views", "plan", "plan_op", "policy_override", "register_op", "rms_norm", "rotary_embedding", "scope",
+    "set_manager", "validate_attention", "validate_rms_norm", "validate_rotary_embedding",
 ]
