@@ -28,7 +28,7 @@ class PackedLayout(NamedTuple):
 
     base: str
     dim: int
-    count: int  # 3: q, k, v; 2: k, v (q is a tensor of its own)
+    tensors: int  # 3: q, k, v; 2: k, v (q is a tensor of its own)
 
 
 # The packing dim right after the sequence dims, or after the heads (TransformerEngine's set).
@@ -55,7 +55,7 @@ def packed_views(layout: str, packed: torch.Tensor, kv: torch.Tensor | None = No
         raise ValueError(f"packed layout {layout!r} is not known; allowed: {', '.join(PACKED_LAYOUTS)} (plain "
                          f"layouts {', '.join(_BASES)} take q, k, v as separate tensors: call opdispatch.attention)")
     rank = len(spec.base) + 1
-    if spec.count == 3:
+    if spec.tensors == 3:
         if kv is not None:
             raise ValueError(f"packed layout {layout!r} holds q, k and v in one tensor: pass it alone (got a second "
                              f"tensor of shape {tuple(kv.shape)}; for k/v packed apart from q use "
@@ -77,15 +77,15 @@ def _unbind(layout: str, what: str, t: Any, spec: PackedLayout, rank: int) -> tu
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"packed layout {layout!r}: {what} must be a {rank}-D tensor "
                          f"({_dims(layout, spec)}), got {shape}")
-    if t.shape[spec.dim] != spec.count:
+    if t.shape[spec.dim] != spec.tensors:
         raise ValueError(f"packed layout {layout!r}: {what} has {t.shape[spec.dim]} entries in dim {spec.dim} (shape "
-                         f"{tuple(t.shape)}), where it packs {spec.count} tensors ({_dims(layout, spec)})")
+                         f"{tuple(t.shape)}), where it packs {spec.tensors} tensors ({_dims(layout, spec)})")
     return t.unbind(spec.dim)
 
 
 def _dims(layout: str, spec: PackedLayout) -> str:
     packed = layout.split("_")[-1]
-    return ", ".join(spec.base[:spec.dim]) + f", {spec.count}, " + ", ".join(packed[spec.dim + 1:])
+    return ", ".join(spec.base[:spec.dim]) + f", {spec.tensors}, " + ", ".join(packed[spec.dim + 1:])
 
 
 def attention_packed(qkv_or_q: torch.Tensor, kv: torch.Tensor | None = None, *, layout: str,

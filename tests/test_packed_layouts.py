@@ -38,7 +38,7 @@ def _oracle_bshd(q, k, v, causal):
 def _oracle(layout, packed, kv, causal):
     """The expected output in the base layout, read from the packed tensors with narrow (not unbind)."""
     spec = PACKED_LAYOUTS[layout]
-    if spec.count == 3:
+    if spec.tensors == 3:
         q, k, v = (_take(packed, spec.dim, i) for i in range(3))
     else:
         q, k, v = packed, _take(kv, spec.dim, 0), _take(kv, spec.dim, 1)
@@ -56,11 +56,11 @@ def _oracle(layout, packed, kv, causal):
 def _packed_inputs(layout, gen):
     spec = PACKED_LAYOUTS[layout]
     seq = (sum(LENGTHS),) if spec.base == "thd" else ((2, 5) if spec.base == "bshd" else (5, 2))
-    heads = HEADS_Q if spec.count == 3 else HEADS_KV
+    heads = HEADS_Q if spec.tensors == 3 else HEADS_KV
     inner = [heads, DIM]
-    inner.insert(spec.dim - len(seq), spec.count)
+    inner.insert(spec.dim - len(seq), spec.tensors)
     packed = torch.randn(*seq, *inner, generator=gen, dtype=torch.float64).float()
-    if spec.count == 3:
+    if spec.tensors == 3:
         return packed, None
     return torch.randn(*seq, HEADS_Q, DIM, generator=gen).float(), packed
 
