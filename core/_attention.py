@@ -1223,7 +1223,7 @@ def _kv_cache(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> N
             reasons.append(f"page size {call.page_size} is not a multiple of {caps.page_size_multiple}")
     elif call.seqused_k is not None and not caps.kv_cache:
         reasons.append("KV cache with per-sequence lengths (seqused_k) not supported")
-    if call.seqused_k is not None and call.alibi_slopes is not None and not caps.kv_cache_alibi:
+    if call.seqused_k is not None and call.alibi_slopes is not None and caps.alibi and not caps.kv_cache_alibi:
         reasons.append("ALiBi over a KV cache not supported (its distances follow each sequence's fill)")
 
 

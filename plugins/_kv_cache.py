@@ -89,17 +89,17 @@ def kv_cache_reasons(call: Any, kernel: str) -> list[str]:
     return reasons
 
 
-def kv_cache_as_mask(call: Any) -> Any:
-    """A dense KV-cache call as the same computation over the whole cache with a boolean mask: query i of
-    sequence b sees key j when j < seqused_k[b] and the causal/window pattern, aligned at that sequence's fill,
-    allows it. For kernels that take masks but no per-sequence lengths (the mask is (batch, 1, seqlen_q,
-    capacity), built on the device: no host sync). ALiBi is not folded (its distance needs the same offsets)."""
+def kv_cache_allowed(call: Any) -> torch.Tensor:
+    """Bool (batch, 1, seqlen_q, capacity) of a dense KV-cache call: query i of sequence b sees key j when
+    j < seqused_k[b] and the causal/window pattern, aligned at that sequence's fill, allows it. Built on the
+    device (no host sync); one query aligned bottom-right needs the fill alone (causal hides nothing more)."""
     used = call.seqused_k.long()
     device = call.q.device
     keys = torch.arange(call.seqlen_k, device=device).view(1, 1, -1)
-    queries = torch.arange(call.seqlen_q, device=device).view(1, -1, 1)
     allowed = keys < used.view(-1, 1, 1)
-    if call.causal or call.window is not None:
+    decode = call.seqlen_q == 1 and call.causal_alignment == "bottom_right" and call.window is None
+    if (call.causal or call.window is not None) and not decode:
+        queries = torch.arange(call.seqlen_q, device=device).view(1, -1, 1)
         offset = (used - call.seqlen_q).view(-1, 1, 1) if call.causal_alignment == "bottom_right" else 0
         rel = keys - queries - offset  # j - (i + o)
         if call.causal:
@@ -110,8 +110,16 @@ def kv_cache_as_mask(call: Any) -> Any:
                 allowed = allowed & (rel >= -left)
             if right >= 0:
                 allowed = allowed & (rel <= right)
+    mask: torch.Tensor = allowed.expand(-1, call.seqlen_q, -1).unsqueeze(1)
+    return mask
+
+
+def kv_cache_as_mask(call: Any) -> Any:
+    """A dense KV-cache call as the same computation over the whole cache with the boolean mask of
+    `kv_cache_allowed`, for kernels that take masks but no per-sequence lengths. ALiBi is not folded (its distance
+    needs the same offsets)."""
     masked = call.with_tensors(call.q, call.k, call.v)
-    masked.attn_mask = allowed.unsqueeze(1)
+    masked.attn_mask = kv_cache_allowed(call)
     masked.seqused_k = None
     masked.causal, masked.window, masked.causal_alignment = False, None, "top_left"
     return masked

@@ -49,7 +49,8 @@ KV caches (calls with ``seqused_k``, and ``block_table`` when paged), for FlashA
 - `kv_cache_reasons(call, kernel)`: the limits such entries share (forward only, bottom-right, no dropout).
 - `flash_attn_kv_cache(module, call)`: the call through a module with flash-attn 2's Python API
   (``flash_attn_with_kvcache``, or ``flash_attn_varlen_func(block_table=)`` for packed queries).
-- `kv_cache_as_mask(call)`: a dense KV-cache call as a masked call over the whole cache, for kernels that take
+- `kv_cache_allowed(call)`: the keys each query of a dense KV-cache call sees, as a boolean (batch, 1, seqlen_q,
+  capacity) mask; `kv_cache_as_mask(call)`: the call as a masked call over the whole cache, for kernels that take
   boolean masks but no per-sequence lengths.
 
 Layouts: the call record converts views itself — ``call.bhsd(t)``/``call.from_bhsd(t)`` and
@@ -70,7 +71,8 @@ from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, 
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window
-from ._kv_cache import (KvQueries, cache_as_pages, cumulative_lengths, flash_attn_kv_cache, kv_cache_as_mask,
+from ._kv_cache import (KvQueries, cache_as_pages, cumulative_lengths, flash_attn_kv_cache, kv_cache_allowed,
+                        kv_cache_as_mask,
                         kv_cache_reasons, kv_lse_fix, packed_queries, unpack_kv_out)
 from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlens, unpack_lse, unpack_out
 from ._signatures import unaccepted_keywords
@@ -79,6 +81,6 @@ from ._versions import at_least, installed_versions, version_tuple
 __all__ = ["KvQueries", "PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
            "at_least", "bind_dense", "blind_rows", "cache_as_pages", "causal_alibi_lse_reason", "cumulative_lengths",
            "dense_lse_fix", "empty_rows_to_neg_inf", "flash_attn_kv_cache", "installed_versions", "kernel_window",
-           "kv_cache_as_mask", "kv_cache_reasons", "kv_lse_fix", "layout_views", "pack_dense", "pack_padded_lse",
-           "packed_queries", "shift_rows", "unaccepted_keywords", "uniform_cu_seqlens", "unpack_kv_out", "unpack_lse",
-           "unpack_out", "varlen_lse_fix", "version_tuple"]
+           "kv_cache_allowed", "kv_cache_as_mask", "kv_cache_reasons", "kv_lse_fix", "layout_views", "pack_dense",
+           "pack_padded_lse", "packed_queries", "shift_rows", "unaccepted_keywords", "uniform_cu_seqlens",
+           "unpack_kv_out", "unpack_lse", "unpack_out", "varlen_lse_fix", "version_tuple"]

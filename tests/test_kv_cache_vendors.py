@@ -16,7 +16,7 @@ import torch
 import opdispatch
 from opdispatch import validate_attention
 from opdispatch.vendors.flagos import FlagGemsAttention
-from opdispatch.vendors.nvidia import FlashAttn2, FlashAttn3
+from opdispatch.vendors.nvidia import CudnnAttention, FlashAttn2, FlashAttn3
 from opdispatch.vendors.rocm import RocmFlashAttnCK
 from tests.conftest import device_descriptor
 from tests.fakes import flag_gems as fake_flag_gems
@@ -121,10 +121,49 @@ def test_adapters_fold_alibi_at_each_sequences_fill(name, kind, fakes, manager):
 
 def test_alibi_over_a_kv_cache_is_declared(manager):
     gen = torch.Generator().manual_seed(4)
-    call = _case("paged", page_size=3, dtype=torch.bfloat16, gen=gen, alibi=True)
+    call = _case("dense", page_size=1, dtype=torch.bfloat16, gen=gen, alibi=True)
     assert "ALiBi over a KV cache not supported (its distances follow each sequence's fill)" in \
-        FlashAttn3().not_supported_reasons(call, H100)
+        CudnnAttention().not_supported_reasons(call, H100)  # ALiBi yes, a KV cache yes, both together no
     assert not any("ALiBi over a KV cache" in r for r in FlagGemsAttention().not_supported_reasons(call, H100))
+    no_alibi = [r for r in FlashAttn3().not_supported_reasons(call, H100) if "ALiBi" in r]
+    assert no_alibi == ["ALiBi slopes not supported"]  # said once, not again for the cache
+
+
+def _fake_efficient_attention(calls):
+    """torch's _scaled_dot_product_efficient_attention contract in float64: no GQA (equal head counts), the additive
+    bias as given, a query whose keys are all masked gets zeros; LSE padded to a multiple of 32 queries."""
+    def fake(q, k, v, bias, need_lse, dropout_p, is_causal, scale=None):
+        assert q.shape[1] == k.shape[1] == v.shape[1], "the kernel has no GQA"
+        assert bias is not None and bias.shape == (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        assert not is_causal and dropout_p == 0.0
+        calls.append(tuple(q.shape))
+        scores = (q.double() @ k.double().transpose(-1, -2)) * scale + bias.double()
+        lse = torch.logsumexp(scores, -1)
+        probs = torch.softmax(scores, -1).nan_to_num(0.0)
+        padded = torch.zeros((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), dtype=torch.float32)
+        padded[:, :, : lse.shape[2]] = lse.nan_to_num(0.0, neginf=0.0)  # the kernel's LSE is not -inf there
+        return (probs @ v.double()).to(q.dtype), padded, None, None
+    return fake
+
+
+@pytest.mark.parametrize("alignment, window, seqlen_q", [
+    ("bottom_right", None, 1), ("bottom_right", None, 2), ("bottom_right", (2, 0), 2), ("top_left", None, 3)])
+def test_mem_efficient_takes_a_dense_cache_as_a_bias_with_gqa_folded(alignment, window, seqlen_q, manager,
+                                                                     monkeypatch):
+    from opdispatch.vendors.nvidia import _attention as nv
+
+    calls: list = []
+    monkeypatch.setattr(nv, "_efficient_sdpa", _fake_efficient_attention(calls))
+    gen = torch.Generator().manual_seed(seqlen_q * 11 + len(alignment))
+    used = torch.tensor([5, 0, 1, 9], dtype=torch.int32)
+    q = torch.randn(4, seqlen_q, 4, 32, generator=gen).half()
+    k, v = (torch.randn(4, 12, 2, 32, generator=gen).half() for _ in range(2))
+    call = validate_attention(q, k, v, seqused_k=used, causal=True, causal_alignment=alignment, window=window,
+                              return_lse=True)
+    impl = nv.MemEfficientAttention()
+    assert impl.not_supported_reasons(call, H100) == []
+    _assert_matches_reference(manager, call, impl.run(impl.conform(call)), 2e-3)
+    assert calls == [(4, 2, 2 * seqlen_q, 32)]  # one call over the kv heads, each group's query heads stacked
 
 
 def test_flash_attn_2_entries_and_limits(fakes, manager):

@@ -22,10 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, at_least, bind_dense,
                                         causal_alibi_lse_reason, cumulative_lengths, dense_lse_fix,
-                                        empty_rows_to_neg_inf, kernel_window, kv_cache_as_mask, kv_cache_reasons,
-                                        flash_attn_kv_cache, kv_lse_fix,
-                                        pack_padded_lse, packed_queries, shift_rows, uniform_cu_seqlens,
-                                        unpack_kv_out, unpack_lse, varlen_lse_fix, version_tuple)
+                                        empty_rows_to_neg_inf, flash_attn_kv_cache, kernel_window, kv_cache_allowed,
+                                        kv_cache_as_mask, kv_cache_reasons, kv_lse_fix, pack_padded_lse, packed_queries,
+                                        shift_rows, uniform_cu_seqlens, unpack_kv_out, unpack_lse, varlen_lse_fix,
+                                        version_tuple)
 
 _LOW = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
@@ -507,7 +507,9 @@ class MemEfficientAttention(AttentionImpl):
         # Deterministic only under torch.use_deterministic_algorithms(True), which the aten backward reads when it
         # runs (it then reduces dK/dV without atomics): extra_reasons asks for that flag.
         deterministic_backward=True,
-        causal=True, deterministic_forward=True,
+        # A dense KV cache: the fill as an additive bias shared by every head, GQA folded (_run_kv_cache). The
+        # kernel splits the key axis when the grid is small, which decode needs.
+        causal=True, deterministic_forward=True, kv_cache=True,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
@@ -539,6 +541,8 @@ class MemEfficientAttention(AttentionImpl):
         self._alibi = _PreparedAlibi()
 
     def run(self, call: AttentionCall) -> Any:
+        if call.kv_cache:
+            return _run_kv_cache(call)
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
         if call.heads_q != call.heads_kv:
             if _gqa_folds(call):
@@ -655,6 +659,28 @@ def _run_gqa_folded(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: to
     if not call.return_lse:
         return out
     return out, res[1][:, :, : folded.shape[2]].reshape(b, hq, sq)  # the kernel pads LSE to 32 queries
+
+
+def _run_kv_cache(call: AttentionCall) -> Any:
+    """A dense KV cache through the efficient kernel: each sequence's fill (and causal/window aligned at it) as an
+    additive bias over the whole cache, one row per query shared by every head; a GQA group's query heads stacked
+    as queries of their kv head, so each kv head is read once (decode is bound by reading the cache)."""
+    q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    allowed = kv_cache_allowed(call)
+    bias = torch.zeros((b, 1, sq, k.shape[2]), dtype=q.dtype, device=q.device).masked_fill_(~allowed, -math.inf)
+    if group > 1 and sq > 1:
+        bias = bias.repeat(1, 1, group, 1)  # folded query g * sq + i is query i of head g of the group
+    bias = _aligned(bias, 8).expand(b, hkv, group * sq, k.shape[2])
+    need_lse = call.return_lse or call.requires_grad
+    res = _efficient_sdpa(q.reshape(b, hkv, group * sq, d), k, v, bias, need_lse, 0.0, False, scale=call.scale)
+    out = call.from_bhsd(res[0].reshape(b, hq, sq, v.shape[3]))
+    if not call.return_lse:
+        return out
+    lse = res[1][:, :, :group * sq].reshape(b, hq, sq)
+    return out, lse.masked_fill(~allowed.any(-1), -math.inf)  # the kernel's LSE is not -inf where no key is seen
 
 
 # -- the flash-attn package -----------------------------------------------------------------------------------
