@@ -11,7 +11,7 @@ import opdispatch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-IMPLS = ["nvidia.cudnn", "nvidia.flash", "flagos.triton"]
+IMPLS = ["nvidia.cudnn", "nvidia.flash", "nvidia.mem_efficient", "flagos.triton"]
 
 
 def _case(kind, page_size, gen):
@@ -53,3 +53,20 @@ def test_kv_cache_kernels_match_the_reference(impl, kind, page_size):
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=2e-3, rtol=2e-3)
     assert (lse[~finite] == -math.inf).all()
+
+
+@pytest.mark.parametrize("impl", ["flagos.triton"])  # the one GPU kernel here that claims kv_cache_alibi
+@pytest.mark.parametrize("kind, page_size", [("dense", None), ("paged", 16), ("thd", 256)])
+def test_kv_cache_alibi_at_each_sequences_fill(impl, kind, page_size):
+    gen = torch.Generator().manual_seed(1)
+    args, kw = _case(kind, page_size, gen)
+    kw.update(causal=False, alibi_slopes=(torch.rand(8, generator=gen) + 0.1).cuda())
+    candidate = next(c for c in opdispatch.explain(*args, **kw).candidates if c.impl_id == impl)
+    if candidate.status not in ("chosen", "eligible"):
+        pytest.skip(f"{impl} {candidate.status}: {'; '.join(candidate.reasons)}")
+    out, lse = opdispatch.attention(*args, impl=impl, **kw)
+    ref_out, ref_lse = opdispatch.attention(*[t.float() for t in args], impl="reference.math", **kw)
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=2e-3, rtol=2e-3)
+
