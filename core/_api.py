@@ -102,7 +102,7 @@ def _attention_slow(manager: OpManager, key: Any, *args: Any) -> Any:
         bounded_put(checked, varlen_key, call.cu_seqlens_k is call.cu_seqlens_q)
     if key is None:
         return manager.call("attention", call, impl=impl)
-    return _run_and_remember(manager, "attention", key, call, impl, (q, k, arguments["v"]))
+    return _run_and_remember(manager, "attention", key, call, impl, ATTENTION_ARGS.bound_tensors(arguments))
 
 
 def _fast_path_failed(manager: OpManager, key: Any, fn: Any, exc: Exception, slow: Callable[..., Any],
@@ -222,7 +222,7 @@ def _is_meta(t: torch.Tensor) -> bool:
 
 def _slow_path(op: str, validate: Callable[..., Any], arguments: OpArguments) -> Callable[..., Any]:
     """An op's slow path: validate, decide, and (for a fast-path key) bind and remember the kernel."""
-    names, bound = arguments.names, arguments.bound
+    names = arguments.names
 
     def slow(manager: OpManager, key: Any, *args: Any) -> Any:
         given = dict(zip(names, args))
@@ -230,7 +230,7 @@ def _slow_path(op: str, validate: Callable[..., Any], arguments: OpArguments) ->
         call = validate(**given, module=_module())
         if key is None:
             return manager.call(op, call, impl=impl)
-        return _run_and_remember(manager, op, key, call, impl, tuple(given[n] for n in bound))
+        return _run_and_remember(manager, op, key, call, impl, arguments.bound_tensors(given))
 
     slow.__name__ = slow.__qualname__ = f"_{op}_slow"
     return slow

@@ -60,6 +60,9 @@ class OpArguments:
 
     bound: the tensors the bound function of a decided signature takes (``Impl.bind``'s function and the call
       record's ``with_tensors``), in that order.
+    bound_optional: optional tensors whose values change from call to call of one signature (a KV cache's
+      lengths and pages): when any is given, the bound function takes them too, after `bound`; calls without
+      them call it with `bound` alone. Their key kind is ``index`` (shape, dtype and device in the key).
     context: names of zero-argument functions (looked up in the front door's namespace) whose results join the
       key: the active overrides, the module scope, torch's determinism flag…
     """
@@ -68,6 +71,7 @@ class OpArguments:
     args: tuple[Arg, ...]
     bound: tuple[str, ...]
     context: tuple[str, ...] = ("_overrides", "_module")
+    bound_optional: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.args]
@@ -91,12 +95,24 @@ class OpArguments:
         missing = [n for n in self.bound if n not in names]
         if missing:
             problems.append(f"bound names {missing} are not arguments")
+        by_name = {a.name: a for a in self.args}
+        for n in self.bound_optional:
+            if n not in by_name or by_name[n].key != "index" or n in self.bound:
+                problems.append(f"bound_optional name {n!r} must be an argument of key kind 'index', not in bound")
         if problems:
             raise ValueError(f"op {self.op!r}: malformed argument definition: " + "; ".join(problems))
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.args)
+
+    def bound_tensors(self, given: Mapping[str, Any]) -> tuple[Any, ...]:
+        """What the bound function of a call with these argument values takes: `bound`, then `bound_optional`
+        when any of those is given."""
+        tensors = tuple(given[n] for n in self.bound)
+        if any(given[n] is not None for n in self.bound_optional):
+            tensors += tuple(given[n] for n in self.bound_optional)
+        return tensors
 
     def signature(self, *, drop: tuple[str, ...] = (), extra: tuple[inspect.Parameter, ...] = (),
                   return_annotation: Any = inspect.Signature.empty) -> inspect.Signature:
@@ -197,8 +213,8 @@ class OpArguments:
             elif a.key == "tensor?":
                 key_items.append(f"None if {n} is None else ({n}.shape, {n}.dtype, {n}.device, {n}.requires_grad)")
                 grads.append(f"({n} is not None and {n}.requires_grad)")
-            elif a.key == "index":
-                key_items.append(f"_index_key({n})")
+            elif a.key == "index":  # None inline: most calls pass none, and a call costs more than the test
+                key_items.append(f"None if {n} is None else _index_key({n})")
             elif a.key == "value" and "tuple[" in a.annotation:  # element types too: (4.0, 0) == (4, 0)
                 key_items.append(f"None if {n} is None else ({n}, tuple(map(type, {n})))")
             elif a.key == "value" and a.annotation in ("str", "str | None"):  # no str equals another type's value
@@ -225,7 +241,14 @@ class OpArguments:
             "    key = None  # not tensors, an unhashable value, a CPU index tensor: the slow path checks all",
             "else:",
             "    try:",
-            f"        return fn({', '.join(self.bound)})",
+        ]
+        if self.bound_optional:
+            body += [f"        if {' and '.join(f'{n} is None' for n in self.bound_optional)}:",
+                     f"            return fn({', '.join(self.bound)})",
+                     f"        return fn({', '.join(self.bound + self.bound_optional)})"]
+        else:
+            body.append(f"        return fn({', '.join(self.bound)})")
+        body += [
             "    except Exception as exc:  # free until raised (zero-cost try): the breaker decides what follows",
             f"        return {failed}(manager, key, fn, exc, {names})",
         ]

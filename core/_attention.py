@@ -69,16 +69,17 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("cu_seqlens_k", "torch.Tensor | None", None, key="bypass", doc="int32 (batch + 1,) offsets for `thd`"),
     Arg("max_seqlen_q", "int | None", None, doc="longest query sequence of a `thd` call"),
     Arg("max_seqlen_k", "int | None", None, doc="longest key sequence of a `thd` call"),
-    Arg("seqused_k", "torch.Tensor | None", None, key="bypass",
+    Arg("seqused_k", "torch.Tensor | None", None, key="index",
         doc="int32 (batch,): keys each sequence uses — a KV cache's fill; sequence b sees only its first "
             "`seqused_k[b]` keys, and bottom-right alignment counts from there"),
-    Arg("block_table", "torch.Tensor | None", None, key="bypass",
+    Arg("block_table", "torch.Tensor | None", None, key="index",
         doc="int32 (batch, max_pages): a paged KV cache; k/v are then page pools (num_pages, page_size, "
             "heads_kv, dim) and row b lists sequence b's pages in order; needs `seqused_k`"),
     Arg("return_lse", "bool", False, doc="also return the log-sum-exp of the scores"),
     Arg("deterministic", "bool", False, doc="only implementations with a deterministic backward"),
     Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
-), bound=("q", "k", "v"), context=("_overrides", "_module", "_deterministic"))
+), bound=("q", "k", "v"), context=("_overrides", "_module", "_deterministic"),
+   bound_optional=("seqused_k", "block_table"))
 
 
 class AttentionCall:
@@ -217,12 +218,16 @@ class AttentionCall:
         """Inverse of `bshd()` (each of those transposes is its own inverse)."""
         return self.bshd(t)
 
-    def with_tensors(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionCall:
-        """A copy of this call with other q/k/v of the same signature (used by bound plans)."""
+    def with_tensors(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache: torch.Tensor | None
+                     ) -> AttentionCall:
+        """A copy of this call with other q/k/v of the same signature (used by bound plans) and, for a KV-cache
+        call, its `seqused_k` and `block_table` of this step."""
         new = AttentionCall.__new__(AttentionCall)
         for name in _CALL_SLOTS:
             setattr(new, name, getattr(self, name))
         new.q, new.k, new.v = q, k, v
+        if cache:
+            new.seqused_k, new.block_table = cache
         return new
 
     def stripped(self) -> AttentionCall:
@@ -911,12 +916,12 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if _needs_unit_stride(t) else t
 
 
-def _unit_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return _unit_stride(q), _unit_stride(k), _unit_stride(v)
+def _unit_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache: Any) -> tuple[Any, ...]:
+    return _unit_stride(q), _unit_stride(k), _unit_stride(v), *cache
 
 
-def _contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return q.contiguous(), k.contiguous(), v.contiguous()  # no copy for a contiguous tensor
+def _contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache: Any) -> tuple[Any, ...]:
+    return q.contiguous(), k.contiguous(), v.contiguous(), *cache  # no copy for a contiguous tensor
 
 
 def _bshd_to_bhsd(t: torch.Tensor) -> torch.Tensor:
@@ -1101,14 +1106,16 @@ class AttentionImpl(Impl):
             return None
         return _unit_strides
 
-    def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
+    def bind(self, call: AttentionCall) -> Callable[..., Any]:
         """A function `(q, k, v) -> result` for calls of exactly `call`'s signature (same shapes, dtype, device,
-        options), used on the per-call fast path and by `opdispatch.plan`. Override to bind the kernel directly;
-        this default re-enters `run` with a copy of the call."""
+        options), used on the per-call fast path and by `opdispatch.plan`; for a KV-cache call it also takes
+        that step's `seqused_k, block_table` (``fn(q, k, v, seqused_k, block_table)``; a plan called with q/k/v
+        alone reads the planned call's). Override to bind the kernel directly; this default re-enters `run` with
+        a copy of the call."""
         run, rebuild = self.run, call.stripped().with_tensors  # never the first call's tensors
 
-        def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            return run(rebuild(q, k, v))
+        def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache: torch.Tensor | None) -> Any:
+            return run(rebuild(q, k, v, *cache))
 
         return bound
 

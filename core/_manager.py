@@ -605,7 +605,7 @@ def _bound_names(op: str) -> tuple[str, ...]:
     from ._ops import op_spec
 
     arguments = op_spec(op).arguments
-    return tuple(arguments.bound) if arguments is not None else ()
+    return tuple(arguments.bound + arguments.bound_optional) if arguments is not None else ()
 
 
 def _raise_for_structure(op: str, impl_id: Any, call: Any, result: Any) -> None:

@@ -264,3 +264,37 @@ def test_paged_pools_must_be_four_dimensional(basic_manager):
                              cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
                              cu_seqlens_k=torch.tensor([0, 6, 8], dtype=torch.int32),
                              seqused_k=torch.tensor([7, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_decode_loop_takes_the_fast_path_with_each_steps_lengths(paged, basic_manager, monkeypatch):
+    """On an accelerator a KV-cache call's lengths and pages join the fast-path key by shape (their values are not
+    read); the bound function gets each step's tensors. The CPU checks values per call instead, so this test lets
+    CPU index tensors into the key the way an accelerator's are."""
+    from opdispatch import _api
+
+    monkeypatch.setattr(_api, "_index_key", lambda t: (t.shape, t.dtype, t.device))
+    resolves: list[str] = []
+    original = basic_manager.resolve
+    monkeypatch.setattr(basic_manager, "resolve",
+                        lambda op, call, **kw: resolves.append(op) or original(op, call, **kw))
+    gen = torch.Generator().manual_seed(5 + paged)
+    b, cap, h, hk, d, page = 3, 12, 4, 2, 8, 4
+    keys = [_rand(cap, hk, d, gen=gen) for _ in range(b)]
+    values = [_rand(cap, hk, d, gen=gen) for _ in range(b)]
+    if paged:
+        k, table = paged_pools(keys, page, 3 * b + 2, torch.Generator().manual_seed(1))
+        v, _ = paged_pools(values, page, 3 * b + 2, torch.Generator().manual_seed(1))
+        # pages of one table hold both pools: the same generator places them alike
+    else:
+        k, v, table = torch.stack(keys), torch.stack(values), None
+    lengths = torch.tensor([1, 4, 7])
+    for step in range(5):
+        used = (lengths + step).to(torch.int32)  # a new tensor each step, as a serving loop makes it
+        q = _rand(b, 1, h, d, gen=gen)
+        out = opdispatch.attention(q, k, v, causal=True, causal_alignment="bottom_right", seqused_k=used,
+                                   block_table=table)
+        for i, n in enumerate(used.tolist()):
+            want, _ = oracle_sequence(q[i], keys[i][:n], values[i][:n], scale=d ** -0.5, causal=True)
+            torch.testing.assert_close(out[i], want, atol=1e-10, rtol=1e-10)
+    assert resolves == ["attention"]  # one decision; every later step was a fast-path hit
