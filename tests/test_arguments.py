@@ -209,6 +209,26 @@ def test_malformed_definitions_are_refused(args, bound, problem):
         OpArguments("toy", args, bound=bound)
 
 
+@pytest.mark.parametrize("optional", [("n",), ("x",), ("z",)])
+def test_bound_optional_names_must_be_index_arguments_outside_bound(optional):
+    args = (Arg("x", "T", key="tensor", positional=True), Arg("n", "T", None, key="tensor?"),
+            Arg("i", "T", None, key="index"))
+    with pytest.raises(ValueError, match=f"bound_optional name '{optional[0]}' must be an argument of key kind "
+                                         "'index', not in bound"):
+        OpArguments("toy", args, bound=("x",), bound_optional=optional)
+
+
+def test_bound_optional_tensors_reach_the_bound_function_only_when_given():
+    args = (Arg("x", "T", key="tensor", positional=True), Arg("i", "T", None, key="index"),
+            Arg("j", "T", None, key="index"))
+    spec = OpArguments("toy", args, bound=("x",), bound_optional=("i", "j"))
+    assert spec.bound_tensors({"x": 1, "i": None, "j": None}) == (1,)
+    assert spec.bound_tensors({"x": 1, "i": None, "j": 3}) == (1, None, 3)
+    source = spec.front_door_source(compiled="c", slow="s", failed="f")
+    assert "        if i is None and j is None:\n            return fn(x)\n        return fn(x, i, j)\n" in source
+    assert "None if i is None else _index_key(i)" in source
+
+
 def _escape(text: str) -> str:
     import re
 
