@@ -4,6 +4,7 @@ a RuntimeError wherever torch raises one, and routing of a whole program's F.sca
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import ClassVar
 
@@ -124,6 +125,137 @@ def test_rows_that_see_no_key_and_empty_inputs_give_what_torch_gives(basic_manag
     assert torch.equal(out, torch.zeros_like(out)) and out.requires_grad
 
 
+# -- found by PyTorch's own test_transformers.py run through the drop-in (benchmarks/upstream_sdpa_tests.py) ----
+
+def _mask_kwargs(kind, heads, sq, sk, gen):
+    if kind == "bool":
+        m = torch.rand(sq, sk, generator=gen) > 0.4
+        m[:, 0] = True
+        return {"attn_mask": m}
+    if kind == "float":
+        return {"attn_mask": torch.randn(heads, sq, sk, generator=gen)}
+    if kind == "causal":
+        return {"is_causal": True}
+    return {}
+
+
+@pytest.mark.parametrize("scale", [None, 1.0, 0.3])
+@pytest.mark.parametrize("mask", [None, "bool", "float", "causal"])
+@pytest.mark.parametrize("dim_v", [1, 8])
+def test_a_zero_width_query_key_head_dim_gives_the_softmax_of_the_mask(basic_manager, scale, mask, dim_v):
+    # Upstream test_sdpa_zero_qk_head_dim_matches_eager_attention: head dim 0 raised ZeroDivisionError (1/sqrt(0))
+    # or, with a scale given, returned zeros; torch's scores are all 0, so the weights are softmax(mask) alone.
+    gen = torch.Generator().manual_seed(11)
+    q, k = torch.empty(2, 3, 5, 0, requires_grad=True), torch.empty(2, 3, 7, 0, requires_grad=True)
+    v = rand(2, 3, 7, dim_v, grad=True, gen=gen)
+    kw = _mask_kwargs(mask, 3, 5, 7, gen)
+    ours = scaled_dot_product_attention(q, k, v, scale=scale, **kw)
+    theirs = torch_sdpa(q, k, v, scale=scale, **kw)
+    oracle = documented_sdpa(q, k, v, scale=1.0, **kw)  # any finite scale: every score is 0
+    assert ours.shape == theirs.shape == (2, 3, 5, dim_v)
+    torch.testing.assert_close(ours.double(), oracle, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    grad = torch.randn(ours.shape, generator=gen)
+    got = torch.autograd.grad(ours, (q, k, v), grad)
+    want = torch.autograd.grad(oracle, (q, k, v), grad.double())
+    assert got[0].shape == q.shape and got[1].shape == k.shape
+    torch.testing.assert_close(got[2].double(), want[2].double(), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shapes", [
+    ((0, 4, 10, 8), (0, 4, 10, 8), (0, 4, 10, 6)),  # no batch
+    ((2, 0, 10, 8), (2, 0, 10, 8), (2, 0, 10, 6)),  # no heads
+    ((2, 4, 0, 8), (2, 4, 10, 8), (2, 4, 10, 6)),   # no query
+    ((2, 4, 10, 8), (2, 4, 0, 8), (2, 4, 0, 6)),    # no key: zeros, not the NaN of a softmax over nothing
+    ((2, 4, 10, 8), (2, 4, 10, 8), (2, 4, 10, 0)),  # a value head dim of 0
+    ((0, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0)),
+], ids=["batch", "heads", "query", "key", "value-dim", "all"])
+def test_empty_dims_give_torchs_result_and_grads(basic_manager, shapes):
+    # Upstream test_sdpa_zero_output: a value head dim of 0 raised SdpaError, all-empty inputs ZeroDivisionError.
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(*s, generator=gen).requires_grad_() for s in shapes)
+    ours, theirs = scaled_dot_product_attention(q, k, v), torch_sdpa(q, k, v)
+    assert ours.shape == theirs.shape and torch.equal(ours, theirs)
+    ours.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_an_empty_query_compiles_without_reaching_the_op(basic_manager):
+    # Upstream test_sdpa_empty_unbacked_no_dde: the fast path handed the empty query to opdispatch.attention, whose
+    # ValueError surfaced under torch.compile as an InternalTorchDynamoError instead of torch's empty result.
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.rand(2, 2, 0, 8, generator=gen) for _ in range(3))
+    torch._dynamo.mark_dynamic(q, 2)
+    compiled = torch.compile(lambda q, k, v: scaled_dot_product_attention(q, k, v), fullgraph=True, backend="eager")
+    assert compiled(q, k, v).shape == torch_sdpa(q, k, v).shape == (2, 2, 0, 8)
+
+
+def test_a_mask_with_is_causal_raises_where_torch_does_and_applies_both_elsewhere(basic_manager):
+    # Upstream test_scaled_dot_product_attention (causal mask cases) and
+    # test_attn_mask_and_is_causal_errors_before_dispatch_math: torch's math backend refuses the pair.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(4)
+    q4, k4, v4 = rand(2, 3, 5, 8, gen=gen), rand(2, 3, 7, 8, gen=gen), rand(2, 3, 7, 8, gen=gen)
+    mask = torch.randn(5, 7, generator=gen)
+    refused = [((q4[0, 0], k4[0, 0], v4[0, 0]), {}, None),              # 2-D inputs: torch's math backend
+               ((q4[0], k4[0], v4[0]), {}, None),                       # 3-D
+               ((q4, k4, v4), {"dropout_p": 0.2}, None),                # dropout: math
+               ((q4, k4, v4), {}, [SDPBackend.MATH])]                   # an sdpa_kernel context of MATH only
+    for args, extra, backends in refused:
+        ctx = sdpa_kernel(backends) if backends else contextlib.nullcontext()
+        with ctx:
+            for fn in (torch_sdpa, scaled_dot_product_attention):
+                with pytest.raises(RuntimeError, match="Explicit attn_mask should not be set when is_causal=True"):
+                    fn(*args, attn_mask=mask, is_causal=True, **extra)
+    # 4-D, no dropout: torch's fused CPU kernel applies both, and so does opdispatch.
+    for m in (mask, torch.rand(5, 7, generator=gen) > 0.3):
+        m = m.clone()
+        m[:, 0] = True if m.dtype == torch.bool else m[:, 0]
+        ours = scaled_dot_product_attention(q4, k4, v4, attn_mask=m, is_causal=True)
+        torch.testing.assert_close(ours, torch_sdpa(q4, k4, v4, attn_mask=m, is_causal=True), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.double(), documented_sdpa(q4, k4, v4, attn_mask=m, is_causal=True),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+@pytest.mark.parametrize("routed", [False, True], ids=["direct", "routed"])
+def test_causal_bias_masks_give_torchs_result(basic_manager, variant, routed):
+    # Upstream TestAttnBias: a CausalBias mask went to opdispatch as a plain tensor (the fast path did not check
+    # the mask's type), and once that went to torch, routed, CausalBias's __torch_function__ no longer recognised
+    # F.scaled_dot_product_attention (now the drop-in) and read the empty subclass as a mask.
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = rand(2, 3, 5, 8, grad=True, gen=gen), rand(2, 3, 9, 8, grad=True, gen=gen), rand(2, 3, 9, 8, gen=gen)
+    bias = (causal_upper_left if variant == "upper_left" else causal_lower_right)(5, 9)
+    oracle = documented_sdpa(q, k, v, attn_mask=bias._materialize("cpu"))
+    with routed_sdpa() if routed else contextlib.nullcontext():
+        fn = F.scaled_dot_product_attention if routed else scaled_dot_product_attention  # looked up routed
+        got = fn(q, k, v, attn_mask=bias)
+        with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+            fn(q, k, v, attn_mask=bias, is_causal=True)
+    torch.testing.assert_close(got.double(), oracle, atol=1e-5, rtol=1e-5)
+    grad = torch.randn(got.shape, generator=gen)
+    for g, w in zip(torch.autograd.grad(got, (q, k), grad), torch.autograd.grad(oracle, (q, k), grad.double())):
+        torch.testing.assert_close(g.double(), w.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_torchscript_of_multihead_attention_works_while_routed(basic_manager):
+    # Upstream test_script_mha_in_proj_weight_none, test_script_encoder_subclass: under route_sdpa, TorchScript
+    # compiled F.multi_head_attention_forward's call of the drop-in and failed on its keyword-only arguments.
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(16, 4, kdim=24, vdim=24).eval()
+    encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2).eval()
+    q, kv, x = torch.randn(5, 2, 16), torch.randn(7, 2, 24), torch.randn(2, 6, 16)
+    with routed_sdpa():
+        scripted_mha, scripted_encoder = torch.jit.script(mha), torch.jit.script(encoder)
+        got = scripted_mha(q, kv, kv, need_weights=False)[0]
+        got_encoded = scripted_encoder(x)
+    torch.testing.assert_close(got, mha(q, kv, kv, need_weights=False)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_encoded, encoder(x), atol=1e-5, rtol=1e-5)
+
+
 def test_dropout_keeps_the_expectation(basic_manager):
     torch.manual_seed(0)
     q, k, v = rand(1, 2, 64, 8), rand(1, 2, 64, 8), rand(1, 2, 64, 8)
@@ -200,13 +332,16 @@ def test_property_any_shape_matches_torch(lead, heads, sq, sk, d, dv, causal, ma
             kw["attn_mask"] = m
         elif mask == "float":
             kw["attn_mask"] = torch.randn(hq, sq, sk, generator=gen)
-        ours = scaled_dot_product_attention(q, k, v, **kw)
-        if causal and mask is not None:
-            # torch's fused CPU kernel applies both; its math path refuses the pair (its docstring asserts no
-            # mask with is_causal). opdispatch applies both, everywhere: compare with the documented arithmetic.
-            theirs = documented_sdpa(q, k, v, **kw).float()
-        else:
+        try:
             theirs = torch_sdpa(q, k, v, **kw)
+        except RuntimeError as exc:
+            # A mask with is_causal: torch's math backend (run for inputs of other than 4 dims, ...) refuses the
+            # pair, its fused CPU kernel applies both. Where torch refuses, so do we.
+            assert causal and mask is not None, exc
+            with pytest.raises(RuntimeError, match="Explicit attn_mask should not be set when is_causal=True"):
+                scaled_dot_product_attention(q, k, v, **kw)
+            return
+        ours = scaled_dot_product_attention(q, k, v, **kw)
         assert ours.shape == theirs.shape
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
     finally:
@@ -304,3 +439,34 @@ def test_the_front_doors_compile_without_graph_breaks(basic_manager):
                           fullgraph=True)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     torch.testing.assert_close(flash(qt, kt, vt), fa.flash_attn_func(qt, kt, vt, causal=True, window_size=(3, 0)))
+
+
+@pytest.mark.slow
+def test_the_upstream_runner_routes_counts_and_reports_what_fails_only_routed(tmp_path):
+    # benchmarks/upstream_sdpa_tests.py on a stand-in for torch's test file (torch's own is not ours to ship).
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "upstream_sdpa_tests", Path(__file__).resolve().parents[1] / "benchmarks" / "upstream_sdpa_tests.py")
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    stand_in = tmp_path / "test_transformers.py"
+    stand_in.write_text(
+        "import pytest\n"
+        "import torch\n"
+        "import torch.nn.functional as F\n"
+        "from torch.nn.functional import scaled_dot_product_attention as bound_at_import\n\n"
+        "def test_computes():\n"
+        "    q = torch.randn(1, 2, 4, 8)\n"
+        "    torch.testing.assert_close(bound_at_import(q, q, q), F.scaled_dot_product_attention(q, q, q))\n\n"
+        "def test_asserts_torchs_own_function():\n"
+        "    assert 'opdispatch' not in str(F.scaled_dot_product_attention.__module__)\n\n"
+        "def test_skips():\n"
+        "    pytest.skip('not here')\n")
+    out = tmp_path / "summary.md"
+    assert runner.main(["--out", str(out), str(stand_in)]) == 0
+    text = out.read_text()
+    assert "| plain | 2 | 0 | 1 | 0 |" in text and "| routed | 1 | 1 | 1 | 0 |" in text
+    assert "Routed run: 2 calls computed by `opdispatch.attention` in 1 tests" in text
+    assert "## Pass plain, fail routed: 1" in text and "test_asserts_torchs_own_function" in text

@@ -8,8 +8,16 @@ a value head dim of its own. Invalid calls raise `SdpaError` — a ``RuntimeErro
 ``ValueError`` — naming the argument, its value and what is allowed.
 
 What opdispatch cannot represent goes to torch's own function unchanged: nested (jagged) tensors and tensor
-subclasses, and calls made by an implementation while the program is routed through this function (so a plugin
-that calls ``F.scaled_dot_product_attention`` never loops back into opdispatch).
+subclasses (``torch.nn.attention.bias.CausalBias`` masks included, which torch dispatches through their
+``__torch_function__``), calls made by an implementation while the program is routed through this function (so a
+plugin that calls ``F.scaled_dot_product_attention`` never loops back into opdispatch), and TorchScript: scripted
+code (``torch.jit.script`` of ``nn.MultiheadAttention`` under `route_sdpa`) calls torch's op.
+
+Empty inputs give what torch gives: an empty result, zeros where there is no key, and where the query/key head dim
+is 0 the softmax of the mask alone (every score is 0). ``is_causal`` with an explicit ``attn_mask`` raises torch's
+RuntimeError exactly where torch raises it: where torch would run its math backend (inputs of other than 4 dims,
+dropout, or an ``sdpa_kernel`` context that leaves only MATH), which refuses the pair; torch's fused CPU kernel
+combines them, and so does opdispatch.
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.jit._builtins
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 
 from .._api import attention
 
@@ -54,10 +64,13 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         qs, ks, vs = query.shape, key.shape, value.shape
     except RuntimeError:  # a strided nested tensor has no sizes: torch's
         return _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and type(query) is Tensor and ks[0] == qs[0] == vs[0]
-            and ks[1] == vs[1] and (ks[1] == qs[1] or ((enable_gqa or ks[1] == 1) and qs[1] % ks[1] == 0))
+    if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and type(query) is Tensor and type(key) is Tensor
+            and type(value) is Tensor and ks[0] == qs[0] == vs[0] and ks[1] == vs[1]
+            and 0 not in qs and 0 not in ks and 0 not in vs  # empty inputs: the general path gives torch's result
+            and (ks[1] == qs[1] or ((enable_gqa or ks[1] == 1) and qs[1] % ks[1] == 0))
             and (scale is None or 0 < scale <= _MAX_SCALE)
-            and (attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32, query.dtype))):
+            and (attn_mask is None or (not is_causal and type(attn_mask) is Tensor
+                                       and attn_mask.dtype in (torch.bool, torch.float32, query.dtype)))):
         bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
         mask, bias = (attn_mask, None) if bool_mask else (None, attn_mask)
         try:
@@ -71,20 +84,60 @@ def _general(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None
              is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor:
     if not all(_plain(t) for t in (query, key, value)) or (
             attn_mask is not None and not _plain(attn_mask)) or query.is_nested:
-        return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    q, k, v, mask, bias, out_shape, scale = _as_bhsd(query, key, value, attn_mask, scale, enable_gqa)
+        return _to_torch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    q, k, v, mask, bias, out_shape, op_scale = _as_bhsd(query, key, value, attn_mask, scale, enable_gqa)
     if not 0.0 <= dropout_p <= 1.0 or math.isnan(dropout_p):
         raise SdpaError(f"scaled_dot_product_attention: dropout_p={dropout_p!r} is out of range; allowed: "
                         "0 <= dropout_p <= 1")
-    if 0 in q.shape or 0 in k.shape or dropout_p == 1.0:
-        # No query, no key, or every weight dropped: zeros (as torch gives), still part of the autograd graph.
+    if is_causal and attn_mask is not None:
+        _refuse_mask_with_causal_where_torch_does(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    if 0 in out_shape or k.shape[2] == 0 or dropout_p == 1.0:
+        # An empty result, no key to attend to, or every weight dropped: zeros (as torch gives, not the NaN of a
+        # softmax over nothing), still part of the autograd graph.
         connect = (query.sum() + key.sum() + value.sum()) * 0
         return torch.zeros(out_shape, dtype=query.dtype, device=query.device) + connect
+    if q.shape[3] == 0:
+        # A zero-width dot product: every score is 0 whatever the scale, so the weights are the softmax of the mask
+        # alone. One zero column in q and k gives the same scores in a shape the op takes; the grads of q and k
+        # stay empty tensors, as torch's.
+        q = torch.cat([q, q.new_zeros((*q.shape[:3], 1))], dim=3)
+        k = torch.cat([k, k.new_zeros((*k.shape[:3], 1))], dim=3)
     try:
-        out = _dispatch(q, k, v, is_causal, scale, dropout_p, mask, bias)
+        out = _dispatch(q, k, v, is_causal, op_scale, dropout_p, mask, bias)
     except (ValueError, TypeError) as exc:  # what the op refuses that torch's checks above did not catch
         raise SdpaError(f"scaled_dot_product_attention: {exc}") from exc
     return out.reshape(out_shape)
+
+
+def _to_torch(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
+              is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor:
+    """A call opdispatch does not represent (tensor subclasses, nested tensors), to torch's function."""
+    args = (query, key, value) if attn_mask is None else (query, key, value, attn_mask)
+    if (torch.nn.functional.scaled_dot_product_attention is scaled_dot_product_attention
+            and not query.is_nested and torch.overrides.has_torch_function(args)):
+        # Routed: a subclass's __torch_function__ recognises the functional by identity with
+        # F.scaled_dot_product_attention (CausalBias does, then calls it without the subclass), which is now this
+        # function; handed torch's, it would take the generic path and read the subclass as a plain tensor.
+        result: Tensor = torch.overrides.handle_torch_function(
+            scaled_dot_product_attention, args, query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+            enable_gqa=enable_gqa)
+        return result
+    return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def _refuse_mask_with_causal_where_torch_does(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor,
+                                              dropout_p: float, scale: float | None, enable_gqa: bool) -> None:
+    """torch's math backend refuses ``is_causal`` with an explicit mask; its fused CPU kernel combines the two.
+    Which one torch runs depends on its backend choice (input rank, dtype, dropout, the ``sdpa_kernel`` context),
+    so ask torch for that choice and raise its RuntimeError where it would."""
+    choice = torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, True, scale=scale,
+                                     enable_gqa=enable_gqa)
+    if choice == SDPBackend.MATH.value:
+        raise SdpaError(
+            "_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True (torch runs "
+            f"its math backend for this call: query.dim()={query.dim()}, dropout_p={dropout_p}, dtype "
+            f"{query.dtype}, and the sdpa_kernel context; that backend takes one or the other); fold the causal "
+            "mask into attn_mask, or pass is_causal=True without attn_mask")
 
 
 def _dispatch(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, dropout_p: float,
@@ -183,11 +236,19 @@ def _as_bhsd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None
             mask = m
         else:
             bias = m
-    if scale is None:
+    if dim == 0:
+        scale = 1.0  # every score is 0 whatever the scale (_general pads q and k with a zero column)
+    elif scale is None:
         scale = 1.0 / math.sqrt(dim)
     elif not (math.isfinite(scale) and 0 < scale <= _MAX_SCALE):
         q, scale = q * scale, 1.0  # a scale opdispatch's kernels do not take (0, negative, huge): fold it into q
     return q, k, v, mask, bias, tuple(out_shape), float(scale)
+
+
+# TorchScript cannot compile this function (keyword-only arguments, opdispatch's Python underneath); scripted code
+# that names it (F.multi_head_attention_forward under route_sdpa, so torch.jit.script of nn.MultiheadAttention)
+# calls torch's op instead, as it does for torch's own function.
+torch.jit._builtins._register_builtin(scaled_dot_product_attention, "aten::scaled_dot_product_attention")
 
 
 # -- routing the program's F.scaled_dot_product_attention ---------------------------------------------------
