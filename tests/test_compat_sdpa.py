@@ -399,10 +399,43 @@ def test_an_implementation_calling_sdpa_while_routed_reaches_torch_not_itself(ba
     basic_manager.register_impl(UsesTorchSdpa())
     q, k, v = rand(1, 2, 4, 8), rand(1, 2, 4, 8), rand(1, 2, 4, 8)
     with routed_sdpa(), opdispatch.policy_override(prefer=["loop.sdpa"]):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        outs = [F.scaled_dot_product_attention(q, k, v, is_causal=True) for _ in range(3)]  # then fast-path hits
         explained = opdispatch.explain(q, k, v, layout="bhsd", causal=True)
-    assert UsesTorchSdpa.calls == 1 and explained.chosen_id == "loop.sdpa"
-    torch.testing.assert_close(out, torch_sdpa(q, k, v, is_causal=True))
+    assert UsesTorchSdpa.calls == 3 and explained.chosen_id == "loop.sdpa"
+    for out in outs:
+        torch.testing.assert_close(out, torch_sdpa(q, k, v, is_causal=True))
+
+
+def test_repeated_calls_take_the_fast_path_and_a_raising_kernel_fails_over(basic_manager, monkeypatch):
+    resolves: list[str] = []
+    original = basic_manager.resolve
+    monkeypatch.setattr(basic_manager, "resolve",
+                        lambda op, call, **kw: resolves.append(op) or original(op, call, **kw))
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(3))
+    for causal in (False, True):
+        for _ in range(3):
+            torch.testing.assert_close(scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                       torch_sdpa(q, k, v, is_causal=causal))
+    assert resolves == ["attention", "attention"]  # one decision per signature; the rest were hits
+    assert sum(1 for key in basic_manager.fast if key[0] == "compat.scaled_dot_product_attention") == 2
+
+    # The kernel bound to a hit raises: the breaker demotes it, the next implementation answers, as for
+    # opdispatch.attention's own fast path.
+    key = next(key for key in basic_manager.fast if key[0] == "compat.scaled_dot_product_attention"
+               and key[13] is False)  # the non-causal signature
+    bound = basic_manager.fast[key]
+    assert bound.decision.chosen_id == "cpu.flash"
+    _raises.decision = bound.decision
+    basic_manager.fast[key] = _raises
+    out = scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, torch_sdpa(q, k, v))
+    assert opdispatch.explain(q, k, v, layout="bhsd").chosen_id == "reference.math"
+    assert basic_manager.fast[key].decision.chosen_id == "reference.math"  # remembered anew
+
+
+def _raises(*tensors):
+    raise RuntimeError("kernel broke")
 
 
 def test_nested_tensors_go_to_torch(basic_manager):
@@ -468,5 +501,5 @@ def test_the_upstream_runner_routes_counts_and_reports_what_fails_only_routed(tm
     assert runner.main(["--out", str(out), str(stand_in)]) == 0
     text = out.read_text()
     assert "| plain | 2 | 0 | 1 | 0 |" in text and "| routed | 1 | 1 | 1 | 0 |" in text
-    assert "Routed run: 2 calls computed by `opdispatch.attention` in 1 tests" in text
+    assert "Routed run: 2 calls answered by opdispatch (the drop-in, not torch's function) in 1 tests" in text
     assert "## Pass plain, fail routed: 1" in text and "test_asserts_torchs_own_function" in text

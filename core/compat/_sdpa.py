@@ -33,7 +33,10 @@ import torch.jit._builtins
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from .._api import attention
+from .. import _api
+from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, \
+    _run_and_remember, attention
+from .._attention import validate_attention
 
 __all__ = ["SdpaError", "route_sdpa", "routed_sdpa", "scaled_dot_product_attention", "torch_sdpa", "unroute_sdpa"]
 
@@ -57,6 +60,34 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     """``torch.nn.functional.scaled_dot_product_attention``, computed by the implementation the policy picks."""
     if getattr(_state, "inside", False):  # an implementation calling it while the program is routed: torch's
         return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    # The per-call fast path: a maskless, dropout-free call of plain tensors whose signature was seen calls the
+    # kernel bound to it, as opdispatch.attention's own front door does (same manager cache: a policy swap or a
+    # demotion forgets it there too). Everything the checks below read is in the key.
+    fast_key = None
+    if (attn_mask is None and not dropout_p and type(query) is Tensor and type(key) is Tensor
+            and type(value) is Tensor and not _is_compiling()):
+        manager = _api._manager or _api.get_manager()
+        try:
+            fast_key = (_SDPA, query.shape, query.dtype, query.device, query.stride(-1), key.shape, key.dtype,
+                        key.device, key.stride(-1), value.shape, value.dtype, value.device, value.stride(-1),
+                        is_causal, is_causal.__class__, scale, scale.__class__, enable_gqa, dropout_p.__class__,
+                        _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+                        _overrides(), _module(), _deterministic())
+            fn = manager.fast[fast_key]
+        except KeyError:
+            pass  # the first call of this signature: remembered below if it takes the common path
+        except (TypeError, RuntimeError):
+            fast_key = None  # an unhashable override or scale: the paths below check everything
+        else:
+            _state.inside = True
+            try:
+                out: Tensor = fn(query, key, value)
+                return out
+            except Exception as exc:  # the breaker decides, as for opdispatch.attention's fast path
+                return _fast_path_failed(manager, fast_key, fn, exc, _remembered, (query, key, value, is_causal,
+                                                                                    scale))  # type: ignore[no-any-return]
+            finally:
+                _state.inside = False
     # The common call — 4-D tensors of one batch, heads that divide, a mask of an allowed dtype, a scale the op
     # takes — goes straight to opdispatch.attention (its per-call fast path); anything else, or anything it
     # refuses, takes the general path below, which reshapes, and raises as torch does.
@@ -74,6 +105,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
         mask, bias = (attn_mask, None) if bool_mask else (None, attn_mask)
         try:
+            if fast_key is not None:
+                return _remembered(_api._manager or _api.get_manager(), fast_key, query, key, value, is_causal,
+                                   scale)
             return _dispatch(query, key, value, is_causal, scale, dropout_p, mask, bias)
         except (ValueError, TypeError):
             pass  # the general path says what is wrong, as torch would, or computes what the op cannot take
@@ -138,6 +172,22 @@ def _refuse_mask_with_causal_where_torch_does(query: Tensor, key: Tensor, value:
             f"its math backend for this call: query.dim()={query.dim()}, dropout_p={dropout_p}, dtype "
             f"{query.dtype}, and the sdpa_kernel context; that backend takes one or the other); fold the causal "
             "mask into attn_mask, or pass is_causal=True without attn_mask")
+
+
+_SDPA = "compat.scaled_dot_product_attention"  # its fast-path keys' first field: never one of an op's
+
+
+def _remembered(manager: Any, fast_key: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                scale: float | None) -> Tensor:
+    """A common maskless call (4-D, one batch, heads that divide, a scale the op takes) through opdispatch.attention's
+    slow path — validate, decide, bind — remembering the bound kernel under the drop-in's own `fast_key`."""
+    _state.inside = True
+    try:
+        call = validate_attention(q, k, v, layout="bhsd", causal=causal, scale=scale, module=_module())
+        out: Tensor = _run_and_remember(manager, "attention", fast_key, call, None, (q, k, v))
+        return out
+    finally:
+        _state.inside = False
 
 
 def _dispatch(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, dropout_p: float,
