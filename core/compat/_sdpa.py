@@ -84,8 +84,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                 out: Tensor = fn(query, key, value)
                 return out
             except Exception as exc:  # the breaker decides, as for opdispatch.attention's fast path
-                return _fast_path_failed(manager, fast_key, fn, exc, _remembered, (query, key, value, is_causal,
-                                                                                    scale))  # type: ignore[no-any-return]
+                answered: Tensor = _fast_path_failed(manager, fast_key, fn, exc, _remembered,
+                                                     (query, key, value, is_causal, scale))
+                return answered
             finally:
                 _state.inside = False
     # The common call — 4-D tensors of one batch, heads that divide, a mask of an allowed dtype, a scale the op
