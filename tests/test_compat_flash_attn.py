@@ -200,6 +200,73 @@ def test_kvcache_rotary_positions_follow_flash_attn(basic_manager, causal, inter
         torch.testing.assert_close(out[i:i + 1].double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("batch_idx", [False, True])
+def test_kvcache_leftpad_attends_from_each_sequences_start(basic_manager, batch_idx):
+    """cache_leftpad (found by flash-attn's test_flash_attn_kvcache[has_leftpad=True]): sequence i holds cache
+    positions [leftpad[i], cache_seqlens[i]); new keys go in at cache_seqlens, rotary positions stay absolute, and
+    the window, ALiBi and bottom-right alignment count from the sequence's first key."""
+    gen = torch.Generator().manual_seed(6)
+    lens, leftpad = torch.tensor([7, 4], dtype=torch.int32), torch.tensor([3, 0], dtype=torch.int32)
+    q, k_new, v_new = rand(2, 3, 4, 16, gen=gen), rand(2, 3, 2, 16, gen=gen), rand(2, 3, 2, 16, gen=gen)
+    k_cache, v_cache = rand(3, 12, 2, 16, gen=gen), rand(3, 12, 2, 16, gen=gen)
+    rows = [2, 0] if batch_idx else [0, 1]
+    before_k = k_cache.clone()
+    theta = torch.arange(16, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, 8, 2) / 8)
+    cos, sin = theta.cos().float(), theta.sin().float()
+    slopes = torch.rand(2, 4, generator=gen) * 0.5
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                     cache_seqlens=lens, cache_leftpad=leftpad, causal=True, window_size=(5, -1),
+                                     alibi_slopes=slopes, rotary_interleaved=False,
+                                     cache_batch_idx=torch.tensor(rows, dtype=torch.int32) if batch_idx else None)
+    for i, (n, pad) in enumerate(zip(lens.tolist(), leftpad.tolist())):
+        row, positions = rows[i], torch.arange(n, n + 3)
+        torch.testing.assert_close(k_cache[row, n:n + 3].double(), _rope(k_new[i], positions, cos, sin, False),
+                                   atol=1e-6, rtol=1e-6)  # appended at cache_seqlens, rotated there
+        assert torch.equal(k_cache[row, :n], before_k[row, :n])  # the left padding and old keys untouched
+        q_rot = _rope(q[i], positions, cos, sin, False).float()  # causal: each query at its absolute position
+        ref, _ = oracle(q_rot[None], k_cache[None, row, pad:n + 3], v_cache[None, row, pad:n + 3], causal=True,
+                        window=(5, -1), alibi=slopes[i])
+        torch.testing.assert_close(out[i:i + 1].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(2, 1))])
+def test_kvcache_rotary_with_fewer_new_keys_than_queries(basic_manager, mask):
+    """Found by flash-attn's test_flash_attn_kvcache[seqlen_new_eq_seqlen_q=False]: 3 queries, 2 new keys, causal or
+    windowed: queries rotate at cache_seqlens + i, new keys at cache_seqlens + j, each on its own length."""
+    gen = torch.Generator().manual_seed(8)
+    lens = torch.tensor([4, 1], dtype=torch.int32)
+    q, k_new, v_new = rand(2, 3, 4, 16, gen=gen), rand(2, 2, 2, 16, gen=gen), rand(2, 2, 2, 16, gen=gen)
+    k_cache, v_cache = rand(2, 10, 2, 16, gen=gen), rand(2, 10, 2, 16, gen=gen)
+    theta = torch.arange(16, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, 8, 2) / 8)
+    cos, sin = theta.cos().float(), theta.sin().float()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                     cache_seqlens=lens, **mask)
+    for i, n in enumerate(lens.tolist()):
+        torch.testing.assert_close(k_cache[i, n:n + 2].double(), _rope(k_new[i], torch.arange(n, n + 2), cos, sin,
+                                                                       True), atol=1e-6, rtol=1e-6)
+        q_rot = _rope(q[i], torch.arange(n, n + 3), cos, sin, True).float()
+        ref, _ = oracle(q_rot[None], k_cache[None, i, :n + 2], v_cache[None, i, :n + 2],
+                        causal=mask.get("causal", False), window=mask.get("window_size", (-1, -1)))
+        torch.testing.assert_close(out[i:i + 1].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kvcache_rotary_window_as_long_as_the_cache_is_no_window(basic_manager):
+    """flash-attn's kernel drops window bounds >= the cache's length before choosing q's rotary positions: such a
+    window leaves every query rotated at cache_seqlens, as with no window."""
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.tensor([2, 5], dtype=torch.int32)
+    q, k_new, v_new = rand(2, 3, 2, 16, gen=gen), rand(2, 3, 2, 16, gen=gen), rand(2, 3, 2, 16, gen=gen)
+    k_cache, v_cache = rand(2, 10, 2, 16, gen=gen), rand(2, 10, 2, 16, gen=gen)
+    theta = torch.arange(16, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, 16, 2) / 16)
+    cos, sin = theta.cos().float(), theta.sin().float()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                     cache_seqlens=lens, window_size=(10, 12))
+    for i, n in enumerate(lens.tolist()):
+        q_rot = _rope(q[i], torch.full((3,), n), cos, sin, True).float()
+        ref, _ = oracle(q_rot[None], k_cache[None, i, :n + 3], v_cache[None, i, :n + 3])
+        torch.testing.assert_close(out[i:i + 1].double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_signatures_are_flash_attn_2_8s():
     expected = {
         "flash_attn_func": "q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), "
@@ -250,7 +317,13 @@ def test_calling_it_from_inside_an_implementation_is_refused_not_looped(basic_ma
 
 def test_kvcache_refuses_what_it_does_not_support(basic_manager):
     q, cache = torch.randn(1, 1, 2, 16), torch.randn(1, 8, 2, 16)
-    with pytest.raises(ValueError, match="cache_leftpad is not supported"):
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_leftpad and block_table cannot be used together"):
+        fa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=torch.tensor([1], dtype=torch.int32),
+                                   block_table=table)
+    with pytest.raises(TypeError, match=r"cache_leftpad must be int32 of shape \(batch,\) = \(1,\)"):
         fa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"cache_leftpad=\[4\] must be <= each sequence's end"):
+        fa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=torch.tensor([4], dtype=torch.int32))
     with pytest.raises(ValueError, match="pass k and v together"):
         fa.flash_attn_with_kvcache(q, cache, cache, k=torch.randn(1, 1, 2, 16), cache_seqlens=3)

@@ -12,10 +12,12 @@ probability matrix (flash-attn returns it only as a debugging aid with dropout).
 ``flash_attn_with_kvcache`` appends ``k``/``v`` to the caches in place at ``cache_seqlens`` (per sequence; the
 caches may be addressed through ``cache_batch_idx``, or paged through ``block_table``), applies rotary
 embeddings (``rotary_cos``/``rotary_sin``, ``rotary_interleaved``) to the new keys at their positions and to q —
-at its positions when causal or windowed, else at ``cache_seqlens`` — and attends over each sequence's keys
-through the op's own KV cache (``seqused_k``, ``block_table``; a ``cache_batch_idx`` reads the cache as one page
-per row), so the cache is neither copied nor read back to the host. ``num_splits`` is a flash-attn scheduling knob
-and is ignored; ``cache_leftpad`` is refused (not supported yet).
+at its positions when causal or windowed (a window bound at least the cache's length counts as none, as in
+flash-attn's kernel), else at ``cache_seqlens`` — and attends over each sequence's keys through the op's own KV
+cache (``seqused_k``, ``block_table``; a ``cache_batch_idx`` reads the cache as one page per row), so the cache is
+neither copied nor read back to the host. With ``cache_leftpad`` (dense caches only, as in flash-attn) sequence i
+holds positions ``[cache_leftpad[i], cache_seqlens[i])``: rotary positions stay absolute, and the keys are gathered
+to start at 0 (one copy of the cache per call). ``num_splits`` is a flash-attn scheduling knob and is ignored.
 """
 
 from __future__ import annotations
@@ -143,12 +145,17 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
 
 def _check_kvcache(q: Tensor, k_cache: Tensor, block_table: Tensor | None, cache_batch_idx: Tensor | None,
                    cache_leftpad: Tensor | None) -> None:
-    if cache_leftpad is not None:
-        raise ValueError("flash_attn_with_kvcache: cache_leftpad is not supported by opdispatch yet; pass caches "
-                         "whose sequences start at position 0")
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"flash_attn_with_kvcache: q and k_cache must be 4-D, got q {tuple(q.shape)}, k_cache "
                          f"{tuple(k_cache.shape)}")
+    if cache_leftpad is not None:
+        if block_table is not None:
+            raise ValueError("flash_attn_with_kvcache: cache_leftpad and block_table cannot be used together (as in "
+                             "flash-attn); pass one or the other")
+        if cache_leftpad.dtype != torch.int32 or tuple(cache_leftpad.shape) != (q.shape[0],):
+            raise TypeError(f"flash_attn_with_kvcache: cache_leftpad must be int32 of shape (batch,) = "
+                            f"({q.shape[0]},), got {cache_leftpad.dtype} {tuple(cache_leftpad.shape)}; pass "
+                            f"one start per sequence, e.g. cache_leftpad.to(torch.int32)")
     if block_table is not None and cache_batch_idx is not None:
         raise ValueError("flash_attn_with_kvcache: cache_batch_idx and block_table cannot be used together (as "
                          "in flash-attn)")
@@ -178,16 +185,43 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache: pass k and v together (or neither)")
     if rotary_cos is not None and rotary_sin is not None:
-        q, k = _rotate(q, k, rotary_cos, rotary_sin, lens, rotary_interleaved, causal or _window(
-            window_size, causal) is not None)
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        q, k = _rotate(q, k, rotary_cos, rotary_sin, lens, rotary_interleaved,
+                       _is_local(window_size, causal, capacity))
     if cache_batch_idx is not None:  # rows of the cache, in any order: one page per row (no copy)
         block_table = cache_batch_idx.to(torch.int32).unsqueeze(1)
     if k is not None and v is not None:
         _append(k_cache, v_cache, k, v, lens, block_table)
         lens = lens + k.shape[1]
+    if cache_leftpad is not None:
+        k_cache, v_cache, lens = _drop_leftpad(k_cache, v_cache, lens, cache_leftpad, block_table)
+        block_table = None
     result = _run(q, k_cache, v_cache, "bshd", 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
                   False, return_softmax_lse, seqused_k=lens, block_table=block_table)
     return result
+
+
+def _drop_leftpad(k_cache: Tensor, v_cache: Tensor, lens: Tensor, leftpad: Tensor,
+                  rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Sequence i's keys are cache positions [leftpad[i], lens[i]): gathered to start at 0 (a copy: the op's KV
+    cache reads each sequence from its first position), with their lengths. `rows`: the one-page-per-row table of
+    a cache_batch_idx, else row i."""
+    batch, capacity = leftpad.shape[0], k_cache.shape[1]
+    if k_cache.device.type == "cpu" and bool((leftpad > lens).any()):  # on an accelerator: a sync, not checked
+        raise ValueError(f"flash_attn_with_kvcache: cache_leftpad={leftpad.tolist()} must be <= each sequence's "
+                         f"end (cache_seqlens plus the new keys) = {lens.tolist()}")
+    row = (rows[:, 0].long() if rows is not None else torch.arange(batch, device=k_cache.device)).unsqueeze(1)
+    positions = (leftpad.long().unsqueeze(1) + torch.arange(capacity, device=k_cache.device)).clamp_(max=capacity - 1)
+    return k_cache[row, positions], v_cache[row, positions], lens - leftpad
+
+
+def _is_local(window_size: Any, causal: bool, capacity: int) -> bool:
+    """Whether flash-attn's kernel masks causally or by a window, which puts each query's rotary at its own
+    position: it first drops window bounds of `capacity` (the cache's length) or more, as no key is that far."""
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    return 0 <= left < capacity or 0 <= right < capacity
 
 
 def _rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, lens: Tensor, interleaved: bool,
@@ -195,7 +229,7 @@ def _rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, lens: Tensor,
     """flash-attn's rotary in with_kvcache: new keys at cache_seqlens + i; q at cache_seqlens + i when causal or
     windowed, else every query at cache_seqlens."""
     if k is not None:
-        if q_at_own_positions:
+        if q_at_own_positions and q.shape[1] == k.shape[1]:  # one call for both (the op needs equal lengths)
             q, k = rotary_embedding(q, k, cos, sin, seqlen_offsets=lens, interleaved=interleaved)
             return q, k
         _, k = rotary_embedding(k, k, cos, sin, seqlen_offsets=lens, interleaved=interleaved)
