@@ -77,6 +77,32 @@ def test_packed_forms_are_views_of_the_same_call(basic_manager):
                                fa.flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=True))
 
 
+def test_repeated_calls_take_the_fast_path_with_flash_attns_conventions(basic_manager, monkeypatch):
+    resolves: list[str] = []
+    original = basic_manager.resolve
+    monkeypatch.setattr(basic_manager, "resolve",
+                        lambda op, call, **kw: resolves.append(op) or original(op, call, **kw))
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = rand(2, 3, 4, 16, gen=gen), rand(2, 7, 2, 16, gen=gen), rand(2, 7, 2, 16, gen=gen)
+    want, want_lse = oracle(q.double(), k.double(), v.double(), causal=True, window=(3, 5))
+    for _ in range(3):  # the first decides and binds; the others are fast-path hits
+        out, lse, probs = fa.flash_attn_func(q, k, v, causal=True, window_size=(3, 5), return_attn_probs=True)
+        assert probs is None
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fa.flash_attn_func(q, k, v, causal=True, window_size=(3, 5)), out)
+    assert resolves == ["attention", "attention"]  # one decision per signature (with and without the LSE)
+    # The packed form's views reach the same fast path; its gradient lands in one packed tensor.
+    qkv = rand(2, 7, 3, 2, 16, gen=gen, grad=True)
+    for _ in range(2):
+        out = fa.flash_attn_qkvpacked_func(qkv, causal=True)
+    (grad,) = torch.autograd.grad(out.square().sum(), qkv)
+    qkv64 = qkv.detach().double().requires_grad_()
+    ref = oracle(qkv64[:, :, 0], qkv64[:, :, 1], qkv64[:, :, 2], causal=True)[0]
+    (want_grad,) = torch.autograd.grad(ref.square().sum(), qkv64)
+    torch.testing.assert_close(grad.double(), want_grad, atol=1e-4, rtol=1e-4)
+
+
 def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 

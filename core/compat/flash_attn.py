@@ -24,12 +24,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import threading
+
 import torch
 from torch import Tensor
 
-import threading
-
-from .._api import attention
+from .. import _api
+from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, \
+    _run_and_remember, attention
+from .._attention import validate_attention
 from .._rotary import rotary_embedding
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -80,16 +83,66 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
                     alibi_slopes: Tensor | None = None, deterministic: bool = False,
                     return_attn_probs: bool = False) -> Any:
     """q (batch, seqlen_q, heads, dim), k/v (batch, seqlen_k, heads_k, dim): out like q (value's dim)."""
+    # The per-call fast path: a call without ALiBi or dropout, plain tensors and a window of ints, whose signature
+    # was seen, calls the kernel bound to it (the manager's cache, as opdispatch.attention's own front door).
+    fast_key = None
+    if (alibi_slopes is None and not dropout_p and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and type(window_size) is tuple and not _is_compiling() and not getattr(_inside, "depth", 0)):
+        manager = _api._manager or _api.get_manager()
+        try:
+            fast_key = (_FLASH_ATTN_FUNC, q.shape, q.dtype, q.device, q.stride(-1), k.shape, k.dtype, k.device,
+                        k.stride(-1), v.shape, v.dtype, v.device, v.stride(-1), softmax_scale,
+                        softmax_scale.__class__, causal, causal.__class__, window_size, tuple(map(type, window_size)),
+                        softcap, softcap.__class__, deterministic, deterministic.__class__, return_attn_probs,
+                        dropout_p.__class__,
+                        _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+                        _overrides(), _module(), _deterministic())
+            fn = manager.fast[fast_key]
+        except KeyError:
+            pass  # the first call of this signature: remembered below
+        except (TypeError, RuntimeError):
+            fast_key = None  # an unhashable value: the general path checks everything
+        else:
+            _inside.depth = 1
+            try:
+                return _result(fn(q, k, v), return_attn_probs)
+            except Exception as exc:  # the breaker decides, as for opdispatch.attention's fast path
+                return _result(_fast_path_failed(manager, fast_key, fn, exc, _remembered, (
+                    q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)),
+                    return_attn_probs)
+            finally:
+                _inside.depth = 0
+        return _result(_remembered(manager, fast_key, q, k, v, softmax_scale, causal, window_size, softcap,
+                                   deterministic, return_attn_probs), return_attn_probs)
     return _result(_run(q, k, v, "bshd", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                         deterministic, return_attn_probs), return_attn_probs)
+
+
+_FLASH_ATTN_FUNC = "compat.flash_attn_func"  # its fast-path keys' first field: never one of an op's
+
+
+def _remembered(manager: Any, fast_key: Any, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None,
+                causal: bool, window_size: Any, softcap: float, deterministic: bool, want_lse: bool) -> Any:
+    """A flash_attn_func call through opdispatch.attention's slow path — validate, decide, bind — remembering the
+    bound kernel under the front door's own `fast_key` (`fast_key` None: not remembered)."""
+    _inside.depth = 1
+    try:
+        call = validate_attention(q, k, v, layout="bshd", causal=causal, causal_alignment="bottom_right",
+                                  window=_window(window_size, causal), scale=softmax_scale, softcap=softcap,
+                                  return_lse=want_lse, deterministic=deterministic, module=_module())
+        return _run_and_remember(manager, "attention", fast_key, call, None, (q, k, v))
+    finally:
+        _inside.depth = 0
 
 
 def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
                               causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: Tensor | None = None, deterministic: bool = False,
                               return_attn_probs: bool = False) -> Any:
-    """qkv (batch, seqlen, 3, heads, dim): q, k and v are views of it (no copies)."""
-    return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+    """qkv (batch, seqlen, 3, heads, dim) — the packed layout bs3hd: q, k and v are views of it (no copies; their
+    gradients land in one tensor)."""
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size,
                            softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
@@ -98,7 +151,8 @@ def flash_attn_kvpacked_func(q: Tensor, kv: Tensor, dropout_p: float = 0.0, soft
                              alibi_slopes: Tensor | None = None, deterministic: bool = False,
                              return_attn_probs: bool = False) -> Any:
     """q (batch, seqlen_q, heads, dim), kv (batch, seqlen_k, 2, heads_k, dim)."""
-    return flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
 
 
@@ -126,7 +180,8 @@ def flash_attn_varlen_qkvpacked_func(qkv: Tensor, cu_seqlens: Tensor, max_seqlen
                                      alibi_slopes: Tensor | None = None, deterministic: bool = False,
                                      return_attn_probs: bool = False) -> Any:
     """qkv (total, 3, heads, dim) with one `cu_seqlens` for queries and keys."""
-    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs)
 
@@ -138,7 +193,8 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
                                     alibi_slopes: Tensor | None = None, deterministic: bool = False,
                                     return_attn_probs: bool = False) -> Any:
     """q (total_q, heads, dim), kv (total_k, 2, heads_k, dim)."""
-    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs)
 
