@@ -149,6 +149,7 @@ def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: in
         "plan": lambda: planned(q, k, v),
         "compat.sdpa": lambda: compat_sdpa(q, k, v),
         "compat.flash_attn": lambda: flash_attn_func(qt, kt, vt),
+        "policy bshd": lambda: attention(qt, kt, vt),  # the per-call path on flash_attn_func's very tensors
         "torch sdpa": lambda: torch_sdpa(q, k, v),
     }
     samples = per_call_seconds(fns, device, repeat)
@@ -202,8 +203,9 @@ def key_costs_markdown(device: torch.device, size: tuple[int, int, int, int], re
 
 
 COLUMNS = ["direct", "floor", "impl.run", "pinned", "policy", "plan", "compat.sdpa", "compat.flash_attn",
-           "torch sdpa"]
-OVERHEAD_COLUMNS = ["floor", "pinned", "policy", "plan", "compat.sdpa", "compat.flash_attn", "torch sdpa"]
+           "policy bshd", "torch sdpa"]
+OVERHEAD_COLUMNS = ["floor", "pinned", "policy", "plan", "compat.sdpa", "compat.flash_attn", "policy bshd",
+                    "torch sdpa"]
 
 
 def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repeat: int) -> str:
@@ -214,7 +216,8 @@ def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repea
         "of entering any per-call Python API of that shape; compat.sdpa = `opdispatch.compat."
         "scaled_dot_product_attention` (the drop-in for torch's functional, policy-dispatched); torch sdpa = torch's "
         "own `F.scaled_dot_product_attention` (its own backend choice); compat.flash_attn = `opdispatch.compat."
-        "flash_attn.flash_attn_func` on bshd views of the same tensors", "",
+        "flash_attn.flash_attn_func` on bshd views of the same tensors, and policy bshd = `opdispatch.attention` on "
+        "those views (the kernel reads views slower than the contiguous tensors of `direct`: compare the two)", "",
         "| size (b,h,s,d) | impl | " + " | ".join(f"{c} µs" for c in COLUMNS) + " | "
         + " | ".join(f"{c} - direct" for c in OVERHEAD_COLUMNS) + " |",
         "|---|---|" + "--:|" * (len(COLUMNS) + len(OVERHEAD_COLUMNS))]
