@@ -13,7 +13,8 @@ public code does show (see docs/vendors.md):
 The adapter therefore passes only those keywords, never positions (vLLM's flash-attn orders `max_seqlen_q` before
 `cu_seqlens_q`), checks them against `inspect.signature` before use, and claims only what those call sites
 exercise: causal (bottom-right, the flash-attn convention) or none, GQA, head dims up to 256 in multiples of 8,
-forward only, no lse. Dense layouts are packed into the varlen call.
+forward only, no lse. Dense layouts are packed into the varlen call. KV caches (seqused_k, block_table) are not
+claimed: no public call site shows ixformer taking them, and no Iluvatar machine was at hand to check.
 """
 
 from __future__ import annotations

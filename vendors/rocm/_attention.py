@@ -161,7 +161,9 @@ class RocmAiter(AttentionImpl):
     # mha_fwd_kernels.cu: fp16/bf16 (fp8 needs descales this call cannot carry), head dims <= 256 (the wrapper
     # pads to % 8), q and v head dims may differ, GQA. Softcap exists only on the varlen function
     # (`logits_soft_cap`); dense calls with softcap are packed into it. `bias` is a (seqlen_q, seqlen_k) tensor
-    # only, so general attn_bias is not claimed.
+    # only, so general attn_bias is not claimed. KV caches are not claimed: aiter's varlen function takes a
+    # `block_table` (no seqused_k, no with_kvcache), but the page sizes its CK-tile kernels accept are not
+    # documented and no AMD machine was at hand to measure them (as for rocm.ck's paged caches).
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=_HALF, head_dim_max=256, head_dim_v_differs=True, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, alibi=True,
