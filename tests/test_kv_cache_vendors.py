@@ -17,8 +17,9 @@ import opdispatch
 from opdispatch import validate_attention
 from opdispatch.vendors.flagos import FlagGemsAttention
 from opdispatch.vendors.nvidia import CudnnAttention, FlashAttn2, FlashAttn3
-from opdispatch.vendors.rocm import RocmFlashAttnCK
+from opdispatch.vendors.rocm import RocmAiter, RocmFlashAttnCK
 from tests.conftest import device_descriptor
+from tests.fakes import aiter as fake_aiter
 from tests.fakes import flag_gems as fake_flag_gems
 from tests.fakes import flash_attn as fake_fa2
 from tests.fakes import flash_attn_interface as fake_fa3
@@ -33,6 +34,7 @@ def fakes(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", fake_fa2)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3)
     fake_flag_gems.install(monkeypatch)
+    monkeypatch.setitem(sys.modules, "aiter", fake_aiter.make([]))
 
 
 def _pages(used, page_size, heads, dim, dtype, gen):
@@ -65,7 +67,7 @@ def _case(kind, *, page_size, dtype, gen, causal=True, window=None, alibi=False)
         q = torch.randn(sum(lens_q), h, d, generator=gen).to(dtype)
         kw.update(layout="thd", cu_seqlens_q=torch.tensor([0, 2, 3, 4, 7], dtype=torch.int32))
     if kind == "dense":
-        cap = max(used) + 2
+        cap = -(-(max(used) + 2) // page_size) * page_size  # whole pages: a kernel may read it one page per row
         k, v = (torch.randn(len(used), cap, hk, d, generator=gen).to(dtype) for _ in range(2))
     elif kind == "thd":
         spans = [n + 2 for n in used]
@@ -93,6 +95,7 @@ ADAPTERS = {
     "flash_attn": (FlashAttn2, ("dense", "paged", "thd-paged"), 256, torch.float16, 2e-3),
     "flash_attn3": (FlashAttn3, ("dense", "paged", "thd-paged", "thd"), 3, torch.bfloat16, 1e-2),
     "flag_gems": (FlagGemsAttention, ("dense", "paged", "thd-paged"), 3, torch.float16, 2e-3),
+    "aiter": (RocmAiter, ("dense", "paged", "thd-paged"), 256, torch.float16, 2e-3),
 }
 
 
@@ -185,6 +188,29 @@ def test_flash_attn_2_entries_and_limits(fakes, manager):
     assert any("no backward" in r for r in impl.extra_reasons(training, H100))
 
 
+def test_aiter_says_what_its_paged_entry_cannot_take(fakes, manager, monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    impl = RocmAiter()
+    dense = _case("dense", page_size=256, dtype=torch.float16, gen=gen)
+    ragged = validate_attention(dense.q, dense.k[:, :300], dense.v[:, :300], seqused_k=dense.seqused_k.clamp(max=300),
+                                causal=True, causal_alignment="bottom_right")
+    assert any("a dense KV cache of 300 positions" in r and "multiple of 256" in r
+               for r in impl.extra_reasons(ragged, H100))
+    small = _case("paged", page_size=16, dtype=torch.float16, gen=gen)
+    assert "page size 16 is not a multiple of 256" in impl.not_supported_reasons(small, H100)
+    unpaged = _case("thd", page_size=1, dtype=torch.float16, gen=gen)
+    assert any("takes block_table, not seqused_k" in r for r in impl.extra_reasons(unpaged, H100))
+
+    def old_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                   softmax_scale=None, causal=False, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                   return_lse=False, return_attn_probs=False):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(sys.modules["aiter"], "flash_attn_varlen_func", old_varlen)
+    paged = _case("paged", page_size=256, dtype=torch.float16, gen=gen)
+    assert any("takes no block_table" in r for r in impl.extra_reasons(paged, H100))
+
+
 def test_flag_gems_reads_a_dense_cache_as_pages_only_in_bshd(fakes, manager):
     gen = torch.Generator().manual_seed(2)
     call = _case("dense", page_size=1, dtype=torch.float16, gen=gen)
@@ -218,7 +244,8 @@ EXPECTED = {
     ("h200", None): "nvidia.flash", ("h200", 16): "flagos.triton", ("h200", 256): "nvidia.flash",
     ("a100", None): "nvidia.flash", ("a100", 256): "nvidia.flash",
     ("a100", 16): "reference.math",  # no flag_gems declared there, and FA2 pages must hold 256 keys
-    ("mi300x", None): "rocm.ck", ("mi300x", 16): "reference.math", ("mi300x", 256): "reference.math",
+    ("mi300x", None): "rocm.aiter", ("mi300x", 256): "rocm.aiter",  # its varlen entry's block_table
+    ("mi300x", 16): "reference.math",  # aiter's pages must hold 256 keys here, and CK takes no pages
 }
 
 

@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from . import _math, _norm
+from . import _fa_math, _math, _norm
 
 __version__ = "0.1.9"
 
@@ -56,6 +56,12 @@ def make(calls: list) -> types.ModuleType:
                            return_attn_probs=return_attn_probs, how_v3_bf16_cvt=how_v3_bf16_cvt)))
         assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        if block_table is not None:  # flash-attn's paged convention: page pools, cu_seqlens_k = the keys' offsets
+            assert block_table.dtype == torch.int32 and k.dim() == 4 and v.dim() == 4
+            assert not return_attn_probs and dropout_p == 0.0
+            lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+            k = torch.cat([_fa_math.sequence_keys(k, i, n, block_table) for i, n in enumerate(lengths)])
+            v = torch.cat([_fa_math.sequence_keys(v, i, n, block_table) for i, n in enumerate(lengths)])
         o, lse = _math.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
                                         window=tuple(window_size[:2]), alignment="bottom_right",
                                         softcap=logits_soft_cap, alibi=alibi_slopes)

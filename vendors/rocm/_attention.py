@@ -19,16 +19,20 @@ this code; see docs/vendors.md):
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import (alibi_alignment_reason, empty_rows_to_neg_inf, flash_attn_kv_cache,
-                                        kernel_window, kv_cache_reasons, pack_dense, unpack_lse, unpack_out)
+from opdispatch.plugins.toolkit import (alibi_alignment_reason, cache_as_pages, cumulative_lengths,
+                                        empty_rows_to_neg_inf, flash_attn_kv_cache, kernel_window, kv_cache_reasons,
+                                        kv_lse_fix, pack_dense, packed_queries, unaccepted_keywords, unpack_kv_out,
+                                        unpack_lse, unpack_out)
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
+_AITER_PAGE = 256  # keys a page of rocm.aiter's KV caches holds a multiple of (see RocmAiter.caps)
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
 
 
@@ -161,22 +165,28 @@ class RocmAiter(AttentionImpl):
     # mha_fwd_kernels.cu: fp16/bf16 (fp8 needs descales this call cannot carry), head dims <= 256 (the wrapper
     # pads to % 8), q and v head dims may differ, GQA. Softcap exists only on the varlen function
     # (`logits_soft_cap`); dense calls with softcap are packed into it. `bias` is a (seqlen_q, seqlen_k) tensor
-    # only, so general attn_bias is not claimed. KV caches are not claimed: aiter's varlen function takes a
-    # `block_table` (no seqused_k, no with_kvcache), but the page sizes its CK-tile kernels accept are not
-    # documented and no AMD machine was at hand to measure them (as for rocm.ck's paged caches).
+    # only, so general attn_bias is not claimed. KV caches: the varlen function's `block_table` (flash-attn's paged
+    # convention: page pools, cu_seqlens_k the keys' offsets; no seqused_k, no with_kvcache), a dense bshd cache
+    # read as one page per sequence. The page sizes its CK-tile kernels accept are not documented and no AMD
+    # machine was at hand: pages must hold a multiple of 256 keys, the strictest rule of the FlashAttention line
+    # (flash-attn's CUDA kernels), so what is claimed holds under any smaller tile.
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=_HALF, head_dim_max=256, head_dim_v_differs=True, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, alibi=True,
         dropout=True, lse=True, backward=True, deterministic_backward=True,
-        causal=True, deterministic_forward=True,
+        causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, page_size_multiple=_AITER_PAGE,
     )
     options_model: ClassVar[type[BaseModel]] = AiterOptions
 
     def selection_key(self, call: AttentionCall) -> Any:
-        return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
+        # Class features, and for a dense KV cache whether its length makes whole pages.
+        return (call.kv_cache and call.seqlen_k % _AITER_PAGE == 0,)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        return [r for r in (alibi_alignment_reason(call),) if r]
+        reasons = [r for r in (alibi_alignment_reason(call),) if r]
+        if call.kv_cache:
+            reasons += kv_cache_reasons(call, "aiter") + _aiter_kv_cache_reasons(call)
+        return reasons
 
     def extra_availability(self, device: DeviceInfo) -> str | None:
         try:
@@ -190,6 +200,8 @@ class RocmAiter(AttentionImpl):
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         import aiter
 
+        if call.kv_cache:
+            return _aiter_kv_cache(aiter, call)
         opts = self.options
         deterministic = opts.deterministic_backward if opts.deterministic_backward is not None else call.deterministic
         # aiter's autograd functions assert return_lse whenever a backward will run (v0.1.7 and later).
@@ -225,6 +237,46 @@ class RocmAiter(AttentionImpl):
             return out
         assert lse is not None
         return out, empty_rows_to_neg_inf(lse)
+
+
+def _aiter_kv_cache_reasons(call: AttentionCall) -> list[str]:
+    """What aiter's paged entry cannot take of a KV-cache call (the rest: kv_cache_reasons)."""
+    reasons = []
+    entry = getattr(sys.modules.get("aiter"), "flash_attn_varlen_func", None)  # availability imported it, if here
+    if entry is not None and unaccepted_keywords(entry, ("block_table",)):
+        reasons.append("this aiter's flash_attn_varlen_func takes no block_table (KV caches need a newer aiter)")
+    if call.paged:
+        return reasons
+    if call.varlen:
+        reasons.append("packed queries over an unpaged cache (thd with seqused_k) are not supported: aiter's "
+                       "flash_attn_varlen_func takes block_table, not seqused_k (page it with block_table)")
+        return reasons
+    if call.layout != "bshd":
+        reasons.append(f"a dense KV cache in layout {call.layout!r}: aiter reads it as pages of adjacent rows, "
+                       "which needs layout 'bshd' (or page it with block_table)")
+    if call.seqlen_k % _AITER_PAGE:
+        reasons.append(f"a dense KV cache of {call.seqlen_k} positions: aiter reads it as one page per sequence, "
+                       f"and pages must hold a multiple of {_AITER_PAGE} keys (page it, or size the cache so)")
+    return reasons
+
+
+def _aiter_kv_cache(aiter: Any, call: AttentionCall) -> Any:
+    """A KV-cache call through aiter.flash_attn_varlen_func(block_table=): queries packed, the cache's pages (a
+    dense cache one page per sequence), cu_seqlens_k from seqused_k."""
+    queries = packed_queries(call)
+    k, v, table = cache_as_pages(call)
+    kwargs: dict[str, Any] = dict(softmax_scale=call.scale, causal=call.causal, window_size=kernel_window(call),
+                                  return_lse=call.return_lse, return_attn_probs=False, block_table=table)
+    if call.softcap > 0:
+        kwargs["logits_soft_cap"] = call.softcap
+    result = aiter.flash_attn_varlen_func(queries.q, k, v, queries.cu_seqlens_q, cumulative_lengths(call.seqused_k),
+                                          queries.max_seqlen_q, call.seqlen_k, **kwargs)
+    out, lse = _split(result, call.return_lse)
+    out = unpack_kv_out(call, out)
+    if not call.return_lse:
+        return out
+    assert lse is not None
+    return out, kv_lse_fix(lse if call.varlen else unpack_lse(call, lse), call)
 
 
 # -- rocm.aotriton: torch's ROCm flash attention (AOTriton, or torch's own CK when preferred) -----------------
