@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -68,3 +69,18 @@ def basic_manager(monkeypatch: pytest.MonkeyPatch) -> Iterator[opdispatch.OpMana
         yield fresh
     finally:
         opdispatch.set_manager(previous)
+
+
+@pytest.fixture
+def resolves(basic_manager: opdispatch.OpManager, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The op of every decision `basic_manager` makes (its resolve() calls): a fast-path hit makes none."""
+    seen: list[str] = []
+    original = basic_manager.resolve
+
+    def counting(op: str, call: Any, **kwargs: Any) -> Any:
+        seen.append(op)
+        return original(op, call, **kwargs)
+
+    monkeypatch.setattr(basic_manager, "resolve", counting)
+    return seen
+

@@ -77,11 +77,7 @@ def test_packed_forms_are_views_of_the_same_call(basic_manager):
                                fa.flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], causal=True))
 
 
-def test_repeated_calls_take_the_fast_path_with_flash_attns_conventions(basic_manager, monkeypatch):
-    resolves: list[str] = []
-    original = basic_manager.resolve
-    monkeypatch.setattr(basic_manager, "resolve",
-                        lambda op, call, **kw: resolves.append(op) or original(op, call, **kw))
+def test_repeated_calls_take_the_fast_path_with_flash_attns_conventions(basic_manager, resolves):
     gen = torch.Generator().manual_seed(9)
     q, k, v = rand(2, 3, 4, 16, gen=gen), rand(2, 7, 2, 16, gen=gen), rand(2, 7, 2, 16, gen=gen)
     want, want_lse = oracle(q.double(), k.double(), v.double(), causal=True, window=(3, 5))

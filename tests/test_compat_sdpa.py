@@ -406,11 +406,7 @@ def test_an_implementation_calling_sdpa_while_routed_reaches_torch_not_itself(ba
         torch.testing.assert_close(out, torch_sdpa(q, k, v, is_causal=True))
 
 
-def test_repeated_calls_take_the_fast_path_and_a_raising_kernel_fails_over(basic_manager, monkeypatch):
-    resolves: list[str] = []
-    original = basic_manager.resolve
-    monkeypatch.setattr(basic_manager, "resolve",
-                        lambda op, call, **kw: resolves.append(op) or original(op, call, **kw))
+def test_repeated_calls_take_the_fast_path_and_a_raising_kernel_fails_over(basic_manager, resolves):
     gen = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(3))
     for causal in (False, True):

@@ -267,17 +267,13 @@ def test_paged_pools_must_be_four_dimensional(basic_manager):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_a_decode_loop_takes_the_fast_path_with_each_steps_lengths(paged, basic_manager, monkeypatch):
+def test_a_decode_loop_takes_the_fast_path_with_each_steps_lengths(paged, basic_manager, resolves, monkeypatch):
     """On an accelerator a KV-cache call's lengths and pages join the fast-path key by shape (their values are not
     read); the bound function gets each step's tensors. The CPU checks values per call instead, so this test lets
     CPU index tensors into the key the way an accelerator's are."""
     from opdispatch import _api
 
     monkeypatch.setattr(_api, "_index_key", lambda t: (t.shape, t.dtype, t.device))
-    resolves: list[str] = []
-    original = basic_manager.resolve
-    monkeypatch.setattr(basic_manager, "resolve",
-                        lambda op, call, **kw: resolves.append(op) or original(op, call, **kw))
     gen = torch.Generator().manual_seed(5 + paged)
     b, cap, h, hk, d, page = 3, 12, 4, 2, 8, 4
     keys = [_rand(cap, hk, d, gen=gen) for _ in range(b)]
