@@ -88,6 +88,11 @@ def test_repeated_calls_take_the_fast_path_with_flash_attns_conventions(basic_ma
         torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fa.flash_attn_func(q, k, v, causal=True, window_size=(3, 5)), out)
     assert resolves == ["attention", "attention"]  # one decision per signature (with and without the LSE)
+    keys = [key for key in basic_manager.fast if key[0] == "compat.flash_attn_func"]
+    window = (torch.tensor(3), torch.tensor(5))  # tensors as window sizes: the general path, no key per object
+    for _ in range(3):
+        torch.testing.assert_close(fa.flash_attn_func(q, k, v, causal=True, window_size=window), out)
+    assert [key for key in basic_manager.fast if key[0] == "compat.flash_attn_func"] == keys
     # The packed form's views reach the same fast path; its gradient lands in one packed tensor.
     qkv = rand(2, 7, 3, 2, 16, gen=gen, grad=True)
     for _ in range(2):

@@ -83,17 +83,19 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
                     alibi_slopes: Tensor | None = None, deterministic: bool = False,
                     return_attn_probs: bool = False) -> Any:
     """q (batch, seqlen_q, heads, dim), k/v (batch, seqlen_k, heads_k, dim): out like q (value's dim)."""
-    # The per-call fast path: a call without ALiBi or dropout, plain tensors and a window of ints, whose signature
-    # was seen, calls the kernel bound to it (the manager's cache, as opdispatch.attention's own front door).
+    # The per-call fast path: a call without ALiBi or dropout, plain tensors and a window of two ints (tensors as
+    # window sizes would key by identity: a miss every call), whose signature was seen, calls the kernel bound to
+    # it (the manager's cache, as opdispatch.attention's own front door).
     fast_key = None
     if (alibi_slopes is None and not dropout_p and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
-            and type(window_size) is tuple and not _is_compiling() and not getattr(_inside, "depth", 0)):
+            and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
+            and type(window_size[1]) is int and not _is_compiling() and not getattr(_inside, "depth", 0)):
         manager = _api._manager or _api.get_manager()
         try:
             fast_key = (_FLASH_ATTN_FUNC, q.shape, q.dtype, q.device, q.stride(-1), k.shape, k.dtype, k.device,
                         k.stride(-1), v.shape, v.dtype, v.device, v.stride(-1), softmax_scale,
-                        softmax_scale.__class__, causal, causal.__class__, window_size, tuple(map(type, window_size)),
-                        softcap, softcap.__class__, deterministic, deterministic.__class__, return_attn_probs,
+                        softmax_scale.__class__, causal, causal.__class__, window_size, softcap, softcap.__class__,
+                        deterministic, deterministic.__class__, return_attn_probs,
                         dropout_p.__class__,
                         _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
                         _overrides(), _module(), _deterministic())
