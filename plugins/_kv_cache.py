@@ -48,6 +48,15 @@ def cache_as_pages(call: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return k, v, table
 
 
+def cache_as_pages_reason(call: Any, kernel: str) -> str | None:
+    """Why `cache_as_pages` cannot hand `kernel` a call's dense cache as pages (None when it can): a kernel that
+    addresses slot ``page * page_size + i`` with k's row stride needs a sequence's rows adjacent, i.e. bshd."""
+    if call.paged or call.layout == "bshd":
+        return None
+    return (f"a dense KV cache in layout {call.layout!r}: {kernel} reads it as pages of adjacent rows, which needs "
+            "layout 'bshd' (or page it with block_table)")
+
+
 def cumulative_lengths(seqused_k: torch.Tensor) -> torch.Tensor:
     """int32 (batch + 1,) offsets [0, n_0, n_0 + n_1, …] of per-sequence key counts, on their device (no sync)."""
     return torch.nn.functional.pad(seqused_k.cumsum(0, dtype=torch.int32), (1, 0))

@@ -43,7 +43,7 @@ KV caches (calls with ``seqused_k``, and ``block_table`` when paged), for FlashA
 - `packed_queries(call)` → `KvQueries(q, cu_seqlens_q, max_seqlen_q)` and `unpack_kv_out(call, out)`: the queries
   as packed sequences and the output back.
 - `cache_as_pages(call)` → (k pool, v pool, block table): a paged call's own, or a dense cache read as one page
-  per sequence (views, no copy).
+  per sequence (views, no copy); `cache_as_pages_reason(call, kernel)`: why not (a dense cache not in bshd).
 - `cumulative_lengths(seqused_k)`: int32 offsets of the key counts, for kernels that want ``cu_seqlens_k``.
 - `kv_lse_fix(lse, call)`: -inf for the queries of a KV-cache call that see no key.
 - `kv_cache_reasons(call, kernel)`: the limits such entries share (forward only, bottom-right, no dropout).
@@ -71,16 +71,17 @@ from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, 
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window
-from ._kv_cache import (KvQueries, cache_as_pages, cumulative_lengths, flash_attn_kv_cache, kv_cache_allowed,
-                        kv_cache_as_mask,
-                        kv_cache_reasons, kv_lse_fix, packed_queries, unpack_kv_out)
+from ._kv_cache import (KvQueries, cache_as_pages, cache_as_pages_reason, cumulative_lengths, flash_attn_kv_cache,
+                        kv_cache_allowed, kv_cache_as_mask, kv_cache_reasons, kv_lse_fix, packed_queries,
+                        unpack_kv_out)
 from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlens, unpack_lse, unpack_out
 from ._signatures import unaccepted_keywords
 from ._versions import at_least, installed_versions, version_tuple
 
 __all__ = ["KvQueries", "PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
-           "at_least", "bind_dense", "blind_rows", "cache_as_pages", "causal_alibi_lse_reason", "cumulative_lengths",
-           "dense_lse_fix", "empty_rows_to_neg_inf", "flash_attn_kv_cache", "installed_versions", "kernel_window",
-           "kv_cache_allowed", "kv_cache_as_mask", "kv_cache_reasons", "kv_lse_fix", "layout_views", "pack_dense",
-           "pack_padded_lse", "packed_queries", "shift_rows", "unaccepted_keywords", "uniform_cu_seqlens",
-           "unpack_kv_out", "unpack_lse", "unpack_out", "varlen_lse_fix", "version_tuple"]
+           "at_least", "bind_dense", "blind_rows", "cache_as_pages", "cache_as_pages_reason",
+           "causal_alibi_lse_reason", "cumulative_lengths", "dense_lse_fix", "empty_rows_to_neg_inf",
+           "flash_attn_kv_cache", "installed_versions", "kernel_window", "kv_cache_allowed", "kv_cache_as_mask",
+           "kv_cache_reasons", "kv_lse_fix", "layout_views", "pack_dense", "pack_padded_lse", "packed_queries",
+           "shift_rows", "unaccepted_keywords", "uniform_cu_seqlens", "unpack_kv_out", "unpack_lse", "unpack_out",
+           "varlen_lse_fix", "version_tuple"]

@@ -28,9 +28,9 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import (alibi_alignment_reason, cache_as_pages, causal_alibi_lse_reason, dense_lse_fix,
-                                        kernel_window, kv_lse_fix, pack_dense, packed_queries, unpack_kv_out,
-                                        unpack_lse, unpack_out, varlen_lse_fix)
+from opdispatch.plugins.toolkit import (alibi_alignment_reason, cache_as_pages, cache_as_pages_reason,
+                                        causal_alibi_lse_reason, dense_lse_fix, kernel_window, kv_lse_fix, pack_dense,
+                                        packed_queries, unpack_kv_out, unpack_lse, unpack_out, varlen_lse_fix)
 
 _LN2 = math.log(2.0)
 # v5.0.2 scaled_dot_product_attention_forward: `assert HEAD_DIM_K in {16, 32, 64, 128, 256}`.
@@ -108,9 +108,9 @@ class FlagGemsAttention(AttentionImpl):
             alibi = alibi_alignment_reason(call, "flash_attn_varlen_func")
             if alibi:
                 reasons.append(alibi)
-            if call.kv_cache and not call.paged and call.layout != "bshd":
-                reasons.append(f"a dense KV cache in layout {call.layout!r}: flag_gems reads it as pages of adjacent "
-                               "rows, which needs layout 'bshd' (or page it with block_table)")
+            pages = cache_as_pages_reason(call, "flag_gems") if call.kv_cache else None
+            if pages:
+                reasons.append(pages)
         elif call.head_dim not in SDPA_HEAD_DIMS:
             reasons.append(f"head_dim {call.head_dim} not in {sorted(SDPA_HEAD_DIMS)} (flag_gems "
                            "scaled_dot_product_attention_forward)")

@@ -26,10 +26,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import (alibi_alignment_reason, cache_as_pages, cumulative_lengths,
-                                        empty_rows_to_neg_inf, flash_attn_kv_cache, kernel_window, kv_cache_reasons,
-                                        kv_lse_fix, pack_dense, packed_queries, unaccepted_keywords, unpack_kv_out,
-                                        unpack_lse, unpack_out)
+from opdispatch.plugins.toolkit import (alibi_alignment_reason, cache_as_pages, cache_as_pages_reason,
+                                        cumulative_lengths, empty_rows_to_neg_inf, flash_attn_kv_cache, kernel_window,
+                                        kv_cache_reasons, kv_lse_fix, pack_dense, packed_queries, unaccepted_keywords,
+                                        unpack_kv_out, unpack_lse, unpack_out)
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _AITER_PAGE = 256  # keys a page of rocm.aiter's KV caches holds a multiple of (see RocmAiter.caps)
@@ -251,9 +251,9 @@ def _aiter_kv_cache_reasons(call: AttentionCall) -> list[str]:
         reasons.append("packed queries over an unpaged cache (thd with seqused_k) are not supported: aiter's "
                        "flash_attn_varlen_func takes block_table, not seqused_k (page it with block_table)")
         return reasons
-    if call.layout != "bshd":
-        reasons.append(f"a dense KV cache in layout {call.layout!r}: aiter reads it as pages of adjacent rows, "
-                       "which needs layout 'bshd' (or page it with block_table)")
+    pages = cache_as_pages_reason(call, "aiter")
+    if pages:
+        reasons.append(pages)
     if call.seqlen_k % _AITER_PAGE:
         reasons.append(f"a dense KV cache of {call.seqlen_k} positions: aiter reads it as one page per sequence, "
                        f"and pages must hold a multiple of {_AITER_PAGE} keys (page it, or size the cache so)")
