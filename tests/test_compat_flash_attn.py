@@ -190,6 +190,12 @@ def test_kvcache_appends_in_place_and_attends_over_each_sequence(basic_manager, 
         assert torch.equal(k_cache[1], before_k[1]) and torch.equal(v_cache[1], before_v[1])  # untouched row
 
 
+def _rotary_tables(positions, rotary_dim):
+    """flash-attn's (positions, rotary_dim / 2) cos and sin tables (base 10000), float32 from float64 angles."""
+    theta = torch.arange(positions, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, rotary_dim, 2) / rotary_dim)
+    return theta.cos().float(), theta.sin().float()
+
+
 def _rope(x, positions, cos, sin, interleaved):
     """Rotary embedding by hand, float64: pairs (2i, 2i+1) when interleaved, else (i, i + d/2)."""
     x = x.double()
@@ -213,8 +219,7 @@ def test_kvcache_rotary_positions_follow_flash_attn(basic_manager, causal, inter
     lens = torch.tensor([2, 6], dtype=torch.int32)
     q, k_new, v_new = rand(2, 3, 2, 16, gen=gen), rand(2, 3, 2, 16, gen=gen), rand(2, 3, 2, 16, gen=gen)
     k_cache, v_cache = rand(2, 12, 2, 16, gen=gen), rand(2, 12, 2, 16, gen=gen)
-    theta = torch.arange(32, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, 8, 2) / 8)
-    cos, sin = theta.cos().float(), theta.sin().float()  # rotary_dim 8 of 16: partial
+    cos, sin = _rotary_tables(32, 8)  # rotary_dim 8 of 16: partial
     out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                      cache_seqlens=lens, causal=causal, rotary_interleaved=interleaved)
     for i, n in enumerate(lens.tolist()):
@@ -238,8 +243,7 @@ def test_kvcache_leftpad_attends_from_each_sequences_start(basic_manager, batch_
     k_cache, v_cache = rand(3, 12, 2, 16, gen=gen), rand(3, 12, 2, 16, gen=gen)
     rows = [2, 0] if batch_idx else [0, 1]
     before_k = k_cache.clone()
-    theta = torch.arange(16, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, 8, 2) / 8)
-    cos, sin = theta.cos().float(), theta.sin().float()
+    cos, sin = _rotary_tables(16, 8)
     slopes = torch.rand(2, 4, generator=gen) * 0.5
     out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                      cache_seqlens=lens, cache_leftpad=leftpad, causal=True, window_size=(5, -1),
@@ -264,8 +268,7 @@ def test_kvcache_rotary_with_fewer_new_keys_than_queries(basic_manager, mask):
     lens = torch.tensor([4, 1], dtype=torch.int32)
     q, k_new, v_new = rand(2, 3, 4, 16, gen=gen), rand(2, 2, 2, 16, gen=gen), rand(2, 2, 2, 16, gen=gen)
     k_cache, v_cache = rand(2, 10, 2, 16, gen=gen), rand(2, 10, 2, 16, gen=gen)
-    theta = torch.arange(16, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, 8, 2) / 8)
-    cos, sin = theta.cos().float(), theta.sin().float()
+    cos, sin = _rotary_tables(16, 8)
     out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                      cache_seqlens=lens, **mask)
     for i, n in enumerate(lens.tolist()):
@@ -284,8 +287,7 @@ def test_kvcache_rotary_window_as_long_as_the_cache_is_no_window(basic_manager):
     lens = torch.tensor([2, 5], dtype=torch.int32)
     q, k_new, v_new = rand(2, 3, 2, 16, gen=gen), rand(2, 3, 2, 16, gen=gen), rand(2, 3, 2, 16, gen=gen)
     k_cache, v_cache = rand(2, 10, 2, 16, gen=gen), rand(2, 10, 2, 16, gen=gen)
-    theta = torch.arange(16, dtype=torch.float64)[:, None] * 1e4 ** (-torch.arange(0, 16, 2) / 16)
-    cos, sin = theta.cos().float(), theta.sin().float()
+    cos, sin = _rotary_tables(16, 16)
     out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                      cache_seqlens=lens, window_size=(10, 12))
     for i, n in enumerate(lens.tolist()):
