@@ -160,29 +160,34 @@ def through_opdispatch(gen):
         print(f"| {label} | {path} | {e if isinstance(e, str) else f'{e:.2e}'} | {step} | {loop} |")
 
 
-def time_ms(fn, reps=50, loop=100):
-    """(median ms of one synchronised call, ms per call of `loop` calls issued back to back; median of 5)."""
+def step_ms(fn):
+    """One synchronised call between CUDA events, in ms (its host-side work included while the GPU waits)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def loop_ms(fn, calls=100):
+    """ms per call of `calls` calls issued back to back, then one synchronise (what a decode loop sustains)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def time_ms(fn, reps=50):
+    """(median step_ms of `reps` calls, median loop_ms of 5 loops) after 5 warm-up calls."""
     for _ in range(5):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    loops = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(loop):
-            fn()
-        end.record()
-        end.synchronize()
-        loops.append(start.elapsed_time(end) / loop)
-    return statistics.median(times), statistics.median(loops)
+    return statistics.median(step_ms(fn) for _ in range(reps)), statistics.median(loop_ms(fn) for _ in range(5))
 
 
 def main():

@@ -14,29 +14,9 @@ import statistics
 import torch
 
 import opdispatch
+from kv_cache import loop_ms, step_ms  # this folder's kv_cache.py (scripts run from here)
 
 IMPLS = ("nvidia.flash", "nvidia.cudnn")
-
-
-def loop_ms(fn, calls=100):
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
-
-
-def step_ms(fn):
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def main():
