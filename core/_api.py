@@ -17,6 +17,7 @@ from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
 from ._graphs import is_capturing, raise_if_capturing
 from ._manager import OpManager
+from . import _native
 from ._ops import op_spec
 from ._state import bounded_put
 from .policies._overrides import MODULE, OVERRIDES
@@ -46,6 +47,7 @@ def set_manager(manager: OpManager | None) -> OpManager | None:
     global _manager
     with _manager_lock:
         previous, _manager = _manager, manager
+    _native.forget()  # the compiled front doors' entries hold the old manager's kernels
     return previous
 
 
@@ -271,17 +273,17 @@ def define_front_door(op: str, *, doc: str = "", compiled: Callable[..., Any] | 
     spec = op_spec(op)
     arguments, validator = _definition(op, "a front door")
     slow = _slow_path(op, validator, arguments)
+    failed = _failed_path(slow)
     namespace = {"_is_compiling": _is_compiling, "get_manager": get_manager, "_grad_enabled": _grad_enabled,
                  "_index_key": _index_key, "_overrides": _overrides, "_module": _module,
-                 "_deterministic": _deterministic, "_compiled": compiled, "_slow": slow,
-                 "_failed": _failed_path(slow)}
-    front_door = arguments.front_door(doc=doc, namespace=namespace, compiled="_compiled", slow="_slow",
-                                      failed="_failed", return_annotation=return_annotation,
-                                      manager="get_manager()")
+                 "_deterministic": _deterministic, "_compiled": compiled, "_slow": slow, "_failed": failed}
+    python_front_door = arguments.front_door(doc=doc, namespace=namespace, compiled="_compiled", slow="_slow",
+                                             failed="_failed", return_annotation=return_annotation,
+                                             manager="get_manager()")
     if compiled is None and spec.fake_outputs is not None:
         from ._compile_ops import opaque_compiled_op
 
-        namespace["_compiled"] = opaque_compiled_op(arguments, front_door, spec.fake_outputs)
+        namespace["_compiled"] = opaque_compiled_op(arguments, python_front_door, spec.fake_outputs)
     elif compiled is None:
         @torch.compiler.disable  # type: ignore[untyped-decorator]
         def eager(*args: Any, **kwargs: Any) -> Any:
@@ -289,7 +291,7 @@ def define_front_door(op: str, *, doc: str = "", compiled: Callable[..., Any] | 
             return slow(get_manager(), None, *given.values())
 
         namespace["_compiled"] = eager
-    return front_door
+    return _native.from_arguments(python_front_door, arguments, namespace, failed)
 
 
 def define_explain(op: str) -> Callable[..., Decision]:
@@ -341,3 +343,8 @@ def _index_key(t: Any) -> Any:
     if t.device.type == "cpu":
         raise TypeError("checked per call")
     return (t.shape, t.dtype, t.device)
+
+
+# The compiled fast path where built (opdispatch._native): the same front door with its hit path in C, handing
+# every other call to the Python one above.
+attention = _native.from_arguments(attention, ATTENTION_ARGS, globals(), _attention_failed)

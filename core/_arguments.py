@@ -200,7 +200,71 @@ class OpArguments:
             params.append(a.name if a.required else f"{a.name}={_default_name(a)}")
         names = ", ".join(self.names)
         forward = ", ".join(f"{a.name}={a.name}" if not a.positional else a.name for a in self.args)
-        bypass = [a.name for a in self.args if a.key == "bypass"]
+        bypass = self._bypass_condition()
+        lines = [
+            f"def {self.op}({', '.join(params)}) -> {return_annotation}:",
+            "    if _is_compiling():",
+            f"        return {compiled}({forward})",
+            f"    manager = {manager}",
+            "    key = None",
+        ]
+        body = [
+            "try:",
+            f"    key = {self._key_expression()}",
+            "    fn = manager.fast[key]",
+            "except KeyError:",
+            "    pass  # the first call of this signature",
+            "except (AttributeError, TypeError, IndexError, RuntimeError):",
+            "    key = None  # not tensors, an unhashable value, a CPU index tensor: the slow path checks all",
+            "else:",
+            "    try:",
+        ]
+        if self.bound_optional:
+            body += [f"        if {' and '.join(f'{n} is None' for n in self.bound_optional)}:",
+                     f"            return fn({', '.join(self.bound)})",
+                     f"        return fn({', '.join(self.bound + self.bound_optional)})"]
+        else:
+            body.append(f"        return fn({', '.join(self.bound)})")
+        body += [
+            "    except Exception as exc:  # free until raised (zero-cost try): the breaker decides what follows",
+            f"        return {failed}(manager, key, fn, exc, {names})",
+        ]
+        if bypass:
+            lines.append(f"    if {bypass}:")
+            lines += ["        " + line for line in body]
+        else:
+            lines += ["    " + line for line in body]
+        lines.append(f"    return {slow}(manager, key, {names})")
+        return "\n".join(lines) + "\n"
+
+    def key_function(self, namespace: dict[str, Any]) -> Callable[..., Any]:
+        """``key_of(*arguments)``: the fast-path key the front door builds for these arguments (all of them,
+        positionally, in definition order), or None where it builds none — what the compiled front door reads
+        back from the manager's cache after the Python path ran a call (`opdispatch._native`)."""
+        source = self.key_function_source()
+        local: dict[str, Any] = {}
+        exec(compile(source, f"<opdispatch fast-path key {self.op}>", "exec"), namespace, local)
+        fn: Callable[..., Any] = local[f"{self.op}_key"]
+        return fn
+
+    def key_function_source(self) -> str:
+        bypass = self._bypass_condition()
+        body = ["try:",
+                f"    return {self._key_expression()}",
+                "except (AttributeError, TypeError, IndexError, RuntimeError):",
+                "    return None"]
+        lines = [f"def {self.op}_key({', '.join(self.names)}):"]
+        if bypass:
+            lines.append(f"    if not ({bypass}):")
+            lines.append("        return None")
+        lines += ["    " + line for line in body]
+        return "\n".join(lines) + "\n"
+
+    def _bypass_condition(self) -> str:
+        return " and ".join(f"{a.name} is None" for a in self.args if a.key == "bypass")
+
+    def _key_expression(self) -> str:
+        """The fast-path key tuple as a Python expression over the argument names (the one statement of it)."""
         key_items = [repr(self.op)]
         grads = []
         for a in self.args:
@@ -224,41 +288,22 @@ class OpArguments:
         if grads:
             key_items.append(f"_grad_enabled() and ({' or '.join(grads)})")
         key_items += [f"{c}()" for c in self.context]
-        lines = [
-            f"def {self.op}({', '.join(params)}) -> {return_annotation}:",
-            "    if _is_compiling():",
-            f"        return {compiled}({forward})",
-            f"    manager = {manager}",
-            "    key = None",
-        ]
-        body = [
-            "try:",
-            f"    key = ({', '.join(key_items)})",
-            "    fn = manager.fast[key]",
-            "except KeyError:",
-            "    pass  # the first call of this signature",
-            "except (AttributeError, TypeError, IndexError, RuntimeError):",
-            "    key = None  # not tensors, an unhashable value, a CPU index tensor: the slow path checks all",
-            "else:",
-            "    try:",
-        ]
-        if self.bound_optional:
-            body += [f"        if {' and '.join(f'{n} is None' for n in self.bound_optional)}:",
-                     f"            return fn({', '.join(self.bound)})",
-                     f"        return fn({', '.join(self.bound + self.bound_optional)})"]
-        else:
-            body.append(f"        return fn({', '.join(self.bound)})")
-        body += [
-            "    except Exception as exc:  # free until raised (zero-cost try): the breaker decides what follows",
-            f"        return {failed}(manager, key, fn, exc, {names})",
-        ]
-        if bypass:
-            lines.append(f"    if {' and '.join(f'{n} is None' for n in bypass)}:")
-            lines += ["        " + line for line in body]
-        else:
-            lines += ["    " + line for line in body]
-        lines.append(f"    return {slow}(manager, key, {names})")
-        return "\n".join(lines) + "\n"
+        return f"({', '.join(key_items)})"
+
+    def native_kinds(self) -> list[str]:
+        """Each argument's key kind as the compiled front door reads it (`opdispatch._native`): the value kinds
+        split by annotation, as `_key_expression` keys them."""
+        kinds = []
+        for a in self.args:
+            if a.key != "value":
+                kinds.append(a.key)
+            elif "tuple[" in a.annotation:
+                kinds.append("int_tuple")
+            elif a.annotation in ("str", "str | None"):
+                kinds.append("str")
+            else:
+                kinds.append("value")
+        return kinds
 
 
 def _default_name(a: Arg) -> str:

@@ -235,6 +235,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"policy:  {policy_line}")
     env = {k: v for k, v in os.environ.items() if k.startswith("OPDISPATCH_")}
     print("env:     " + (", ".join(f"{k}={v}" for k, v in sorted(env.items())) or "no OPDISPATCH_* variables"))
+    print(f"fast path: {_fast_path_line()}")
     print("plugins:")
     status = 1 if broken else 0
     for record in manager.plugins:
@@ -252,6 +253,30 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                   else manager.availability(registered.impl, device))
         print(f"  - {registered.impl.id}: {'available' if reason is None else 'unavailable: ' + reason}")
     return status
+
+
+def _fast_path_line() -> str:
+    from . import _native
+
+    try:
+        return _native.status().describe()
+    except OpDispatchError as exc:  # OPDISPATCH_FAST_PATH=compiled that cannot load, or an unknown mode
+        return f"BROKEN — {exc}"
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """Compile the per-call fast path for this Python and torch (cached), then say which path is active."""
+    from . import _native
+
+    try:
+        path = _native.build(verbose=args.verbose)
+    except OpDispatchError as exc:
+        print(f"opdispatch build: {exc}", file=sys.stderr)
+        return 1
+    _native.reset_status()  # this process decided before the build: decide again
+    print(f"built: {path}")
+    print(f"fast path: {_fast_path_line()} — new processes take it from import")
+    return 0
 
 
 # -- demo ------------------------------------------------------------------------------------------------------
@@ -523,6 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="simulate a device from a YAML descriptor")
     p.add_argument("--verbose", "-v", action="store_true", help="print plugin tracebacks")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("build", help="compile the per-call fast path (a C++ extension against torch's headers; "
+                                     "cached per Python, torch and C++ ABI)")
+    p.add_argument("--verbose", "-v", action="store_true", help="show the compiler's output")
+    p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("policy", help="policy tools: lint, show")
     policy_sub = p.add_subparsers(dest="policy_command", required=True)

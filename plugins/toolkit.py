@@ -17,6 +17,9 @@ Binding:
 
 - `bind_dense(call, kernel)`: wrap ``kernel(q, k, v)`` over (batch, heads, seq, dim) tensors into a function of
   the call's own dense layout (views only) — the building block of ``AttentionImpl.bind``.
+- `kernel_call(kernel, *tail, index=None, **kwargs)`: ``fn(q, k, v) = kernel(q, k, v, *tail, **kwargs)[index]``
+  as one C call where opdispatch's compiled fast path is built (else a Python function): bind the aten op or
+  vendor function itself, with no Python frame per call.
 
 FlashAttention-2 conventions (kernels of that lineage: flash-attn, FlagGems' varlen kernel):
 
@@ -68,6 +71,7 @@ Library versions (device probes, version checks):
 from __future__ import annotations
 
 from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, bind_dense, layout_views, shift_rows
+from opdispatch._native import kernel_call
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window
@@ -81,7 +85,7 @@ from ._versions import at_least, installed_versions, version_tuple
 __all__ = ["KvQueries", "PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
            "at_least", "bind_dense", "blind_rows", "cache_as_pages", "cache_as_pages_reason",
            "causal_alibi_lse_reason", "cumulative_lengths", "dense_lse_fix", "empty_rows_to_neg_inf",
-           "flash_attn_kv_cache", "installed_versions", "kernel_window", "kv_cache_allowed", "kv_cache_as_mask",
-           "kv_cache_reasons", "kv_lse_fix", "layout_views", "pack_dense", "pack_padded_lse", "packed_queries",
-           "shift_rows", "unaccepted_keywords", "uniform_cu_seqlens", "unpack_kv_out", "unpack_lse", "unpack_out",
-           "varlen_lse_fix", "version_tuple"]
+           "flash_attn_kv_cache", "installed_versions", "kernel_call", "kernel_window", "kv_cache_allowed",
+           "kv_cache_as_mask", "kv_cache_reasons", "kv_lse_fix", "layout_views", "pack_dense", "pack_padded_lse",
+           "packed_queries", "shift_rows", "unaccepted_keywords", "uniform_cu_seqlens", "unpack_kv_out", "unpack_lse",
+           "unpack_out", "varlen_lse_fix", "version_tuple"]

@@ -12,7 +12,7 @@ import torch
 
 import opdispatch
 from opdispatch import Impl
-from opdispatch import _ops
+from opdispatch import _native, _ops
 from opdispatch._arguments import Arg, OpArguments
 from opdispatch._cli import ops_markdown
 
@@ -115,7 +115,11 @@ def oracle(x, y, alpha, bias=None):
 
 
 def test_a_new_op_runs_end_to_end_from_its_spec(scaled_add, basic_manager, rng):
-    assert str(inspect.signature(scaled_add)).startswith("(x: 'torch.Tensor', y: 'torch.Tensor', *, alpha")
+    # The Python front door carries the annotations; a compiled one (a builtin) the same parameters without them.
+    python = _native.python_of(scaled_add)
+    assert str(inspect.signature(python)).startswith("(x: 'torch.Tensor', y: 'torch.Tensor', *, alpha")
+    bare = [(p.name, p.kind, p.default) for p in inspect.signature(python).parameters.values()]
+    assert [(p.name, p.kind, p.default) for p in inspect.signature(scaled_add).parameters.values()] == bare
     x, y = randn(3, 5, gen=rng), randn(3, 5, gen=rng)
     out = scaled_add(x, y, alpha=0.5)
     torch.testing.assert_close(out.double(), oracle(x, y, 0.5))
@@ -259,9 +263,11 @@ def test_every_entry_point_takes_exactly_the_defined_arguments(op):
         schema = getattr(torch.ops.opdispatch, op).default._schema
         names = [a.name.removesuffix("_tensor") for a in schema.arguments if not a.name.endswith("_int")]
         assert names == [*spec.arguments.names, "scopes"]  # plus the scopes entered inside the traced function
-    front_door = getattr(opdispatch, op)
+    front_door = _native.python_of(getattr(opdispatch, op))  # the compiled one's signature has no annotations
     assert inspect.signature(front_door) == spec.arguments.signature(
         return_annotation=inspect.signature(front_door).return_annotation)
+    bare = [(p.name, p.kind, p.default) for p in inspect.signature(front_door).parameters.values()]
+    assert [(p.name, p.kind, p.default) for p in inspect.signature(getattr(opdispatch, op)).parameters.values()] == bare
     explain = opdispatch.explain if op == "attention" else getattr(opdispatch, f"explain_{op}")
     assert list(inspect.signature(explain).parameters) == [*spec.arguments.names, "device"]
 

@@ -33,7 +33,8 @@ import torch.jit._builtins
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from .. import _api
+from .. import _api, _native
+from .._arguments import REQUIRED
 from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, \
     _run_and_remember, attention
 from .._attention import validate_attention
@@ -43,7 +44,9 @@ __all__ = ["SdpaError", "route_sdpa", "routed_sdpa", "scaled_dot_product_attenti
 # torch's function as imported, before any routing: what the unusual calls (and re-entrant ones) go to.
 torch_sdpa = torch.nn.functional.scaled_dot_product_attention
 _MAX_SCALE = 2**20  # opdispatch's scale range (attention() refuses scales outside (0, 2**20])
-_state = threading.local()
+# "Inside an implementation": set while a kernel runs, so its own SDPA calls reach torch (read from C by the
+# compiled front door).
+_state = _native.thread_flag()
 
 
 class SdpaError(RuntimeError, ValueError):
@@ -58,7 +61,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                                  dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
                                  enable_gqa: bool = False) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``, computed by the implementation the policy picks."""
-    if getattr(_state, "inside", False):  # an implementation calling it while the program is routed: torch's
+    if _state.active:  # an implementation calling it while the program is routed: torch's
         return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     # The per-call fast path: a maskless, dropout-free call of plain tensors whose signature was seen calls the
     # kernel bound to it, as opdispatch.attention's own front door does (same manager cache: a policy swap or a
@@ -79,7 +82,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         except (TypeError, RuntimeError):
             fast_key = None  # an unhashable override or scale: the paths below check everything
         else:
-            _state.inside = True
+            _state.active = 1
             try:
                 out: Tensor = fn(query, key, value)
                 return out
@@ -88,7 +91,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                                                      (query, key, value, is_causal, scale))
                 return answered
             finally:
-                _state.inside = False
+                _state.active = 0
     # The common call — 4-D tensors of one batch, heads that divide, a mask of an allowed dtype, a scale the op
     # takes — goes straight to opdispatch.attention (its per-call fast path); anything else, or anything it
     # refuses, takes the general path below, which reshapes, and raises as torch does.
@@ -182,26 +185,26 @@ def _remembered(manager: Any, fast_key: Any, q: Tensor, k: Tensor, v: Tensor, ca
                 scale: float | None) -> Tensor:
     """A common maskless call (4-D, one batch, heads that divide, a scale the op takes) through opdispatch.attention's
     slow path — validate, decide, bind — remembering the bound kernel under the drop-in's own `fast_key`."""
-    _state.inside = True
+    _state.active = 1
     try:
         call = validate_attention(q, k, v, layout="bhsd", causal=causal, scale=scale, module=_module())
         out: Tensor = _run_and_remember(manager, "attention", fast_key, call, None, (q, k, v))
         return out
     finally:
-        _state.inside = False
+        _state.active = 0
 
 
 def _dispatch(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, dropout_p: float,
               mask: Tensor | None, bias: Tensor | None) -> Tensor:
     """`opdispatch.attention` on (batch, heads, seq, dim) tensors, marked as inside it so that an implementation
     calling F.scaled_dot_product_attention while the program is routed reaches torch's."""
-    _state.inside = True
+    _state.active = 1
     try:
         out: Tensor = attention(q, k, v, layout="bhsd", causal=causal, scale=scale, dropout_p=dropout_p,
                                 attn_mask=mask, attn_bias=bias)
         return out
     finally:
-        _state.inside = False
+        _state.active = 0
 
 
 def _broadcast(what: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -294,6 +297,43 @@ def _as_bhsd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None
     elif not (math.isfinite(scale) and 0 < scale <= _MAX_SCALE):
         q, scale = q * scale, 1.0  # a scale opdispatch's kernels do not take (0, negative, huge): fold it into q
     return q, k, v, mask, bias, tuple(out_shape), float(scale)
+
+
+def _fast_key(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
+              enable_gqa: Any) -> Any:
+    """The key the fast path above keeps a call's bound kernel under (None where it keeps none): what the compiled
+    front door reads back from the manager's cache after the Python path ran a call. The same expression as the
+    inline one (tests/test_native.py checks that the two agree)."""
+    if (attn_mask is not None or dropout_p or type(query) is not Tensor or type(key) is not Tensor
+            or type(value) is not Tensor):
+        return None
+    try:
+        return (_SDPA, query.shape, query.dtype, query.device, query.stride(-1), key.shape, key.dtype, key.device,
+                key.stride(-1), value.shape, value.dtype, value.device, value.stride(-1), is_causal,
+                is_causal.__class__, scale, scale.__class__, enable_gqa, dropout_p.__class__,
+                _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad), _overrides(),
+                _module(), _deterministic())
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _failed_hit(manager: Any, fast_key: Any, fn: Any, exc: Exception, query: Tensor, key: Tensor, value: Tensor,
+                attn_mask: Any, dropout_p: Any, is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor:
+    """The compiled front door's hit whose kernel raised: as the inline fast path's ``except`` above."""
+    answered: Tensor = _fast_path_failed(manager, fast_key, fn, exc, _remembered, (query, key, value, is_causal, scale))
+    return answered
+
+
+# The compiled fast path where built: this function with its hit path in C (plain tensors, no mask, a zero
+# dropout), every other call handed to the Python function above.
+scaled_dot_product_attention = _native.compiled_front_door(
+    scaled_dot_product_attention, name="scaled_dot_product_attention",
+    names=("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), n_positional=6,
+    defaults=(REQUIRED, REQUIRED, REQUIRED, None, 0.0, False, None, False),
+    kinds=("strided", "strided", "strided", "bypass", "zero", "value", "value", "value"), key_of=_fast_key,
+    failed=_failed_hit, bound=("query", "key", "value"), context=_native.context_sources(_overrides, _module,
+                                                                                          _deterministic),
+    exact=("query", "key", "value"), flag=_state)
 
 
 # TorchScript cannot compile this function (keyword-only arguments, opdispatch's Python underneath); scripted code

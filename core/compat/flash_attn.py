@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import threading
-
 import torch
 from torch import Tensor
 
-from .. import _api
+from .. import _api, _native
+from .._arguments import REQUIRED
 from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, \
     _run_and_remember, attention
 from .._attention import validate_attention
@@ -49,26 +48,28 @@ def _window(window_size: Any, causal: bool) -> tuple[int, int] | None:
     return (left if left >= 0 else -1, right if right >= 0 else -1)
 
 
-_inside = threading.local()
+# Set while opdispatch runs a call from this module (read from C by the compiled front door): a re-entry is an
+# implementation calling back into a module aliased as flash_attn.
+_inside = _native.thread_flag()
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, layout: str, dropout_p: float, softmax_scale: float | None, causal: bool,
          window_size: Any, softcap: float, alibi_slopes: Tensor | None, deterministic: bool, want_lse: bool,
          **varlen: Any) -> Any:
-    if getattr(_inside, "depth", 0):
+    if _inside.active:
         # An implementation called back into this module: `flash_attn` is aliased to it, and the real library's
         # adapter would dispatch to itself forever.
         raise RuntimeError("opdispatch.compat.flash_attn was called from inside an opdispatch implementation: the "
                            "module named flash_attn is this front door, not the flash-attn library; do not alias "
                            "sys.modules['flash_attn'] to it (the nvidia.flash_attn adapter needs the real one)")
     window = _window(window_size, causal)
-    _inside.depth = 1
+    _inside.active = 1
     try:
         return attention(q, k, v, layout=layout, causal=causal, causal_alignment="bottom_right", window=window,
                          scale=softmax_scale, dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
                          return_lse=want_lse, deterministic=deterministic, **varlen)
     finally:
-        _inside.depth = 0
+        _inside.active = 0
 
 
 def _result(result: Any, return_attn_probs: bool) -> Any:
@@ -89,7 +90,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     fast_key = None
     if (alibi_slopes is None and not dropout_p and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
             and type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int
-            and type(window_size[1]) is int and not _is_compiling() and not getattr(_inside, "depth", 0)):
+            and type(window_size[1]) is int and not _is_compiling() and not _inside.active):
         manager = _api._manager or _api.get_manager()
         try:
             fast_key = (_FLASH_ATTN_FUNC, q.shape, q.dtype, q.device, q.stride(-1), k.shape, k.dtype, k.device,
@@ -105,7 +106,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
         except (TypeError, RuntimeError):
             fast_key = None  # an unhashable value: the general path checks everything
         else:
-            _inside.depth = 1
+            _inside.active = 1
             try:
                 return _result(fn(q, k, v), return_attn_probs)
             except Exception as exc:  # the breaker decides, as for opdispatch.attention's fast path
@@ -113,7 +114,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
                     q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)),
                     return_attn_probs)
             finally:
-                _inside.depth = 0
+                _inside.active = 0
         return _result(_remembered(manager, fast_key, q, k, v, softmax_scale, causal, window_size, softcap,
                                    deterministic, return_attn_probs), return_attn_probs)
     return _result(_run(q, k, v, "bshd", dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -123,18 +124,60 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
 _FLASH_ATTN_FUNC = "compat.flash_attn_func"  # its fast-path keys' first field: never one of an op's
 
 
+def _fast_key(q: Any, k: Any, v: Any, dropout_p: Any, softmax_scale: Any, causal: Any, window_size: Any,
+              softcap: Any, alibi_slopes: Any, deterministic: Any, return_attn_probs: Any) -> Any:
+    """The key flash_attn_func's fast path keeps a call's bound kernel under (None where it keeps none): what the
+    compiled front door reads back after the Python path ran a call (the inline expression's twin; tests/
+    test_native.py checks that the two agree)."""
+    if not (alibi_slopes is None and not dropout_p and type(q) is Tensor and type(k) is Tensor
+            and type(v) is Tensor and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        return None
+    try:
+        return (_FLASH_ATTN_FUNC, q.shape, q.dtype, q.device, q.stride(-1), k.shape, k.dtype, k.device, k.stride(-1),
+                v.shape, v.dtype, v.device, v.stride(-1), softmax_scale, softmax_scale.__class__, causal,
+                causal.__class__, window_size, softcap, softcap.__class__, deterministic, deterministic.__class__,
+                return_attn_probs, dropout_p.__class__,
+                _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), _overrides(), _module(),
+                _deterministic())
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _failed_hit(manager: Any, fast_key: Any, fn: Any, exc: Exception, q: Tensor, k: Tensor, v: Tensor,
+                dropout_p: Any, softmax_scale: float | None, causal: bool, window_size: Any, softcap: float,
+                alibi_slopes: Any, deterministic: bool, return_attn_probs: bool) -> Any:
+    """The compiled front door's hit whose kernel raised: as the inline fast path's ``except`` (before _result)."""
+    return _fast_path_failed(manager, fast_key, fn, exc, _remembered, (
+        q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs))
+
+
+# The compiled fast path where built: flash_attn_func with its hit path in C, every other call handed to the Python
+# function above; `_result` shapes a hit's output as the Python path does.
+flash_attn_func = _native.compiled_front_door(
+    flash_attn_func, name="flash_attn_func",
+    names=("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes",
+           "deterministic", "return_attn_probs"), n_positional=11,
+    defaults=(REQUIRED, REQUIRED, REQUIRED, 0.0, None, False, (-1, -1), 0.0, None, False, False),
+    kinds=("strided", "strided", "strided", "zero", "value", "value", "int_tuple", "value", "bypass", "value",
+           "value"),
+    key_of=_fast_key, failed=_failed_hit, bound=("q", "k", "v"),
+    context=_native.context_sources(_overrides, _module, _deterministic), exact=("q", "k", "v"), flag=_inside,
+    result=_result, result_arg="return_attn_probs")
+
+
 def _remembered(manager: Any, fast_key: Any, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None,
                 causal: bool, window_size: Any, softcap: float, deterministic: bool, want_lse: bool) -> Any:
     """A flash_attn_func call through opdispatch.attention's slow path — validate, decide, bind — remembering the
     bound kernel under the front door's own `fast_key` (`fast_key` None: not remembered)."""
-    _inside.depth = 1
+    _inside.active = 1
     try:
         call = validate_attention(q, k, v, layout="bshd", causal=causal, causal_alignment="bottom_right",
                                   window=_window(window_size, causal), scale=softmax_scale, softcap=softcap,
                                   return_lse=want_lse, deterministic=deterministic, module=_module())
         return _run_and_remember(manager, "attention", fast_key, call, None, (q, k, v))
     finally:
-        _inside.depth = 0
+        _inside.active = 0
 
 
 def flash_attn_qkvpacked_func(qkv: Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch.plugins.toolkit import additive_bias, kv_cache_as_mask, layout_views, shift_rows
+from opdispatch.plugins.toolkit import additive_bias, kernel_call, kv_cache_as_mask, layout_views, shift_rows
 
 _aten_kernel = torch._scaled_dot_product_flash_attention_for_cpu
 # Its backward has no torch.* binding; the OpOverload is the direct entry (called once per compiled backward).
@@ -53,7 +53,8 @@ class CpuFlashAttention(AttentionImpl):
         if call.layout == "bhsd":
             if call.return_lse:
                 return lambda q, k, v: tuple(kernel(q, k, v, 0.0, causal, scale=scale))
-            return lambda q, k, v: kernel(q, k, v, 0.0, causal, scale=scale)[0]
+            # The aten op itself, as one C call where opdispatch's extension is built (_kernel's frame is gone).
+            return kernel_call(_aten_kernel, 0.0, causal, scale=scale, index=0)
         to_bhsd, from_bhsd = layout_views(call.layout)  # views that hold nothing of the call
         if call.return_lse:
             def bound_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
