@@ -63,7 +63,7 @@ def test_a_real_wheel_ships_everything(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for package in PACKAGES:
         assert "/".join(package.split(".")) + "/__init__.py" in names, package
-    assert "opdispatch/py.typed" in names
+    assert "opdispatch/py.typed" in names and "opdispatch/_native.cpp" in names  # opdispatch build compiles it
     assert "opdispatch/configs/default.yaml" in names
     assert {f"opdispatch/configs/devices/{d}.yaml" for d in ("h100", "mi300x", "bi-v150", "p800", "cpu")} <= names
     assert "opdispatch/plugins/hookspec.py" in names
