@@ -2,6 +2,9 @@
 
     python benchmarks/dispatch_overhead.py [--device cpu|cuda] [--repeat 61] [--out FILE.md]
 
+Each front door runs compiled where `opdispatch build` has built the extension (the header says which); the
+"(py)" columns call the same door's Python path in the same rounds.
+
 Rows, for each size (batch, heads, seq, head_dim), all in layout ``bhsd`` and float32 (CPU) / bf16 (CUDA):
   direct     the chosen kernel called directly: the aten op the implementation binds (cpu.flash, nvidia.flash,
              nvidia.cudnn), else the implementation's run() on a call validated once up front
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 import opdispatch
+from opdispatch import _native
 
 SIZES_CPU = [(1, 1, 1, 8), (1, 1, 16, 32), (1, 8, 64, 64), (2, 8, 256, 64)]
 SIZES_CUDA = [(1, 1, 1, 64), (1, 8, 128, 64), (4, 16, 1024, 128), (8, 32, 4096, 128)]
@@ -108,7 +112,7 @@ def direct_kernel(impl_id: str, call: Any) -> Callable[[], Any] | None:
 
 def environment(device: torch.device) -> list[str]:
     info = opdispatch.get_manager().device_info(device)
-    lines = [f"device: {info.describe()}",
+    lines = [f"device: {info.describe()}", f"fast path: {_native.status().describe()}",
              f"opdispatch {opdispatch.__version__}, torch {torch.__version__}, python {platform.python_version()}, "
              f"{platform.machine()}, torch threads {torch.get_num_threads()}, os.cpu_count() {os.cpu_count()}"]
     if device.type == "cuda":
@@ -138,6 +142,8 @@ def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: in
     from opdispatch.compat.flash_attn import flash_attn_func
 
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # flash-attn's (batch, seq, heads, dim), as views
+    attention_py, compat_sdpa_py, flash_attn_func_py = (_native.python_of(f) for f in (attention, compat_sdpa,
+                                                                                        flash_attn_func))
 
     floor = signature_floor(planned)
     fns: dict[str, Callable[[], Any]] = {
@@ -151,6 +157,10 @@ def bench_size(size: tuple[int, int, int, int], device: torch.device, repeat: in
         "compat.flash_attn": lambda: flash_attn_func(qt, kt, vt),
         "policy bshd": lambda: attention(qt, kt, vt),  # the per-call path on flash_attn_func's very tensors
         "torch sdpa": lambda: torch_sdpa(q, k, v),
+        # The Python front doors behind the compiled ones (the same functions where the extension is not built).
+        "policy (py)": lambda: attention_py(q, k, v, layout="bhsd"),
+        "compat.sdpa (py)": lambda: compat_sdpa_py(q, k, v),
+        "compat.flash_attn (py)": lambda: flash_attn_func_py(qt, kt, vt),
     }
     samples = per_call_seconds(fns, device, repeat)
     return {"impl": impl_id, "median": {n: statistics.median(x) for n, x in samples.items()},
@@ -202,10 +212,10 @@ def key_costs_markdown(device: torch.device, size: tuple[int, int, int, int], re
     return "\n".join(lines) + "\n"
 
 
-COLUMNS = ["direct", "floor", "impl.run", "pinned", "policy", "plan", "compat.sdpa", "compat.flash_attn",
-           "policy bshd", "torch sdpa"]
-OVERHEAD_COLUMNS = ["floor", "pinned", "policy", "plan", "compat.sdpa", "compat.flash_attn", "policy bshd",
-                    "torch sdpa"]
+COLUMNS = ["direct", "floor", "impl.run", "pinned", "policy", "policy (py)", "plan", "compat.sdpa",
+           "compat.sdpa (py)", "compat.flash_attn", "compat.flash_attn (py)", "policy bshd", "torch sdpa"]
+OVERHEAD_COLUMNS = ["floor", "pinned", "policy", "policy (py)", "plan", "compat.sdpa", "compat.sdpa (py)",
+                    "compat.flash_attn", "compat.flash_attn (py)", "policy bshd", "torch sdpa"]
 
 
 def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repeat: int) -> str:
@@ -217,7 +227,9 @@ def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repea
         "scaled_dot_product_attention` (the drop-in for torch's functional, policy-dispatched); torch sdpa = torch's "
         "own `F.scaled_dot_product_attention` (its own backend choice); compat.flash_attn = `opdispatch.compat."
         "flash_attn.flash_attn_func` on bshd views of the same tensors, and policy bshd = `opdispatch.attention` on "
-        "those views (the kernel reads views slower than the contiguous tensors of `direct`: compare the two)", "",
+        "those views (the kernel reads views slower than the contiguous tensors of `direct`: compare the two); "
+        "(py) = the same front door's Python path (`opdispatch._native.python_of`), measured in the same rounds: "
+        "without the compiled fast path every front door is that", "",
         "| size (b,h,s,d) | impl | " + " | ".join(f"{c} µs" for c in COLUMNS) + " | "
         + " | ".join(f"{c} - direct" for c in OVERHEAD_COLUMNS) + " |",
         "|---|---|" + "--:|" * (len(COLUMNS) + len(OVERHEAD_COLUMNS))]
