@@ -29,6 +29,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #if PY_VERSION_HEX >= 0x030E0000
@@ -154,6 +155,7 @@ struct Door {
   std::unordered_map<uint64_t, std::vector<std::unique_ptr<Entry>>> table;
   size_t n_entries = 0;
   Entry* last = nullptr;  // the entry of the last hit or miss: a loop of one signature skips hashing
+  std::unordered_set<uint64_t> seen_once;  // hashes of keys missed once (read back from their second call)
   uint64_t hits = 0, misses = 0, passes = 0, revalidated = 0;
 
   ~Door() {
@@ -175,6 +177,7 @@ struct Door {
       for (auto& e : bucket.second) e->release();
     }
     table.clear();
+    seen_once.clear();
     n_entries = 0;
   }
 
@@ -573,12 +576,18 @@ PyObject* pass_to_python(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObj
 }
 
 // A miss: the Python front door runs the call (and remembers its bound function); then the entry is read back
-// from the manager's dict under the key the Python path used.
+// from the manager's dict under the key the Python path used — from a signature's second call on (`known`: an
+// entry exists, or the key was seen once): reading the key back costs a Python call, which a signature seen once
+// (a decode loop over a growing cache: a new shape every step) would pay for nothing.
 PyObject* miss(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, PyObject** slots,
-               const Key& key, uint64_t h) {
+               const Key& key, uint64_t h, bool known) {
   ++d->misses;
   PyObject* out = PyObject_Vectorcall(d->python, args, nargs, kwnames);
   if (out == nullptr) return nullptr;
+  if (!known && d->seen_once.insert(h).second) {
+    if (d->seen_once.size() > kMaxEntries) d->seen_once.clear();
+    return out;
+  }
   PyObject* manager = manager_of(d);
   if (manager == nullptr) return out;
   PyObject* pykey = PyObject_Vectorcall(d->key_of, slots, d->n, nullptr);
@@ -679,7 +688,7 @@ PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
     return pass_to_python(d, args, nargs, kwnames);
   }
   PyObject* manager = manager_of(d);
-  if (manager == nullptr) return miss(d, args, nargs, kwnames, slots, key, key.hash());
+  if (manager == nullptr) return miss(d, args, nargs, kwnames, slots, key, key.hash(), false);
   // A loop of one signature: the last entry, compared without hashing the key.
   uint64_t h = 0;
   Entry* e = d->last;
@@ -712,7 +721,7 @@ PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
     }
     if (h == 0) h = key.hash();
   }
-  return miss(d, args, nargs, kwnames, slots, key, h);
+  return miss(d, args, nargs, kwnames, slots, key, h, e != nullptr);
 }
 
 // -- the door's state object --------------------------------------------------------------------------------------

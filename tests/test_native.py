@@ -2,8 +2,8 @@
 
 Every front door — opdispatch.attention, rms_norm, rotary_embedding, the compat SDPA and flash_attn_func — is
 called through its Python path (`_native.python_of`) and through a compiled twin made from the same spec
-(`_native.twin`), on the same inputs, three times each (the first call decides and binds, the others hit): the
-results must be bitwise equal, and so must the errors (type and message). The twin's counters prove the compiled
+(`_native.twin`), on the same inputs, four times each (the first call decides and binds, the second reads the
+bound function back into the compiled door's table, the others hit): the results must be bitwise equal, and so must the errors (type and message). The twin's counters prove the compiled
 hit path ran. Then coherence (a policy swap, a demotion, a new manager, contexts, grad mode) and the mode switch.
 """
 
@@ -69,9 +69,9 @@ def _clone(value: Any) -> Any:
 
 def _differential(door: Callable[..., Any], make: Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]],
                   *, backward: bool = False) -> Any:
-    """`door`'s Python path and a compiled twin on the same inputs, three rounds: same results or same errors."""
+    """`door`'s Python path and a compiled twin on the same inputs, four rounds: same results or same errors."""
     python, compiled = _native.python_of(door), _native.twin(door)
-    for round_ in range(3):
+    for round_ in range(4):
         args, kwargs = make(round_)
         args2, kwargs2 = tuple(map(_clone, args)), {k: _clone(v) for k, v in kwargs.items()}
         expected, got = _outcome(python, args, kwargs), _outcome(compiled, args2, kwargs2)
@@ -148,37 +148,40 @@ def test_attention_compiled_hits_run_in_c_and_match_gradients(loaded, basic_mana
     assert compiled.__self__.stats()["hits"] == 2
     compiled = _differential(opdispatch.attention, make)
     stats = compiled.__self__.stats()
-    assert (stats["misses"], stats["hits"], stats["passes"]) == (1, 2, 0)
+    assert (stats["misses"], stats["hits"], stats["passes"]) == (2, 2, 0)
     compiled = _differential(opdispatch.attention, ATTENTION_CASES["a mask (validated each call)"])
-    assert compiled.__self__.stats()["passes"] == 3 and compiled.__self__.stats()["hits"] == 0
+    assert compiled.__self__.stats()["passes"] == 4 and compiled.__self__.stats()["hits"] == 0
 
 
 def test_attention_compiled_keys_grad_mode_contexts_and_determinism(loaded, basic_manager):
-    compiled = _native.twin(opdispatch.attention)
+    compiled, python = _native.twin(opdispatch.attention), _native.python_of(opdispatch.attention)
     q, k, v = _qkv((1, 4, 2, 8), (1, 4, 2, 8), 0, grad=True)
-    plain = compiled(q, k, v)
-    assert plain.requires_grad and compiled(q, k, v).requires_grad
+
+    def thrice() -> torch.Tensor:
+        outs = [compiled(q, k, v) for _ in range(3)]  # a miss, a read-back, a hit
+        expected = python(q, k, v)
+        for out in outs:
+            _assert_same(out, expected, "context")
+        return outs[-1]
+
+    assert thrice().requires_grad
     with torch.no_grad():
-        assert not compiled(q, k, v).requires_grad
-        assert not compiled(q, k, v).requires_grad
+        assert not thrice().requires_grad
     with opdispatch.policy_override(pin="reference.math"):
-        compiled(q, k, v)
-        out = compiled(q, k, v)
-    assert torch.equal(out, opdispatch.attention(q, k, v, impl="reference.math"))
+        assert torch.equal(thrice(), opdispatch.attention(q, k, v, impl="reference.math"))
     with opdispatch.scope("model.layers.0"):
-        compiled(q, k, v)
+        thrice()
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        compiled(q, k, v)
-        compiled(q, k, v)
+        thrice()
     finally:
         torch.use_deterministic_algorithms(previous)
     chosen = sorted({fn.decision.chosen_id for fn in basic_manager.fast.values()})
     assert "reference.math" in chosen and "cpu.flash" in chosen
-    # Each of those contexts is a signature of its own (a miss), then a hit: never the other context's kernel.
+    # Each context is a signature of its own (never another context's kernel), and each ends on a compiled hit.
     stats = compiled.__self__.stats()
-    assert stats["hits"] >= 4 and stats["misses"] >= 5
+    assert (stats["hits"], stats["misses"], stats["entries"]) == (5, 10, 5)
 
 
 def test_a_policy_swap_a_new_manager_and_forget_reach_the_compiled_door(loaded, basic_manager):
@@ -202,7 +205,7 @@ def test_a_policy_swap_a_new_manager_and_forget_reach_the_compiled_door(loaded, 
 
 
 class _Flaky(opdispatch.AttentionImpl):
-    """Raises on its second call: the compiled hit's kernel fails and the breaker moves the class on."""
+    """Raises on its third call (the compiled door's first hit): the breaker moves the class on."""
 
     vendor, name, priority = "test", "flaky", 1000
     caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), layouts=frozenset({"bshd", "bhsd", "sbhd"}))
@@ -210,7 +213,7 @@ class _Flaky(opdispatch.AttentionImpl):
 
     def run(self, call: Any) -> Any:
         type(self).calls += 1
-        if type(self).calls == 2:
+        if type(self).calls == 3:
             raise RuntimeError("flaky kernel failed")
         q, k, v = (t.double() for t in (call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)))
         weights = torch.softmax(q @ k.transpose(-1, -2) * call.scale, dim=-1)
@@ -224,6 +227,7 @@ def test_a_failing_kernel_on_a_compiled_hit_fails_over_as_the_python_path_does(l
     compiled = _native.twin(opdispatch.attention)
     q, k, v = _qkv((1, 4, 2, 8), (1, 4, 2, 8), 0)
     first = compiled(q, k, v)  # test.flaky, decided through Python
+    compiled(q, k, v)  # through Python again; the compiled door reads the bound function back
     second = compiled(q, k, v)  # a compiled hit: test.flaky raises, the class moves on to cpu.flash
     assert compiled.__self__.stats()["hits"] == 1
     torch.testing.assert_close(first, second)
@@ -236,10 +240,20 @@ def test_an_entry_stands_after_another_signature_changes_the_managers_cache(load
     a = _qkv((1, 4, 2, 8), (1, 4, 2, 8), 0)
     b = _qkv((1, 5, 2, 8), (1, 5, 2, 8), 0)
     compiled(*a)
-    compiled(*b)  # a new signature: the dict's version changes, a's entry is checked by one lookup, not Python
-    compiled(*a)
+    compiled(*a)  # a's entry
+    compiled(*b)  # a new signature: the dict's version changes
+    compiled(*a)  # a's entry checked by one lookup, not a Python call
     stats = compiled.__self__.stats()
-    assert (stats["misses"], stats["hits"], stats["revalidated"]) == (2, 1, 1)
+    assert (stats["misses"], stats["hits"], stats["revalidated"]) == (3, 1, 1)
+
+
+def test_a_signature_seen_once_costs_no_read_back(loaded, basic_manager):
+    """A decode loop over a growing cache: a new shape each step; the compiled door keeps no entry for any."""
+    compiled = _native.twin(opdispatch.attention)
+    for length in range(3, 9):
+        q, k, v = _qkv((1, 1, 2, 8), (1, length, 2, 8), length)
+        assert torch.equal(compiled(q, k, v), _native.python_of(opdispatch.attention)(q, k, v))
+    assert compiled.__self__.stats()["entries"] == 0 and compiled.__self__.stats()["misses"] == 6
 
 
 # -- rms_norm, rotary_embedding -----------------------------------------------------------------------------------
