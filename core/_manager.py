@@ -21,6 +21,7 @@ from ._decision import (CHOSEN, DEMOTED, DENIED, ELIGIBLE, FAILED, REJECTED, UNA
                         Provenance)
 from opdispatch.policies._overrides import OVERRIDES
 
+from . import _native
 from ._breaker import Breaker, RetryDue, may_fail_over
 from ._output_guard import ImplementationOutputError, check_values_enabled, guarded, structure_problems
 from ._classes import DecisionClasses
@@ -219,6 +220,7 @@ class OpManager:
         self._state = state
         self.fast = state.fast
         self.checked_varlen = state.checked_varlen
+        _native.forget()  # the compiled front doors' entries point into the old state's cache
 
     def set_policy(self, policy: Any) -> None:
         """Use `policy` (a Policy object, or the path of a YAML file) from now on; cached decisions are dropped.

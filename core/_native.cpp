@@ -11,8 +11,9 @@
 // with that dict's version tag. A C key that matches implies the Python key matches (the C key reads the same
 // fields or finer ones). While the tag is unchanged the dict holds the same function under that key; after any
 // change (a demotion, a retry, an eviction, another signature) one lookup of the Python key says whether it still
-// does, and a policy swap or a new manager changes the dict itself: then the call goes through Python and the
-// entry is read again. So a hit never calls a function the Python path would not call.
+// does. A policy swap (the manager's new state brings a new dict) or a new process-wide manager forgets every
+// table (opdispatch._native.forget), so the next call goes through Python and the entry is read again. So a hit
+// never calls a function the Python path would not call.
 //
 // Built by opdispatch._native (torch.utils.cpp_extension) against torch's headers; see docs/architecture.md ("The compiled fast path").
 
@@ -106,6 +107,7 @@ struct Entry {
   std::vector<uint64_t> words;
   std::vector<PyObject*> equal;  // strong
   std::vector<PyObject*> held;   // strong
+  PyObject* manager = nullptr;   // strong: the manager it was read from (its failure hook's first argument)
   PyObject* fast = nullptr;      // strong: the manager's dict the function was read from
   uint64_t fast_version = 0;
   PyObject* pykey = nullptr;  // strong: the Python path's key (the failure hook pops it)
@@ -124,6 +126,7 @@ struct Entry {
     for (PyObject* o : held) Py_DECREF(o);
     equal.clear();
     held.clear();
+    Py_CLEAR(manager);
     Py_CLEAR(fast);
     Py_CLEAR(pykey);
     Py_CLEAR(fn);
@@ -157,6 +160,8 @@ struct Door {
   Entry* last = nullptr;  // the entry of the last hit or miss: a loop of one signature skips hashing
   std::unordered_set<uint64_t> seen_once;  // hashes of keys missed once (read back from their second call)
   uint64_t hits = 0, misses = 0, passes = 0, revalidated = 0;
+  uint64_t compiler_version = 0;  // torch.compiler's globals' version tag when `compiling` was read
+  bool compiling = false;
 
   ~Door() {
     clear_table();
@@ -387,7 +392,7 @@ struct Door {
     return nullptr;
   }
 
-  void remember(const Key& key, uint64_t h, PyObject* fast, PyObject* pykey, PyObject* fn) {
+  void remember(const Key& key, uint64_t h, PyObject* manager, PyObject* fast, PyObject* pykey, PyObject* fn) {
     Entry* e = find(key, h);
     if (e == nullptr) {
       if (n_entries >= kMaxEntries) clear_table();
@@ -405,10 +410,13 @@ struct Door {
       }
       ++n_entries;
     } else {
+      Py_CLEAR(e->manager);
       Py_CLEAR(e->fast);
       Py_CLEAR(e->pykey);
       Py_CLEAR(e->fn);
     }
+    Py_INCREF(manager);
+    e->manager = manager;
     Py_INCREF(fast);
     Py_INCREF(pykey);
     Py_INCREF(fn);
@@ -570,6 +578,19 @@ PyObject* manager_of(Door* d) {
   return manager;
 }
 
+// torch.compiler.is_compiling() as the Python front door asks it: torch.compiler's `_is_compiling_flag`, read again
+// only when that module's globals changed (their version tag; a lookup per call costs as much as the key's fields).
+bool compiling(Door* d) {
+  const uint64_t version = dict_version(d->compiler_globals);
+  if (version != d->compiler_version || version == 0) {
+    PyObject* flag = PyDict_GetItemWithError(d->compiler_globals, s_compiling);  // borrowed
+    if (flag == nullptr) PyErr_Clear();
+    d->compiling = flag != nullptr && flag != Py_False;
+    d->compiler_version = version;
+  }
+  return d->compiling;
+}
+
 PyObject* pass_to_python(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   ++d->passes;
   return PyObject_Vectorcall(d->python, args, nargs, kwnames);
@@ -603,7 +624,7 @@ PyObject* miss(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnam
       if (PyDict_CheckExact(fast)) {
         PyObject* fn = PyDict_GetItemWithError(fast, pykey);  // borrowed
         if (fn != nullptr) {
-          d->remember(key, h, fast, pykey, fn);
+          d->remember(key, h, manager, fast, pykey, fn);
         } else {
           PyErr_Clear();
         }
@@ -673,8 +694,7 @@ PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
   PyObject* slots[kMaxArgs];
   nargs = PyVectorcall_NARGS(nargs);
   if (!d->parse(args, nargs, kwnames, slots)) return pass_to_python(d, args, nargs, kwnames);
-  PyObject* compiling = PyDict_GetItemWithError(d->compiler_globals, s_compiling);
-  if (compiling != nullptr && compiling != Py_False) return pass_to_python(d, args, nargs, kwnames);
+  if (compiling(d)) return pass_to_python(d, args, nargs, kwnames);
   if (d->flag >= 0 && tls_flags[d->flag] != 0) return pass_to_python(d, args, nargs, kwnames);
   Key key;
   bool keyed;
@@ -687,8 +707,6 @@ PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
     if (PyErr_Occurred()) PyErr_Clear();
     return pass_to_python(d, args, nargs, kwnames);
   }
-  PyObject* manager = manager_of(d);
-  if (manager == nullptr) return miss(d, args, nargs, kwnames, slots, key, key.hash(), false);
   // A loop of one signature: the last entry, compared without hashing the key.
   uint64_t h = 0;
   Entry* e = d->last;
@@ -697,27 +715,23 @@ PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
     e = d->find(key, h);
   }
   if (e != nullptr) {
-    PyObject* fast = PyObject_GetAttr(manager, s_fast);
-    if (fast == nullptr) {
-      PyErr_Clear();
-    } else {
-      bool current = fast == e->fast && dict_version(fast) == e->fast_version;
-      if (!current && fast == e->fast && PyDict_CheckExact(fast)) {
-        // The dict changed (another signature, another front door): this entry stands if the Python path would
-        // still find this very function under its key — one dict lookup, not a Python call.
-        PyObject* now = PyDict_GetItemWithError(fast, e->pykey);  // borrowed
-        if (now == nullptr) PyErr_Clear();
-        current = now == e->fn;
-        if (current) {
-          e->fast_version = dict_version(fast);
-          ++d->revalidated;
-        }
-      }
-      Py_DECREF(fast);
+    // The entry's dict is the manager's own until it swaps it (a policy change) or is replaced: both forget
+    // every table (opdispatch._native.forget). Unchanged, it holds the same function under the entry's key.
+    bool current = dict_version(e->fast) == e->fast_version;
+    if (!current) {
+      // The dict changed (another signature, another front door, a demotion): this entry stands if the Python
+      // path would still find this very function under its key — one dict lookup, not a Python call.
+      PyObject* now = PyDict_GetItemWithError(e->fast, e->pykey);  // borrowed
+      if (now == nullptr) PyErr_Clear();
+      current = now == e->fn;
       if (current) {
-        d->last = e;
-        return hit(d, e, manager, slots);
+        e->fast_version = dict_version(e->fast);
+        ++d->revalidated;
       }
+    }
+    if (current) {
+      d->last = e;
+      return hit(d, e, e->manager, slots);
     }
     if (h == 0) h = key.hash();
   }
@@ -747,6 +761,7 @@ int door_traverse(PyObject* self, visitproc visit, void* arg) {
   for (auto& bucket : d->table) {
     for (auto& e : bucket.second) {
       for (PyObject* o : e->held) Py_VISIT(o);
+      Py_VISIT(e->manager);
       Py_VISIT(e->fast);
       Py_VISIT(e->pykey);
       Py_VISIT(e->fn);
