@@ -354,7 +354,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     manager = get_manager()
     info = manager.device_info(device)
     print(f"opdispatch demo on {info.describe()}")
-    print(f"policy: {manager.policy.source} (hash {manager.policy.hash})\n")
+    print(f"policy: {manager.policy.source} (hash {manager.policy.hash})")
+    print(f"per-call fast path: {_fast_path_line()}\n")
     failures = 0
     for title, kw in demo_calls(device):
         decision = opdispatch.explain(**kw)
