@@ -33,6 +33,9 @@
 #include <unordered_set>
 #include <vector>
 
+#if PY_VERSION_HEX < 0x030B0000
+#error "opdispatch's compiled fast path needs Python 3.11 or newer (PyErr_SetHandledException); the Python path runs"
+#endif
 #if PY_VERSION_HEX >= 0x030E0000
 #error "opdispatch's compiled fast path reads dict version tags, which Python 3.14 removed; the Python path runs"
 #endif
@@ -158,6 +161,7 @@ struct Door {
   std::unordered_map<uint64_t, std::vector<std::unique_ptr<Entry>>> table;
   size_t n_entries = 0;
   Entry* last = nullptr;  // the entry of the last hit or miss: a loop of one signature skips hashing
+  uint64_t generation = 0;  // bumped by clear_table
   std::unordered_set<uint64_t> seen_once;  // hashes of keys missed once (read back from their second call)
   uint64_t hits = 0, misses = 0, passes = 0, revalidated = 0;
   uint64_t compiler_version = 0;  // torch.compiler's globals' version tag when `compiling` was read
@@ -176,14 +180,18 @@ struct Door {
     Py_XDECREF(compiler_globals);
   }
 
+  // Empties the table before releasing anything: a release may run Python code (a finaliser) that calls this
+  // door again, and must find a consistent, empty table; `generation` tells a caller holding an entry it is gone.
   void clear_table() {
+    decltype(table) old;
+    old.swap(table);
     last = nullptr;
-    for (auto& bucket : table) {
-      for (auto& e : bucket.second) e->release();
-    }
-    table.clear();
     seen_once.clear();
     n_entries = 0;
+    ++generation;
+    for (auto& bucket : old) {
+      for (auto& e : bucket.second) e->release();
+    }
   }
 
   // Arguments into `slots` (borrowed), defaults filled in; false for anything a Python call would refuse or
@@ -409,22 +417,20 @@ struct Door {
         e->held.push_back(key.held[i]);
       }
       ++n_entries;
-    } else {
-      Py_CLEAR(e->manager);
-      Py_CLEAR(e->fast);
-      Py_CLEAR(e->pykey);
-      Py_CLEAR(e->fn);
     }
+    // The old references go last: releasing them may run Python code that clears this table.
+    PyObject* old[4] = {e->manager, e->fast, e->pykey, e->fn};
     Py_INCREF(manager);
-    e->manager = manager;
     Py_INCREF(fast);
     Py_INCREF(pykey);
     Py_INCREF(fn);
+    e->manager = manager;
     e->fast = fast;
     e->fast_version = dict_version(fast);
     e->pykey = pykey;
     e->fn = fn;
     last = e;
+    for (PyObject* o : old) Py_XDECREF(o);
   }
 };
 
@@ -720,14 +726,26 @@ PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
     bool current = dict_version(e->fast) == e->fast_version;
     if (!current) {
       // The dict changed (another signature, another front door, a demotion): this entry stands if the Python
-      // path would still find this very function under its key — one dict lookup, not a Python call.
-      PyObject* now = PyDict_GetItemWithError(e->fast, e->pykey);  // borrowed
+      // path would still find this very function under its key — one dict lookup, not a Python call. Hashing the
+      // key may run Python code (and let another thread clear the table): hold what is read, check the generation.
+      const uint64_t generation = d->generation;
+      PyObject *fast = e->fast, *pykey = e->pykey, *fn = e->fn;
+      Py_INCREF(fast);
+      Py_INCREF(pykey);
+      Py_INCREF(fn);
+      PyObject* now = PyDict_GetItemWithError(fast, pykey);  // borrowed
       if (now == nullptr) PyErr_Clear();
-      current = now == e->fn;
+      current = now == fn && d->generation == generation;
       if (current) {
-        e->fast_version = dict_version(e->fast);
+        e->fast_version = dict_version(fast);
         ++d->revalidated;
+      } else if (d->generation != generation) {
+        e = nullptr;  // gone with the table
+        h = h == 0 ? key.hash() : h;
       }
+      Py_DECREF(fast);
+      Py_DECREF(pykey);
+      Py_DECREF(fn);
     }
     if (current) {
       d->last = e;
