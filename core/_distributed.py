@@ -42,7 +42,7 @@ ENV_DISTRIBUTED = "OPDISPATCH_DISTRIBUTED"
 _ENV_VALUES = ("consistent", "local")
 
 __all__ = ["AgreementError", "ENV_DISTRIBUTED", "GroupAgreement", "agree_tuned_table", "consistent",
-           "explained", "from_environ", "local"]
+           "explained", "from_environ", "join_torchrun", "local"]
 
 
 class AgreementError(OpDispatchError, RuntimeError):
@@ -305,6 +305,22 @@ def _default_manager() -> OpManager:
 
 
 # -- tuned tables -----------------------------------------------------------------------------------------------
+
+def join_torchrun(environ: Mapping[str, str]) -> int | None:
+    """When this process is one of several ranks launched by torchrun (WORLD_SIZE > 1), join their default group
+    (gloo: `opdispatch tune` only exchanges its tables) with this rank's GPU made current (LOCAL_RANK), and return
+    the rank; None for a single process."""
+    if int(environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank()
+
 
 def agree_tuned_table(table: TunedTable, group: Any = None) -> TunedTable:
     """One tuned table for the whole group, from every rank's measurements of the same cases: each

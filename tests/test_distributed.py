@@ -133,3 +133,25 @@ def test_context_parallel_errors(ranks: list[dict[str, Any]]) -> None:
     assert "divisible by 6" in e["indivisible"]["message"]
     assert e["mode"]["message"] == ("opdispatch.context_parallel_attention(): mode='tree' is not supported; allowed: "
                                     "'ring', 'allgather'")
+
+
+def test_tune_under_torchrun_agrees_one_table(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    shapes = tmp_path / "shapes.yaml"
+    shapes.write_text("shapes:\n  - {dtype: fp32, batch: 1, seqlen_q: 64, heads_q: 2, heads_kv: 1, head_dim: 16, "
+                      "causal: true}\n")
+    out = tmp_path / "tuned.yaml"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(_free_port()), "-m", "opdispatch", "tune", "--shapes", str(shapes), "--out", str(out),
+                           "--reps", "2", "--warmup", "1", "--impl", "cpu.flash", "--impl", "reference.math", "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("wrote ") == 1  # rank 0 writes the one table
+    assert "agreed across 2 ranks" in done.stdout
+    table = yaml.safe_load(out.read_text())
+    assert table["settings"]["ranks"] == 2
+    assert set(table["entries"][0]["median_us"]) == {"cpu.flash", "reference.math"}
