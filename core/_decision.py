@@ -100,6 +100,7 @@ class Decision:
     retry_at: float | None = field(default=None, repr=False, compare=False)
     # How the ranks of a torch.distributed group agreed on it (opdispatch._distributed); None: agreement is off.
     agreement: str | None = field(default=None, compare=False)
+    agreed: bool = field(default=False, compare=False)  # by every rank of the group (then `agreement` says how)
 
     @property
     def chosen_id(self) -> str | None:

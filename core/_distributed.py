@@ -100,7 +100,11 @@ class GroupAgreement:
         self.require_initialized = require_initialized
         self.agreements = 0  # collectives run (tests, and a check that the fast path never agrees)
 
-    def _active(self) -> str | None:
+    def ready(self) -> bool:
+        """Whether a decision made now is agreed (see `_inactive`)."""
+        return self._inactive() is None
+
+    def _inactive(self) -> str | None:
         """Why decisions are not agreed now (None: they are)."""
         import torch
 
@@ -133,7 +137,7 @@ class GroupAgreement:
 
     def _agree(self, manager: OpManager, op: str, call: Any, decision: Decision | None,
                error: BaseException | None) -> Decision | None:
-        inactive = self._active()
+        inactive = self._inactive()
         if inactive is not None:
             if decision is not None:
                 decision.agreement = f"not agreed: {inactive}"
@@ -141,7 +145,7 @@ class GroupAgreement:
         rank, size = _group_size(self.group)
         if size == 1:
             if decision is not None:
-                decision.agreement = "agreed (a group of one rank)"
+                decision.agreement, decision.agreed = "agreed (a group of one rank)", True
             return decision
         mine = _record(rank, op, call, decision, error)
         self.agreements += 1
@@ -160,7 +164,7 @@ class GroupAgreement:
             return decision
         if len(choices) == 1:
             assert decision is not None
-            decision.agreement = f"agreed across {size} ranks"
+            decision.agreement, decision.agreed = f"agreed across {size} ranks", True
             return decision
         target = records[0].chosen
         if target is not None and all(target in r.eligible for r in records):
@@ -170,7 +174,7 @@ class GroupAgreement:
             text = f"{note}, overridden by rank 0's {target} (agreed across {size} ranks)"
             if mine.chosen != target:
                 _use(manager, decision, target, text)
-            decision.agreement = text
+            decision.agreement, decision.agreed = text, True
             if rank == 0:
                 log.warning("%s: ranks disagreed on [%s]: %s. Make the ranks' policies and environments equal "
                             "to decide alike.", op, mine.call, text)
@@ -254,6 +258,19 @@ class _Switch:
 
     def __exit__(self, *exc: object) -> None:
         self._manager.agreement = self._previous
+        if self._previous is not None:
+            _forget_local(self._manager)
+
+
+def _forget_local(manager: OpManager) -> None:
+    """Drop the per-call fast path's functions bound to decisions this rank made alone: a hit would skip the
+    group's collective for their classes, which the other ranks then wait for. (Cached decisions need nothing:
+    `resolve` decides an unagreed one again under agreement.)"""
+    fast = manager.fast
+    for key, fn in list(fast.items()):
+        decision = getattr(fn, "decision", None)
+        if decision is None or not decision.agreed:
+            fast.pop(key, None)
 
 
 def consistent(group: Any = None, *, manager: OpManager | None = None) -> _Switch:
@@ -261,7 +278,8 @@ def consistent(group: Any = None, *, manager: OpManager | None = None) -> _Switc
     — or inside ``with consistent(...):``. Call it on every rank of the group: agreement is collective (every
     rank must make the same new decisions in the same order). Also ``OPDISPATCH_DISTRIBUTED=consistent``.
 
-    Decisions already cached are not re-agreed: switch it on before the first calls. Raises AgreementError when
+    Decisions made before (or inside `local()`) are decided again, collectively, at their class's next call;
+    plans (`opdispatch.plan`, `opdispatch.Attention`) bound before keep their kernel. Raises AgreementError when
     torch.distributed is not initialised."""
     import torch.distributed as dist
 
@@ -272,12 +290,14 @@ def consistent(group: Any = None, *, manager: OpManager | None = None) -> _Switc
     manager = manager if manager is not None else _default_manager()
     previous = manager.agreement
     manager.agreement = GroupAgreement(group)
+    _forget_local(manager)
     return _Switch(manager, previous)
 
 
 def local(*, manager: OpManager | None = None) -> _Switch:
     """Decide on this rank alone from now on, or inside ``with local():`` (rank-specific code: evaluation on
-    rank 0, ...)."""
+    rank 0, ...). What is decided there stays out of the group's decisions: on leaving the block (or at the next
+    `consistent()`) those classes are decided again, collectively, at their next call."""
     manager = manager if manager is not None else _default_manager()
     switch = _Switch(manager, manager.agreement)
     manager.agreement = None
@@ -287,7 +307,7 @@ def local(*, manager: OpManager | None = None) -> _Switch:
 def explained(manager: OpManager, decision: Decision, agreed: Decision | None) -> None:
     """Give `explain()`'s fresh `decision` the group's verdict: that of the cached (agreed) decision of its class
     — explain never communicates, so a class not decided yet says so."""
-    if agreed is None or agreed.agreement is None:
+    if agreed is None or not agreed.agreed or agreed.agreement is None:
         decision.agreement = ("not agreed yet: the group agrees at this class's first call on every rank "
                               "(explain never communicates)")
         return

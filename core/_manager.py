@@ -318,7 +318,10 @@ class OpManager:
         key = self._cache_key(op, call, device, impl, overrides, state)
         if use_cache:
             decision = cache.get(key)
-            if decision is not None and (decision.retry_at is None or time.monotonic() < decision.retry_at):
+            # Under group agreement a decision this rank made alone (before agreement, inside `local()`) is decided
+            # again, collectively: every rank of the group then takes part.
+            if decision is not None and (decision.retry_at is None or time.monotonic() < decision.retry_at) and (
+                    self.agreement is None or decision.agreed or not self.agreement.ready()):
                 try:  # least recently used goes first: a hit moves to the end
                     cache[key] = cache.pop(key)
                 except KeyError:  # evicted by another thread meanwhile: the decision is still valid

@@ -101,13 +101,18 @@ def mismatch(rank: int, world: int) -> dict[str, Any]:
 
 def local_calls(rank: int, world: int) -> dict[str, Any]:
     manager = _fresh()
-    od.consistent()
     q, k, v = _inputs()
+    opdispatch.attention(q, k, v, causal=False)  # before agreement: this rank's own decision and fast path
+    od.consistent()
+    opdispatch.attention(q, k, v, causal=False)  # decided again, collectively
+    after_switch = manager.agreement.agreements
     with od.local():
         if rank == 0:  # rank-specific code: no collective, nobody waits
-            opdispatch.attention(q, k, v, causal=False)
-    assert manager.agreement is not None
-    return {"agreements": manager.agreement.agreements}
+            opdispatch.attention(q, k, v, causal=True)
+    inside = manager.agreement.agreements
+    opdispatch.attention(q, k, v, causal=True)  # every rank: rank 0's local decision is made again with the others
+    return {"after_switch": after_switch, "inside": inside, "after": manager.agreement.agreements,
+            "explain": str(opdispatch.explain(q, k, v, causal=True))}
 
 
 def tuned(rank: int, world: int) -> dict[str, Any]:
@@ -246,7 +251,8 @@ SCENARIOS = [agreed, override, denied, pinned, mismatch, local_calls, tuned, con
 def main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A scenario that leaves a rank waiting fails after a minute instead of hanging the test run.
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     results: dict[str, Any] = {}
     try:
         for scenario in SCENARIOS:
