@@ -165,6 +165,8 @@ class _GatherSequence(torch.autograd.Function):
 
 # -- the op ---------------------------------------------------------------------------------------------------
 
+# Eager only: collectives and per-block decisions inside a traced graph would run once per trace, not per call.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
                                causal: bool = False, mode: str = "ring", sharding: str = "zigzag",
                                layout: str = "bshd", scale: float | None = None) -> torch.Tensor:
@@ -382,8 +384,8 @@ class _RingAttention(torch.autograd.Function):
             dv_step = torch.zeros(v.shape, dtype=acc, device=v.device)
             if block is not None:
                 rows, keys, diagonal = block
-                g = _block_grads(q[:, rows], k_cur[:, keys], v_cur[:, keys], out[:, rows],
-                                 lse[:, :, rows].contiguous(), grad_out[:, rows], diagonal, scale)
+                g = _block_grads(q[:, rows], k_cur[:, keys], v_cur[:, keys], out[:, rows].contiguous(),
+                                 lse[:, :, rows].contiguous(), grad_out[:, rows].contiguous(), diagonal, scale)
                 dq[:, rows] += g[0]
                 dk_step[:, keys] += g[1]
                 dv_step[:, keys] += g[2]
