@@ -307,6 +307,9 @@ def local(*, manager: OpManager | None = None) -> _Switch:
 def explained(manager: OpManager, decision: Decision, agreed: Decision | None) -> None:
     """Give `explain()`'s fresh `decision` the group's verdict: that of the cached (agreed) decision of its class
     — explain never communicates, so a class not decided yet says so."""
+    if agreed is not None and not agreed.agreed and agreed.agreement is not None:
+        decision.agreement = agreed.agreement  # why it was not agreed (not initialised, compiling)
+        return
     if agreed is None or not agreed.agreed or agreed.agreement is None:
         decision.agreement = ("not agreed yet: the group agrees at this class's first call on every rank "
                               "(explain never communicates)")

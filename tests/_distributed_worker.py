@@ -63,6 +63,14 @@ def agreed(rank: int, world: int) -> dict[str, Any]:
             "chosen": decision.chosen_id, "explain": str(decision), "not_yet": new_class.agreement}
 
 
+def env_mode(rank: int, world: int) -> dict[str, Any]:
+    manager = _fresh({"OPDISPATCH_DISTRIBUTED": "consistent"})  # the default group, no consistent() call
+    q, k, v = _inputs()
+    opdispatch.attention(q, k, v, causal=False)
+    return {"agreements": manager.agreement.agreements,
+            "explain": opdispatch.explain(q, k, v, causal=False).agreement}
+
+
 def override(rank: int, world: int) -> dict[str, Any]:
     # Rank 2 prefers the reference: it decides differently; rank 0's cpu.flash is eligible there, so it wins.
     manager = _fresh({"OPDISPATCH_PREFER": "reference.math"} if rank == 2 else {})
@@ -244,7 +252,7 @@ def timeout(rank: int, world: int) -> dict[str, Any]:
     return {**result, "seconds": time.monotonic() - start}
 
 
-SCENARIOS = [agreed, override, denied, pinned, mismatch, local_calls, tuned, context_parallel,
+SCENARIOS = [agreed, env_mode, override, denied, pinned, mismatch, local_calls, tuned, context_parallel,
              context_parallel_agreed, cp_errors, timeout]
 
 

@@ -47,6 +47,45 @@ def test_agreed_once_per_class_never_on_the_fast_path(ranks: list[dict[str, Any]
         assert a["not_yet"].startswith("not agreed yet: the group agrees at this class's first call")
 
 
+def test_env_var_agrees_over_the_default_group(ranks: list[dict[str, Any]]) -> None:
+    assert [r["env_mode"]["agreements"] for r in ranks] == [1, 1, 1]
+    assert all(r["env_mode"]["explain"] == "agreed across 3 ranks" for r in ranks)
+
+
+def test_env_var_in_a_single_process_decides_locally_and_caches(manager: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import opdispatch
+
+    monkeypatch.setenv("OPDISPATCH_DISTRIBUTED", "consistent")
+    fresh = opdispatch.OpManager()
+    previous = opdispatch.set_manager(fresh)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        q, k = torch.randn(1, 8, 2, 8, generator=gen), torch.randn(1, 8, 2, 8, generator=gen)
+        out = opdispatch.attention(q, k, k, causal=True)
+        opdispatch.attention(q[:, :5], k[:, :5], k[:, :5], causal=True)  # same class: the cached decision
+        assert fresh.decisions_made == 1 and fresh.agreement.agreements == 0
+        expected = worker._oracle(q, k, k, True)
+        assert (out.double() - expected).abs().max() < 1e-5
+        assert opdispatch.explain(q, k, k, causal=True).agreement == (
+            "not agreed: torch.distributed was not initialised when it was decided")
+    finally:
+        opdispatch.set_manager(previous)
+    monkeypatch.setenv("OPDISPATCH_DISTRIBUTED", "always")
+    with pytest.raises(ValueError) as info:
+        opdispatch.OpManager()
+    assert str(info.value) == ("OPDISPATCH_DISTRIBUTED='always' is not supported; allowed: consistent, local "
+                               "(consistent: agree each new decision across the default torch.distributed group)")
+
+
+def test_consistent_needs_an_initialised_group(manager: Any) -> None:
+    from opdispatch import distributed as od
+
+    with pytest.raises(od.AgreementError, match="torch.distributed is not initialised in this process. Fix: call "
+                       r"torch.distributed.init_process_group\(...\) first"):
+        od.consistent()
+    assert manager.agreement is None
+
+
 def test_divergent_rank_takes_rank_0s_choice_when_it_can(ranks: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(ranks):
         o = r["override"]
