@@ -100,6 +100,31 @@ def pinned(rank: int, world: int) -> dict[str, Any]:
     return _error(lambda: opdispatch.attention(q, k, v, causal=True))
 
 
+class _HostLibrary(opdispatch.AttentionImpl):
+    """A kernel whose library is installed on ranks 0 and 1 only (`RANK_WITHOUT`): a host that lacks it."""
+
+    vendor = "test"
+    name = "hostlib"
+    caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, causal=True,
+                                    causal_alignments=frozenset({"top_left"}), layouts=frozenset({"bshd"}))
+    rank_without = 2
+
+    def availability(self, device: Any) -> str | None:
+        return "hostlib is not installed on this host" if dist.get_rank() == self.rank_without else None
+
+    def run(self, call: Any) -> Any:
+        return _oracle(call.q, call.k, call.v, call.causal).to(call.dtype)
+
+
+def unavailable(rank: int, world: int) -> dict[str, Any]:
+    # Every rank prefers test.hostlib; rank 2 lacks its library and decides cpu.flash: no common choice.
+    manager = _fresh({"OPDISPATCH_PREFER": "test.hostlib"})
+    manager.register_impl(_HostLibrary())
+    od.consistent()
+    q, k, v = _inputs()
+    return _error(lambda: opdispatch.attention(q, k, v, causal=True))
+
+
 def mismatch(rank: int, world: int) -> dict[str, Any]:
     _fresh()
     od.consistent()
@@ -252,7 +277,7 @@ def timeout(rank: int, world: int) -> dict[str, Any]:
     return {**result, "seconds": time.monotonic() - start}
 
 
-SCENARIOS = [agreed, env_mode, override, denied, pinned, mismatch, local_calls, tuned, context_parallel,
+SCENARIOS = [agreed, env_mode, override, denied, pinned, unavailable, mismatch, local_calls, tuned, context_parallel,
              context_parallel_agreed, cp_errors, timeout]
 
 

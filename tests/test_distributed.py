@@ -107,6 +107,16 @@ def test_no_common_choice_is_an_error_on_every_rank(ranks: list[dict[str, Any]])
     assert "OPDISPATCH_IMPL_ATTENTION=<id>" in text
 
 
+def test_a_library_missing_on_one_host_is_an_error_naming_it(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        error = r["unavailable"]
+        assert error["type"] == "AgreementError"
+        assert "  rank 0: test.hostlib (decided by OPDISPATCH_PREFER" in error["message"]
+        assert "  rank 2: cpu.flash" in error["message"]
+        assert "rank 0's test.hostlib here: unavailable (hostlib is not installed on this host)" in error["message"]
+        assert "Implementations every rank can run for this call: cpu.flash, reference.math." in error["message"]
+
+
 def test_a_rank_that_cannot_decide_does_not_leave_the_others_waiting(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert r["pinned"]["type"] == "AgreementError"
