@@ -116,8 +116,10 @@ class GroupAgreement:
         if not dist.is_available() or not dist.is_initialized():
             if self.require_initialized:
                 raise AgreementError(
-                    "opdispatch.distributed.consistent(): torch.distributed is not initialised in this process. "
-                    "Fix: call torch.distributed.init_process_group(...) first (or launch with torchrun)")
+                    "opdispatch: decisions are agreed across a process group (opdispatch.distributed.consistent()), "
+                    "but torch.distributed is not initialised in this process (any more). Fix: initialise it "
+                    "(torch.distributed.init_process_group) before deciding, or decide alone from now on with "
+                    "opdispatch.distributed.local()")
             return "torch.distributed was not initialised when it was decided"
         return None
 
@@ -348,9 +350,10 @@ def join_torchrun(environ: Mapping[str, str]) -> int | None:
 def agree_tuned_table(table: TunedTable, group: Any = None) -> TunedTable:
     """One tuned table for the whole group, from every rank's measurements of the same cases: each
     implementation's time in a bucket is the maximum over ranks of its median (a synchronous step runs at its
-    slowest rank's pace), an implementation that failed on any rank is left out of that bucket, and the buckets
-    are ranked by those times. Collective: every rank calls it with its own table; each gets the same result.
-    AgreementError when the ranks' device fingerprints or cases differ."""
+    slowest rank's pace), an implementation that failed or could not run on any rank is left out of that bucket
+    (its `failed` entry says where), and the buckets are ranked by those times. Collective: every rank calls it
+    with its own table; each gets the same result. AgreementError when the ranks' device fingerprints or cases
+    differ."""
     from opdispatch.policies._tuned_table import TunedEntry, TunedTable
 
     import torch.distributed as dist
@@ -375,7 +378,11 @@ def agree_tuned_table(table: TunedTable, group: Any = None) -> TunedTable:
         failed: dict[str, str] = {}
         for rank, other in enumerate(tables):
             failed.update({impl: f"rank {rank}: {why}" for impl, why in other["entries"][i][3].items()})
-        timed = set.intersection(*(set(other["entries"][i][2]) for other in tables)) - set(failed)
+        everywhere = set.intersection(*(set(other["entries"][i][2]) for other in tables))
+        for rank, other in enumerate(tables):  # timed on some ranks only (it cannot run on the others)
+            for impl in set(other["entries"][i][2]) - everywhere - set(failed):
+                failed[impl] = f"timed on rank {rank} but not on every rank"
+        timed = everywhere - set(failed)
         slowest = {impl: max(other["entries"][i][2][impl] for other in tables) for impl in timed}
         order = sorted(slowest, key=slowest.__getitem__)
         entries.append(TunedEntry(discrete, sizes, order, slowest, failed, shape))

@@ -155,6 +155,8 @@ def test_tuned_table_is_the_slowest_rank_per_implementation(ranks: list[dict[str
         assert entry["median_us"] == expected
         assert entry["order"] == sorted(expected, key=expected.__getitem__)
     assert agreed[0]["failed"] == {"c.three": "rank 1: RuntimeError: boom"} and "c.three" in agreed[1]["order"]
+    assert agreed[1]["failed"] == {"b.two": "timed on rank 0 but not on every rank"}
+    assert agreed[1]["order"] == sorted(["a.one", "c.three"], key=agreed[1]["median_us"].__getitem__)
     assert ranks[0]["tuned"]["settings"]["ranks"] == WORLD
     assert ranks[2]["tuned"]["fingerprint_error"]["type"] == "AgreementError"
 
