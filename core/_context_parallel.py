@@ -202,6 +202,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     # Work in bshd views; the result goes back to the caller's layout.
     to_bshd = _BSHD_VIEWS[layout]
     q4, k4, v4 = to_bshd(q), to_bshd(k), to_bshd(v)
+    if world == 1:  # the whole sequence is here (zigzag's two chunks are in order): one local call
+        from ._api import attention
+
+        out1: torch.Tensor = attention(q, k, v, causal=causal, layout=layout, scale=scale)
+        return out1
     # Validated as one unsharded call would be (dtypes, heads, head dims, scale), with its error messages.
     call = validate_attention(q4, k4, v4, causal=causal, scale=scale)
     if mode == "ring":

@@ -234,7 +234,11 @@ def _cp_errors(group: Any, mode: str, sharding: str, causal: bool, heads: tuple[
 def context_parallel(rank: int, world: int) -> dict[str, Any]:
     _fresh()
     pair = dist.new_group([0, 1])  # a 2-rank group inside the 3-rank world (every rank creates it)
+    alone = dist.new_group([0])
     results: dict[str, Any] = {}
+    if rank == 0:  # a group of one: the local call
+        for mode in ("ring", "allgather"):
+            results[f"1 rank {mode}"] = _cp_errors(alone, mode, "zigzag", True, (4, 2), "bshd", torch.float64, seed=5)
     for i, (mode, sharding, causal, heads, layout, dtype) in enumerate(CP_CASES):
         name = f"{mode}-{sharding}-{'causal' if causal else 'full'}-{heads[0]}:{heads[1]}-{layout}-{dtype}"
         results[f"3 ranks {name}"] = _cp_errors(None, mode, sharding, causal, heads, layout, dtype, seed=i)

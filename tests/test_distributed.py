@@ -173,6 +173,12 @@ def test_context_parallel_matches_the_float64_oracle(ranks: list[dict[str, Any]]
         assert max(errors.values()) < tol, (rank, errors)
 
 
+def test_context_parallel_in_a_group_of_one(ranks: list[dict[str, Any]]) -> None:
+    for mode in ("ring", "allgather"):
+        errors = ranks[0]["context_parallel"][f"1 rank {mode}"]
+        assert max(errors.values()) < 1e-10, errors
+
+
 def test_context_parallel_under_agreement_and_the_torch_block_backward(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         result = r["context_parallel_agreed"]
