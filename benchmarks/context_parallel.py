@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import os
 
-# The GPU host requires NVLink multicast off (NVLS in NCCL, multicast in torch's symmetric memory); set before
-# torch initialises either.
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+# The GPU host requires NVLink multicast off (NVLS in NCCL, multicast in torch's symmetric memory): forced, not
+# defaulted, before torch initialises either; the spawned ranks inherit it.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
@@ -90,8 +90,10 @@ def _free_port() -> int:
 def versions(device: torch.device) -> dict[str, str]:
     info = {"torch": torch.__version__, "opdispatch": opdispatch.__version__, "python": sys.version.split()[0]}
     if device.type == "cuda":
+        nccl = torch.cuda.nccl.version()
         info.update(device=torch.cuda.get_device_name(device), cuda=str(torch.version.cuda),
-                    cudnn=str(torch.backends.cudnn.version()), nccl=".".join(map(str, torch.cuda.nccl.version())))
+                    cudnn=str(torch.backends.cudnn.version()),
+                    nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
     else:
         info["device"] = "cpu (gloo)"
     return info
@@ -199,7 +201,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_file: str) -> N
 
         for mode in ("ring", "allgather"):
             run = functools.partial(od.context_parallel_attention, *local, causal=causal, mode=mode)
-            row = dict(base, method=f"opdispatch {mode}")
+            row = dict(base, method=f"opdispatch {mode}", note=_block_kernels(local, causal, mode))
             row.update(_errors(run, local, local_grad, expected_shards))
             row["fwd_ms"] = 1e3 * timer.median(_step(run, local, None))
             row["fwd_bwd_ms"] = 1e3 * timer.median(_step(run, local, local_grad))
@@ -216,6 +218,17 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_file: str) -> N
         Path(out_file).write_text(json.dumps({"versions": info, "rows": rows}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _block_kernels(local: list[torch.Tensor], causal: bool, mode: str) -> str:
+    """Which implementation the policy picks for the diagonal block here, forward and training."""
+    q, k, v = local
+    kwargs: dict[str, Any] = {"causal": causal, "return_lse": True} if mode == "ring" else {
+        "causal": causal, "causal_alignment": "bottom_right"}
+    with torch.no_grad():
+        forward = opdispatch.explain(q.detach(), k.detach(), v.detach(), **kwargs).chosen_id
+    training = opdispatch.explain(q, k, v, **kwargs).chosen_id
+    return f"blocks: {forward} (fwd), {training} (training)"
 
 
 def _errors(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], grad: torch.Tensor,
