@@ -29,11 +29,20 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("PACKED_LAYOUTS", "attention_packed", "packed_views"), "._packed"),
     **dict.fromkeys(("Origin", "Registry"), "._registry"),
     **dict.fromkeys(("policy_override", "scope"), ".policies._overrides"),
+    **dict.fromkeys(("context_parallel_attention", "shard_sequence", "unshard_sequence"), "._context_parallel"),
+    "AgreementError": "._distributed",
 }
+_SUBMODULES = ("distributed",)  # `opdispatch.distributed.consistent()` after a plain `import opdispatch`
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
+    if module is None and name in _SUBMODULES:
+        import importlib
+
+        submodule = importlib.import_module(f".{name}", __name__)
+        globals()[name] = submodule
+        return submodule
     if module is None:
         raise AttributeError(f"module 'opdispatch' has no attribute {name!r}")
     import importlib
@@ -44,7 +53,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
 
 
 if TYPE_CHECKING:
@@ -64,16 +73,20 @@ if TYPE_CHECKING:
     from ._packed import PACKED_LAYOUTS, attention_packed, packed_views
     from ._registry import Origin, Registry
     from .policies._overrides import policy_override, scope
+    from ._context_parallel import context_parallel_attention, shard_sequence, unshard_sequence
+    from ._distributed import AgreementError
+    from . import distributed
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Attention", "AttentionCall", "AttentionCaps", "AttentionImpl", "Candidate", "Decision", "DeviceDescriptorError",
-    "DeviceInfo", "Impl", "NoImplementationError", "OpDispatchError", "OpManager", "OpSpec", "Origin", "PACKED_LAYOUTS",
-    "PinnedImplementationError", "PluginLoadError", "PolicyError", "Provenance", "RegistrationError", "Registry",
-    "Requirement", "RmsNormCall", "RmsNormCaps", "RmsNormImpl", "RotaryCall", "RotaryCaps", "RotaryImpl", "__version__",
-    "attention", "attention_packed", "define_explain", "define_front_door", "explain", "explain_rms_norm",
-    "explain_rotary_embedding", "get_manager", "hookimpl", "known_ops", "load_device_descriptor", "op_spec",
-    "packed_views", "plan", "plan_op", "policy_override", "register_op", "rms_norm", "rotary_embedding", "scope",
-    "set_manager", "validate_attention", "validate_rms_norm", "validate_rotary_embedding",
+    "AgreementError", "Attention", "AttentionCall", "AttentionCaps", "AttentionImpl", "Candidate", "Decision",
+    "DeviceDescriptorError", "DeviceInfo", "Impl", "NoImplementationError", "OpDispatchError", "OpManager", "OpSpec",
+    "Origin", "PACKED_LAYOUTS", "PinnedImplementationError", "PluginLoadError", "PolicyError", "Provenance",
+    "RegistrationError", "Registry", "Requirement", "RmsNormCall", "RmsNormCaps", "RmsNormImpl", "RotaryCall",
+    "RotaryCaps", "RotaryImpl", "__version__", "attention", "attention_packed", "context_parallel_attention",
+    "define_explain", "define_front_door", "distributed", "explain", "explain_rms_norm", "explain_rotary_embedding",
+    "get_manager", "hookimpl", "known_ops", "load_device_descriptor", "op_spec", "packed_views", "plan", "plan_op",
+    "policy_override", "register_op", "rms_norm", "rotary_embedding", "scope", "set_manager", "shard_sequence",
+    "unshard_sequence", "validate_attention", "validate_rms_norm", "validate_rotary_embedding",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if problem:
         print(f"opdispatch tune: {problem}", file=sys.stderr)
         return 2
+    from ._distributed import agree_tuned_table, join_torchrun
+
+    # Under torchrun every rank measures on its own GPU and the group agrees on one table (agree_tuned_table: the
+    # slowest rank's median per implementation); rank 0 writes it.
+    rank = join_torchrun(os.environ)
     device = _device(args)
     cases = _cases(args, device)
     impls = args.impl or None
@@ -206,10 +212,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
             return 1
     manager = get_manager()
     results = measure(cases, op=args.op, manager=manager, device=device, impls=impls, warmup=args.warmup,
-                      reps=args.reps, progress=not args.quiet)
-    print_summary(results)
+                      reps=args.reps, progress=not args.quiet and not rank)
+    if not rank:
+        print_summary(results)
     table = tuned_table(results, op=args.op, manager=manager, device=device, impls=impls, warmup=args.warmup,
                         reps=args.reps)
+    if rank is not None:
+        table = agree_tuned_table(table)
+        if rank:
+            return 0
+        print(f"agreed across {table.settings['ranks']} ranks: each implementation's slowest rank's median")
     out = Path(args.out)
     table.save(out)
     print(f"wrote {out}: {args.op}, {len(table.entries)} buckets, fingerprint {table.hash} "

@@ -98,6 +98,9 @@ class Decision:
     # expires (time.monotonic()): the cached decision is then made again, giving the demoted kernel its retry.
     cache_key: Any = field(default=None, repr=False, compare=False)
     retry_at: float | None = field(default=None, repr=False, compare=False)
+    # How the ranks of a torch.distributed group agreed on it (opdispatch._distributed); None: agreement is off.
+    agreement: str | None = field(default=None, compare=False)
+    agreed: bool = field(default=False, compare=False)  # by every rank of the group (then `agreement` says how)
 
     @property
     def chosen_id(self) -> str | None:
@@ -115,6 +118,7 @@ class Decision:
             "op": self.op, "call": self.call, "device": self.device.to_dict(), "chosen": self.chosen_id,
             "decided_by": str(self.decided_by) if self.decided_by else None,
             "policy": {"source": self.policy_source, "hash": self.policy_hash}, "pinned": self.pinned,
+            "agreement": self.agreement,
             "candidates": [
                 {"impl": c.impl_id, "status": c.status, "reasons": c.reasons,
                  "decided_by": str(c.decided_by) if c.decided_by else None, "origin": c.origin}
@@ -136,6 +140,8 @@ class Decision:
             head.append(f"chosen:  {self.chosen_id}  (decided by {self.decided_by})")
         else:
             head.append("chosen:  none — no implementation can take this call")
+        if self.agreement is not None:
+            head.append(f"group:   {self.agreement}")
         rows = [("#", "implementation", "status", "decided by", "reasons")]
         for i, c in enumerate(self.candidates, 1):
             reasons = "; ".join(c.reasons) if c.reasons else "-"

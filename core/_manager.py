@@ -27,7 +27,7 @@ from ._output_guard import ImplementationOutputError, check_values_enabled, guar
 from ._classes import DecisionClasses
 from ._device import DeviceInfo, probe_cpu, probe_generic
 from ._graphs import is_capturing, raise_if_capturing
-from ._errors import NoImplementationError, PinnedImplementationError, RegistrationError
+from ._errors import NoImplementationError, OpDispatchError, PinnedImplementationError, RegistrationError
 from ._impl import Impl, _template
 from ._registry import Origin, Registry
 from ._state import CACHE_LIMIT, DispatchState, bounded_put
@@ -92,6 +92,11 @@ class OpManager:
         self._devices: dict[Any, DeviceInfo] = {}
         self._policy_object: Any = policy if isinstance(policy, Policy) else None
         self._policy_path: Any = None if isinstance(policy, Policy) else policy
+        # Agreement of new decisions across a torch.distributed group (`opdispatch.distributed.consistent()`,
+        # OPDISPATCH_DISTRIBUTED); None: this process decides alone.
+        from ._distributed import from_environ
+
+        self.agreement: Any = from_environ(self.environ)
         _MANAGERS.add(self)
 
     # -- initialisation --------------------------------------------------------------------------------------
@@ -315,14 +320,26 @@ class OpManager:
         key = self._cache_key(op, call, device, impl, overrides, state)
         if use_cache:
             decision = cache.get(key)
-            if decision is not None and (decision.retry_at is None or time.monotonic() < decision.retry_at):
+            # Under group agreement a decision this rank made alone (before agreement, inside `local()`) is decided
+            # again, collectively: every rank of the group then takes part.
+            if decision is not None and (decision.retry_at is None or time.monotonic() < decision.retry_at) and (
+                    self.agreement is None or decision.agreed or not self.agreement.ready()):
                 try:  # least recently used goes first: a hit moves to the end
                     cache[key] = cache.pop(key)
                 except KeyError:  # evicted by another thread meanwhile: the decision is still valid
                     pass
                 return decision  # type: ignore[no-any-return]
         raise_if_capturing(op, call)  # deciding probes devices and may sync: never inside CUDA graph capture
-        decision = self._decide(op, call, device, impl, state, overrides, key)
+        agreement = self.agreement
+        if agreement is None:
+            decision = self._decide(op, call, device, impl, state, overrides, key)
+        else:  # every rank of the group takes part, also one that cannot decide (its error is re-raised after)
+            try:
+                decision = self._decide(op, call, device, impl, state, overrides, key)
+            except OpDispatchError as exc:
+                agreement.agree_failed(self, op, call, exc)
+                raise
+            decision = agreement.agree(self, op, call, decision)
         self.decisions_made += 1
         if decision.chosen is None:
             raise _no_impl_error(decision, self.plugins)
@@ -383,7 +400,14 @@ class OpManager:
             device = self.device_info(call.device)
         state, overrides = self.state, OVERRIDES.get()
         key = self._cache_key(op, call, device, impl, overrides, state) if self.breaker else None
-        return self._decide(op, call, device, impl, state, overrides, key)
+        decision = self._decide(op, call, device, impl, state, overrides, key)
+        if self.agreement is not None:
+            from ._distributed import explained
+
+            agreed = state.decisions.get(key if key is not None else self._cache_key(op, call, device, impl,
+                                                                                      overrides, state))
+            explained(self, decision, agreed)
+        return decision
 
     def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None, state: DispatchState,
                 overrides: Any, key: Any = None) -> Decision:
@@ -582,8 +606,10 @@ class OpManager:
         """Whether `exc` from `decision.chosen` moves the call to the next implementation: settings.
         fallback_on_error, not pinned, not while torch.compile traces or a CUDA graph captures (a fallback there
         would record half a failed graph), and not out of memory."""
+        # Under group agreement a failure stays the caller's: failing over on one rank would diverge the group.
         return (impl is None and decision.pinned is None and self.policy.settings.fallback_on_error
-                and may_fail_over(exc) and not _is_compiling() and not is_capturing(device))
+                and self.agreement is None and may_fail_over(exc) and not _is_compiling()
+                and not is_capturing(device))
 
     def fail_over(self, decision: Decision, exc: BaseException) -> None:
         """Demote `decision.chosen` for its call class after `exc`: forget the decision and every fast-path

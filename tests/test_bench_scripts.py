@@ -109,3 +109,27 @@ def test_reliability_report_counts_no_silent_wrong_answer(tmp_path):
     guard_rows = [line for line in text.splitlines() if line.startswith("| guard on |")]
     assert len(guard_rows) == 9 and not any("WRONG" in line for line in guard_rows)
     assert "Survived: 9 of 9." in text  # plugin faults
+
+
+@pytest.mark.slow
+def test_context_parallel_benchmark_smoke(tmp_path):
+    """benchmarks/context_parallel.py --smoke (CPU, gloo, 2 spawned ranks): every method has a row, opdispatch's
+    modes are timed and match the single-device result, torch's CP either ran or says why not."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "cp.md"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "context_parallel.py"), "--smoke", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert set(rows) == {"single GPU (unsharded)", "opdispatch ring", "opdispatch allgather", "torch CP allgather",
+                         "torch CP alltoall"}
+    for mode in ("opdispatch ring", "opdispatch allgather"):
+        r = rows[mode]
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("fwd_ms", "fwd_bwd_ms"))
+        assert max(r[k] for k in ("err_out", "err_dq", "err_dk", "err_dv")) < 1e-5
+    for rotate in ("allgather", "alltoall"):
+        r = rows[f"torch CP {rotate}"]
+        assert "fwd_ms" in r or r["note"].startswith("did not run: ")
+    assert "| 96 | opdispatch ring |" in out.read_text()

@@ -1,0 +1,458 @@
+"""Context-parallel attention: one long sequence sharded across the ranks of a torch.distributed group.
+
+Two modes, forward and backward, each local block computed by the implementation the policy picks on this
+device (`opdispatch.attention(..., return_lse=True)`):
+
+- ``ring``: K/V shards travel around the ring (``batch_isend_irecv``; the next shard is in flight while the
+  current one is computed), partial results merged by their log-sum-exp in float32. The backward passes the
+  accumulated dK/dV around the ring behind K/V, so each reaches its owner after one full turn; each block's
+  gradients come from the chosen implementation's own ``backward(call, out, lse, grad_out)`` given the *merged*
+  out and LSE (exact: FlashAttention's backward reads the softmax only through them), or, for an
+  implementation without one, the same formula in torch.
+- ``allgather``: K/V all-gathered, then local attention with the right causal offset (bottom-right alignment);
+  the backward reduce-scatters dK/dV (autograd through the chosen implementation).
+
+Sharding: ``zigzag`` (the default; load-balanced for causal masks) splits the sequence into 2×world chunks and
+rank r holds chunks r and 2×world−1−r; ``contiguous`` gives rank r the r-th of world equal pieces.
+`shard_sequence`/`unshard_sequence` convert a full sequence to and from either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._attention import AttentionImpl, validate_attention
+
+__all__ = ["MODES", "SHARDINGS", "context_parallel_attention", "shard_sequence", "unshard_sequence"]
+
+MODES = ("ring", "allgather")
+SHARDINGS = ("zigzag", "contiguous")
+_SEQ_DIM = {"bshd": 1, "bhsd": 2, "sbhd": 0}
+
+
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _bhsd_to_bshd(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2)
+
+
+def _sbhd_to_bshd(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1)
+
+
+# Views between each layout and bshd, both ways (each is its own inverse).
+_BSHD_VIEWS = {"bshd": _bshd, "bhsd": _bhsd_to_bshd, "sbhd": _sbhd_to_bshd}
+
+
+# -- sharding -------------------------------------------------------------------------------------------------
+
+def _group_rank(group: Any, what: str) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what}: torch.distributed is not initialised. Fix: call "
+                           "torch.distributed.init_process_group(...) first (or launch with torchrun), or use "
+                           "opdispatch.attention on one device")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _check_choice(what: str, name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what}: {name}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
+
+
+def _chunks(sharding: str, rank: int, world: int) -> tuple[int, ...]:
+    """The chunks rank `rank` holds, in order: of 2×world chunks (zigzag) or of world (contiguous)."""
+    return (rank, 2 * world - 1 - rank) if sharding == "zigzag" else (rank,)
+
+
+def _pieces(sharding: str, world: int) -> int:
+    return 2 * world if sharding == "zigzag" else world
+
+
+def shard_sequence(x: torch.Tensor, *, group: Any = None, sharding: str = "zigzag", layout: str = "bshd",
+                   seq_dim: int | None = None) -> torch.Tensor:
+    """This rank's shard of the full sequence `x` (every rank passes the same `x`): for ``zigzag``, chunks r and
+    2×world−1−r of 2×world, concatenated; for ``contiguous`` the r-th of world pieces. The sequence dimension is
+    the layout's (``bshd``: 1, ``bhsd``: 2, ``sbhd``: 0) unless `seq_dim` says."""
+    what = "opdispatch.shard_sequence()"
+    rank, world = _group_rank(group, what)
+    dim = _seq_dim(what, layout, seq_dim, x)
+    _check_choice(what, "sharding", sharding, SHARDINGS)
+    pieces = _pieces(sharding, world)
+    length = x.shape[dim]
+    if length % pieces:
+        raise ValueError(_divisible_error(what, length, sharding, world))
+    chunk = length // pieces
+    return torch.cat([x.narrow(dim, c * chunk, chunk) for c in _chunks(sharding, rank, world)], dim=dim)
+
+
+def unshard_sequence(x: torch.Tensor, *, group: Any = None, sharding: str = "zigzag", layout: str = "bshd",
+                     seq_dim: int | None = None) -> torch.Tensor:
+    """The full sequence from every rank's shard `x` (the inverse of `shard_sequence`; an all-gather, so every
+    rank calls it). Differentiable: the gradient of each shard is its part of the full gradient."""
+    what = "opdispatch.unshard_sequence()"
+    rank, world = _group_rank(group, what)
+    dim = _seq_dim(what, layout, seq_dim, x)
+    _check_choice(what, "sharding", sharding, SHARDINGS)
+    if sharding == "zigzag" and x.shape[dim] % 2:
+        raise ValueError(f"{what}: a zigzag shard holds two equal chunks, so its length along dim {dim} must be "
+                         f"even; got {x.shape[dim]}")
+    return _natural(_gather(x, dim, group), dim, sharding, world)
+
+
+def _natural(gathered: torch.Tensor, dim: int, sharding: str, world: int) -> torch.Tensor:
+    """Rank-ordered shards (as an all-gather concatenates them) in sequence order."""
+    if sharding == "contiguous":
+        return gathered
+    chunk = gathered.shape[dim] // (2 * world)
+    where = {c: 2 * r + i for r in range(world) for i, c in enumerate(_chunks(sharding, r, world))}
+    return torch.cat([gathered.narrow(dim, where[c] * chunk, chunk) for c in range(2 * world)], dim=dim)
+
+
+def _seq_dim(what: str, layout: str, seq_dim: int | None, x: Any) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(x).__name__}")
+    if seq_dim is not None:
+        if not -x.dim() <= seq_dim < x.dim():
+            raise ValueError(f"{what}: seq_dim={seq_dim} is out of range for a {x.dim()}-D tensor")
+        return seq_dim % x.dim()
+    _check_choice(what, "layout", layout, tuple(_SEQ_DIM))
+    return _SEQ_DIM[layout]
+
+
+def _divisible_error(what: str, length: int, sharding: str, world: int) -> str:
+    pieces = _pieces(sharding, world)
+    how = (f"2 x world = {pieces} chunks (zigzag: rank r holds chunks r and {pieces - 1}-r)" if sharding == "zigzag"
+           else f"world = {pieces} pieces")
+    return (f"{what}: a sequence of length {length} cannot be split into {how}: the length must be divisible by "
+            f"{pieces}. Fix: pad the sequence to a multiple of {pieces} (with keys the padding queries may see "
+            "masked out by causality, or cut after), or use another group size")
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along `dim` in rank order; the backward reduce-scatters (sums each rank's gradients of the
+    gathered tensor and keeps this rank's part)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.dim, ctx.group = dim, group
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        parts = [p.contiguous() for p in grad.chunk(world, dim=ctx.dim)]
+        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce-scatter: a sum everywhere, then our part
+            total = torch.stack(parts)
+            dist.all_reduce(total, group=ctx.group)
+            return total[rank], None, None
+        mine = torch.empty_like(parts[rank])
+        dist.reduce_scatter(mine, parts, group=ctx.group)
+        return mine, None, None
+
+
+# -- the op ---------------------------------------------------------------------------------------------------
+
+# Eager only: collectives and per-block decisions inside a traced graph would run once per trace, not per call.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
+                               causal: bool = False, mode: str = "ring", sharding: str = "zigzag",
+                               layout: str = "bshd", scale: float | None = None) -> torch.Tensor:
+    """Attention over a sequence sharded across the ranks of `group` (None: the default group): q, k, v are this
+    rank's shards (`shard_sequence`), the result is this rank's shard of the output. Every rank of the group
+    calls it with shards of the same shapes.
+
+    ``mode``: ``ring`` (K/V passed around the ring, overlapped with compute) or ``allgather`` (K/V gathered, then
+    one local attention). ``sharding``: ``zigzag`` (load-balanced for causal; the sequence length must be
+    divisible by 2×world) or ``contiguous``. ``causal`` is over the full sequence (query i sees keys j <= i).
+    Layouts ``bshd``, ``bhsd``, ``sbhd``; k/v may have fewer heads (GQA). Each local block runs on the
+    implementation the policy picks (`opdispatch.attention`); gradients flow to q, k and v.
+    """
+    what = "opdispatch.context_parallel_attention()"
+    rank, world = _group_rank(group, what)
+    _check_choice(what, "mode", mode, MODES)
+    _check_choice(what, "sharding", sharding, SHARDINGS)
+    _check_choice(what, "layout", layout, tuple(_SEQ_DIM))
+    if not isinstance(causal, bool):
+        raise TypeError(f"{what}: causal must be True or False, got {causal!r} ({type(causal).__name__})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = f"{t.dim()}-D tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what}: {name} must be a 4-D {layout} tensor, got {got}")
+    dim = _SEQ_DIM[layout]
+    q_len, k_len = q.shape[dim], k.shape[dim]
+    if q_len != k_len or v.shape[dim] != k_len:
+        raise ValueError(f"{what}: q, k and v must be shards of one sequence (self-attention), of equal length "
+                         f"along the sequence dim {dim} of layout {layout!r}; got {q_len}, {k_len}, {v.shape[dim]}")
+    if sharding == "zigzag" and q_len % 2:
+        raise ValueError(_divisible_error(what, q_len * world, sharding, world)
+                         + f" (this rank's shard has {q_len}, an odd number)")
+    # Work in bshd views; the result goes back to the caller's layout.
+    to_bshd = _BSHD_VIEWS[layout]
+    q4, k4, v4 = to_bshd(q), to_bshd(k), to_bshd(v)
+    if world == 1:  # the whole sequence is here (zigzag's two chunks are in order): one local call
+        from ._api import attention
+
+        out1: torch.Tensor = attention(q, k, v, causal=causal, layout=layout, scale=scale)
+        return out1
+    # Validated as one unsharded call would be (dtypes, heads, head dims, scale), with its error messages.
+    call = validate_attention(q4, k4, v4, causal=causal, scale=scale)
+    if mode == "ring":
+        out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
+            q4, k4, v4, group, causal, sharding == "zigzag", call.scale)
+    else:
+        out = _allgather_attention(q4, k4, v4, group, rank, world, causal, sharding, call.scale)
+    return out if layout == "bshd" else to_bshd(out).contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    gathered: torch.Tensor = _GatherSequence.apply(x, dim, group)  # type: ignore[no-untyped-call]
+    return gathered
+
+
+def _allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
+                         causal: bool, sharding: str, scale: float) -> torch.Tensor:
+    from ._api import attention
+
+    keys = _natural(_gather(k, 1, group), 1, sharding, world)
+    values = _natural(_gather(v, 1, group), 1, sharding, world)
+    if not causal:
+        blocks = [(slice(None), keys.shape[1])]
+    else:  # each of this rank's chunks sees the keys up to its own end: bottom-right causal over that prefix
+        chunk = q.shape[1] // len(_chunks(sharding, rank, world))
+        blocks = [(slice(i * chunk, (i + 1) * chunk), (c + 1) * chunk)
+                  for i, c in enumerate(_chunks(sharding, rank, world))]
+    if _agreeing():  # every rank decides every rank's block classes, in one order (see `_settle`)
+        every = [] if not causal else [(slice(i * chunk, (i + 1) * chunk), (c + 1) * chunk)
+                                       for r in range(world) for i, c in enumerate(_chunks(sharding, r, world))]
+        _settle([(q[:, rows], keys[:, :end], values[:, :end], causal) for rows, end in (every or blocks)], scale)
+    outs = [attention(q[:, rows], keys[:, :end], values[:, :end], causal=causal, causal_alignment="bottom_right",
+                      scale=scale) for rows, end in blocks]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _agreeing() -> bool:
+    from ._api import get_manager
+
+    return get_manager().agreement is not None
+
+
+def _settle(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]], scale: float,
+            return_lse: bool = False) -> None:
+    """Decide the block calls in this order on every rank. Under group agreement (opdispatch.distributed) a new
+    decision is collective, but ranks compute different blocks (rank 0 of a causal ring never sees an earlier
+    shard): each rank deciding all the blocks any rank computes, in one order, keeps the collectives aligned.
+    Cache hits after the first step."""
+    from ._api import get_manager
+    from .policies._overrides import MODULE
+
+    manager = get_manager()
+    for q, k, v, causal in blocks:
+        call = validate_attention(q, k, v, causal=causal, causal_alignment="bottom_right", scale=scale,
+                                  return_lse=return_lse, module=MODULE.get())
+        manager.resolve("attention", call)
+
+
+# -- ring -----------------------------------------------------------------------------------------------------
+
+def _ring_blocks(rank: int, world: int, step: int, length: int, causal: bool,
+                 zigzag: bool) -> tuple[slice, slice, bool] | None:
+    """(query rows, key rows, causal) of the block this rank computes at `step`, holding the K/V shard of rank
+    (rank − step) mod world; None when its queries see none of those keys."""
+    every = slice(None)
+    if not causal:
+        return every, every, False
+    src = (rank - step) % world
+    if src == rank:  # the diagonal: causal within this rank's shard (its chunks are in sequence order)
+        return every, every, True
+    if zigzag:
+        half = length // 2
+        # An earlier rank's chunk src precedes both of ours and its chunk 2W-1-src follows both: every query sees
+        # the first half. A later rank's chunks both lie between ours: only our second chunk sees them.
+        return (every, slice(0, half), False) if src < rank else (slice(half, None), every, False)
+    return (every, every, False) if src < rank else None
+
+
+def _block_kinds(length: int, causal: bool, zigzag: bool) -> list[tuple[slice, slice, bool]]:
+    """Every (query rows, key rows, causal) any rank computes, in one order (for `_settle`)."""
+    if not causal:
+        return [(slice(None), slice(None), False)]
+    kinds = [(slice(None), slice(None), True), (slice(None), slice(None), False)]
+    if zigzag:
+        kinds = [kinds[0], (slice(None), slice(0, length // 2), False), (slice(length // 2, None), slice(None), False)]
+    return kinds
+
+
+class _Ring:
+    """The ring's neighbours in `group` and one exchange step: send to the next rank, receive from the previous
+    one (P2P ops take global ranks)."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.group = group
+        to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.next = to_global((self.rank + 1) % self.world)
+        self.prev = to_global((self.rank - 1) % self.world)
+
+    def start(self, tensors: list[torch.Tensor], tag: int) -> tuple[list[torch.Tensor], list[Any]]:
+        import torch.distributed as dist
+
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group, tag) for r in received]
+        return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> None:
+    """Fold one block's (out, lse) into the running (out, lse) at `rows`, in place: softmax over the union of
+    their keys, each side weighted by exp(its lse − the joint lse)."""
+    old = lse[:, :, rows]
+    joint = torch.logaddexp(old, block_lse.to(lse.dtype))
+    unseen = torch.isneginf(joint)  # no key yet on either side: weights 0, not exp(-inf - -inf) = nan
+    w_old = torch.where(unseen, 0.0, torch.exp(old - joint)).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.where(unseen, 0.0, torch.exp(block_lse.to(lse.dtype) - joint)).transpose(1, 2).unsqueeze(-1)
+    out[:, rows] = out[:, rows] * w_old + block_out.to(out.dtype) * w_new
+    lse[:, :, rows] = joint
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
+                zigzag: bool, scale: float) -> torch.Tensor:
+        from ._api import attention
+
+        ring = _Ring(group)
+        length = q.shape[1]
+        if _agreeing():
+            _settle([(q[:, qr], k[:, kr], v[:, kr], c) for qr, kr, c in _block_kinds(length, causal, zigzag)],
+                     scale, return_lse=True)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=q.device)
+        lse = torch.full((q.shape[0], q.shape[2], length), float("-inf"), dtype=acc, device=q.device)
+        k_cur, v_cur = k.contiguous(), v.contiguous()
+        for step in range(ring.world):
+            pending = ring.start([k_cur, v_cur], tag=1) if step + 1 < ring.world else None
+            block = _ring_blocks(ring.rank, ring.world, step, length, causal, zigzag)
+            if block is not None:
+                rows, keys, diagonal = block
+                block_out, block_lse = attention(q[:, rows], k_cur[:, keys], v_cur[:, keys], causal=diagonal,
+                                                 scale=scale, return_lse=True)
+                _merge(out, lse, rows, block_out, block_lse)
+            if pending is not None:
+                _wait(pending[1])
+                k_cur, v_cur = pending[0]
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.group, ctx.causal, ctx.zigzag, ctx.scale = group, causal, zigzag, scale
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        length, causal, zigzag, scale = q.shape[1], ctx.causal, ctx.zigzag, ctx.scale
+        grad_out = grad_out.contiguous()
+        if _agreeing():
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                _settle([(leaves[0][:, qr], leaves[1][:, kr], leaves[2][:, kr], c)
+                         for qr, kr, c in _block_kinds(length, causal, zigzag)], scale, return_lse=True)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        k_cur, v_cur = k.contiguous(), v.contiguous()
+        dkv: list[torch.Tensor] | None = None
+        dkv_pending: tuple[list[torch.Tensor], list[Any]] | None = None
+        for step in range(ring.world):
+            pending = ring.start([k_cur, v_cur], tag=1) if step + 1 < ring.world else None
+            block = _ring_blocks(ring.rank, ring.world, step, length, causal, zigzag)
+            dk_step = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv_step = torch.zeros(v.shape, dtype=acc, device=v.device)
+            if block is not None:
+                rows, keys, diagonal = block
+                g = _block_grads(q[:, rows], k_cur[:, keys], v_cur[:, keys], out[:, rows].contiguous(),
+                                 lse[:, :, rows].contiguous(), grad_out[:, rows].contiguous(), diagonal, scale)
+                dq[:, rows] += g[0]
+                dk_step[:, keys] += g[1]
+                dv_step[:, keys] += g[2]
+            # The gradients of the K/V shard held now travel with it, one hop behind: after the last step they
+            # reach their owner.
+            if dkv_pending is not None:
+                _wait(dkv_pending[1])
+                dk_step += dkv_pending[0][0]
+                dv_step += dkv_pending[0][1]
+            dkv = [dk_step, dv_step]
+            dkv_pending = ring.start(dkv, tag=2)
+            if pending is not None:
+                _wait(pending[1])
+                k_cur, v_cur = pending[0]
+        assert dkv_pending is not None
+        _wait(dkv_pending[1])
+        dk, dv = dkv_pending[0]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block given the merged out and LSE of its queries (FlashAttention's backward: it reads
+    the softmax only through them, so each block's share is exact). The chosen implementation's own `backward`
+    where it has one; the same formula in torch otherwise."""
+    from ._api import get_manager
+    from .policies._overrides import MODULE
+
+    manager = get_manager()
+    with torch.enable_grad():  # decided as a training call: an implementation with a backward
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        call = validate_attention(*leaves, causal=causal, scale=scale, return_lse=True, module=MODULE.get())
+        chosen = manager.resolve("attention", call).chosen
+    assert isinstance(chosen, AttentionImpl)
+    impl = chosen
+    with torch.no_grad():
+        plain = validate_attention(q, k, v, causal=causal, scale=scale, return_lse=True, module=MODULE.get())
+        grads = impl.backward(impl.conform(plain), out, lse, grad_out)
+        if grads is not None:
+            return grads
+        return _torch_block_grads(q, k, v, out, lse, grad_out, causal, scale)
+
+
+def _torch_block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       grad_out: torch.Tensor, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block backward in torch (bshd, GQA by repeating K/V heads), for implementations without `backward`."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    groups = q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.to(acc).transpose(1, 2) for t in (q, k, v))  # (b, h, s, d)
+    kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+    do, o = grad_out.to(acc).transpose(1, 2), out.to(acc).transpose(1, 2)
+    scores = qh @ kh.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    p = torch.exp(scores - lse.to(acc).unsqueeze(-1))
+    dv = p.transpose(-1, -2) @ do
+    ds = p * (do @ vh.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    dq = ds @ kh * scale
+    dk = ds.transpose(-1, -2) @ qh * scale
+    b, h, s, _ = dk.shape
+    dk = dk.view(b, h // groups, groups, s, -1).sum(2)
+    dv = dv.view(b, h // groups, groups, s, -1).sum(2)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -1,0 +1,222 @@
+"""Rank-consistent decisions and context-parallel attention on a real gloo group of 3 CPU processes (and a
+2-rank subgroup). One spawned group runs every scenario (tests/_distributed_worker.py); each test checks one."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests import _distributed_worker as worker
+
+WORLD = 3
+pytestmark = pytest.mark.slow  # spawns processes (one group for the module: ~10 s on 2 cores)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("dist")
+    # spawn, not fork: a forked child hangs in torch's OpenMP pool.
+    mp.start_processes(worker.main, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True,
+                       start_method="spawn")
+    results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r, result in enumerate(results):
+        for name, value in result.items():
+            assert "crashed" not in value, f"rank {r} {name}:\n{value['crashed']}"
+    return results
+
+
+def test_agreed_once_per_class_never_on_the_fast_path(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        a = r["agreed"]
+        assert a["agreements_after_first"] == 1
+        assert a["agreements"] == 1  # the fast path and a new length of the same class: no collective
+        assert a["chosen"] == "cpu.flash"
+        assert "group:   agreed across 3 ranks" in a["explain"]
+        assert a["not_yet"].startswith("not agreed yet: the group agrees at this class's first call")
+
+
+def test_env_var_agrees_over_the_default_group(ranks: list[dict[str, Any]]) -> None:
+    assert [r["env_mode"]["agreements"] for r in ranks] == [1, 1, 1]
+    assert all(r["env_mode"]["explain"] == "agreed across 3 ranks" for r in ranks)
+
+
+def test_env_var_in_a_single_process_decides_locally_and_caches(manager: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import opdispatch
+
+    monkeypatch.setenv("OPDISPATCH_DISTRIBUTED", "consistent")
+    fresh = opdispatch.OpManager()
+    previous = opdispatch.set_manager(fresh)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        q, k = torch.randn(1, 8, 2, 8, generator=gen), torch.randn(1, 8, 2, 8, generator=gen)
+        out = opdispatch.attention(q, k, k, causal=True)
+        opdispatch.attention(q[:, :5], k[:, :5], k[:, :5], causal=True)  # same class: the cached decision
+        assert fresh.decisions_made == 1 and fresh.agreement.agreements == 0
+        expected = worker._oracle(q, k, k, True)
+        assert (out.double() - expected).abs().max() < 1e-5
+        assert opdispatch.explain(q, k, k, causal=True).agreement == (
+            "not agreed: torch.distributed was not initialised when it was decided")
+    finally:
+        opdispatch.set_manager(previous)
+    monkeypatch.setenv("OPDISPATCH_DISTRIBUTED", "always")
+    with pytest.raises(ValueError) as info:
+        opdispatch.OpManager()
+    assert str(info.value) == ("OPDISPATCH_DISTRIBUTED='always' is not supported; allowed: consistent, local "
+                               "(consistent: agree each new decision across the default torch.distributed group)")
+
+
+def test_consistent_needs_an_initialised_group(manager: Any) -> None:
+    from opdispatch import distributed as od
+
+    with pytest.raises(od.AgreementError, match="torch.distributed is not initialised in this process. Fix: call "
+                       r"torch.distributed.init_process_group\(...\) first"):
+        od.consistent()
+    assert manager.agreement is None
+
+
+def test_divergent_rank_takes_rank_0s_choice_when_it_can(ranks: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(ranks):
+        o = r["override"]
+        assert o["ran"] == ["cpu.flash"], rank  # rank 2 preferred reference.math, and runs cpu.flash
+        assert o["chosen"] == "cpu.flash"
+        assert "rank 2 chose reference.math, overridden by rank 0's cpu.flash (agreed across 3 ranks)" in o["explain"]
+        assert o["error"] < 1e-5
+    assert "chosen on this rank; the group uses cpu.flash" in ranks[2]["override"]["explain"]
+
+
+def test_no_common_choice_is_an_error_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    messages = {r["denied"]["message"] for r in ranks}
+    assert len(messages) == 1 and all(r["denied"]["type"] == "AgreementError" for r in ranks)
+    text = messages.pop()
+    assert "rank 0's choice (cpu.flash) cannot run on every rank" in text
+    assert "rank 0: cpu.flash" in text and "rank 1: reference.math" in text
+    assert "rank 0's cpu.flash here: denied by policy (denied by OPDISPATCH_DENY" in text
+    assert "Implementations every rank can run for this call: reference.math." in text
+    assert "OPDISPATCH_IMPL_ATTENTION=<id>" in text
+
+
+def test_a_library_missing_on_one_host_is_an_error_naming_it(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        error = r["unavailable"]
+        assert error["type"] == "AgreementError"
+        assert "  rank 0: test.hostlib (decided by OPDISPATCH_PREFER" in error["message"]
+        assert "  rank 2: cpu.flash" in error["message"]
+        assert "rank 0's test.hostlib here: unavailable (hostlib is not installed on this host)" in error["message"]
+        assert "Implementations every rank can run for this call: cpu.flash, reference.math." in error["message"]
+
+
+def test_a_rank_that_cannot_decide_does_not_leave_the_others_waiting(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["pinned"]["type"] == "AgreementError"
+        assert "rank 1: no decision — PinnedImplementationError: attention: implementation 'nvidia.flash'" \
+            in r["pinned"]["message"]
+
+
+def test_ranks_deciding_different_calls_is_an_error_not_a_wrong_answer(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["mismatch"]["type"] == "AgreementError"
+        assert "decided different calls at the same point" in r["mismatch"]["message"]
+        assert "causal" in r["mismatch"]["message"].split("rank 0:")[1].split("\n")[0]
+
+
+def test_local_decisions_are_decided_again_with_the_group(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        local = r["local_calls"]
+        # a decision (and fast path) from before consistent() is agreed at the next call; local() runs no
+        # collective; rank 0's local decision joins the group's collective at the class's next call
+        assert (local["after_switch"], local["inside"], local["after"]) == (1, 1, 2)
+        assert "group:   agreed across 3 ranks" in local["explain"]
+
+
+def test_a_rank_deciding_alone_times_out_with_a_clear_error(ranks: list[dict[str, Any]]) -> None:
+    alone = ranks[0]["timeout"]
+    assert alone["type"] == "AgreementError" and "Agreement is collective" in alone["message"]
+    assert 1.5 < alone["seconds"] < 30
+
+
+def test_tuned_table_is_the_slowest_rank_per_implementation(ranks: list[dict[str, Any]]) -> None:
+    agreed = ranks[0]["tuned"]["agreed"]
+    assert all(r["tuned"]["agreed"] == agreed for r in ranks)  # one table everywhere
+    for i, entry in enumerate(agreed):
+        expected = {impl: max(r["tuned"]["mine"][i][impl] for r in ranks)
+                    for impl in ("a.one", "b.two", "c.three") if all(impl in r["tuned"]["mine"][i] for r in ranks)}
+        assert entry["median_us"] == expected
+        assert entry["order"] == sorted(expected, key=expected.__getitem__)
+    assert agreed[0]["failed"] == {"c.three": "rank 1: RuntimeError: boom"} and "c.three" in agreed[1]["order"]
+    assert agreed[1]["failed"] == {"b.two": "timed on rank 0 but not on every rank"}
+    assert agreed[1]["order"] == sorted(["a.one", "c.three"], key=agreed[1]["median_us"].__getitem__)
+    assert ranks[0]["tuned"]["settings"]["ranks"] == WORLD
+    assert ranks[2]["tuned"]["fingerprint_error"]["type"] == "AgreementError"
+
+
+@pytest.mark.parametrize("world", [3, 2])
+@pytest.mark.parametrize("case", worker.CP_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'causal' if c[2] else 'full'}"
+                         f"-{c[3][0]}:{c[3][1]}-{c[4]}-{str(c[5])[6:]}")
+def test_context_parallel_matches_the_float64_oracle(ranks: list[dict[str, Any]], world: int, case: Any) -> None:
+    mode, sharding, causal, heads, layout, dtype = case
+    name = f"{world} ranks {mode}-{sharding}-{'causal' if causal else 'full'}-{heads[0]}:{heads[1]}-{layout}-{dtype}"
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for rank in range(world):
+        errors = ranks[rank]["context_parallel"][name]
+        assert max(errors.values()) < tol, (rank, errors)
+
+
+def test_context_parallel_in_a_group_of_one(ranks: list[dict[str, Any]]) -> None:
+    for mode in ("ring", "allgather"):
+        errors = ranks[0]["context_parallel"][f"1 rank {mode}"]
+        assert max(errors.values()) < 1e-10, errors
+
+
+def test_context_parallel_under_agreement_and_the_torch_block_backward(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        result = r["context_parallel_agreed"]
+        for mode in ("ring", "allgather"):
+            assert max(result[mode].values()) < 1e-10, (mode, result[mode])
+        assert result["agreements"] > 0
+
+
+def test_context_parallel_errors(ranks: list[dict[str, Any]]) -> None:
+    e = ranks[0]["cp_errors"]
+    assert e["odd_shard"]["type"] == "ValueError"
+    assert e["odd_shard"]["message"] == (
+        "opdispatch.context_parallel_attention(): a sequence of length 15 cannot be split into 2 x world = 6 chunks "
+        "(zigzag: rank r holds chunks r and 5-r): the length must be divisible by 6. Fix: pad the sequence to a "
+        "multiple of 6 (with keys the padding queries may see masked out by causality, or cut after), or use another "
+        "group size (this rank's shard has 5, an odd number)")
+    assert "divisible by 6" in e["indivisible"]["message"]
+    assert e["mode"]["message"] == ("opdispatch.context_parallel_attention(): mode='tree' is not supported; allowed: "
+                                    "'ring', 'allgather'")
+
+
+def test_tune_under_torchrun_agrees_one_table(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    shapes = tmp_path / "shapes.yaml"
+    shapes.write_text("shapes:\n  - {dtype: fp32, batch: 1, seqlen_q: 64, heads_q: 2, heads_kv: 1, head_dim: 16, "
+                      "causal: true}\n")
+    out = tmp_path / "tuned.yaml"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "opdispatch", "tune", "--shapes", str(shapes), "--out", str(out),
+                           "--reps", "2", "--warmup", "1", "--impl", "cpu.flash", "--impl", "reference.math", "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("wrote ") == 1  # rank 0 writes the one table
+    assert "agreed across 2 ranks" in done.stdout
+    table = yaml.safe_load(out.read_text())
+    assert table["settings"]["ranks"] == 2
+    assert set(table["entries"][0]["median_us"]) == {"cpu.flash", "reference.math"}
