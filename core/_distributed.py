@@ -184,8 +184,20 @@ class GroupAgreement:
         raise _disagreement(op, records, target)
 
 
+def _rank_independent(key: Any) -> Any:
+    """A call's class as the group compares it: each rank holds its own GPU (cuda:0 on rank 0, cuda:1 on rank 1),
+    so devices compare by type."""
+    import torch
+
+    if isinstance(key, torch.device):
+        return key.type
+    if isinstance(key, tuple):
+        return tuple(_rank_independent(k) for k in key)
+    return key
+
+
 def _record(rank: int, op: str, call: Any, decision: Decision | None, error: BaseException | None) -> _Record:
-    cls = call.class_key() if hasattr(call, "class_key") else call.signature()
+    cls = _rank_independent(call.class_key() if hasattr(call, "class_key") else call.signature())
     if decision is None:
         first = str(error).splitlines()[0] if error is not None else "no decision"
         return _Record(rank, op, repr(cls), call.describe(), None, "-", [], error=f"{type(error).__name__}: {first}")

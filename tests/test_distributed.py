@@ -220,3 +220,16 @@ def test_tune_under_torchrun_agrees_one_table(tmp_path: Path) -> None:
     table = yaml.safe_load(out.read_text())
     assert table["settings"]["ranks"] == 2
     assert set(table["entries"][0]["median_us"]) == {"cpu.flash", "reference.math"}
+
+
+def test_ranks_compare_a_calls_class_whatever_gpu_each_holds() -> None:
+    """Rank 0 computes on cuda:0, rank 1 on cuda:1: the same call's class must compare equal across them (the
+    first NCCL run on two H100s raised 'decided different calls' for that alone)."""
+    from opdispatch._distributed import _rank_independent
+
+    key = ("bshd", torch.bfloat16, torch.device("cuda", 1), 128, (torch.device("cuda", 1), True))
+    assert _rank_independent(key) == ("bshd", torch.bfloat16, "cuda", 128, ("cuda", True))
+    assert _rank_independent(key) == _rank_independent(
+        ("bshd", torch.bfloat16, torch.device("cuda", 0), 128, (torch.device("cuda", 0), True)))
+    assert _rank_independent(key) != _rank_independent(
+        ("bshd", torch.bfloat16, torch.device("cpu"), 128, (torch.device("cpu"), True)))
