@@ -9,8 +9,10 @@ device (`opdispatch.attention(..., return_lse=True)`):
   gradients come from the chosen implementation's own ``backward(call, out, lse, grad_out)`` given the *merged*
   out and LSE (exact: FlashAttention's backward reads the softmax only through them), or, for an
   implementation without one, the same formula in torch.
-- ``allgather``: K/V all-gathered, then local attention with the right causal offset (bottom-right alignment);
-  the backward reduce-scatters dK/dV (autograd through the chosen implementation).
+- ``allgather``: K/V all-gathered, then the ring's kinds of block, merged the same way: the local shard against
+  its own K/V (causal, equal lengths) and, not causal, against the gathered keys before its chunks — never a
+  causal block over an unequal key prefix (bottom-right alignment), which cuDNN does not take. The backward is
+  the ring's per-block one; dK/dV of the gathered keys are reduce-scattered to their owners.
 
 Sharding: ``zigzag`` (the default; load-balanced for causal masks) splits the sequence into 2×world chunks and
 rank r holds chunks r and 2×world−1−r; ``contiguous`` gives rank r the r-th of world equal pieces.
@@ -175,8 +177,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     calls it with shards of the same shapes.
 
     ``mode``: ``ring`` (K/V passed around the ring, overlapped with compute) or ``allgather`` (K/V gathered, then
-    one local attention). ``sharding``: ``zigzag`` (load-balanced for causal; the sequence length must be
-    divisible by 2×world) or ``contiguous``. ``causal`` is over the full sequence (query i sees keys j <= i).
+    the ring's kinds of block, fewer and larger). ``sharding``: ``zigzag`` (load-balanced for causal; the sequence
+    length must be divisible by 2×world) or ``contiguous``. ``causal`` is over the full sequence (query i sees
+    keys j <= i).
     Layouts ``bshd``, ``bhsd``, ``sbhd``; k/v may have fewer heads (GQA). Each local block runs on the
     implementation the policy picks (`opdispatch.attention`); gradients flow to q, k and v.
     """
@@ -224,23 +227,100 @@ def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 def _allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
                          causal: bool, sharding: str, scale: float) -> torch.Tensor:
-    from ._api import attention
-
+    # Gathered in sequence order through autograd: the backward reduce-scatters dK/dV to their owners.
     keys = _natural(_gather(k, 1, group), 1, sharding, world)
     values = _natural(_gather(v, 1, group), 1, sharding, world)
+    out: torch.Tensor = _AllGatherAttention.apply(  # type: ignore[no-untyped-call]
+        q, k, v, keys, values, group, rank, world, causal, sharding, scale)
+    return out
+
+
+# A block: (query rows of the local shard, key rows of the gathered sequence or None for this rank's own K/V
+# shard, causal).
+_Block = tuple[slice, slice | None, bool]
+
+
+def _allgather_blocks(rank: int, world: int, length: int, causal: bool, sharding: str) -> list[_Block]:
+    """The blocks rank `rank` computes in allgather mode, each causal with equal lengths or not causal: the kinds
+    cuDNN takes (bottom-right causal over an unequal key prefix is not one of them, and goes to a slower kernel).
+
+    Causal: the diagonal is the local shard against its own K/V, causal (its chunks are in sequence order, so
+    this is each chunk's own triangle plus, for zigzag, the second chunk seeing all of the first); then the keys
+    before each chunk, not causal. For zigzag (chunks r < 2W−1−r) both chunks see keys [0, r·chunk) — one call
+    for the two — and the second chunk alone sees (r+1)·chunk up to its own start."""
+    every = slice(None)
     if not causal:
-        blocks = [(slice(None), keys.shape[1])]
-    else:  # each of this rank's chunks sees the keys up to its own end: bottom-right causal over that prefix
-        chunk = q.shape[1] // len(_chunks(sharding, rank, world))
-        blocks = [(slice(i * chunk, (i + 1) * chunk), (c + 1) * chunk)
-                  for i, c in enumerate(_chunks(sharding, rank, world))]
-    if _agreeing():  # every rank decides every rank's block classes, in one order (see `_settle`)
-        every = [] if not causal else [(slice(i * chunk, (i + 1) * chunk), (c + 1) * chunk)
-                                       for r in range(world) for i, c in enumerate(_chunks(sharding, r, world))]
-        _settle([(q[:, rows], keys[:, :end], values[:, :end], causal) for rows, end in (every or blocks)], scale)
-    outs = [attention(q[:, rows], keys[:, :end], values[:, :end], causal=causal, causal_alignment="bottom_right",
-                      scale=scale) for rows, end in blocks]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return [(every, every, False)]
+    chunks = _chunks(sharding, rank, world)
+    chunk = length // len(chunks)
+    blocks: list[_Block] = [(every, None, True)]
+    first = chunks[0]
+    if first > 0:
+        blocks.append((every, slice(0, first * chunk), False))
+    if len(chunks) == 2 and chunks[1] > first + 1:
+        blocks.append((slice(chunk, None), slice((first + 1) * chunk, chunks[1] * chunk), False))
+    return blocks
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """Attention of the local queries over this rank's K/V shard (the diagonal) and the gathered keys before it,
+    merged by LSE; the backward is the ring's: each block's gradients from the merged out and LSE."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, group: Any, rank: int, world: int, causal: bool, sharding: str,
+                scale: float) -> torch.Tensor:
+        length = q.shape[1]
+        if _agreeing():  # every rank decides every rank's blocks, in one order (see `_settle`)
+            _settle(_allgather_settle(q, k, v, keys, values, world, causal, sharding), scale, return_lse=True)
+        blocks = _allgather_blocks(rank, world, length, causal, sharding)
+        out, lse = _accumulators(q, v)
+        for rows, key_rows, block_causal in blocks:
+            kb, vb = (k, v) if key_rows is None else (keys[:, key_rows], values[:, key_rows])
+            _attend(out, lse, q, rows, kb, vb, block_causal, scale)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, keys, values, result, lse)
+        ctx.world, ctx.causal, ctx.sharding, ctx.scale, ctx.blocks = world, causal, sharding, scale, blocks
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, keys, values, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if _agreeing():
+            with torch.enable_grad():
+                lq, lk, lv, lkeys, lvalues = (t.detach().requires_grad_() for t in (q, k, v, keys, values))
+                _settle(_allgather_settle(lq, lk, lv, lkeys, lvalues, ctx.world, ctx.causal, ctx.sharding),
+                        ctx.scale, return_lse=True)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
+        dkeys, dvalues = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (keys, values))
+        for rows, key_rows, block_causal in ctx.blocks:
+            if key_rows is None:
+                g = _block_backward(q, k, v, out, lse, grad_out, rows, block_causal, ctx.scale)
+                dq[:, rows] += g[0]
+                dk += g[1]
+                dv += g[2]
+            else:
+                g = _block_backward(q, keys[:, key_rows], values[:, key_rows], out, lse, grad_out, rows,
+                                    block_causal, ctx.scale)
+                dq[:, rows] += g[0]
+                dkeys[:, key_rows] += g[1]
+                dvalues[:, key_rows] += g[2]
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dkeys.to(keys.dtype), dvalues.to(values.dtype),
+                None, None, None, None, None, None)
+
+
+def _allgather_settle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor, world: int, causal: bool,
+                      sharding: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+    """Every block any rank computes, rank by rank (the shards have one shape on every rank, so these calls are
+    those ranks' own)."""
+    return [(q[:, rows], k if key_rows is None else keys[:, key_rows], v if key_rows is None else values[:, key_rows],
+             block_causal)
+            for r in range(world) for rows, key_rows, block_causal in _allgather_blocks(r, world, q.shape[1], causal,
+                                                                                       sharding)]
 
 
 def _agreeing() -> bool:
@@ -260,8 +340,8 @@ def _settle(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]],
 
     manager = get_manager()
     for q, k, v, causal in blocks:
-        call = validate_attention(q, k, v, causal=causal, causal_alignment="bottom_right", scale=scale,
-                                  return_lse=return_lse, module=MODULE.get())
+        call = validate_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
+                                  module=MODULE.get())
         manager.resolve("attention", call)
 
 
@@ -335,29 +415,49 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
     lse[:, :, rows] = joint
 
 
+def _accumulators(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running (out, lse) of the local queries before any block: no key seen (float32 at least)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+def _attend(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, rows: slice, k: torch.Tensor, v: torch.Tensor,
+            causal: bool, scale: float) -> None:
+    """One block's forward (queries `rows` over k/v) on the implementation the policy picks, folded into the
+    running (out, lse)."""
+    from ._api import attention
+
+    block_out, block_lse = attention(q[:, rows], k, v, causal=causal, scale=scale, return_lse=True)
+    _merge(out, lse, rows, block_out, block_lse)
+
+
+def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    grad_out: torch.Tensor, rows: slice, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq of `rows`, dk, dv) of the block `_attend` computed, from the merged out and LSE."""
+    return _block_grads(q[:, rows], k, v, out[:, rows].contiguous(), lse[:, :, rows].contiguous(),
+                        grad_out[:, rows].contiguous(), causal, scale)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
                 zigzag: bool, scale: float) -> torch.Tensor:
-        from ._api import attention
-
         ring = _Ring(group)
         length = q.shape[1]
         if _agreeing():
             _settle([(q[:, qr], k[:, kr], v[:, kr], c) for qr, kr, c in _block_kinds(length, causal, zigzag)],
                      scale, return_lse=True)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=q.device)
-        lse = torch.full((q.shape[0], q.shape[2], length), float("-inf"), dtype=acc, device=q.device)
+        out, lse = _accumulators(q, v)
         k_cur, v_cur = k.contiguous(), v.contiguous()
         for step in range(ring.world):
             pending = ring.start([k_cur, v_cur], tag=1) if step + 1 < ring.world else None
             block = _ring_blocks(ring.rank, ring.world, step, length, causal, zigzag)
             if block is not None:
                 rows, keys, diagonal = block
-                block_out, block_lse = attention(q[:, rows], k_cur[:, keys], v_cur[:, keys], causal=diagonal,
-                                                 scale=scale, return_lse=True)
-                _merge(out, lse, rows, block_out, block_lse)
+                _attend(out, lse, q, rows, k_cur[:, keys], v_cur[:, keys], diagonal, scale)
             if pending is not None:
                 _wait(pending[1])
                 k_cur, v_cur = pending[0]
@@ -389,8 +489,7 @@ class _RingAttention(torch.autograd.Function):
             dv_step = torch.zeros(v.shape, dtype=acc, device=v.device)
             if block is not None:
                 rows, keys, diagonal = block
-                g = _block_grads(q[:, rows], k_cur[:, keys], v_cur[:, keys], out[:, rows].contiguous(),
-                                 lse[:, :, rows].contiguous(), grad_out[:, rows].contiguous(), diagonal, scale)
+                g = _block_backward(q, k_cur[:, keys], v_cur[:, keys], out, lse, grad_out, rows, diagonal, scale)
                 dq[:, rows] += g[0]
                 dk_step[:, keys] += g[1]
                 dv_step[:, keys] += g[2]
