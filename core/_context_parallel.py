@@ -12,7 +12,8 @@ device (`opdispatch.attention(..., return_lse=True)`):
 - ``allgather``: K/V all-gathered, then the ring's kinds of block, merged the same way: the local shard against
   its own K/V (causal, equal lengths) and, not causal, against the gathered keys before its chunks — never a
   causal block over an unequal key prefix (bottom-right alignment), which cuDNN does not take. The backward is
-  the ring's per-block one; dK/dV of the gathered keys are reduce-scattered to their owners.
+  the ring's per-block one; dK/dV of the gathered keys are reduce-scattered to their owners. The diagonal needs
+  no other rank's K/V: it is computed while the gather (forward) and the reduce-scatter (backward) travel.
 
 Sharding: ``zigzag`` (the default; load-balanced for causal masks) splits the sequence into 2×world chunks and
 rank r holds chunks r and 2×world−1−r; ``contiguous`` gives rank r the r-th of world equal pieces.
@@ -21,6 +22,7 @@ rank r holds chunks r and 2×world−1−r; ``contiguous`` gives rank r the r-th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -142,27 +144,38 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
         ctx.dim, ctx.group = dim, group
-        parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
-                 for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        parts, work = _start_gather(x, group)
+        work.wait()
         return torch.cat(parts, dim=dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        import torch.distributed as dist
+        mine, work = _start_reduce_scatter(grad, ctx.dim, ctx.group)
+        work.wait()
+        return mine(), None, None
 
-        world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        parts = [p.contiguous() for p in grad.chunk(world, dim=ctx.dim)]
-        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce-scatter: a sum everywhere, then our part
-            total = torch.stack(parts)
-            dist.all_reduce(total, group=ctx.group)
-            return total[rank], None, None
-        mine = torch.empty_like(parts[rank])
-        dist.reduce_scatter(mine, parts, group=ctx.group)
-        return mine, None, None
+
+def _start_gather(x: torch.Tensor, group: Any) -> tuple[list[torch.Tensor], Any]:
+    """Start gathering every rank's `x` (in rank order): the parts, filled once the returned work is waited on."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    return parts, dist.all_gather(parts, x.contiguous(), group=group, async_op=True)
+
+
+def _start_reduce_scatter(grad: torch.Tensor, dim: int, group: Any) -> tuple[Callable[[], torch.Tensor], Any]:
+    """Start summing every rank's `grad` (rank-ordered parts along `dim`) and keeping this rank's part: a function
+    returning that part once the returned work is waited on."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = [p.contiguous() for p in grad.chunk(world, dim=dim)]
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: a sum everywhere, then our part
+        total = torch.stack(parts)
+        return (lambda: total[rank]), dist.all_reduce(total, group=group, async_op=True)
+    mine = torch.empty_like(parts[rank])
+    return (lambda: mine), dist.reduce_scatter(mine, parts, group=group, async_op=True)
 
 
 # -- the op ---------------------------------------------------------------------------------------------------
@@ -227,12 +240,18 @@ def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 def _allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
                          causal: bool, sharding: str, scale: float) -> torch.Tensor:
-    # Gathered in sequence order through autograd: the backward reduce-scatters dK/dV to their owners.
-    keys = _natural(_gather(k, 1, group), 1, sharding, world)
-    values = _natural(_gather(v, 1, group), 1, sharding, world)
     out: torch.Tensor = _AllGatherAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, keys, values, group, rank, world, causal, sharding, scale)
+        q, k, v, group, rank, world, causal, sharding, scale)
     return out
+
+
+def _rank_order(x: torch.Tensor, dim: int, sharding: str, world: int) -> torch.Tensor:
+    """The inverse of `_natural`: a full sequence as the rank-ordered shards an all-gather concatenates."""
+    if sharding == "contiguous":
+        return x
+    chunk = x.shape[dim] // (2 * world)
+    return torch.cat([x.narrow(dim, c * chunk, chunk) for r in range(world) for c in _chunks(sharding, r, world)],
+                     dim=dim)
 
 
 # A block: (query rows of the local shard, key rows of the gathered sequence or None for this rank's own K/V
@@ -264,23 +283,35 @@ def _allgather_blocks(rank: int, world: int, length: int, causal: bool, sharding
 
 class _AllGatherAttention(torch.autograd.Function):
     """Attention of the local queries over this rank's K/V shard (the diagonal) and the gathered keys before it,
-    merged by LSE; the backward is the ring's: each block's gradients from the merged out and LSE."""
+    merged by LSE; the backward is the ring's: each block's gradients from the merged out and LSE. The diagonal
+    needs no other rank's keys: it runs while the all-gather (forward) and the reduce-scatter of dK/dV (backward)
+    are in flight."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, group: Any, rank: int, world: int, causal: bool, sharding: str,
-                scale: float) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
+                causal: bool, sharding: str, scale: float) -> torch.Tensor:
         length = q.shape[1]
-        if _agreeing():  # every rank decides every rank's blocks, in one order (see `_settle`)
-            _settle(_allgather_settle(q, k, v, keys, values, world, causal, sharding), scale, return_lse=True)
+        if _agreeing():  # every rank decides every rank's blocks, in one order (see `_settle`); decisions read
+            # shapes only, so placeholders of the gathered keys' shape let the diagonal overlap the gather below
+            full = (k.shape[0], length * world, *k.shape[2:])
+            _settle(_allgather_settle(q, k, v, k.new_empty(full), v.new_empty(full[:3] + v.shape[3:]), world,
+                                      causal, sharding), scale, return_lse=True)
+        (k_parts, k_work), (v_parts, v_work) = _start_gather(k, group), _start_gather(v, group)
         blocks = _allgather_blocks(rank, world, length, causal, sharding)
         out, lse = _accumulators(q, v)
         for rows, key_rows, block_causal in blocks:
-            kb, vb = (k, v) if key_rows is None else (keys[:, key_rows], values[:, key_rows])
-            _attend(out, lse, q, rows, kb, vb, block_causal, scale)
+            if key_rows is None:
+                _attend(out, lse, q, rows, k, v, block_causal, scale)
+        _wait([k_work, v_work])
+        keys = _natural(torch.cat(k_parts, dim=1), 1, sharding, world)
+        values = _natural(torch.cat(v_parts, dim=1), 1, sharding, world)
+        for rows, key_rows, block_causal in blocks:
+            if key_rows is not None:
+                _attend(out, lse, q, rows, keys[:, key_rows], values[:, key_rows], block_causal, scale)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, keys, values, result, lse)
-        ctx.world, ctx.causal, ctx.sharding, ctx.scale, ctx.blocks = world, causal, sharding, scale, blocks
+        ctx.group, ctx.world, ctx.causal, ctx.sharding, ctx.scale = group, world, causal, sharding, scale
+        ctx.blocks = blocks
         return result
 
     @staticmethod
@@ -294,22 +325,30 @@ class _AllGatherAttention(torch.autograd.Function):
                         ctx.scale, return_lse=True)
         acc = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
         dkeys, dvalues = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (keys, values))
+        for rows, key_rows, block_causal in ctx.blocks:  # the gathered keys' blocks first: their sum travels
+            if key_rows is not None:
+                g = _block_backward(q, keys[:, key_rows], values[:, key_rows], out, lse, grad_out, rows,
+                                    block_causal, ctx.scale)
+                dq[:, rows] += g[0]
+                dkeys[:, key_rows] += g[1]
+                dvalues[:, key_rows] += g[2]
+        # Summed in the inputs' dtype, as autograd through the gather did.
+        dk_mine, dk_work = _start_reduce_scatter(_rank_order(dkeys.to(k.dtype), 1, ctx.sharding, ctx.world), 1,
+                                                 ctx.group)
+        dv_mine, dv_work = _start_reduce_scatter(_rank_order(dvalues.to(v.dtype), 1, ctx.sharding, ctx.world), 1,
+                                                 ctx.group)
+        dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
         for rows, key_rows, block_causal in ctx.blocks:
             if key_rows is None:
                 g = _block_backward(q, k, v, out, lse, grad_out, rows, block_causal, ctx.scale)
                 dq[:, rows] += g[0]
                 dk += g[1]
                 dv += g[2]
-            else:
-                g = _block_backward(q, keys[:, key_rows], values[:, key_rows], out, lse, grad_out, rows,
-                                    block_causal, ctx.scale)
-                dq[:, rows] += g[0]
-                dkeys[:, key_rows] += g[1]
-                dvalues[:, key_rows] += g[2]
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dkeys.to(keys.dtype), dvalues.to(values.dtype),
-                None, None, None, None, None, None)
+        _wait([dk_work, dv_work])
+        dk += dk_mine()
+        dv += dv_mine()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def _allgather_settle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
