@@ -201,7 +201,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_file: str) -> N
 
         for mode in ("ring", "allgather"):
             run = functools.partial(od.context_parallel_attention, *local, causal=causal, mode=mode)
-            row = dict(base, method=f"opdispatch {mode}", note=_block_kernels(local, causal, mode))
+            row = dict(base, method=f"opdispatch {mode}", note=_block_kernels(local, causal))
             row.update(_errors(run, local, local_grad, expected_shards))
             row["fwd_ms"] = 1e3 * timer.median(_step(run, local, None))
             row["fwd_bwd_ms"] = 1e3 * timer.median(_step(run, local, local_grad))
@@ -220,15 +220,20 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, out_file: str) -> N
     dist.destroy_process_group()
 
 
-def _block_kernels(local: list[torch.Tensor], causal: bool, mode: str) -> str:
-    """Which implementation the policy picks for the diagonal block here, forward and training."""
+def _block_kernels(local: list[torch.Tensor], causal: bool) -> str:
+    """Which implementations the policy picks here for the blocks both modes compute, forward and training: the
+    diagonal and, when causal, a block over earlier keys (not causal, fewer keys than queries)."""
     q, k, v = local
-    kwargs: dict[str, Any] = {"causal": causal, "return_lse": True} if mode == "ring" else {
-        "causal": causal, "causal_alignment": "bottom_right"}
-    with torch.no_grad():
-        forward = opdispatch.explain(q.detach(), k.detach(), v.detach(), **kwargs).chosen_id
-    training = opdispatch.explain(q, k, v, **kwargs).chosen_id
-    return f"blocks: {forward} (fwd), {training} (training)"
+    half = k.shape[1] // 2
+    kinds = [("diagonal", k, v, causal)] + ([("earlier keys", k[:, :half], v[:, :half], False)] if causal else [])
+    parts = []
+    for name, kb, vb, block_causal in kinds:
+        with torch.no_grad():
+            forward = opdispatch.explain(q.detach(), kb.detach(), vb.detach(), causal=block_causal,
+                                         return_lse=True).chosen_id
+        training = opdispatch.explain(q, kb, vb, causal=block_causal, return_lse=True).chosen_id
+        parts.append(f"{name} {forward} (fwd), {training} (training)")
+    return "blocks: " + "; ".join(parts)
 
 
 def _errors(run: Callable[[], torch.Tensor], leaves: list[torch.Tensor], grad: torch.Tensor,

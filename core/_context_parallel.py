@@ -9,8 +9,11 @@ device (`opdispatch.attention(..., return_lse=True)`):
   gradients come from the chosen implementation's own ``backward(call, out, lse, grad_out)`` given the *merged*
   out and LSE (exact: FlashAttention's backward reads the softmax only through them), or, for an
   implementation without one, the same formula in torch.
-- ``allgather``: K/V all-gathered, then local attention with the right causal offset (bottom-right alignment);
-  the backward reduce-scatters dK/dV (autograd through the chosen implementation).
+- ``allgather``: K/V all-gathered, then the ring's kinds of block, merged the same way: the local shard against
+  its own K/V (causal, equal lengths) and, not causal, against the gathered keys before its chunks — never a
+  causal block over an unequal key prefix (bottom-right alignment), which cuDNN does not take. The backward is
+  the ring's per-block one; dK/dV of the gathered keys are reduce-scattered to their owners. The diagonal needs
+  no other rank's K/V: it is computed while the gather (forward) and the reduce-scatter (backward) travel.
 
 Sharding: ``zigzag`` (the default; load-balanced for causal masks) splits the sequence into 2×world chunks and
 rank r holds chunks r and 2×world−1−r; ``contiguous`` gives rank r the r-th of world equal pieces.
@@ -19,6 +22,7 @@ rank r holds chunks r and 2×world−1−r; ``contiguous`` gives rank r the r-th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -140,27 +144,38 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-        import torch.distributed as dist
-
         ctx.dim, ctx.group = dim, group
-        parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
-                 for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        parts, work = _start_gather(x, group)
+        work.wait()
         return torch.cat(parts, dim=dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        import torch.distributed as dist
+        mine, work = _start_reduce_scatter(grad, ctx.dim, ctx.group)
+        work.wait()
+        return mine(), None, None
 
-        world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        parts = [p.contiguous() for p in grad.chunk(world, dim=ctx.dim)]
-        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce-scatter: a sum everywhere, then our part
-            total = torch.stack(parts)
-            dist.all_reduce(total, group=ctx.group)
-            return total[rank], None, None
-        mine = torch.empty_like(parts[rank])
-        dist.reduce_scatter(mine, parts, group=ctx.group)
-        return mine, None, None
+
+def _start_gather(x: torch.Tensor, group: Any) -> tuple[list[torch.Tensor], Any]:
+    """Start gathering every rank's `x` (in rank order): the parts, filled once the returned work is waited on."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    return parts, dist.all_gather(parts, x.contiguous(), group=group, async_op=True)
+
+
+def _start_reduce_scatter(grad: torch.Tensor, dim: int, group: Any) -> tuple[Callable[[], torch.Tensor], Any]:
+    """Start summing every rank's `grad` (rank-ordered parts along `dim`) and keeping this rank's part: a function
+    returning that part once the returned work is waited on."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = [p.contiguous() for p in grad.chunk(world, dim=dim)]
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: a sum everywhere, then our part
+        total = torch.stack(parts)
+        return (lambda: total[rank]), dist.all_reduce(total, group=group, async_op=True)
+    mine = torch.empty_like(parts[rank])
+    return (lambda: mine), dist.reduce_scatter(mine, parts, group=group, async_op=True)
 
 
 # -- the op ---------------------------------------------------------------------------------------------------
@@ -175,8 +190,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     calls it with shards of the same shapes.
 
     ``mode``: ``ring`` (K/V passed around the ring, overlapped with compute) or ``allgather`` (K/V gathered, then
-    one local attention). ``sharding``: ``zigzag`` (load-balanced for causal; the sequence length must be
-    divisible by 2×world) or ``contiguous``. ``causal`` is over the full sequence (query i sees keys j <= i).
+    the ring's kinds of block, fewer and larger). ``sharding``: ``zigzag`` (load-balanced for causal; the sequence
+    length must be divisible by 2×world) or ``contiguous``. ``causal`` is over the full sequence (query i sees
+    keys j <= i).
     Layouts ``bshd``, ``bhsd``, ``sbhd``; k/v may have fewer heads (GQA). Each local block runs on the
     implementation the policy picks (`opdispatch.attention`); gradients flow to q, k and v.
     """
@@ -224,23 +240,126 @@ def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 def _allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
                          causal: bool, sharding: str, scale: float) -> torch.Tensor:
-    from ._api import attention
+    out: torch.Tensor = _AllGatherAttention.apply(  # type: ignore[no-untyped-call]
+        q, k, v, group, rank, world, causal, sharding, scale)
+    return out
 
-    keys = _natural(_gather(k, 1, group), 1, sharding, world)
-    values = _natural(_gather(v, 1, group), 1, sharding, world)
+
+def _rank_order(x: torch.Tensor, dim: int, sharding: str, world: int) -> torch.Tensor:
+    """The inverse of `_natural`: a full sequence as the rank-ordered shards an all-gather concatenates."""
+    if sharding == "contiguous":
+        return x
+    chunk = x.shape[dim] // (2 * world)
+    return torch.cat([x.narrow(dim, c * chunk, chunk) for r in range(world) for c in _chunks(sharding, r, world)],
+                     dim=dim)
+
+
+# A block: (query rows of the local shard, key rows of the gathered sequence or None for this rank's own K/V
+# shard, causal).
+_Block = tuple[slice, slice | None, bool]
+
+
+def _allgather_blocks(rank: int, world: int, length: int, causal: bool, sharding: str) -> list[_Block]:
+    """The blocks rank `rank` computes in allgather mode, each causal with equal lengths or not causal: the kinds
+    cuDNN takes (bottom-right causal over an unequal key prefix is not one of them, and goes to a slower kernel).
+
+    Causal: the diagonal is the local shard against its own K/V, causal (its chunks are in sequence order, so
+    this is each chunk's own triangle plus, for zigzag, the second chunk seeing all of the first); then the keys
+    before each chunk, not causal. For zigzag (chunks r < 2W−1−r) both chunks see keys [0, r·chunk) — one call
+    for the two — and the second chunk alone sees (r+1)·chunk up to its own start."""
+    every = slice(None)
     if not causal:
-        blocks = [(slice(None), keys.shape[1])]
-    else:  # each of this rank's chunks sees the keys up to its own end: bottom-right causal over that prefix
-        chunk = q.shape[1] // len(_chunks(sharding, rank, world))
-        blocks = [(slice(i * chunk, (i + 1) * chunk), (c + 1) * chunk)
-                  for i, c in enumerate(_chunks(sharding, rank, world))]
-    if _agreeing():  # every rank decides every rank's block classes, in one order (see `_settle`)
-        every = [] if not causal else [(slice(i * chunk, (i + 1) * chunk), (c + 1) * chunk)
-                                       for r in range(world) for i, c in enumerate(_chunks(sharding, r, world))]
-        _settle([(q[:, rows], keys[:, :end], values[:, :end], causal) for rows, end in (every or blocks)], scale)
-    outs = [attention(q[:, rows], keys[:, :end], values[:, :end], causal=causal, causal_alignment="bottom_right",
-                      scale=scale) for rows, end in blocks]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return [(every, every, False)]
+    chunks = _chunks(sharding, rank, world)
+    chunk = length // len(chunks)
+    blocks: list[_Block] = [(every, None, True)]
+    first = chunks[0]
+    if first > 0:
+        blocks.append((every, slice(0, first * chunk), False))
+    if len(chunks) == 2 and chunks[1] > first + 1:
+        blocks.append((slice(chunk, None), slice((first + 1) * chunk, chunks[1] * chunk), False))
+    return blocks
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """Attention of the local queries over this rank's K/V shard (the diagonal) and the gathered keys before it,
+    merged by LSE; the backward is the ring's: each block's gradients from the merged out and LSE. The diagonal
+    needs no other rank's keys: it runs while the all-gather (forward) and the reduce-scatter of dK/dV (backward)
+    are in flight."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
+                causal: bool, sharding: str, scale: float) -> torch.Tensor:
+        length = q.shape[1]
+        if _agreeing():  # every rank decides every rank's blocks, in one order (see `_settle`); decisions read
+            # shapes only, so placeholders of the gathered keys' shape let the diagonal overlap the gather below
+            full = (k.shape[0], length * world, *k.shape[2:])
+            _settle(_allgather_settle(q, k, v, k.new_empty(full), v.new_empty(full[:3] + v.shape[3:]), world,
+                                      causal, sharding), scale, return_lse=True)
+        (k_parts, k_work), (v_parts, v_work) = _start_gather(k, group), _start_gather(v, group)
+        blocks = _allgather_blocks(rank, world, length, causal, sharding)
+        out, lse = _accumulators(q, v)
+        for rows, key_rows, block_causal in blocks:
+            if key_rows is None:
+                _attend(out, lse, q, rows, k, v, block_causal, scale)
+        _wait([k_work, v_work])
+        keys = _natural(torch.cat(k_parts, dim=1), 1, sharding, world)
+        values = _natural(torch.cat(v_parts, dim=1), 1, sharding, world)
+        for rows, key_rows, block_causal in blocks:
+            if key_rows is not None:
+                _attend(out, lse, q, rows, keys[:, key_rows], values[:, key_rows], block_causal, scale)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, keys, values, result, lse)
+        ctx.group, ctx.world, ctx.causal, ctx.sharding, ctx.scale = group, world, causal, sharding, scale
+        ctx.blocks = blocks
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, keys, values, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if _agreeing():
+            with torch.enable_grad():
+                lq, lk, lv, lkeys, lvalues = (t.detach().requires_grad_() for t in (q, k, v, keys, values))
+                _settle(_allgather_settle(lq, lk, lv, lkeys, lvalues, ctx.world, ctx.causal, ctx.sharding),
+                        ctx.scale, return_lse=True)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkeys, dvalues = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (keys, values))
+        for rows, key_rows, block_causal in ctx.blocks:  # the gathered keys' blocks first: their sum travels
+            if key_rows is not None:
+                g = _block_backward(q, keys[:, key_rows], values[:, key_rows], out, lse, grad_out, rows,
+                                    block_causal, ctx.scale)
+                dq[:, rows] += g[0]
+                dkeys[:, key_rows] += g[1]
+                dvalues[:, key_rows] += g[2]
+        # Summed in the inputs' dtype, as autograd through the gather did.
+        dk_mine, dk_work = _start_reduce_scatter(_rank_order(dkeys.to(k.dtype), 1, ctx.sharding, ctx.world), 1,
+                                                 ctx.group)
+        dv_mine, dv_work = _start_reduce_scatter(_rank_order(dvalues.to(v.dtype), 1, ctx.sharding, ctx.world), 1,
+                                                 ctx.group)
+        dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
+        for rows, key_rows, block_causal in ctx.blocks:
+            if key_rows is None:
+                g = _block_backward(q, k, v, out, lse, grad_out, rows, block_causal, ctx.scale)
+                dq[:, rows] += g[0]
+                dk += g[1]
+                dv += g[2]
+        _wait([dk_work, dv_work])
+        dk += dk_mine()
+        dv += dv_mine()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def _allgather_settle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor, world: int, causal: bool,
+                      sharding: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+    """Every block any rank computes, rank by rank (the shards have one shape on every rank, so these calls are
+    those ranks' own)."""
+    return [(q[:, rows], k if key_rows is None else keys[:, key_rows], v if key_rows is None else values[:, key_rows],
+             block_causal)
+            for r in range(world) for rows, key_rows, block_causal in _allgather_blocks(r, world, q.shape[1], causal,
+                                                                                       sharding)]
 
 
 def _agreeing() -> bool:
@@ -260,8 +379,8 @@ def _settle(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]],
 
     manager = get_manager()
     for q, k, v, causal in blocks:
-        call = validate_attention(q, k, v, causal=causal, causal_alignment="bottom_right", scale=scale,
-                                  return_lse=return_lse, module=MODULE.get())
+        call = validate_attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse,
+                                  module=MODULE.get())
         manager.resolve("attention", call)
 
 
@@ -335,29 +454,49 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
     lse[:, :, rows] = joint
 
 
+def _accumulators(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running (out, lse) of the local queries before any block: no key seen (float32 at least)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+def _attend(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, rows: slice, k: torch.Tensor, v: torch.Tensor,
+            causal: bool, scale: float) -> None:
+    """One block's forward (queries `rows` over k/v) on the implementation the policy picks, folded into the
+    running (out, lse)."""
+    from ._api import attention
+
+    block_out, block_lse = attention(q[:, rows], k, v, causal=causal, scale=scale, return_lse=True)
+    _merge(out, lse, rows, block_out, block_lse)
+
+
+def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    grad_out: torch.Tensor, rows: slice, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq of `rows`, dk, dv) of the block `_attend` computed, from the merged out and LSE."""
+    return _block_grads(q[:, rows], k, v, out[:, rows].contiguous(), lse[:, :, rows].contiguous(),
+                        grad_out[:, rows].contiguous(), causal, scale)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
                 zigzag: bool, scale: float) -> torch.Tensor:
-        from ._api import attention
-
         ring = _Ring(group)
         length = q.shape[1]
         if _agreeing():
             _settle([(q[:, qr], k[:, kr], v[:, kr], c) for qr, kr, c in _block_kinds(length, causal, zigzag)],
                      scale, return_lse=True)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=q.device)
-        lse = torch.full((q.shape[0], q.shape[2], length), float("-inf"), dtype=acc, device=q.device)
+        out, lse = _accumulators(q, v)
         k_cur, v_cur = k.contiguous(), v.contiguous()
         for step in range(ring.world):
             pending = ring.start([k_cur, v_cur], tag=1) if step + 1 < ring.world else None
             block = _ring_blocks(ring.rank, ring.world, step, length, causal, zigzag)
             if block is not None:
                 rows, keys, diagonal = block
-                block_out, block_lse = attention(q[:, rows], k_cur[:, keys], v_cur[:, keys], causal=diagonal,
-                                                 scale=scale, return_lse=True)
-                _merge(out, lse, rows, block_out, block_lse)
+                _attend(out, lse, q, rows, k_cur[:, keys], v_cur[:, keys], diagonal, scale)
             if pending is not None:
                 _wait(pending[1])
                 k_cur, v_cur = pending[0]
@@ -389,8 +528,7 @@ class _RingAttention(torch.autograd.Function):
             dv_step = torch.zeros(v.shape, dtype=acc, device=v.device)
             if block is not None:
                 rows, keys, diagonal = block
-                g = _block_grads(q[:, rows], k_cur[:, keys], v_cur[:, keys], out[:, rows].contiguous(),
-                                 lse[:, :, rows].contiguous(), grad_out[:, rows].contiguous(), diagonal, scale)
+                g = _block_backward(q, k_cur[:, keys], v_cur[:, keys], out, lse, grad_out, rows, diagonal, scale)
                 dq[:, rows] += g[0]
                 dk_step[:, keys] += g[1]
                 dv_step[:, keys] += g[2]

@@ -4,6 +4,7 @@ each scenario's outcome per rank to a JSON file the tests read. Scenarios are fu
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -11,7 +12,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -231,6 +232,33 @@ def _cp_errors(group: Any, mode: str, sharding: str, causal: bool, heads: tuple[
     return errors
 
 
+@contextlib.contextmanager
+def _block_calls() -> Iterator[list[dict[str, Any]]]:
+    """Records the (causal, alignment, query length, key length) of every block call context-parallel attention
+    makes: forward through `opdispatch.attention`, backward through its block gradients."""
+    from opdispatch import _api
+    from opdispatch import _context_parallel as cp
+
+    calls: list[dict[str, Any]] = []
+    attention, block_grads = _api.attention, cp._block_grads
+
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
+        calls.append({"pass": "forward", "causal": bool(kwargs.get("causal", False)),
+                      "alignment": kwargs.get("causal_alignment", "top_left"), "q": q.shape[1], "k": k.shape[1]})
+        return attention(q, k, v, **kwargs)
+
+    def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> Any:
+        calls.append({"pass": "backward", "causal": bool(args[3]), "alignment": "top_left", "q": q.shape[1],
+                      "k": k.shape[1]})
+        return block_grads(q, k, v, *args)
+
+    _api.attention, cp._block_grads = forward, backward  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        _api.attention, cp._block_grads = attention, block_grads  # type: ignore[assignment]
+
+
 def context_parallel(rank: int, world: int) -> dict[str, Any]:
     _fresh()
     pair = dist.new_group([0, 1])  # a 2-rank group inside the 3-rank world (every rank creates it)
@@ -239,11 +267,15 @@ def context_parallel(rank: int, world: int) -> dict[str, Any]:
     if rank == 0:  # a group of one: the local call
         for mode in ("ring", "allgather"):
             results[f"1 rank {mode}"] = _cp_errors(alone, mode, "zigzag", True, (4, 2), "bshd", torch.float64, seed=5)
+    blocks: dict[str, list[dict[str, Any]]] = {}
     for i, (mode, sharding, causal, heads, layout, dtype) in enumerate(CP_CASES):
         name = f"{mode}-{sharding}-{'causal' if causal else 'full'}-{heads[0]}:{heads[1]}-{layout}-{dtype}"
-        results[f"3 ranks {name}"] = _cp_errors(None, mode, sharding, causal, heads, layout, dtype, seed=i)
-        if rank < 2:
-            results[f"2 ranks {name}"] = _cp_errors(pair, mode, sharding, causal, heads, layout, dtype, seed=i)
+        with _block_calls() as calls:
+            results[f"3 ranks {name}"] = _cp_errors(None, mode, sharding, causal, heads, layout, dtype, seed=i)
+            if rank < 2:
+                results[f"2 ranks {name}"] = _cp_errors(pair, mode, sharding, causal, heads, layout, dtype, seed=i)
+        blocks[name] = calls
+    results["block calls"] = blocks
     return results
 
 

@@ -173,6 +173,20 @@ def test_context_parallel_matches_the_float64_oracle(ranks: list[dict[str, Any]]
         assert max(errors.values()) < tol, (rank, errors)
 
 
+def test_context_parallel_blocks_are_causal_with_equal_lengths_or_not_causal(ranks: list[dict[str, Any]]) -> None:
+    """Both modes compute the kinds of block cuDNN takes: a causal block with seqlen_q != seqlen_k (bottom-right
+    over a key prefix) would go to a slower kernel on H100."""
+    for rank, r in enumerate(ranks):
+        for name, calls in r["context_parallel"]["block calls"].items():
+            assert calls, (rank, name)
+            for call in calls:
+                assert not call["causal"] or (call["q"] == call["k"] and call["alignment"] == "top_left"), \
+                    (rank, name, call)
+            causal = "-causal-" in name
+            assert {c["pass"] for c in calls} == {"forward", "backward"}, (rank, name)
+            assert any(c["causal"] for c in calls) == causal, (rank, name)
+
+
 def test_context_parallel_in_a_group_of_one(ranks: list[dict[str, Any]]) -> None:
     for mode in ("ring", "allgather"):
         errors = ranks[0]["context_parallel"][f"1 rank {mode}"]
