@@ -3,6 +3,7 @@ over a diverging rank, a choice no other rank can run, and what agreeing costs (
 class, against the next calls: the fast path, no collective).
 
     python benchmarks/agreement_nccl.py --out benchmarks/results/agreement_nccl-h100x2.md
+    python benchmarks/agreement_nccl.py --smoke --out /tmp/agreement.md       # CPU, gloo
 
 Rank 1 diverges through `policy_override` (it prefers nvidia.mem_efficient); rank 0 keeps the default policy. bf16,
 (1, 1024, 32, 128) q, 8 kv heads, causal. Exits 1 when a check fails.
@@ -29,31 +30,44 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 
-def _ms(fn: Any) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
-def rank_main(rank: int, world: int, port: int, out: str) -> None:
+def rank_main(rank: int, world: int, port: int, out: str, smoke: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    device = "cpu" if smoke else "cuda"
+    if smoke:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     import opdispatch
     from opdispatch import distributed as od
 
     result: dict[str, Any] = {"rank": rank}
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    # Rank 1's diverging preference, and the kernels it denies for a choice no other rank can run.
+    prefer, deny = (("reference.math", ["cpu.*", "torch.*"]) if smoke
+                    else ("nvidia.mem_efficient", ["nvidia.*", "flagos.*"]))
+
+    def _ms(fn: Any) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        return (time.perf_counter() - start) * 1e3
 
     def qkv(s: int) -> tuple[torch.Tensor, ...]:
-        return (torch.randn(1, s, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen),
-                *(torch.randn(1, s, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2)))
+        return (torch.randn(1, s, 32, 128, device=device, dtype=dtype, generator=gen),
+                *(torch.randn(1, s, 8, 128, device=device, dtype=dtype, generator=gen) for _ in range(2)))
 
     manager = opdispatch.get_manager()
     with od.consistent():
-        q, k, v = qkv(1024)
+        q, k, v = qkv(64 if smoke else 1024)
         first = _ms(lambda: opdispatch.attention(q, k, v, causal=True))
         again = min(_ms(lambda: opdispatch.attention(q, k, v, causal=True)) for _ in range(5))
         decision = opdispatch.explain(q, k, v, causal=True)
@@ -62,7 +76,7 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
         # A new class (head_dim 64) where rank 1 prefers another kernel: rank 0's wins where rank 1 can run it.
         q2, k2, v2 = (t[..., :64].contiguous() for t in (q, k, v))
         if rank == 1:
-            with opdispatch.policy_override(prefer="nvidia.mem_efficient"):
+            with opdispatch.policy_override(prefer=prefer):
                 answer = opdispatch.attention(q2, k2, v2, causal=True)
                 decision = opdispatch.explain(q2, k2, v2, causal=True)
         else:
@@ -70,12 +84,13 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
             decision = opdispatch.explain(q2, k2, v2, causal=True)
         result["diverged"] = {"chosen": decision.chosen_id, "group": decision.agreement,
                               "out_finite": bool(answer.isfinite().all())}
-        # A choice rank 1 cannot run (NVIDIA and FlagGems kernels denied there; FlagGems would compile Triton
-        # kernels for a minute first): every rank raises AgreementError, none hangs.
-        q3, k3, v3 = (t[:, :512] for t in (q, k, v))
+        # A choice rank 1 cannot run (its kernels denied there; on the GPU FlagGems too, which would compile
+        # Triton kernels for a minute first): every rank raises AgreementError, none hangs.
+        # A new class on every rank (head_dim 96), so that every rank decides it here: agreement is collective.
+        q3, k3, v3 = (t[:, :32, :, :96].contiguous() for t in (q, k, v))
         try:
             if rank == 1:
-                with opdispatch.policy_override(deny=["nvidia.*", "flagos.*"]):  # torch.flex or reference.math
+                with opdispatch.policy_override(deny=deny):
                     opdispatch.attention(q3, k3, v3, causal=True)
             else:
                 opdispatch.attention(q3, k3, v3, causal=True)
@@ -89,19 +104,22 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny shapes (checks the script runs)")
     args = p.parse_args(argv)
     world = 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(rank_main, args=(world, port, tmp), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(rank_main, args=(world, port, tmp, args.smoke), nprocs=world, join=True,
+                           start_method="spawn")
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
     import opdispatch
 
-    lines = ["# Rank-consistent decisions over NCCL", "",
-             f"- {torch.cuda.get_device_name(0)} x{world}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
-             f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, opdispatch {opdispatch.__version__}", "",
+    where = ("CPU x2, gloo" if args.smoke else f"{torch.cuda.get_device_name(0)} x{world}, CUDA {torch.version.cuda}, "
+             f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    lines = [f"# Rank-consistent decisions over {'gloo' if args.smoke else 'NCCL'}", "",
+             f"- {where}; torch {torch.__version__}, opdispatch {opdispatch.__version__}", "",
              "| rank | agreed: chosen | group line | first call (agrees) ms | next call ms | diverging rank: chosen "
              "| group line | no common choice |", "|---|---|---|--:|--:|---|---|---|"]
     for r in ranks:

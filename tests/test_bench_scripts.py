@@ -133,3 +133,20 @@ def test_context_parallel_benchmark_smoke(tmp_path):
         r = rows[f"torch CP {rotate}"]
         assert "fwd_ms" in r or r["note"].startswith("did not run: ")
     assert "| 96 | opdispatch ring |" in out.read_text()
+
+
+@pytest.mark.slow
+def test_agreement_benchmark_smoke(tmp_path):
+    """benchmarks/agreement_nccl.py --smoke (CPU, gloo, 2 spawned ranks): agreed, rank 0's choice over a diverging
+    rank, and AgreementError on both ranks where rank 0's choice cannot run on rank 1 (the first GPU run's version
+    of that case made a new decision on one rank only and waited for the group's timeout)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "agreement.md"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "agreement_nccl.py"), "--smoke", "--out",
+                           str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "checks: pass" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]
+    assert len(rows) == 2 and all("rank 1 chose reference.math, overridden by rank 0's cpu.flash" in r for r in rows)
+    assert all("rank 0's choice (cpu.flash) cannot run on every rank" in r for r in rows)
