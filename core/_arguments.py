@@ -267,23 +267,23 @@ class OpArguments:
         """The fast-path key tuple as a Python expression over the argument names (the one statement of it)."""
         key_items = [repr(self.op)]
         grads = []
-        for a in self.args:
+        for a, kind in zip(self.args, self.native_kinds()):
             n = a.name
-            if a.key in ("tensor", "strided"):
+            if kind in ("tensor", "strided"):
                 key_items += [f"{n}.shape", f"{n}.dtype", f"{n}.device"]
-                if a.key == "strided":
+                if kind == "strided":
                     key_items.append(f"{n}.stride(-1)")
                 grads.append(f"{n}.requires_grad")
-            elif a.key == "tensor?":
+            elif kind == "tensor?":
                 key_items.append(f"None if {n} is None else ({n}.shape, {n}.dtype, {n}.device, {n}.requires_grad)")
                 grads.append(f"({n} is not None and {n}.requires_grad)")
-            elif a.key == "index":  # None inline: most calls pass none, and a call costs more than the test
+            elif kind == "index":  # None inline: most calls pass none, and a call costs more than the test
                 key_items.append(f"None if {n} is None else _index_key({n})")
-            elif a.key == "value" and "tuple[" in a.annotation:  # element types too: (4.0, 0) == (4, 0)
+            elif kind == "int_tuple":  # element types too: (4.0, 0) == (4, 0)
                 key_items.append(f"None if {n} is None else ({n}, tuple(map(type, {n})))")
-            elif a.key == "value" and a.annotation in ("str", "str | None"):  # no str equals another type's value
+            elif kind == "str":  # no str equals another type's value
                 key_items.append(n)
-            elif a.key == "value":  # with its class: True == 1 == 1.0 hash alike, validation tells them apart
+            elif kind == "value":  # with its class: True == 1 == 1.0 hash alike, validation tells them apart
                 key_items += [n, f"{n}.__class__"]
         if grads:
             key_items.append(f"_grad_enabled() and ({' or '.join(grads)})")
@@ -291,8 +291,8 @@ class OpArguments:
         return f"({', '.join(key_items)})"
 
     def native_kinds(self) -> list[str]:
-        """Each argument's key kind as the compiled front door reads it (`opdispatch._native`): the value kinds
-        split by annotation, as `_key_expression` keys them."""
+        """Each argument's key kind, the value kinds split by annotation: what `_key_expression` writes for it and
+        what the compiled front door reads (`opdispatch._native`)."""
         kinds = []
         for a in self.args:
             if a.key != "value":
