@@ -14,6 +14,7 @@ there when it exists. ``OPDISPATCH_FAST_PATH`` chooses: ``auto`` (default: compi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.abc
 import importlib.machinery
@@ -59,6 +60,7 @@ class NativeStatus:
         return ("compiled" if self.active else "python") + f" ({self.reason})"
 
 
+@functools.cache  # the source does not change under a running process: read and hashed once, not per name
 def _source_digest() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
@@ -236,6 +238,7 @@ def compiled_front_door(python: Callable[..., Any], *, name: str, names: Sequenc
         failed=failed, api_globals=_api.__dict__ if api_globals is None else api_globals,
         compiler_globals=torch.compiler.__dict__, result=result,
         result_arg=-1 if result_arg is None else index[result_arg], flag=flag)
+    _doors[:] = [(ref, fn) for ref, fn in _doors if ref() is not None]  # doors gone (tests' twins) drop out
     _doors.append((weakref.ref(door), python))
     _polyfill_when_dynamo_loads(door, python)
     return door  # type: ignore[no-any-return]
