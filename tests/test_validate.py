@@ -38,7 +38,7 @@ def test_validate_isolates_crashes_and_hangs_and_quarantines_exactly_the_failing
     env.update(PYTHONPATH=f"{site}{os.pathsep}{REPO}", OPDISPATCH_PLUGINS="cpu,reference,vfake")
     impls = "vfake.right,vfake.shape,vfake.nan,vfake.corrupt,vfake.abort,vfake.hang,vfake.bottom,vfake.norm"
     result = subprocess.run([sys.executable, "-m", "opdispatch._cli", "validate", "--impl", impls, "--on", "cpu",
-                             "--quick", "--timeout", "4", "--jobs", "2", "--quarantine", str(quarantine), "--json", str(report)],
+                             "--quick", "--timeout", "6", "--jobs", "2", "--quarantine", str(quarantine), "--json", str(report)],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stdout + result.stderr  # failures found, the run itself finished
     cases = json.loads(report.read_text())["cases"]
