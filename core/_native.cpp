@@ -137,6 +137,29 @@ struct Entry {
   }
 };
 
+// How one call site's arguments bind to a door's slots. A call site passes the same keyword-name tuple (a code
+// constant) with the same number of positionals on every call, so the binding is worked out once per
+// (nargs, kwnames) and reused: its slots, whether Python would accept it, and which slots were passed.
+struct CallShape {
+  PyObject* kwnames = nullptr;  // strong; nullptr: no keywords (or an empty slot of the cache, nargs -1)
+  Py_ssize_t nargs = -1;
+  bool binds = false;  // Python would bind it (no unknown or repeated keyword, every required slot given)
+  uint64_t passed = 0;  // a bit per slot given by the caller: the key's first word
+  Py_ssize_t n_kw = 0;
+  Py_ssize_t kw_slot[kMaxArgs];  // the slot of each keyword, in kwnames' order
+  Py_ssize_t n_keyed = 0;
+  Py_ssize_t keyed[kMaxArgs];  // the slots the key reads: those given, and defaults that do not key as constants
+  bool optional_given = false;  // a bound optional argument was given or defaults to a value (else all are None)
+};
+
+constexpr int kCallShapes = 8;
+
+struct SlotSpec {
+  uint8_t kind;  // Kind
+  bool exact;    // tensors must be torch.Tensor exactly (not Parameter)
+  bool grad;     // requires_grad joins the grad field
+};
+
 struct Door {
   std::string name;
   std::string doc;
@@ -145,10 +168,11 @@ struct Door {
   Py_ssize_t n_positional = 0;
   std::vector<PyObject*> names;     // strong, interned
   std::vector<PyObject*> defaults;  // strong; nullptr: required
-  std::vector<int> kinds;
-  std::vector<char> exact;  // tensors must be torch.Tensor exactly (not Parameter)
-  std::vector<char> grad;   // joins the grad field
+  std::vector<SlotSpec> specs;  // per argument: how it enters the key
   std::vector<Py_ssize_t> bound, bound_optional;
+  std::vector<char> default_keyed;  // the default is keyed on every call (it is not a constant the key can omit)
+  CallShape shapes[kCallShapes];     // the call sites seen last (round-robin)
+  int next_shape = 0;
   std::vector<PyObject*> context;  // strong: ContextVars (read directly) or callables
   PyObject* python = nullptr;      // the Python front door: every call that is not a hit
   PyObject* key_of = nullptr;      // key_of(*arguments): the Python path's key, or None
@@ -170,6 +194,7 @@ struct Door {
 
   ~Door() {
     clear_table();
+    for (CallShape& c : shapes) Py_CLEAR(c.kwnames);
     for (PyObject* o : names) Py_XDECREF(o);
     for (PyObject* o : defaults) Py_XDECREF(o);
     for (PyObject* o : context) Py_XDECREF(o);
@@ -195,66 +220,103 @@ struct Door {
     }
   }
 
-  // Arguments into `slots` (borrowed), defaults filled in; false for anything a Python call would refuse or
-  // bind differently (the Python front door then raises its own TypeError).
-  bool parse(PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, PyObject** slots) const {
-    if (nargs > n_positional) return false;
-    for (Py_ssize_t i = 0; i < n; ++i) slots[i] = i < nargs ? args[i] : nullptr;
-    if (kwnames != nullptr) {
-      Py_ssize_t nkw = PyTuple_GET_SIZE(kwnames);
-      for (Py_ssize_t j = 0; j < nkw; ++j) {
-        PyObject* kw = PyTuple_GET_ITEM(kwnames, j);
-        Py_ssize_t index = -1;
-        for (Py_ssize_t i = 0; i < n; ++i) {
-          if (names[i] == kw) {
-            index = i;
-            break;
-          }
-        }
-        if (index < 0) {
-          for (Py_ssize_t i = 0; i < n; ++i) {
-            if (PyUnicode_Compare(names[i], kw) == 0) {
-              index = i;
-              break;
-            }
-          }
-          if (PyErr_Occurred()) PyErr_Clear();
-        }
-        if (index < 0 || slots[index] != nullptr) return false;
-        slots[index] = args[nargs + j];
-      }
+  // The binding of a call site (nargs positionals, these keyword names), worked out on its first call.
+  const CallShape* call_shape(Py_ssize_t nargs, PyObject* kwnames) {
+    for (const CallShape& c : shapes) {
+      if (c.kwnames == kwnames && c.nargs == nargs) return &c;
     }
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      if (slots[i] == nullptr) {
-        if (defaults[i] == nullptr) return false;
-        slots[i] = defaults[i];
-      }
-    }
-    return true;
+    return same_names_shape(nargs, kwnames);
   }
 
-  static bool tensor_words(Key& key, PyObject* obj, bool strided, bool with_grad, bool* requires_grad) {
-    const at::Tensor& tensor = THPVariable_Unpack(obj);
-    c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  // A call through ``**kwargs`` builds a new keyword-name tuple every time, of the same (interned) names.
+  __attribute__((noinline)) const CallShape* same_names_shape(Py_ssize_t nargs, PyObject* kwnames) {
+    if (kwnames != nullptr) {
+      const Py_ssize_t nkw = PyTuple_GET_SIZE(kwnames);
+      for (const CallShape& c : shapes) {
+        if (c.nargs != nargs || c.kwnames == nullptr || PyTuple_GET_SIZE(c.kwnames) != nkw) continue;
+        bool same = true;
+        for (Py_ssize_t j = 0; j < nkw && same; ++j) {
+          same = PyTuple_GET_ITEM(c.kwnames, j) == PyTuple_GET_ITEM(kwnames, j);
+        }
+        if (same) return &c;
+      }
+    }
+    return new_call_shape(nargs, kwnames);
+  }
+
+  __attribute__((noinline, cold)) const CallShape* new_call_shape(Py_ssize_t nargs, PyObject* kwnames) {
+    CallShape& c = shapes[next_shape];
+    next_shape = (next_shape + 1) % kCallShapes;
+    Py_XINCREF(kwnames);
+    Py_XSETREF(c.kwnames, kwnames);
+    c.nargs = nargs;
+    c.binds = false;
+    c.passed = 0;
+    c.n_kw = 0;
+    c.n_keyed = 0;
+    c.optional_given = false;
+    if (nargs > n_positional) return &c;
+    for (Py_ssize_t i = 0; i < nargs; ++i) c.passed |= uint64_t{1} << i;
+    const Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t j = 0; j < nkw; ++j) {
+      PyObject* kw = PyTuple_GET_ITEM(kwnames, j);
+      Py_ssize_t index = -1;
+      for (Py_ssize_t i = 0; i < n && index < 0; ++i) {
+        if (names[i] == kw) index = i;
+      }
+      for (Py_ssize_t i = 0; i < n && index < 0; ++i) {
+        const int equal = PyUnicode_Compare(names[i], kw);
+        if (equal == -1 && PyErr_Occurred()) PyErr_Clear();
+        if (equal == 0) index = i;
+      }
+      if (index < 0 || (c.passed >> index & 1) != 0) return &c;  // unknown or repeated: Python's TypeError
+      c.passed |= uint64_t{1} << index;
+      c.kw_slot[c.n_kw++] = index;
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const bool given = (c.passed >> i & 1) != 0;
+      if (!given && defaults[i] == nullptr) return &c;  // a required argument missing: Python's TypeError
+      if (given || default_keyed[i]) c.keyed[c.n_keyed++] = i;
+    }
+    for (Py_ssize_t i : bound_optional) {
+      c.optional_given = c.optional_given || (c.passed >> i & 1) != 0 || defaults[i] != Py_None;
+    }
+    c.binds = true;
+    return &c;
+  }
+
+  // Arguments into `slots` (borrowed), defaults filled in, as `shape` binds them.
+  void parse(PyObject* const* args, Py_ssize_t nargs, const CallShape& shape, PyObject** slots) const {
+    std::memcpy(slots, defaults.data(), static_cast<size_t>(n) * sizeof(PyObject*));
+    for (Py_ssize_t i = 0; i < nargs; ++i) slots[i] = args[i];
+    for (Py_ssize_t j = 0; j < shape.n_kw; ++j) slots[shape.kw_slot[j]] = args[nargs + j];
+  }
+
+  // Key words are written through a local cursor (`w`, with room up to `end`) so that the compiler keeps it in a
+  // register across a call's arguments; Key::n_words is set once, at the end.
+  using Cursor = uint64_t*;
+
+  // A tensor's words: its dim, sizes and dtype/device word, then (strided) the last dim's stride and (with_grad)
+  // requires_grad, which also joins *requires_grad.
+  __attribute__((always_inline)) static bool tensor_words(Cursor& w, const uint64_t* end, PyObject* obj,
+                                                          bool strided, bool with_grad, bool* requires_grad) {
+    c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
     c10::IntArrayRef sizes = impl->sizes();  // throws for tensors without sizes (nested): Python decides
     const size_t dim = sizes.size();
-    if (!key.push(dim)) return false;
-    for (size_t i = 0; i < dim; ++i) {
-      if (!key.push(static_cast<uint64_t>(sizes[i]))) return false;
-    }
+    if (dim + 4 > static_cast<size_t>(end - w)) return false;  // dim, sizes, meta, stride, grad
+    *w++ = dim;
+    for (size_t i = 0; i < dim; ++i) *w++ = static_cast<uint64_t>(sizes[i]);
     const c10::Device device = impl->device();
-    const uint64_t meta = static_cast<uint64_t>(impl->dtype().toScalarType()) |
-                          (static_cast<uint64_t>(device.type()) << 16) |
-                          (static_cast<uint64_t>(static_cast<uint8_t>(device.index())) << 32);
-    if (!key.push(meta)) return false;
+    *w++ = static_cast<uint64_t>(impl->dtype().toScalarType()) | (static_cast<uint64_t>(device.type()) << 16) |
+           (static_cast<uint64_t>(static_cast<uint8_t>(device.index())) << 32);
     if (strided) {
       if (dim == 0) return false;  // stride(-1) of a 0-d tensor raises: Python's
-      if (!key.push(static_cast<uint64_t>(impl->strides()[dim - 1]))) return false;
+      *w++ = static_cast<uint64_t>(impl->strides()[dim - 1]);
     }
     if (requires_grad != nullptr) {
       const bool rg = impl->requires_grad();
       *requires_grad = *requires_grad || rg;
-      if (with_grad && !key.push(rg)) return false;
+      if (with_grad) *w++ = rg;
     }
     return true;
   }
@@ -265,110 +327,154 @@ struct Door {
            (!exact_only && type == reinterpret_cast<PyTypeObject*>(ParameterClass));
   }
 
-  static bool int_word(Key& key, PyObject* obj) {
+  static bool int_word(Cursor& w, PyObject* obj) {
     int overflow = 0;
     long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
     if (overflow != 0 || (value == -1 && PyErr_Occurred())) return false;
-    return key.push(static_cast<uint64_t>(value));
+    *w++ = static_cast<uint64_t>(value);
+    return true;
   }
 
-  // The key of a call, or false where the Python path must decide (what it would not key alike).
-  bool make_key(PyObject** slots, Key& key) const {
+  // The key of a call, or false where the Python path must decide (what it would not key alike). A default the
+  // caller left out keys as a constant, so the key omits it: the shape's `passed` word says which slots it read.
+  bool make_key(PyObject** slots, const CallShape& shape, Key& key) const {
     bool any_grad = false;
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* v = slots[i];
-      switch (kinds[i]) {
-        case kTensor:
-        case kStrided: {
-          if (!is_tensor(v, exact[i])) return false;
-          if (!tensor_words(key, v, kinds[i] == kStrided, false, grad[i] ? &any_grad : nullptr)) return false;
-          break;
-        }
-        case kOptTensor: {
-          if (v == Py_None) {
-            if (!key.push(0)) return false;
-            break;
-          }
-          if (!is_tensor(v, exact[i]) || !key.push(7)) return false;
-          bool rg = false;
-          if (!tensor_words(key, v, false, true, &rg)) return false;
-          any_grad = any_grad || (grad[i] && rg);
-          break;
-        }
-        case kIndex: {
-          if (v == Py_None) {
-            if (!key.push(0)) return false;
-          } else if (PyLong_CheckExact(v)) {
-            if (!key.push(2) || !int_word(key, v)) return false;
-          } else if (is_tensor(v, false)) {
-            if (THPVariable_Unpack(v).unsafeGetTensorImpl()->device().is_cpu()) return false;  // values read
-            if (!key.push(6) || !tensor_words(key, v, false, false, nullptr)) return false;
-          } else {
-            return false;
-          }
-          break;
-        }
-        case kValue:
-        case kStr: {
-          if (v == Py_None) {
-            if (!key.push(0)) return false;
-          } else if (PyUnicode_CheckExact(v)) {
-            Py_hash_t h = PyObject_Hash(v);
-            if (h == -1 || key.n_equal == kMaxObjects || !key.push(4) || !key.push(static_cast<uint64_t>(h)))
-              return false;
-            key.equal[key.n_equal++] = v;
-          } else if (kinds[i] == kStr) {
-            return false;
-          } else if (v == Py_True || v == Py_False) {
-            if (!key.push(1) || !key.push(v == Py_True)) return false;
-          } else if (PyLong_CheckExact(v)) {
-            if (!key.push(2) || !int_word(key, v)) return false;
-          } else if (PyFloat_CheckExact(v)) {
-            const double d = PyFloat_AS_DOUBLE(v);
-            if (std::isnan(d)) return false;  // NaN != NaN: the Python key never matches it
-            uint64_t bits;
-            std::memcpy(&bits, &d, sizeof bits);
-            if (!key.push(3) || !key.push(bits)) return false;
-          } else {
-            return false;
-          }
-          break;
-        }
-        case kIntTuple: {
-          if (v == Py_None) {
-            if (!key.push(0)) return false;
-            break;
-          }
-          if (!PyTuple_CheckExact(v)) return false;
-          const Py_ssize_t len = PyTuple_GET_SIZE(v);
-          if (!key.push(5) || !key.push(static_cast<uint64_t>(len))) return false;
-          for (Py_ssize_t j = 0; j < len; ++j) {
-            PyObject* item = PyTuple_GET_ITEM(v, j);
-            if (!PyLong_CheckExact(item) || !int_word(key, item)) return false;
-          }
-          break;
-        }
-        case kBypass:
-          if (v != Py_None) return false;
-          break;
-        case kZero: {
-          if (PyLong_CheckExact(v)) {
-            int overflow = 0;
-            if (PyLong_AsLongLongAndOverflow(v, &overflow) != 0 || overflow != 0) return false;
-            if (!key.push(8) || !key.push(0)) return false;
-          } else if (PyFloat_CheckExact(v)) {
-            if (PyFloat_AS_DOUBLE(v) != 0.0) return false;
-            if (!key.push(8) || !key.push(1)) return false;
-          } else {
-            return false;
-          }
-          break;
-        }
-        default:
-          return false;
-      }
+    Cursor w = key.words;
+    const uint64_t* end = key.words + kMaxWords;
+    *w++ = shape.passed;
+    for (Py_ssize_t j = 0; j < shape.n_keyed; ++j) {
+      const Py_ssize_t i = shape.keyed[j];
+      if (!slot_words(w, end, key, i, slots[i], any_grad)) return false;
     }
-    if (!key.push(c10::GradMode::is_enabled() && any_grad)) return false;
+    if (w == end) return false;
+    *w++ = any_grad && c10::GradMode::is_enabled();  // grad mode read only when it matters
+    key.n_words = static_cast<size_t>(w - key.words);
+    return context_words(key);
+  }
+
+  // Whether a default keys as a constant (the same words every call, whatever state tensors are in).
+  bool default_is_constant(Py_ssize_t i) const {
+    if (defaults[i] == nullptr) return true;  // required: always given
+    if (is_tensor(defaults[i], false)) return false;
+    Key key;
+    Cursor w = key.words;
+    bool any_grad = false;
+    bool keyed;
+    try {
+      keyed = slot_words(w, key.words + kMaxWords, key, i, defaults[i], any_grad);
+    } catch (...) {
+      keyed = false;
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    return keyed;
+  }
+
+  // One argument's words (slot i holding v); str values also go to key.equal.
+  __attribute__((always_inline)) bool slot_words(Cursor& w, const uint64_t* end, Key& key, Py_ssize_t i,
+                                                 PyObject* v, bool& any_grad) const {
+    const SlotSpec spec = specs[i];
+    if (spec.kind != kTensor && spec.kind != kStrided && end - w < 3) return false;  // other kinds: 3 at most
+    switch (spec.kind) {
+      case kTensor:
+      case kStrided:
+        return is_tensor(v, spec.exact) &&
+               tensor_words(w, end, v, spec.kind == kStrided, false, spec.grad ? &any_grad : nullptr);
+      case kOptTensor: {
+        if (v == Py_None) {
+          *w++ = 0;
+          return true;
+        }
+        if (!is_tensor(v, spec.exact)) return false;
+        *w++ = 7;
+        bool rg = false;
+        if (!tensor_words(w, end, v, false, true, &rg)) return false;
+        any_grad = any_grad || (spec.grad && rg);
+        return true;
+      }
+      case kIndex:
+        if (v == Py_None) {
+          *w++ = 0;
+          return true;
+        }
+        if (PyLong_CheckExact(v)) {
+          *w++ = 2;
+          return int_word(w, v);
+        }
+        if (!is_tensor(v, false)) return false;
+        if (THPVariable_Unpack(v).unsafeGetTensorImpl()->device().is_cpu()) return false;  // values read
+        *w++ = 6;
+        return tensor_words(w, end, v, false, false, nullptr);
+      case kValue:
+      case kStr: {
+        if (v == Py_None) {
+          *w++ = 0;
+          return true;
+        }
+        if (PyUnicode_CheckExact(v)) {
+          Py_hash_t h = reinterpret_cast<PyASCIIObject*>(v)->hash;  // cached after the first hash
+          if (h == -1) h = PyObject_Hash(v);
+          if (h == -1 || key.n_equal == kMaxObjects) return false;
+          *w++ = 4;
+          *w++ = static_cast<uint64_t>(h);
+          key.equal[key.n_equal++] = v;
+          return true;
+        }
+        if (spec.kind == kStr) return false;
+        if (v == Py_True || v == Py_False) {
+          *w++ = 1;
+          *w++ = v == Py_True;
+          return true;
+        }
+        if (PyLong_CheckExact(v)) {
+          *w++ = 2;
+          return int_word(w, v);
+        }
+        if (!PyFloat_CheckExact(v)) return false;
+        const double d = PyFloat_AS_DOUBLE(v);
+        if (std::isnan(d)) return false;  // NaN != NaN: the Python key never matches it
+        uint64_t bits;
+        std::memcpy(&bits, &d, sizeof bits);
+        *w++ = 3;
+        *w++ = bits;
+        return true;
+      }
+      case kIntTuple: {
+        if (v == Py_None) {
+          *w++ = 0;
+          return true;
+        }
+        if (!PyTuple_CheckExact(v)) return false;
+        const Py_ssize_t len = PyTuple_GET_SIZE(v);
+        if (len + 2 > end - w) return false;
+        *w++ = 5;
+        *w++ = static_cast<uint64_t>(len);
+        for (Py_ssize_t j = 0; j < len; ++j) {
+          PyObject* item = PyTuple_GET_ITEM(v, j);
+          if (!PyLong_CheckExact(item) || !int_word(w, item)) return false;
+        }
+        return true;
+      }
+      case kBypass:
+        return v == Py_None;
+      case kZero:
+        if (PyLong_CheckExact(v)) {
+          int overflow = 0;
+          if (PyLong_AsLongLongAndOverflow(v, &overflow) != 0 || overflow != 0) return false;
+          *w++ = 8;
+          *w++ = 0;
+          return true;
+        }
+        if (!PyFloat_CheckExact(v) || PyFloat_AS_DOUBLE(v) != 0.0) return false;
+        *w++ = 8;
+        *w++ = 1;
+        return true;
+      default:
+        return false;
+    }
+  }
+
+  // The context's words: torch's determinism flag, ContextVars' values, callables' results (by identity).
+  bool context_words(Key& key) const {
     for (PyObject* c : context) {
       PyObject* value = nullptr;
       if (c == Py_None) {  // torch's determinism flag, read where torch keeps it (a Python call costs ~0.1 µs)
@@ -465,21 +571,15 @@ PyTypeObject KernelCallType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
 constexpr Py_ssize_t kMaxKernelArgs = 32;
 
-PyObject* kernel_call_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
-  auto* kc = reinterpret_cast<KernelCallObject*>(self);
-  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+// kc's kernel on the arguments in stack[0:nargs], which has room for kMaxKernelArgs: the tail and the keyword
+// values are written after them.
+PyObject* kernel_call_invoke(KernelCallObject* kc, PyObject** stack, Py_ssize_t nargs) {
   const Py_ssize_t ntail = PyTuple_GET_SIZE(kc->tail);
   const Py_ssize_t nkw = kc->kwnames == nullptr ? 0 : PyTuple_GET_SIZE(kc->kwnames);
-  if (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0) {
-    PyErr_SetString(PyExc_TypeError, "a bound kernel takes its tensors positionally");
-    return nullptr;
-  }
   if (nargs + ntail + nkw > kMaxKernelArgs) {
     PyErr_Format(PyExc_TypeError, "a bound kernel takes at most %zd arguments in all", kMaxKernelArgs);
     return nullptr;
   }
-  PyObject* stack[kMaxKernelArgs];
-  for (Py_ssize_t i = 0; i < nargs; ++i) stack[i] = args[i];
   for (Py_ssize_t i = 0; i < ntail; ++i) stack[nargs + i] = PyTuple_GET_ITEM(kc->tail, i);
   for (Py_ssize_t i = 0; i < nkw; ++i) stack[nargs + ntail + i] = PyTuple_GET_ITEM(kc->kwvalues, i);
   PyObject* out = PyObject_Vectorcall(kc->kernel, stack, nargs + ntail, kc->kwnames);
@@ -499,6 +599,22 @@ PyObject* kernel_call_vectorcall(PyObject* self, PyObject* const* args, size_t n
   }
   Py_DECREF(out);
   return item;
+}
+
+PyObject* kernel_call_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* kc = reinterpret_cast<KernelCallObject*>(self);
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  if (kwnames != nullptr && PyTuple_GET_SIZE(kwnames) != 0) {
+    PyErr_SetString(PyExc_TypeError, "a bound kernel takes its tensors positionally");
+    return nullptr;
+  }
+  if (nargs > kMaxKernelArgs) {
+    PyErr_Format(PyExc_TypeError, "a bound kernel takes at most %zd arguments in all", kMaxKernelArgs);
+    return nullptr;
+  }
+  PyObject* stack[kMaxKernelArgs];
+  for (Py_ssize_t i = 0; i < nargs; ++i) stack[i] = args[i];
+  return kernel_call_invoke(kc, stack, nargs);
 }
 
 int kernel_call_traverse(PyObject* self, visitproc visit, void* arg) {
@@ -643,23 +759,28 @@ PyObject* miss(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnam
   return out;
 }
 
-PyObject* hit(Door* d, Entry* e, PyObject* manager, PyObject** slots) {
+PyObject* hit(Door* d, Entry* e, PyObject* manager, PyObject** slots, bool optional_given) {
   ++d->hits;
   PyObject* fn = e->fn;
   PyObject* pykey = e->pykey;
   Py_INCREF(fn);  // the entry may be refilled while the kernel runs (a re-entrant call)
   Py_INCREF(pykey);
   Py_INCREF(manager);
-  PyObject* call[kMaxArgs];
+  PyObject* call[kMaxArgs + kMaxKernelArgs];  // room for a kernel call's tail
   Py_ssize_t count = 0;
   for (Py_ssize_t i : d->bound) call[count++] = slots[i];
   bool optional = false;
-  for (Py_ssize_t i : d->bound_optional) optional = optional || slots[i] != Py_None;
+  if (optional_given) {
+    for (Py_ssize_t i : d->bound_optional) optional = optional || slots[i] != Py_None;
+  }
   if (optional) {
     for (Py_ssize_t i : d->bound_optional) call[count++] = slots[i];
   }
   if (d->flag >= 0) tls_flags[d->flag] = 1;
-  PyObject* out = PyObject_Vectorcall(fn, call, count, nullptr);
+  // A kernel call (what the built-in implementations bind) is made here: one C call less between door and kernel.
+  PyObject* out = Py_TYPE(fn) == &KernelCallType && count <= kMaxKernelArgs
+                      ? kernel_call_invoke(reinterpret_cast<KernelCallObject*>(fn), call, count)
+                      : PyObject_Vectorcall(fn, call, count, nullptr);
   if (out == nullptr && PyErr_ExceptionMatches(PyExc_Exception)) {
     // As the Python path's `except Exception as exc: return failed(manager, key, fn, exc, *arguments)`.
     PyObject *type, *value, *traceback;
@@ -700,13 +821,17 @@ PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
   Door* d = reinterpret_cast<DoorObject*>(self)->door;
   PyObject* slots[kMaxArgs];
   nargs = PyVectorcall_NARGS(nargs);
-  if (!d->parse(args, nargs, kwnames, slots)) return pass_to_python(d, args, nargs, kwnames);
+  const CallShape* shape = d->call_shape(nargs, kwnames);
+  if (!shape->binds) return pass_to_python(d, args, nargs, kwnames);
   if (compiling(d)) return pass_to_python(d, args, nargs, kwnames);
   if (d->flag >= 0 && tls_flags[d->flag] != 0) return pass_to_python(d, args, nargs, kwnames);
+  d->parse(args, nargs, *shape, slots);
+  // Read now: a context callable may call this door again and reuse the shape's cache slot.
+  const bool optional_given = shape->optional_given;
   Key key;
   bool keyed;
   try {
-    keyed = d->make_key(slots, key);
+    keyed = d->make_key(slots, *shape, key);
   } catch (...) {  // a c10::Error from a tensor without sizes or strides: the Python path decides
     keyed = false;
   }
@@ -750,7 +875,7 @@ PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
     }
     if (current) {
       d->last = e;
-      return hit(d, e, e->manager, slots);
+      return hit(d, e, e->manager, slots, optional_given);
     }
     if (h == 0) h = key.hash();
   }
@@ -939,10 +1064,9 @@ PyObject* make_front_door(PyObject*, PyObject* args, PyObject* kwargs) {
       PyErr_Format(PyExc_ValueError, "front_door %s: unknown key kind %zd", name, kinds_v[i]);
       return nullptr;
     }
-    door->kinds.push_back(static_cast<int>(kinds_v[i]));
-    door->exact.push_back(exact_v[i] != 0);
-    door->grad.push_back(grad_v[i] != 0);
+    door->specs.push_back(SlotSpec{static_cast<uint8_t>(kinds_v[i]), exact_v[i] != 0, grad_v[i] != 0});
   }
+  for (Py_ssize_t i = 0; i < door->n; ++i) door->default_keyed.push_back(!door->default_is_constant(i));
   for (Py_ssize_t i : door->bound) {
     if (i < 0 || i >= door->n) return PyErr_Format(PyExc_ValueError, "front_door %s: bad bound index", name);
   }
