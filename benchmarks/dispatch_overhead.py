@@ -7,7 +7,8 @@ Each front door runs compiled where `opdispatch build` has built the extension (
 
 Rows, for each size (batch, heads, seq, head_dim), all in layout ``bhsd`` and float32 (CPU) / bf16 (CUDA):
   direct     the chosen kernel called directly: the aten op the implementation binds (cpu.flash, nvidia.flash,
-             nvidia.cudnn), else the implementation's run() on a call validated once up front
+             nvidia.cudnn) with the fewest arguments that mean the call (defaults left out, as the binding does),
+             else the implementation's run() on a call validated once up front
   floor      a do-nothing Python function with exactly `opdispatch.attention`'s signature that calls the plan:
              what merely entering a function with that signature costs, before any key is built
   impl.run   the chosen implementation's run() on a call validated once (adapter cost, no validation)
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import os
 import platform
 import statistics
@@ -96,17 +98,27 @@ def signature_floor(target: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def direct_kernel(impl_id: str, call: Any) -> Callable[[], Any] | None:
-    """The aten op a plain dense bhsd call of `impl_id` binds, called directly; None for other implementations."""
+    """The aten op a plain dense bhsd call of `impl_id` binds, called directly with the fewest arguments that mean
+    the same call (trailing defaults and torch's own default scale left out, as the implementations bind it: each
+    explicit argument costs torch's parser time); None for other implementations."""
     q, k, v, causal, scale = call.q, call.k, call.v, call.causal, call.scale
+    own_scale = scale == 1.0 / math.sqrt(call.head_dim)
     if impl_id == "cpu.flash":
         cpu = torch._scaled_dot_product_flash_attention_for_cpu
+        if own_scale:
+            return (lambda: cpu(q, k, v, 0.0, True)[0]) if causal else (lambda: cpu(q, k, v)[0])
         return lambda: cpu(q, k, v, 0.0, causal, scale=scale)[0]
     if impl_id == "nvidia.flash":
         flash = torch._scaled_dot_product_flash_attention
-        return lambda: flash(q, k, v, 0.0, causal, False, scale=scale)[0]
+        if own_scale:
+            return (lambda: flash(q, k, v, 0.0, True)[0]) if causal else (lambda: flash(q, k, v)[0])
+        return lambda: flash(q, k, v, 0.0, causal, scale=scale)[0]
     if impl_id == "nvidia.cudnn":
         cudnn, need_lse = torch._scaled_dot_product_cudnn_attention, call.requires_grad
-        return lambda: cudnn(q, k, v, None, need_lse, 0.0, causal, False, scale=scale)[0]
+        if own_scale:
+            return ((lambda: cudnn(q, k, v, None, need_lse, 0.0, True)[0]) if causal
+                    else (lambda: cudnn(q, k, v, None, need_lse)[0]))
+        return lambda: cudnn(q, k, v, None, need_lse, 0.0, causal, scale=scale)[0]
     return None
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from opdispatch._native import kernel_call
+
 
 def kernel_window(call: Any) -> tuple[int, int]:
     """The call's window as such kernels' ``window_size=(left, right)``: -1 unbounded on a side, (-1, -1) none.
@@ -33,3 +35,24 @@ def alibi_alignment_reason(call: Any, kernel: str = "this kernel") -> str | None
 def empty_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
     """FA2-family kernels report +inf as the LSE of a query that sees no key; opdispatch's convention is -inf."""
     return lse.masked_fill(lse == math.inf, -math.inf)
+
+
+def aten_sdpa_call(op: Any, *tail: Any, defaults: tuple[Any, ...], scale: float, head_dim: int,
+                   index: int = 0) -> Any:
+    """`kernel_call` of one of torch's SDPA aten ops with the fewest arguments that mean the same call.
+
+    ``tail`` are the op's positionals after the tensors, ``defaults`` the schema's defaults of the last
+    ``len(defaults)`` of them: trailing values equal to their default (same type) are left out, and ``scale`` is
+    left out where it is the op's own default, 1/sqrt(head_dim) (the same double torch computes). torch's argument
+    parser costs about 0.25-0.5 µs per explicit argument on a CPU, paid on every call."""
+    kept = list(tail)
+    start = len(tail) - len(defaults)
+    if start < 0:
+        raise ValueError(f"aten_sdpa_call: {len(defaults)} defaults for a tail of {len(tail)}")
+    while len(kept) > start:
+        value, default = kept[-1], defaults[len(kept) - 1 - start]
+        if type(value) is not type(default) or value != default:
+            break
+        kept.pop()
+    kwargs = {} if scale == 1.0 / math.sqrt(head_dim) else {"scale": scale}
+    return kernel_call(op, *kept, index=index, **kwargs)

@@ -20,6 +20,9 @@ Binding:
 - `kernel_call(kernel, *tail, index=None, **kwargs)`: ``fn(q, k, v) = kernel(q, k, v, *tail, **kwargs)[index]``
   as one C call where opdispatch's compiled fast path is built (else a Python function): bind the aten op or
   vendor function itself, with no Python frame per call.
+- `aten_sdpa_call(op, *tail, defaults=..., scale=..., head_dim=..., index=0)`: `kernel_call` of a torch SDPA aten
+  op with trailing default arguments and torch's own default scale left out (each explicit argument costs torch's
+  parser about 0.25-0.5 µs per call on a CPU).
 
 FlashAttention-2 conventions (kernels of that lineage: flash-attn, FlagGems' varlen kernel):
 
@@ -74,7 +77,7 @@ from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, 
 from opdispatch._native import kernel_call
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
-from ._kernel_conventions import alibi_alignment_reason, empty_rows_to_neg_inf, kernel_window
+from ._kernel_conventions import alibi_alignment_reason, aten_sdpa_call, empty_rows_to_neg_inf, kernel_window
 from ._kv_cache import (KvQueries, cache_as_pages, cache_as_pages_reason, cumulative_lengths, flash_attn_kv_cache,
                         kv_cache_allowed, kv_cache_as_mask, kv_cache_reasons, kv_lse_fix, packed_queries,
                         unpack_kv_out)
@@ -83,7 +86,7 @@ from ._signatures import unaccepted_keywords
 from ._versions import at_least, installed_versions, version_tuple
 
 __all__ = ["KvQueries", "PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
-           "at_least", "bind_dense", "blind_rows", "cache_as_pages", "cache_as_pages_reason",
+           "at_least", "aten_sdpa_call", "bind_dense", "blind_rows", "cache_as_pages", "cache_as_pages_reason",
            "causal_alibi_lse_reason", "cumulative_lengths", "dense_lse_fix", "empty_rows_to_neg_inf",
            "flash_attn_kv_cache", "installed_versions", "kernel_call", "kernel_window", "kv_cache_allowed",
            "kv_cache_as_mask", "kv_cache_reasons", "kv_lse_fix", "layout_views", "pack_dense", "pack_padded_lse",

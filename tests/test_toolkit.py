@@ -157,3 +157,41 @@ def test_unaccepted_keywords():
     assert toolkit.unaccepted_keywords(kernel, ["q", "causal", "window_size"]) == ["window_size"]
     assert toolkit.unaccepted_keywords(anything, ["whatever"]) == []  # **kwargs: only the call can tell
     assert toolkit.unaccepted_keywords(torch.add, ["alpha", "nonsense"]) in ([], ["nonsense"])  # builtin: maybe unreadable
+
+
+def test_aten_sdpa_call_leaves_out_exactly_the_default_arguments():
+    seen = []
+
+    def op(q, k, v, *args, **kwargs):  # records what torch's parser would be handed
+        seen.append((args, kwargs))
+        return (q * 2, None)
+
+    q = torch.randn(1, 1, 3, 8)
+    default = 1.0 / math.sqrt(8)
+    cases = [((0.0, False), default, ((), {})),
+             ((0.0, True), default, ((0.0, True), {})),
+             ((0.0, False), 0.5, ((), {"scale": 0.5})),
+             ((0.0, False), 8 ** -0.5, ((), {"scale": 8 ** -0.5})),  # one ulp off torch's own: kept
+             ((0, False), default, ((0,), {})),  # an int is not the float default: kept
+             ((None, True, 0.0, False, False), default, ((None, True), {}))]
+    for tail, scale, expected in cases:
+        defaults = (0.0, False, False) if len(tail) == 5 else (0.0, False)
+        bound = toolkit.aten_sdpa_call(op, *tail, defaults=defaults, scale=scale, head_dim=8)
+        assert torch.equal(bound(q, q, q), q * 2)
+        assert seen.pop() == expected, (tail, scale)
+    with pytest.raises(ValueError, match="3 defaults for a tail of 2"):
+        toolkit.aten_sdpa_call(op, 0.0, False, defaults=(0.0, False, False), scale=default, head_dim=8)
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 80])
+@pytest.mark.parametrize("causal", [False, True])
+def test_aten_sdpa_call_computes_what_the_explicit_call_computes(head_dim, causal, rng):
+    kernel = torch._scaled_dot_product_flash_attention_for_cpu
+    q, k, v = (randn(2, 3, 7, head_dim, gen=rng) for _ in range(3))
+    scale = 1.0 / math.sqrt(head_dim)
+    bound = toolkit.aten_sdpa_call(kernel, 0.0, causal, defaults=(0.0, False), scale=scale, head_dim=head_dim)
+    assert torch.equal(bound(q, k, v), kernel(q, k, v, 0.0, causal, scale=scale)[0])  # bit for bit
+    ref = torch.softmax((q.double() @ k.double().transpose(-1, -2) * scale).masked_fill(
+        torch.ones(7, 7, dtype=torch.bool).triu(1) if causal else torch.zeros(7, 7, dtype=torch.bool), -math.inf),
+        dim=-1) @ v.double()
+    torch.testing.assert_close(bound(q, k, v).double(), ref, rtol=1e-5, atol=1e-5)

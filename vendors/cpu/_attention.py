@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch.plugins.toolkit import additive_bias, kernel_call, kv_cache_as_mask, layout_views, shift_rows
+from opdispatch.plugins.toolkit import additive_bias, aten_sdpa_call, kv_cache_as_mask, layout_views, shift_rows
 
 _aten_kernel = torch._scaled_dot_product_flash_attention_for_cpu
 # Its backward has no torch.* binding; the OpOverload is the direct entry (called once per compiled backward).
@@ -53,8 +53,10 @@ class CpuFlashAttention(AttentionImpl):
         if call.layout == "bhsd":
             if call.return_lse:
                 return lambda q, k, v: tuple(kernel(q, k, v, 0.0, causal, scale=scale))
-            # The aten op itself, as one C call where opdispatch's extension is built (_kernel's frame is gone).
-            return kernel_call(_aten_kernel, 0.0, causal, scale=scale, index=0)
+            # The aten op itself, as one C call where opdispatch's extension is built (_kernel's frame is gone),
+            # with default arguments left out (torch's parser charges for each explicit one).
+            return aten_sdpa_call(_aten_kernel, 0.0, causal, defaults=(0.0, False), scale=scale,
+                                  head_dim=call.head_dim)
         to_bhsd, from_bhsd = layout_views(call.layout)  # views that hold nothing of the call
         if call.return_lse:
             def bound_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:

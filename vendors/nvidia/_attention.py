@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, at_least, bind_dense, kernel_call,
+from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, aten_sdpa_call, at_least, bind_dense,
                                         causal_alibi_lse_reason, cumulative_lengths, dense_lse_fix,
                                         empty_rows_to_neg_inf, flash_attn_kv_cache, kernel_window, kv_cache_allowed,
                                         kv_cache_as_mask, kv_cache_reasons, kv_lse_fix, pack_padded_lse, packed_queries,
@@ -179,7 +179,8 @@ class CudnnAttention(AttentionImpl):
             return super().bind(call)
         # Plain dense calls bind the aten op itself: no call object per call (the per-call fast path and plan()).
         kernel, need_lse, causal, scale = _cudnn_sdpa, call.requires_grad, call.causal, call.scale
-        return bind_dense(call, kernel_call(kernel, None, need_lse, 0.0, causal, False, scale=scale, index=0))
+        return bind_dense(call, aten_sdpa_call(kernel, None, need_lse, 0.0, causal, False, defaults=(0.0, False, False),
+                                               scale=scale, head_dim=call.head_dim))
 
     def run(self, call: AttentionCall) -> Any:
         if call.kv_cache:
@@ -343,7 +344,8 @@ class TorchFlashAttention(AttentionImpl):
                 or _needs_padding(call)):
             return super().bind(call)
         kernel, causal, scale = _flash_sdpa, call.causal, call.scale
-        return bind_dense(call, kernel_call(kernel, 0.0, causal, False, scale=scale, index=0))
+        return bind_dense(call, aten_sdpa_call(kernel, 0.0, causal, False, defaults=(0.0, False, False), scale=scale,
+                                               head_dim=call.head_dim))
 
     def run(self, call: AttentionCall) -> Any:
         if _needs_padding(call):
