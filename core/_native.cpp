@@ -369,16 +369,32 @@ struct Door {
     return keyed;
   }
 
-  // One argument's words (slot i holding v); str values also go to key.equal.
+  // One argument's words (slot i holding v); str values also go to key.equal. The required tensors inline, the
+  // rest out of line (a compact hot path stays in fewer cache lines).
   __attribute__((always_inline)) bool slot_words(Cursor& w, const uint64_t* end, Key& key, Py_ssize_t i,
                                                  PyObject* v, bool& any_grad) const {
     const SlotSpec spec = specs[i];
-    if (spec.kind != kTensor && spec.kind != kStrided && end - w < 3) return false;  // other kinds: 3 at most
+    if (spec.kind == kTensor || spec.kind == kStrided) {
+      return is_tensor(v, spec.exact) &&
+             tensor_words(w, end, v, spec.kind == kStrided, false, spec.grad ? &any_grad : nullptr);
+    }
+    Cursor next = value_words(w, end, key, i, v, any_grad);
+    if (next == nullptr) return false;
+    w = next;
+    return true;
+  }
+
+  // The cursor after the words of a non-tensor kind, or nullptr (by value: a cursor passed by reference to a call
+  // would live in memory through the whole key).
+  __attribute__((noinline)) Cursor value_words(Cursor w, const uint64_t* end, Key& key, Py_ssize_t i, PyObject* v,
+                                               bool& any_grad) const {
+    return value_words_into(w, end, key, i, v, any_grad) ? w : nullptr;
+  }
+
+  bool value_words_into(Cursor& w, const uint64_t* end, Key& key, Py_ssize_t i, PyObject* v, bool& any_grad) const {
+    const SlotSpec spec = specs[i];
+    if (end - w < 3) return false;  // these kinds write 3 words at most (tensors and tuples check their own)
     switch (spec.kind) {
-      case kTensor:
-      case kStrided:
-        return is_tensor(v, spec.exact) &&
-               tensor_words(w, end, v, spec.kind == kStrided, false, spec.grad ? &any_grad : nullptr);
       case kOptTensor: {
         if (v == Py_None) {
           *w++ = 0;
@@ -714,7 +730,10 @@ bool compiling(Door* d) {
   return d->compiling;
 }
 
-PyObject* pass_to_python(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+// What is not a hit stays out of the hot path's cache lines (a kernel evicts them between calls): cold, not inlined.
+#define OPDISPATCH_COLD __attribute__((noinline, cold))
+
+OPDISPATCH_COLD PyObject* pass_to_python(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   ++d->passes;
   return PyObject_Vectorcall(d->python, args, nargs, kwnames);
 }
@@ -723,7 +742,7 @@ PyObject* pass_to_python(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObj
 // from the manager's dict under the key the Python path used — from a signature's second call on (`known`: an
 // entry exists, or the key was seen once): reading the key back costs a Python call, which a signature seen once
 // (a decode loop over a growing cache: a new shape every step) would pay for nothing.
-PyObject* miss(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, PyObject** slots,
+OPDISPATCH_COLD PyObject* miss(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames, PyObject** slots,
                const Key& key, uint64_t h, bool known) {
   ++d->misses;
   PyObject* out = PyObject_Vectorcall(d->python, args, nargs, kwnames);
@@ -759,7 +778,40 @@ PyObject* miss(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnam
   return out;
 }
 
-PyObject* hit(Door* d, Entry* e, PyObject* manager, PyObject** slots, bool optional_given) {
+// As the Python path's `except Exception as exc: return failed(manager, key, fn, exc, *arguments)`.
+OPDISPATCH_COLD PyObject* kernel_failed(Door* d, PyObject* manager, PyObject* pykey, PyObject* fn, PyObject** slots) {
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyErr_NormalizeException(&type, &value, &traceback);
+  if (traceback != nullptr) PyException_SetTraceback(value, traceback);
+  PyObject* previous = PyErr_GetHandledException();
+  PyErr_SetHandledException(value);
+  PyObject* failed_args[4 + kMaxArgs] = {manager, pykey, fn, value};
+  for (Py_ssize_t i = 0; i < d->n; ++i) failed_args[4 + i] = slots[i];
+  PyObject* out = PyObject_Vectorcall(d->failed, failed_args, 4 + d->n, nullptr);
+  PyErr_SetHandledException(previous);
+  Py_XDECREF(previous);
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(traceback);
+  return out;
+}
+
+// `out` reshaped by the door's result function when its result argument is true (return_attn_probs).
+OPDISPATCH_COLD PyObject* shaped_result(Door* d, PyObject* out, PyObject** slots) {
+  int wanted = PyObject_IsTrue(slots[d->result_arg]);
+  if (wanted < 0) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  if (!wanted) return out;
+  PyObject* shaped = PyObject_CallFunctionObjArgs(d->result, out, slots[d->result_arg], nullptr);
+  Py_DECREF(out);
+  return shaped;
+}
+
+__attribute__((always_inline)) inline PyObject* hit(Door* d, Entry* e, PyObject* manager, PyObject** slots,
+                                                    bool optional_given) {
   ++d->hits;
   PyObject* fn = e->fn;
   PyObject* pykey = e->pykey;
@@ -781,40 +833,49 @@ PyObject* hit(Door* d, Entry* e, PyObject* manager, PyObject** slots, bool optio
   PyObject* out = Py_TYPE(fn) == &KernelCallType && count <= kMaxKernelArgs
                       ? kernel_call_invoke(reinterpret_cast<KernelCallObject*>(fn), call, count)
                       : PyObject_Vectorcall(fn, call, count, nullptr);
-  if (out == nullptr && PyErr_ExceptionMatches(PyExc_Exception)) {
-    // As the Python path's `except Exception as exc: return failed(manager, key, fn, exc, *arguments)`.
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyErr_NormalizeException(&type, &value, &traceback);
-    if (traceback != nullptr) PyException_SetTraceback(value, traceback);
-    PyObject* previous = PyErr_GetHandledException();
-    PyErr_SetHandledException(value);
-    PyObject* failed_args[4 + kMaxArgs] = {manager, pykey, fn, value};
-    for (Py_ssize_t i = 0; i < d->n; ++i) failed_args[4 + i] = slots[i];
-    out = PyObject_Vectorcall(d->failed, failed_args, 4 + d->n, nullptr);
-    PyErr_SetHandledException(previous);
-    Py_XDECREF(previous);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(traceback);
+  if (__builtin_expect(out == nullptr, 0) && PyErr_ExceptionMatches(PyExc_Exception)) {
+    out = kernel_failed(d, manager, pykey, fn, slots);
   }
   if (d->flag >= 0) tls_flags[d->flag] = 0;
   Py_DECREF(fn);
   Py_DECREF(pykey);
   Py_DECREF(manager);
-  if (out != nullptr && d->result != nullptr) {
-    int wanted = PyObject_IsTrue(slots[d->result_arg]);
-    if (wanted < 0) {
-      Py_DECREF(out);
-      return nullptr;
+  if (out != nullptr && d->result != nullptr && slots[d->result_arg] != Py_False) out = shaped_result(d, out, slots);
+  return out;
+}
+
+// An entry whose dict changed since it was read (another signature, another front door, a demotion), or none.
+// The entry stands if the Python path would still find this very function under its key — one dict lookup, not a
+// Python call. Hashing the key may run Python code (and let another thread clear the table): hold what is read,
+// check the generation.
+OPDISPATCH_COLD PyObject* stale_or_miss(Door* d, Entry* e, PyObject* const* args, Py_ssize_t nargs,
+                                        PyObject* kwnames, PyObject** slots, const Key& key, uint64_t h,
+                                        bool optional_given) {
+  if (e != nullptr) {
+    const uint64_t generation = d->generation;
+    PyObject *fast = e->fast, *pykey = e->pykey, *fn = e->fn;
+    Py_INCREF(fast);
+    Py_INCREF(pykey);
+    Py_INCREF(fn);
+    PyObject* now = PyDict_GetItemWithError(fast, pykey);  // borrowed
+    if (now == nullptr) PyErr_Clear();
+    const bool current = now == fn && d->generation == generation;
+    if (current) {
+      e->fast_version = dict_version(fast);
+      ++d->revalidated;
+    } else if (d->generation != generation) {
+      e = nullptr;  // gone with the table
     }
-    if (wanted) {
-      PyObject* shaped = PyObject_CallFunctionObjArgs(d->result, out, slots[d->result_arg], nullptr);
-      Py_DECREF(out);
-      out = shaped;
+    Py_DECREF(fast);
+    Py_DECREF(pykey);
+    Py_DECREF(fn);
+    if (current) {
+      d->last = e;
+      return hit(d, e, e->manager, slots, optional_given);
     }
   }
-  return out;
+  if (h == 0) h = key.hash();
+  return miss(d, args, nargs, kwnames, slots, key, h, e != nullptr);
 }
 
 PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
@@ -846,40 +907,13 @@ PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
     h = key.hash();
     e = d->find(key, h);
   }
-  if (e != nullptr) {
-    // The entry's dict is the manager's own until it swaps it (a policy change) or is replaced: both forget
-    // every table (opdispatch._native.forget). Unchanged, it holds the same function under the entry's key.
-    bool current = dict_version(e->fast) == e->fast_version;
-    if (!current) {
-      // The dict changed (another signature, another front door, a demotion): this entry stands if the Python
-      // path would still find this very function under its key — one dict lookup, not a Python call. Hashing the
-      // key may run Python code (and let another thread clear the table): hold what is read, check the generation.
-      const uint64_t generation = d->generation;
-      PyObject *fast = e->fast, *pykey = e->pykey, *fn = e->fn;
-      Py_INCREF(fast);
-      Py_INCREF(pykey);
-      Py_INCREF(fn);
-      PyObject* now = PyDict_GetItemWithError(fast, pykey);  // borrowed
-      if (now == nullptr) PyErr_Clear();
-      current = now == fn && d->generation == generation;
-      if (current) {
-        e->fast_version = dict_version(fast);
-        ++d->revalidated;
-      } else if (d->generation != generation) {
-        e = nullptr;  // gone with the table
-        h = h == 0 ? key.hash() : h;
-      }
-      Py_DECREF(fast);
-      Py_DECREF(pykey);
-      Py_DECREF(fn);
-    }
-    if (current) {
-      d->last = e;
-      return hit(d, e, e->manager, slots, optional_given);
-    }
-    if (h == 0) h = key.hash();
+  // The entry's dict is the manager's own until it swaps it (a policy change) or is replaced: both forget every
+  // table (opdispatch._native.forget). Unchanged, it holds the same function under the entry's key.
+  if (e != nullptr && __builtin_expect(dict_version(e->fast) == e->fast_version, 1)) {
+    d->last = e;
+    return hit(d, e, e->manager, slots, optional_given);
   }
-  return miss(d, args, nargs, kwnames, slots, key, h, e != nullptr);
+  return stale_or_miss(d, e, args, nargs, kwnames, slots, key, h, optional_given);
 }
 
 // -- the door's state object --------------------------------------------------------------------------------------
