@@ -107,18 +107,20 @@ def direct_kernel(impl_id: str, call: Any) -> Callable[[], Any] | None:
         cpu = torch._scaled_dot_product_flash_attention_for_cpu
         if own_scale:
             return (lambda: cpu(q, k, v, 0.0, True)[0]) if causal else (lambda: cpu(q, k, v)[0])
-        return lambda: cpu(q, k, v, 0.0, causal, scale=scale)[0]
+        return (lambda: cpu(q, k, v, 0.0, True, scale=scale)[0]) if causal else (lambda: cpu(q, k, v, scale=scale)[0])
     if impl_id == "nvidia.flash":
         flash = torch._scaled_dot_product_flash_attention
         if own_scale:
             return (lambda: flash(q, k, v, 0.0, True)[0]) if causal else (lambda: flash(q, k, v)[0])
-        return lambda: flash(q, k, v, 0.0, causal, scale=scale)[0]
+        return ((lambda: flash(q, k, v, 0.0, True, scale=scale)[0]) if causal
+                else (lambda: flash(q, k, v, scale=scale)[0]))
     if impl_id == "nvidia.cudnn":
         cudnn, need_lse = torch._scaled_dot_product_cudnn_attention, call.requires_grad
         if own_scale:
             return ((lambda: cudnn(q, k, v, None, need_lse, 0.0, True)[0]) if causal
                     else (lambda: cudnn(q, k, v, None, need_lse)[0]))
-        return lambda: cudnn(q, k, v, None, need_lse, 0.0, causal, scale=scale)[0]
+        return ((lambda: cudnn(q, k, v, None, need_lse, 0.0, True, scale=scale)[0]) if causal
+                else (lambda: cudnn(q, k, v, None, need_lse, scale=scale)[0]))
     return None
 
 
