@@ -91,8 +91,13 @@ def shard_sequence(x: torch.Tensor, *, group: Any = None, sharding: str = "zigza
     length = x.shape[dim]
     if length % pieces:
         raise ValueError(_divisible_error(what, length, sharding, world))
-    chunk = length // pieces
-    return torch.cat([x.narrow(dim, c * chunk, chunk) for c in _chunks(sharding, rank, world)], dim=dim)
+    return torch.cat(_shard_views(x, dim, sharding, rank, world), dim=dim)
+
+
+def _shard_views(x: torch.Tensor, dim: int, sharding: str, rank: int, world: int) -> list[torch.Tensor]:
+    """Views of the chunks of the full sequence `x` (along `dim`) that rank `rank`'s shard holds, in order."""
+    chunk = x.shape[dim] // _pieces(sharding, world)
+    return [x.narrow(dim, c * chunk, chunk) for c in _chunks(sharding, rank, world)]
 
 
 def unshard_sequence(x: torch.Tensor, *, group: Any = None, sharding: str = "zigzag", layout: str = "bshd",
@@ -249,9 +254,7 @@ def _rank_order(x: torch.Tensor, dim: int, sharding: str, world: int) -> torch.T
     """The inverse of `_natural`: a full sequence as the rank-ordered shards an all-gather concatenates."""
     if sharding == "contiguous":
         return x
-    chunk = x.shape[dim] // (2 * world)
-    return torch.cat([x.narrow(dim, c * chunk, chunk) for r in range(world) for c in _chunks(sharding, r, world)],
-                     dim=dim)
+    return torch.cat([view for r in range(world) for view in _shard_views(x, dim, sharding, r, world)], dim=dim)
 
 
 # A block: (query rows of the local shard, key rows of the gathered sequence or None for this rank's own K/V
