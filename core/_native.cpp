@@ -23,6 +23,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <c10/core/GradMode.h>
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
 
 #include <cmath>
 #include <cstddef>
@@ -489,12 +490,17 @@ struct Door {
     }
   }
 
-  // The context's words: torch's determinism flag, ContextVars' values, callables' results (by identity).
+  // The context's words: torch's determinism flag, ContextVars' values, callables' results (by identity); the
+  // "autocast" marker keys nothing and hands the call to Python while autocast is on.
   bool context_words(Key& key) const {
     for (PyObject* c : context) {
       PyObject* value = nullptr;
       if (c == Py_None) {  // torch's determinism flag, read where torch keeps it (a Python call costs ~0.1 µs)
         if (!key.push(10 + at::globalContext().deterministicAlgorithms())) return false;
+        continue;
+      }
+      if (PyUnicode_CheckExact(c)) {  // "autocast": while torch.autocast is on, the Python door casts as torch does
+        if (at::autocast::is_autocast_enabled(at::kCPU) || at::autocast::is_autocast_enabled(at::kCUDA)) return false;
         continue;
       }
       if (PyContextVar_CheckExact(c)) {

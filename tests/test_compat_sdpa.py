@@ -499,3 +499,73 @@ def test_the_upstream_runner_routes_counts_and_reports_what_fails_only_routed(tm
     assert "| plain | 2 | 0 | 1 | 0 |" in text and "| routed | 1 | 1 | 1 | 0 |" in text
     assert "Routed run: 2 calls answered by opdispatch (the drop-in, not torch's function) in 1 tests" in text
     assert "## Pass plain, fail routed: 1" in text and "test_asserts_torchs_own_function" in text
+
+
+# -- edges where the drop-in must behave as torch's function does (types of errors, NaN, autocast) ------------
+
+_Q, _K, _V = rand(2, 3, 5, 8, gen=torch.Generator().manual_seed(7)), rand(2, 3, 6, 8), rand(2, 3, 6, 8)
+_MASK_1D = rand(6)
+
+EDGE_CALLS = {
+    "query None": lambda f: f(None, _K, _V),
+    "key None": lambda f: f(_Q, None, _V),
+    "value an int": lambda f: f(_Q, _K, 1),
+    "0-D query": lambda f: f(torch.tensor(1.0), _K, _V),
+    "1-D query": lambda f: f(torch.ones(8), _K, _V),
+    "scale inf": lambda f: f(_Q, _K, _V, scale=math.inf),
+    "scale -inf": lambda f: f(_Q, _K, _V, scale=-math.inf),
+    "scale nan": lambda f: f(_Q, _K, _V, scale=math.nan),
+    "scale 0": lambda f: f(_Q, _K, _V, scale=0.0),
+    "scale negative": lambda f: f(_Q, _K, _V, scale=-1.5),
+    "scale above 2**20": lambda f: f(_Q, _K, _V, scale=2.0**21),
+    "1-D bool mask, 4-D inputs": lambda f: f(_Q, _K, _V, attn_mask=torch.ones(6, dtype=torch.bool)),
+    "1-D float mask, 4-D inputs": lambda f: f(_Q, _K, _V, attn_mask=torch.zeros(6)),
+    "0-D mask": lambda f: f(_Q, _K, _V, attn_mask=torch.tensor(0.0)),
+    "1-D float mask, 2-D inputs": lambda f: f(_Q[0, 0], _K[0, 0], _V[0, 0], attn_mask=_MASK_1D),
+}
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after a valid call"])
+@pytest.mark.parametrize("name", list(EDGE_CALLS))
+def test_edge_calls_behave_as_torchs_function(name, warm):
+    """The same exception type (and torch's message where torch raises first), or the same values bit for bit,
+    NaN where torch gives NaN — also when the valid call of the same tensors warmed the fast path."""
+    if warm:
+        scaled_dot_product_attention(_Q, _K, _V)
+    call = EDGE_CALLS[name]
+    try:
+        want = call(torch_sdpa)
+    except Exception as exc:  # noqa: BLE001 - the type is what is compared
+        with pytest.raises(type(exc)):
+            call(scaled_dot_product_attention)
+        return
+    got = call(scaled_dot_product_attention)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inputs", ["float32", "float16", "float64"])
+def test_autocast_output_dtype_and_values_as_torch(dtype, inputs):
+    """Under torch.autocast torch's SDPA is a lower-precision op: float inputs (and a float mask) other than float64
+    are cast to the autocast dtype. The drop-in returns that dtype and torch's values, also after the same
+    signature took the compiled door outside autocast, and plain calls afterwards are float32 again."""
+    in_dtype = getattr(torch, inputs)
+    q, k, v = (t.to(in_dtype) for t in (_Q, _K, _V))
+    mask = torch.randn(5, 6)
+    for _ in range(2):
+        scaled_dot_product_attention(q, k, v)  # a hit of the fast path from the second call on
+    with torch.autocast("cpu", dtype=dtype):
+        for attn_mask in (None, mask, mask > 0):
+            try:
+                want = torch_sdpa(q, k, v, attn_mask=attn_mask)
+            except RuntimeError:  # float64 inputs with a float mask cast to the autocast dtype: torch refuses
+                with pytest.raises(RuntimeError):
+                    scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+                continue
+            for _ in range(2):
+                got = scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+                assert got.dtype == want.dtype
+                torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    assert scaled_dot_product_attention(q, k, v).dtype == in_dtype

@@ -63,6 +63,15 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     """``torch.nn.functional.scaled_dot_product_attention``, computed by the implementation the policy picks."""
     if _state.active:  # an implementation calling it while the program is routed: torch's
         return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+        if not all(isinstance(t, Tensor) for t in (query, key, value)):  # None, a number: torch's TypeError
+            return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    elif _autocasting(query):
+        return _autocast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if (scale is not None and not math.isfinite(scale)) or (isinstance(attn_mask, Tensor) and attn_mask.dim() < 2):
+        # A NaN or infinite scale, a 0-D or 1-D mask: what torch gives depends on the backend it picks (NaN, an
+        # IndexError, or a broadcast on its math backend), so torch computes or refuses them itself.
+        return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     # The per-call fast path: a maskless, dropout-free call of plain tensors whose signature was seen calls the
     # kernel bound to it, as opdispatch.attention's own front door does (same manager cache: a policy swap or a
     # demotion forgets it there too). Everything the checks below read is in the key.
@@ -79,8 +88,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
             fn = manager.fast[fast_key]
         except KeyError:
             pass  # the first call of this signature: remembered below if it takes the common path
-        except (TypeError, RuntimeError):
-            fast_key = None  # an unhashable override or scale: the paths below check everything
+        except (TypeError, RuntimeError, IndexError):
+            fast_key = None  # an unhashable override or scale, a 0-D tensor: the paths below check everything
         else:
             _state.active = 1
             try:
@@ -116,6 +125,28 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         except (ValueError, TypeError):
             pass  # the general path says what is wrong, as torch would, or computes what the op cannot take
     return _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _autocasting(query: Tensor) -> bool:
+    device = query.device.type
+    return torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+
+
+def _autocast(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
+              is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor:
+    """The call under ``torch.autocast``, as torch's autocast runs its SDPA (a lower-precision op on every device
+    that casts it): floating tensors other than float64 — the float mask too — cast to the autocast dtype, then the
+    call itself with autocast off (an implementation's own matmuls must not be cast again)."""
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t: Any) -> Any:
+        eligible = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if eligible and t.dtype != dtype else t
+
+    with torch.autocast(device, enabled=False):
+        return scaled_dot_product_attention(cast(query), cast(key), cast(value), cast(attn_mask), dropout_p,
+                                            is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 def _general(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
@@ -313,7 +344,7 @@ def _fast_key(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, 
                 is_causal.__class__, scale, scale.__class__, enable_gqa, dropout_p.__class__,
                 _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad), _overrides(),
                 _module(), _deterministic())
-    except (TypeError, RuntimeError):
+    except (TypeError, RuntimeError, IndexError):
         return None
 
 
@@ -331,8 +362,8 @@ scaled_dot_product_attention = _native.compiled_front_door(
     names=("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), n_positional=6,
     defaults=(REQUIRED, REQUIRED, REQUIRED, None, 0.0, False, None, False),
     kinds=("strided", "strided", "strided", "bypass", "zero", "value", "value", "value"), key_of=_fast_key,
-    failed=_failed_hit, bound=("query", "key", "value"), context=_native.context_sources(_overrides, _module,
-                                                                                          _deterministic),
+    failed=_failed_hit, bound=("query", "key", "value"),
+    context=_native.context_sources(_overrides, _module, _deterministic, _native.AUTOCAST),
     exact=("query", "key", "value"), flag=_state)
 
 
