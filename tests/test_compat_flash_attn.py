@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import math
 
+import numpy
 import pytest
 import torch
 
@@ -356,3 +357,31 @@ def test_kvcache_refuses_what_it_does_not_support(basic_manager):
         fa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=torch.tensor([4], dtype=torch.int32))
     with pytest.raises(ValueError, match="pass k and v together"):
         fa.flash_attn_with_kvcache(q, cache, cache, k=torch.randn(1, 1, 2, 16), cache_seqlens=3)
+
+
+@pytest.mark.parametrize("window_size", [(1.5, 0), (2, 0.0), (torch.tensor(2.0), 0), (True, 0), ("2", 0), (2,),
+                                         (2, 0, 1), 3, (torch.tensor([1, 2]), 0)],
+                         ids=["float left", "float right", "float tensor", "bool", "str", "one bound", "three",
+                              "an int", "two-element tensor"])
+def test_window_size_must_be_two_integers(window_size):
+    """flash-attn's kernels take int window bounds: 1.5 must not silently become 1 — a TypeError naming the
+    argument, in every form, before anything is computed or written (with_kvcache's append included)."""
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(TypeError, match="window_size"):
+        fa.flash_attn_func(q, q, q, window_size=window_size)
+    k_cache = torch.zeros(1, 8, 2, 8)
+    before = k_cache.clone()
+    with pytest.raises(TypeError, match="window_size"):
+        fa.flash_attn_with_kvcache(q[:, :1], k_cache, k_cache.clone(), k=q[:, :1], v=q[:, :1],
+                                           cache_seqlens=torch.tensor([3], dtype=torch.int32),
+                                           window_size=window_size)
+    assert torch.equal(k_cache, before)
+
+
+@pytest.mark.parametrize("window_size", [(2, 0), (numpy.int64(2), numpy.int32(0)),
+                                         (torch.tensor(2), torch.tensor(0, dtype=torch.int32))])
+def test_window_size_integer_forms_accepted(window_size):
+    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64) for _ in range(3))
+    got = fa.flash_attn_func(q, k, v, window_size=window_size)
+    want, _ = oracle(q, k, v, window=(2, 0))
+    torch.testing.assert_close(got, want.to(got.dtype))

@@ -22,6 +22,7 @@ to start at 0 (one copy of the cache per call). ``num_splits`` is a flash-attn s
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -38,9 +39,40 @@ __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
 
 
+def _window_bounds(window_size: Any) -> tuple[int, int]:
+    """flash-attn's (left, right) as two ints: each an integer (a Python or NumPy int, or a one-element integer
+    tensor); anything else raises — flash-attn's kernels take ints, and 1.5 must not silently become 1."""
+    try:
+        pair = tuple(window_size)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}; -1 means unbounded, "
+                        "e.g. window_size=(256, 0)")
+    bounds = []
+    for side, w in zip(("left", "right"), pair):
+        if isinstance(w, Tensor) and w.numel() == 1 and not w.is_floating_point() and not w.is_complex() \
+                and w.dtype != torch.bool:
+            bounds.append(int(w))
+            continue
+        if isinstance(w, bool) or isinstance(w, Tensor):
+            index = None
+        else:
+            try:
+                index = operator.index(w)
+            except TypeError:
+                index = None
+        if index is None:
+            raise TypeError(f"window_size[{side}] must be an int (or a one-element integer tensor), got "
+                            f"{w!r} ({type(w).__name__}{' ' + str(w.dtype) if isinstance(w, Tensor) else ''}); "
+                            "pass whole numbers of keys, -1 for unbounded")
+        bounds.append(index)
+    return bounds[0], bounds[1]
+
+
 def _window(window_size: Any, causal: bool) -> tuple[int, int] | None:
     """flash-attn's (left, right) — ints or 0-d tensors, -1 unbounded — as opdispatch's window (None: none)."""
-    left, right = (int(w) for w in window_size)
+    left, right = _window_bounds(window_size)
     if causal:
         right = 0  # flash-attn: causal means no key to the right of the diagonal, whatever right says
     if left < 0 and right < 0:
@@ -277,6 +309,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
     paged (num_blocks, block_size, heads_k, dim); k/v (batch, seqlen_new, heads_k, dim) appended in place."""
     del num_splits  # flash-attn's split-KV scheduling: the chosen kernel schedules itself
     _check_kvcache(q, k_cache, block_table, cache_batch_idx, cache_leftpad)
+    _window_bounds(window_size)  # a malformed window is refused before anything is written
     batch, device = q.shape[0], q.device
     if cache_seqlens is None:
         capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
@@ -319,7 +352,7 @@ def _drop_leftpad(k_cache: Tensor, v_cache: Tensor, lens: Tensor, leftpad: Tenso
 def _is_local(window_size: Any, causal: bool, capacity: int) -> bool:
     """Whether flash-attn's kernel masks causally or by a window, which puts each query's rotary at its own
     position: it first drops window bounds of `capacity` (the cache's length) or more, as no key is that far."""
-    left, right = (int(w) for w in window_size)
+    left, right = _window_bounds(window_size)
     if causal:
         right = 0
     return 0 <= left < capacity or 0 <= right < capacity
