@@ -319,6 +319,187 @@ def plugin_faults() -> list[tuple[str, str]]:
     return rows
 
 
+# -- hostile KV-cache indices (flash_attn_with_kvcache: dense, paged, cache_batch_idx, cache_leftpad) ----------
+
+def _kv_hostile_cases() -> list[tuple[str, dict[str, Any]]]:
+    """(name, the call's hostile arguments) over every index argument: negative, past the cache, wrapping int64,
+    float and bool, an append that overflows."""
+    i32 = torch.int32
+    cases: list[tuple[str, dict[str, Any]]] = []
+    for name, lens in (("negative", [-1, 2]), ("past capacity", [3, 17]), ("int64 2**32+5", [2**32 + 5, 1]),
+                       ("int64 -2**32", [-2**32, 1]), ("at capacity with an append", [16, 1]),
+                       ("append overflows by one", [15, 0])):
+        dtype = torch.int64 if "int64" in name else i32
+        for form in ("dense", "paged"):
+            cases.append((f"cache_seqlens {name} ({form})", {"cache_seqlens": torch.tensor(lens, dtype=dtype),
+                                                              "paged": form == "paged", "append": 2
+                                                              if "overflows" in name else 1}))
+    cases += [("cache_seqlens float", {"cache_seqlens": torch.tensor([1.0, 2.0])}),
+              ("cache_seqlens bool", {"cache_seqlens": torch.tensor([True, False])}),
+              ("cache_seqlens python float", {"cache_seqlens": 1.5}),
+              ("cache_seqlens python negative int", {"cache_seqlens": -3})]
+    for name, rows in (("negative", [-1, 0]), ("past the rows", [0, 3]), ("int64 2**32+1", [2**32 + 1, 0]),
+                       ("float", [0.0, 1.0]), ("bool", [True, False])):
+        dtype = torch.float32 if name == "float" else torch.bool if name == "bool" else \
+            torch.int64 if "int64" in name else i32
+        cases.append((f"cache_batch_idx {name}", {"cache_batch_idx": torch.tensor(rows, dtype=dtype)}))
+    for name, pages in (("negative page", [[0, -1], [2, 3]]), ("page past the pool", [[0, 1], [2, 99]]),
+                        ("int64 page 2**32", [[0, 2**32], [2, 3]]), ("float table", [[0.0, 1.0], [2.0, 3.0]])):
+        dtype = torch.float32 if "float" in name else torch.int64 if "int64" in name else i32
+        cases.append((f"block_table {name}", {"paged": True, "block_table": torch.tensor(pages, dtype=dtype),
+                                             "cache_seqlens": torch.tensor([9, 3], dtype=i32)}))
+    for name, pad in (("negative", [-2, 0]), ("past the end", [5, 0]), ("float", [0.0, 1.0])):
+        dtype = torch.float32 if name == "float" else i32
+        cases.append((f"cache_leftpad {name}", {"cache_leftpad": torch.tensor(pad, dtype=dtype),
+                                               "cache_seqlens": torch.tensor([4, 3], dtype=i32)}))
+    return cases
+
+
+def kv_cache_indices() -> tuple[list[str], dict[str, int]]:
+    """Each hostile index through `compat.flash_attn.flash_attn_with_kvcache`, with new keys appended: a clear
+    error (naming the argument) with the caches bit-identical to before, a partial write (raised after writing),
+    or wrong-silent (returned normally)."""
+    from opdispatch.compat import flash_attn as fa
+
+    counts = {"tried": 0, "clear error, nothing written": 0, "other error, nothing written": 0,
+              "partial write": 0, "wrong-silent": 0}
+    notes: list[str] = []
+    gen = torch.Generator().manual_seed(0)
+    for name, case in _kv_hostile_cases():
+        case = dict(case)
+        paged, append = case.pop("paged", False), case.pop("append", 1)
+        if paged:  # 2 sequences x 2 pages of 8 keys in a pool of 4 pages
+            k_cache, v_cache = (torch.randn(4, 8, 2, 8, generator=gen) for _ in range(2))
+            case.setdefault("block_table", torch.tensor([[0, 1], [2, 3]], dtype=torch.int32))
+        else:  # 2 sequences of 16 keys (3 rows when cache_batch_idx picks them)
+            rows = 3 if "cache_batch_idx" in case else 2
+            k_cache, v_cache = (torch.randn(rows, 16, 2, 8, generator=gen) for _ in range(2))
+        case.setdefault("cache_seqlens", torch.tensor([4, 3], dtype=torch.int32))
+        q = torch.randn(2, 1, 4, 8, generator=gen)
+        k_new, v_new = (torch.randn(2, append, 2, 8, generator=gen) for _ in range(2))
+        before = (k_cache.clone(), v_cache.clone())
+        counts["tried"] += 1
+        try:
+            fa.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, causal=True, **case)
+        except Exception as exc:
+            untouched = torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+            argument = next((a for a in ("cache_seqlens", "cache_batch_idx", "block_table", "cache_leftpad")
+                             if a in case and a in str(exc)), None)
+            if not untouched:
+                counts["partial write"] += 1
+                notes.append(f"{name}: raised {type(exc).__name__} after writing into the cache")
+            elif argument is not None or ("append" in str(exc) or "overflow" in str(exc)):
+                counts["clear error, nothing written"] += 1
+            else:
+                counts["other error, nothing written"] += 1
+                notes.append(f"{name}: {type(exc).__name__}: {str(exc)[:120]}")
+        else:
+            counts["wrong-silent"] += 1
+            notes.append(f"{name}: accepted")
+    return notes, counts
+
+
+# -- quarantine files that are not what they should be ---------------------------------------------------------
+
+def quarantine_files() -> list[tuple[str, str]]:
+    """OPDISPATCH_QUARANTINE pointing at a malformed file, a FIFO, a directory, binary data…: a call still
+    dispatches (in a fresh process, given 60 s) and a WARNING names the file; never a hang or an error."""
+    import subprocess
+
+    probe = ("import torch, opdispatch; q = torch.randn(1, 4, 2, 8); "
+             "out = opdispatch.attention(q, q, q, causal=True); print('DISPATCHED', tuple(out.shape))")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        def write(name: str, data: bytes) -> str:
+            path = Path(tmp) / name
+            path.write_bytes(data)
+            return str(path)
+
+        fifo = Path(tmp) / "fifo.yaml"
+        os.mkfifo(fifo)
+        (Path(tmp) / "dir.yaml").mkdir()
+        targets = {
+            "a FIFO": str(fifo),
+            "a directory": str(Path(tmp) / "dir.yaml"),
+            "YAML syntax error": write("syntax.yaml", b"version: 1\nops: {attention: [\n"),
+            "schema error (deny is a string)": write("schema.yaml", b"version: 1\nextends: none\nops:\n  attention:\n"
+                                                     b"    rules:\n      - name: q\n        deny: cpu.flash\n"),
+            "binary data": write("binary.yaml", bytes(range(256)) * 4),
+            "empty file": write("empty.yaml", b""),
+            "a rule for an unknown implementation": write(
+                "unknown.yaml", b"version: 1\nextends: none\nops:\n  attention:\n    rules:\n      - name: q\n"
+                b"        deny: [nobody.kernel]\n        reason: test\n"),
+        }
+        for what, path in targets.items():
+            env = {**os.environ, "OPDISPATCH_QUARANTINE": path}
+            try:
+                done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                                      timeout=60, cwd=tmp)
+            except subprocess.TimeoutExpired:
+                rows.append((what, "HUNG (no dispatch in 60 s)"))
+                continue
+            warned = [line for line in done.stderr.splitlines() if "WARNING" in line.upper() and path in line]
+            if done.returncode != 0 or "DISPATCHED" not in done.stdout:
+                tail = (done.stderr.strip().splitlines() or ["?"])[-1][:110]
+                rows.append((what, f"STOPPED DISPATCH: {tail}"))
+            else:
+                rows.append((what, "dispatched" + (f"; warning: {warned[0].strip()[:110]}" if warned else
+                                                   "; no warning")))
+    return rows
+
+
+# -- the breaker's scope: one failing signature does not demote a whole class ----------------------------------
+
+def breaker_scope() -> list[tuple[str, str]]:
+    """A kernel that fails at one sequence length only: which calls still reach it after the failure."""
+    from typing import ClassVar
+
+    from opdispatch import AttentionCaps, AttentionImpl
+    from opdispatch.policies import parse_policy
+
+    class FailsAt(AttentionImpl):
+        vendor: ClassVar[str] = "flaky"
+        name: ClassVar[str] = "kernel"
+        caps: ClassVar[AttentionCaps] = AttentionCaps(
+            dtypes=frozenset({torch.float32}), gqa=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}),
+            causal=True, causal_alignments=frozenset({"top_left"}))
+        failing: ClassVar[set[int]] = set()
+        ran: ClassVar[list[int]] = []
+
+        def run(self, call: Any) -> Any:
+            if call.seqlen_q in self.failing:
+                raise RuntimeError(f"kernel fault at seqlen {call.seqlen_q}")
+            self.ran.append(call.seqlen_q)
+            return torch.nn.functional.scaled_dot_product_attention(call.bhsd(call.q), call.bhsd(call.k),
+                                                                    call.bhsd(call.v), is_causal=call.causal)
+
+    manager = opdispatch.OpManager()
+    previous = opdispatch.set_manager(manager)
+    rows = []
+    try:
+        manager.register_impl(FailsAt())
+        manager.set_policy(parse_policy("ops: {attention: {order: [flaky.kernel, cpu.flash]}}", "<p>"))
+
+        def call(n: int) -> str:
+            FailsAt.ran.clear()
+            q = torch.randn(1, 4, n, 8).transpose(1, 2)
+            want = torch.nn.functional.scaled_dot_product_attention(*(q.transpose(1, 2),) * 3, is_causal=True)
+            out = opdispatch.attention(q, q, q, causal=True)
+            right = torch.allclose(out.transpose(1, 2), want, atol=1e-5)
+            return ("flaky.kernel" if FailsAt.ran else "the next candidate") + ("" if right else " (WRONG result)")
+
+        FailsAt.failing = {7}
+        rows.append(("seqlen 7 fails (first failure)", call(7)))
+        rows.append(("seqlen 9, same class, after it", call(9)))
+        rows.append(("seqlen 7 again", call(7)))
+        FailsAt.failing = {7, 11}
+        rows.append(("seqlen 11 fails (a second distinct signature)", call(11)))
+        rows.append(("seqlen 9 after failures on two signatures", call(9)))
+    finally:
+        opdispatch.set_manager(previous)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=150, help="valid-but-unusual cases drawn")
@@ -349,6 +530,20 @@ def main() -> None:
     lines += ["", f"Survived: {survived} of {len(plugin_rows)}.", "",
               "Kernels that abort, hang or return wrong results under `opdispatch validate`: "
               "tests/test_validate.py (each costs one case; the rest run in a fresh worker).", ""]
+    notes, counts = kv_cache_indices()
+    lines += ["## Hostile KV-cache indices (flash_attn_with_kvcache, an append each; caches compared bit for bit)", "",
+              "| " + " | ".join(counts) + " |", "|" + "--:|" * len(counts),
+              "| " + " | ".join(str(v) for v in counts.values()) + " |", ""]
+    lines += [f"- {n}" for n in notes[:30]] + ([""] if notes else [])
+    rows2 = quarantine_files()
+    lines += ["## Quarantine files (OPDISPATCH_QUARANTINE; a fresh process makes one call)", "",
+              "| the file | what happened |", "|---|---|"] + [f"| {w} | {r} |" for w, r in rows2]
+    ok = sum(1 for _, r in rows2 if r.startswith("dispatched"))
+    lines += ["", f"Dispatch went on: {ok} of {len(rows2)}.", ""]
+    rows3 = breaker_scope()
+    lines += ["## The breaker's scope (a kernel failing at one sequence length, cpu.flash next)", "",
+              "| call | served by |", "|---|---|"] + [f"| {w} | {r} |" for w, r in rows3]
+    lines += [""]
     text = "\n".join(lines)
     print(text)
     if args.out:
