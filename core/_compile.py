@@ -493,11 +493,16 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     # out and lse only when the implementation's backward reads them (save_lse); else nothing beyond the inputs.
     ctx.save_for_backward(*tensors, *((out, lse) if inputs[-1] else ()))
     ctx.scalars = inputs[len(_TENSOR_ARGS):]
+    # An output no loss reached comes as None, not zeros: an unused LSE costs the backward nothing.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple[Any, ...]:
     saved = ctx.saved_tensors
     tensors = saved[:len(_TENSOR_ARGS)]
+    if grad_out is None:  # only the LSE reached the loss
+        q, v = tensors[0], tensors[2]
+        grad_out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     out, lse = saved[len(_TENSOR_ARGS):] or (grad_out.new_empty((0,)), grad_out.new_empty((0,)))
     bias_grad = bool(ctx.needs_input_grad[_BIAS])
     dq, dk, dv, dbias = torch.ops.opdispatch.attention_backward(grad_out, grad_lse, out, lse, *tensors,
