@@ -76,7 +76,9 @@ def _name_on_first_sight(module: torch.nn.Module) -> None:
 
 def _refuse(module: torch.nn.Module, argument: str, value: Any, why: str) -> ValueError:
     where = getattr(module, "_opdispatch_name", None) or type(module).__name__
-    return ValueError(f"attn_implementation='opdispatch' ({where}): keyword argument {argument}={value!r:.60} "
+    shown = (f"<{value.dtype} tensor of shape {tuple(value.shape)}>" if isinstance(value, Tensor)
+             else f"{value!r:.60}")
+    return ValueError(f"attn_implementation='opdispatch' ({where}): keyword argument {argument}={shown} "
                       f"{why}; use attn_implementation='eager' (or 'sdpa') for this model")
 
 
