@@ -60,7 +60,7 @@ class _LseGradient(torch.autograd.Function):
     """Identity on the LSE whose backward gives q and k the LSE's gradient (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx: Any, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 probabilities_times: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                 scale: float, layout: str) -> torch.Tensor:
         ctx.save_for_backward(q, k)
@@ -68,7 +68,7 @@ class _LseGradient(torch.autograd.Function):
         return lse.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad_lse: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_lse: torch.Tensor) -> tuple[Any, ...]:
         q, k = ctx.saved_tensors
         weight = out_rows(grad_lse * ctx.scale, ctx.layout)
         with torch.enable_grad():
@@ -100,7 +100,8 @@ def exact_lse(impl: Any, call: AttentionCall, lse: torch.Tensor) -> torch.Tensor
         result: torch.Tensor = impl.run(impl.conform(template.with_tensors(q_, k_, v_)))
         return result
 
-    out: torch.Tensor = _LseGradient.apply(lse, q, k, probabilities_times, call.scale, call.layout)
+    out: torch.Tensor = _LseGradient.apply(  # type: ignore[no-untyped-call]
+        lse, q, k, probabilities_times, call.scale, call.layout)
     return out
 
 

@@ -184,7 +184,7 @@ def _packed(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     out = attention(q, k, v, layout="thd", cu_seqlens_q=varlen["cu_seq_lens_q"].to(torch.int32),
                     cu_seqlens_k=varlen["cu_seq_lens_k"].to(torch.int32), max_seqlen_q=_int(varlen.get("max_length_q")),
                     max_seqlen_k=_int(varlen.get("max_length_k")), **options)
-    return out.unsqueeze(0)  # (t, h, d) -> (1, t, h, d)
+    return out.unsqueeze(0)  # type: ignore[no-any-return]  # (t, h, d) -> (1, t, h, d)
 
 
 def _int(value: Any) -> int | None:
