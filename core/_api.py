@@ -19,6 +19,7 @@ from ._graphs import is_capturing, raise_if_capturing
 from ._manager import OpManager
 from . import _native
 from ._ops import op_spec
+from ._sinks import run_with_sinks
 from ._state import bounded_put
 from .policies._overrides import MODULE, OVERRIDES
 
@@ -102,6 +103,8 @@ def _attention_slow(manager: OpManager, key: Any, *args: Any) -> Any:
                               varlen_same=known_same)
     if varlen_key is not None and known_same is None:
         bounded_put(checked, varlen_key, call.cu_seqlens_k is call.cu_seqlens_q)
+    if call.sinks is not None:  # never a fast-path key (sinks bypass it): the shared epilogue over the choice
+        return run_with_sinks(manager, call, impl)
     if key is None:
         return manager.call("attention", call, impl=impl)
     return _run_and_remember(manager, "attention", key, call, impl, ATTENTION_ARGS.bound_tensors(arguments))
@@ -146,7 +149,22 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | None 
     them; `opdispatch.Attention` re-plans when they change). ``fn.decision`` is the Decision.
     """
     call = validate_attention(q, k, v, module=_module(), **kwargs)
-    return get_manager().bind("attention", call, impl=impl)  # type: ignore[no-any-return]
+    manager = get_manager()
+    if call.sinks is not None:
+        return _plan_with_sinks(manager, call, impl)
+    return manager.bind("attention", call, impl=impl)  # type: ignore[no-any-return]
+
+
+def _plan_with_sinks(manager: OpManager, call: Any, impl: str | None) -> Callable[..., Any]:
+    """A plan for a call with sinks: the shared epilogue over the decided implementation, per call (it keeps the
+    sinks tensor — a parameter — and no q/k/v)."""
+    template = call.stripped()
+
+    def with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        return run_with_sinks(manager, template.with_tensors(q, k, v), impl)
+
+    with_sinks.decision = manager.resolve("attention", call, impl=impl)  # type: ignore[attr-defined]
+    return with_sinks
 
 
 plan.__signature__ = ATTENTION_ARGS.signature(  # type: ignore[attr-defined]
@@ -160,6 +178,8 @@ def plan_op(op: str, *args: Any, **kwargs: Any) -> Callable[..., Any]:
     positions, seqlen_offsets, cu_seqlens)``), with no lookup per call. Later tensors must keep the signature
     (shapes, dtypes, devices). ``fn.decision`` is the Decision."""
     arguments, validator = _definition(op, "plan_op")
+    if op == "attention":  # its plan knows the call forms bind() alone does not (sinks)
+        return plan(*args, **kwargs)
     given = arguments.bind(args, kwargs, f"plan_op({op!r}, ...)")
     impl = given.pop("impl")
     call = validator(**given, module=_module())

@@ -65,6 +65,9 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("alibi_slopes", "torch.Tensor | None", None, key="bypass", doc="(heads,) or (batch, heads) ALiBi slopes"),
     Arg("attn_mask", "torch.Tensor | None", None, key="bypass", doc="bool, True = attend; broadcast to scores"),
     Arg("attn_bias", "torch.Tensor | None", None, key="bypass", doc="float bias added to the scores"),
+    Arg("sinks", "torch.Tensor | None", None, key="bypass",
+        doc="float32 (heads_q,) attention-sink logits: each row's softmax gains a virtual key of that score and a "
+            "zero value (`out * sigmoid(lse - sink)`; the LSE includes it); differentiable"),
     Arg("cu_seqlens_q", "torch.Tensor | None", None, key="bypass", doc="int32 (batch + 1,) offsets for `thd`"),
     Arg("cu_seqlens_k", "torch.Tensor | None", None, key="bypass", doc="int32 (batch + 1,) offsets for `thd`"),
     Arg("max_seqlen_q", "int | None", None, doc="longest query sequence of a `thd` call"),
@@ -107,6 +110,7 @@ class AttentionCall:
     alibi_slopes: torch.Tensor | None
     attn_mask: torch.Tensor | None
     attn_bias: torch.Tensor | None
+    sinks: torch.Tensor | None
     cu_seqlens_q: torch.Tensor | None
     cu_seqlens_k: torch.Tensor | None
     max_seqlen_q: int | None
@@ -230,6 +234,16 @@ class AttentionCall:
             new.seqused_k, new.block_table = cache
         return new
 
+    def without_sinks(self) -> AttentionCall:
+        """The call a sinks call runs on its implementation: no sinks, and the LSE returned (the shared sink
+        epilogue, `opdispatch._sinks`, combines the two). Gradients are asked of it only for q/k/v/attn_bias."""
+        inner = self.with_tensors(self.q, self.k, self.v)
+        inner.sinks = None
+        inner.return_lse = True
+        inner.requires_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.attn_bias))
+        return inner
+
     def stripped(self) -> AttentionCall:
         """This call without its q/k/v: what a bound function may keep (it must not keep the first call's
         tensors alive). Its `with_tensors` gives full calls again."""
@@ -254,6 +268,7 @@ class AttentionCall:
             None if alibi is None else tuple(alibi.shape),
             None if mask is None else (tuple(mask.shape), mask.dtype, mask.requires_grad),
             None if bias is None else (tuple(bias.shape), bias.dtype, bias.requires_grad),
+            None if self.sinks is None else self.sinks.requires_grad,
             self.return_lse, self.deterministic, self.requires_grad, self.module,
         )
 
@@ -273,6 +288,7 @@ class AttentionCall:
             None if self.seqused_k is None else self.page_size,
             None if mask is None else (tuple(s == 1 for s in mask.shape), mask.requires_grad),
             None if bias is None else (tuple(s == 1 for s in bias.shape), bias.dtype, bias.requires_grad),
+            None if self.sinks is None else self.sinks.requires_grad,
             self.return_lse, self.deterministic, self.requires_grad, self.module,
         )
 
@@ -303,6 +319,8 @@ class AttentionCall:
             parts.append(f"attn_mask{tuple(self.attn_mask.shape)}")
         if self.attn_bias is not None:
             parts.append(f"attn_bias{tuple(self.attn_bias.shape)}")
+        if self.sinks is not None:
+            parts.append("sinks")
         if self.return_lse:
             parts.append("return_lse")
         if self.deterministic:
@@ -363,7 +381,7 @@ def _broadcastable(shape: Sequence[int], target: Sequence[int]) -> bool:
 def validate_attention(
     q: Any, k: Any, v: Any, *, layout: Any = "bshd", causal: Any = False, causal_alignment: Any = "top_left",
     window: Any = None, scale: Any = None, dropout_p: Any = 0.0, softcap: Any = 0.0, alibi_slopes: Any = None,
-    attn_mask: Any = None, attn_bias: Any = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+    attn_mask: Any = None, attn_bias: Any = None, sinks: Any = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
     max_seqlen_q: Any = None, max_seqlen_k: Any = None, seqused_k: Any = None, block_table: Any = None,
     return_lse: Any = False, deterministic: Any = False, module: str | None = None, check_values: bool = True,
     varlen_same: bool | None = None,
@@ -404,8 +422,10 @@ def validate_attention(
         call.alibi_slopes = call.attn_mask = call.attn_bias = None
     else:
         _read_alibi_mask_and_bias(call, alibi_slopes, attn_mask, attn_bias)
+    call.sinks = None if sinks is None else _check_sinks(sinks, call.heads_q, q.device)
     call.requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-        call.attn_bias is not None and call.attn_bias.requires_grad))
+        call.attn_bias is not None and call.attn_bias.requires_grad) or (
+        call.sinks is not None and call.sinks.requires_grad))
     call.rewrites = ()
     canonicalize(call, varlen_rewritten=layout == "thd" and call.cu_seqlens_k is not cu_seqlens_k)
     return call
@@ -668,6 +688,19 @@ def _check_alibi(alibi: Any, batch: int, heads: int, device: torch.device) -> to
     if alibi.device != device:
         raise ValueError(f"attention(): alibi_slopes is on {alibi.device} but q is on {device}")
     return alibi  # type: ignore[no-any-return]  # checked to be a tensor above
+
+
+def _check_sinks(sinks: Any, heads: int, device: torch.device) -> torch.Tensor:
+    sinks = _check_tensor("sinks", sinks)
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"attention(): sinks must be float32 (one logit per query head), got {sinks.dtype}; use "
+                        ".float() (the epilogue computes in float32 whatever q's dtype)")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"attention(): sinks has shape {_shape_of(sinks)}; allowed: ({heads},) — one sink logit "
+                         "per query head")
+    if sinks.device != device:
+        raise ValueError(f"attention(): sinks is on {sinks.device} but q is on {device}")
+    return sinks  # type: ignore[no-any-return]  # checked to be a tensor above
 
 
 def _check_cu_seqlens(name: str, cu: Any, device: torch.device) -> torch.Tensor:
@@ -980,6 +1013,9 @@ class AttentionCaps:
     attn_bias: bool = False
     bias_grad: bool = False
     lse: bool = False
+    # Whether autograd flows through the returned LSE (torch ops computing it); False for a kernel's side output,
+    # whose LSE gradient the sink epilogue then supplies itself (`opdispatch._sinks`).
+    lse_grad: bool = False
     backward: bool = False
     # Bitwise-reproducible backward / forward for every shape (some kernels split the key axis by shape and reduce
     # in launch order, or accumulate gradients with atomics); declare them from measurement.
@@ -1221,6 +1257,22 @@ def _outputs_and_training(caps: AttentionCaps, call: AttentionCall, reasons: lis
         reasons.append("deterministic=True not supported: its backward is not deterministic")
 
 
+def _sinks(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
+    """Attention sinks: computed by the shared epilogue from the implementation's LSE (`opdispatch._sinks`)."""
+    if call.sinks is None:
+        return
+    if not caps.lse:
+        reasons.append("attention sinks need the implementation's LSE (caps.lse) for the shared sink epilogue")
+    elif call.requires_grad and not caps.lse_grad:
+        # The epilogue's LSE gradient reads the scores as scale * q.k (+ constants): true without softcap, and a
+        # bias whose own gradient would come through the LSE is not covered.
+        if call.softcap > 0:
+            reasons.append("attention sinks with softcap and autograd need a differentiable LSE (caps.lse_grad)")
+        if call.attn_bias is not None and call.attn_bias.requires_grad:
+            reasons.append("attention sinks with a gradient for attn_bias need a differentiable LSE "
+                           "(caps.lse_grad)")
+
+
 def _kv_cache(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
     """A KV cache (seqused_k) and a paged one (block_table), with the page sizes the kernel takes."""
     if call.block_table is not None:
@@ -1241,8 +1293,8 @@ def _sequence_limits(caps: AttentionCaps, call: AttentionCall, reasons: list[str
 
 
 _CAPABILITY_STEPS: tuple[Callable[[AttentionCaps, AttentionCall, list[str]], None], ...] = (
-    _dtype_and_layout, _head_dims_and_gqa, _masking_pattern, _score_terms, _outputs_and_training, _kv_cache,
-    _sequence_limits)
+    _dtype_and_layout, _head_dims_and_gqa, _masking_pattern, _score_terms, _outputs_and_training, _sinks,
+    _kv_cache, _sequence_limits)
 
 
 # -- the op ---------------------------------------------------------------------------------------------------
@@ -1258,6 +1310,7 @@ def attention_features(call: AttentionCall) -> dict[str, Any]:
         "varlen": call.varlen, "requires_grad": call.requires_grad, "deterministic": call.deterministic,
         "return_lse": call.return_lse, "causal_alignment": call.causal_alignment,
         "kv_cache": call.seqused_k is not None, "paged": call.block_table is not None, "page_size": call.page_size,
+        "sinks": call.sinks is not None,
     }
 
 
@@ -1270,5 +1323,5 @@ ATTENTION = register_op(OpSpec(
         ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio", "page_size"),
         "int"),
         **dict.fromkeys(("causal", "window", "softcap", "alibi", "dropout", "mask", "bias", "varlen",
-                         "requires_grad", "deterministic", "return_lse", "kv_cache", "paged"), "bool")},
+                         "requires_grad", "deterministic", "return_lse", "kv_cache", "paged", "sinks"), "bool")},
 ))

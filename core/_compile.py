@@ -215,6 +215,9 @@ def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any],
     kwargs: dict[str, Any] = {name: _meta(key, values) for name, key in zip(names, tensors) if name != "cu_seqlens_k"}
     kwargs["cu_seqlens_k"] = kwargs["cu_seqlens_q"] if same_cu else _meta(tensors[7], values)
     kwargs.update(dict(options))
+    sinks = kwargs.get("sinks")
+    if sinks is not None:  # (heads, requires_grad): decided as the call with sinks, run without (the epilogue's)
+        kwargs["sinks"] = torch.empty((sinks[0],), dtype=torch.float32, device="meta").requires_grad_(sinks[1])
     if symbolic and kwargs.get("layout") == "thd":
         kwargs["max_seqlen_q"], kwargs["max_seqlen_k"] = values["seqlen_q"], values["seqlen_k"]
     q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
@@ -227,7 +230,8 @@ def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any],
     assert decision.chosen_id is not None
     _unused, unlisted = size_predicates(tensors[0][2], epoch)
     context = _TraceContext(outer[0], outer[1], tuple(inner), bool(call.requires_grad), impl, unlisted)
-    save_lse = bool(call.requires_grad and not call.return_lse and _impl(decision.chosen_id).saves_for_backward)
+    save_lse = bool(call.requires_grad and not call.return_lse and call.sinks is None
+                    and _impl(decision.chosen_id).saves_for_backward)
     return decision.chosen_id, _token(context), save_lse
 
 
@@ -295,6 +299,9 @@ def fake_outputs(q: Tensor, v: Tensor, layout: str, return_lse: bool) -> tuple[T
 # implementation's own backward. Every other argument passes through as the definition declares it.
 _LOWERED = {"window": ("SymInt window_left", "SymInt window_right"), "scale": ("float scale",),
             "impl": ("str impl_id", "SymInt token", "bool save_lse")}
+# Outside the op: sinks are the shared epilogue's (`opdispatch._sinks`), traced as torch ops around the op, which
+# runs the call without them and with its LSE.
+_EPILOGUE_ARGS = ("sinks",)
 _SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "str": "str", "bool": "bool",
                  "float": "float", "int | None": "SymInt?"}
 
@@ -307,6 +314,8 @@ def _lowered_arguments() -> tuple[list[str], list[str]]:
     tensors: list[str] = []
     scalars: list[str] = []
     for arg in ATTENTION_ARGS.args:
+        if arg.name in _EPILOGUE_ARGS:
+            continue
         if arg.name in _LOWERED:
             scalars.extend(_LOWERED[arg.name])
             continue
@@ -446,13 +455,20 @@ def _attention_backward(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if bias_grad and attn_bias is not None:
             leaves["attn_bias"] = attn_bias.detach().requires_grad_()
         impl = _impl(impl_id)
-        result = impl.run(impl.conform(_rebuild_call(a, return_lse=return_lse, **leaves)))
+        call = _rebuild_call(a, return_lse=return_lse, **leaves)
+        result = impl.run(impl.conform(call))
         outputs = [result[0] if return_lse else result]
         grad_outputs = [grad_out]
-        # An implementation whose lse is not differentiable (a kernel's side output) contributes no lse gradient.
-        if return_lse and grad_lse is not None and grad_lse.numel() and result[1].requires_grad:
-            outputs.append(result[1])
-            grad_outputs.append(grad_lse.to(result[1].dtype))
+        if return_lse and grad_lse is not None and grad_lse.numel():
+            lse = result[1]
+            if not lse.requires_grad and call.softcap == 0 and not bias_grad:
+                # A kernel's side output: the LSE's gradient from the shared sink epilogue's correction.
+                from ._sinks import exact_lse
+
+                lse = exact_lse(impl, call, lse)
+            if lse.requires_grad:
+                outputs.append(lse)
+                grad_outputs.append(grad_lse.to(lse.dtype))
         found = torch.autograd.grad(outputs, list(leaves.values()), grad_outputs, allow_unused=True)
     grads_in = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(found, leaves.values())]
     if len(grads_in) == 3:
@@ -477,11 +493,16 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     # out and lse only when the implementation's backward reads them (save_lse); else nothing beyond the inputs.
     ctx.save_for_backward(*tensors, *((out, lse) if inputs[-1] else ()))
     ctx.scalars = inputs[len(_TENSOR_ARGS):]
+    # An output no loss reached comes as None, not zeros: an unused LSE costs the backward nothing.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple[Any, ...]:
     saved = ctx.saved_tensors
     tensors = saved[:len(_TENSOR_ARGS)]
+    if grad_out is None:  # only the LSE reached the loss
+        q, v = tensors[0], tensors[2]
+        grad_out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     out, lse = saved[len(_TENSOR_ARGS):] or (grad_out.new_empty((0,)), grad_out.new_empty((0,)))
     bias_grad = bool(ctx.needs_input_grad[_BIAS])
     dq, dk, dv, dbias = torch.ops.opdispatch.attention_backward(grad_out, grad_lse, out, lse, *tensors,
@@ -657,10 +678,10 @@ def attention_for_compile(
     q: Tensor, k: Tensor, v: Tensor, *, layout: str = "bshd", causal: bool = False,
     causal_alignment: str = "top_left", window: tuple[int, int] | None = None, scale: float | None = None,
     dropout_p: float = 0.0, softcap: float = 0.0, alibi_slopes: Tensor | None = None,
-    attn_mask: Tensor | None = None, attn_bias: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
-    cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-    seqused_k: Tensor | None = None, block_table: Tensor | None = None, return_lse: bool = False,
-    deterministic: bool = False, impl: str | None = None,
+    attn_mask: Tensor | None = None, attn_bias: Tensor | None = None, sinks: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None, seqused_k: Tensor | None = None, block_table: Tensor | None = None,
+    return_lse: bool = False, deterministic: bool = False, impl: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`opdispatch.attention` as one graph node: decided at trace time, traced without a graph break.
 
@@ -672,6 +693,15 @@ def attention_for_compile(
                          "computing them from cu_seqlens is a data-dependent host sync; pass the longest "
                          "sequence lengths (an upper bound is fine)")
     grad_enabled = torch.is_grad_enabled()
+    sink_key = None
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or sinks.dim() != 1:
+            raise ValueError(f"attention(): sinks must be a float32 (heads_q,) tensor, got "
+                             f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__}")
+        if sinks.dtype != torch.float32 or sinks.device != q.device:
+            raise TypeError(f"attention(): sinks must be float32 on q's device ({q.device}), got {sinks.dtype} on "
+                            f"{sinks.device}; use .float().to(q.device)")
+        sink_key = (_static(sinks.shape[0]), bool(sinks.requires_grad))
     if dropout_p and grad_enabled and any(t is not None and t.requires_grad for t in (q, k, v, attn_bias)):
         raise ValueError("attention() under torch.compile does not support dropout_p > 0 with autograd: the "
                          "backward recomputes the forward, which would draw a different dropout mask; use "
@@ -684,7 +714,7 @@ def attention_for_compile(
                ("dropout_p", _float_class(dropout_p)), ("layout", layout),
                ("max_seqlen_k", None if symbolic_max else static_max_k),
                ("max_seqlen_q", None if symbolic_max else static_max_q), ("return_lse", return_lse),
-               ("scale", _float_class(scale)), ("softcap", _float_class(softcap)),
+               ("scale", _float_class(scale)), ("sinks", sink_key), ("softcap", _float_class(softcap)),
                # the window is exact in every decision class: a symbolic bound is specialised
                ("window", tuple(_static(w) if isinstance(w, int) and not isinstance(w, bool) else w for w in window)
                 if isinstance(window, (tuple, list)) else window))
@@ -705,7 +735,11 @@ def attention_for_compile(
                    causal_alignment=causal_alignment, window_left=left, window_right=right,
                    scale=float(scale) if scale is not None else 1.0 / math.sqrt(head_dim), dropout_p=float(dropout_p),
                    softcap=float(softcap), max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                   return_lse=return_lse, deterministic=deterministic, impl_id=impl_id, token=token,
-                   save_lse=save_lse)
+                   return_lse=return_lse or sinks is not None, deterministic=deterministic, impl_id=impl_id,
+                   token=token, save_lse=save_lse)
     out, lse = compiled_attention(*(lowered[name] for name in _OP_ARGS))
+    if sinks is not None:
+        from ._sinks import apply_sinks
+
+        out, lse = apply_sinks(out, lse, sinks, layout)
     return (out, lse) if return_lse else out

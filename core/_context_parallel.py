@@ -189,7 +189,7 @@ def _start_reduce_scatter(grad: torch.Tensor, dim: int, group: Any) -> tuple[Cal
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
                                causal: bool = False, mode: str = "ring", sharding: str = "zigzag",
-                               layout: str = "bshd", scale: float | None = None) -> torch.Tensor:
+                               layout: str = "bshd", scale: float | None = None, sinks: Any = None) -> torch.Tensor:
     """Attention over a sequence sharded across the ranks of `group` (None: the default group): q, k, v are this
     rank's shards (`shard_sequence`), the result is this rank's shard of the output. Every rank of the group
     calls it with shards of the same shapes.
@@ -202,6 +202,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     implementation the policy picks (`opdispatch.attention`); gradients flow to q, k and v.
     """
     what = "opdispatch.context_parallel_attention()"
+    if sinks is not None:  # the sink must enter the merged LSE once, with its gradient through the ring's merge
+        raise ValueError(f"{what}: sinks are not supported across ranks yet; gather the sequence and call "
+                         "opdispatch.attention(..., sinks=...) instead")
     rank, world = _group_rank(group, what)
     _check_choice(what, "mode", mode, MODES)
     _check_choice(what, "sharding", sharding, SHARDINGS)

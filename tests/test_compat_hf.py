@@ -149,3 +149,155 @@ def test_from_pretrained_and_set_attn_implementation(basic_manager, tmp_path):
             torch.testing.assert_close(model(ids, attention_mask=mask).logits[mask.bool()], want[mask.bool()],
                                        atol=2e-5, rtol=2e-5)
     assert basic_manager.decisions_made > before
+
+
+# -- families whose attention takes more than q/k/v and the mask: sinks (s_aux) and relative position bias --------
+
+def gpt_oss_config():
+    return transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128, attention_dropout=0.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def seq2seq_config(family):
+    config_cls = {"t5": transformers.T5Config, "umt5": transformers.UMT5Config}[family]
+    return config_cls(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                      dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+
+
+def same_weights(config, auto, *implementations, sink_scale=0.0):
+    """`models` for any auto class; GPT-OSS's sinks are set to trained-size values (they start at zero-ish)."""
+    torch.manual_seed(0)
+    out = []
+    for name in implementations:
+        model = auto.from_config(copy.deepcopy(config), attn_implementation=name)
+        if out:
+            model.load_state_dict(out[0].state_dict())
+        elif sink_scale:
+            with torch.no_grad():
+                for module in model.modules():
+                    if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                        module.sinks.normal_(0.0, sink_scale)
+        out.append(model)
+    return out
+
+
+FAMILIES = {
+    "gpt_oss": lambda: (gpt_oss_config(), transformers.AutoModelForCausalLM, False),
+    "t5": lambda: (seq2seq_config("t5"), transformers.AutoModelForSeq2SeqLM, True),
+    "umt5": lambda: (seq2seq_config("umt5"), transformers.AutoModelForSeq2SeqLM, True),
+}
+
+
+def run(model, seq2seq, ids, mask, **kwargs):
+    if seq2seq:
+        return model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :7] % 50 + 2, **kwargs)
+    return model(ids, attention_mask=mask, **kwargs)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sinks_and_position_bias_families_match_eager(basic_manager, family):
+    config, auto, seq2seq = FAMILIES[family]()
+    eager, ours = (m.eval() for m in same_weights(config, auto, "eager", "opdispatch", sink_scale=3.0))
+    ids, mask = batch(seed=5, length=12, left_pad=(0, 4))
+    with torch.no_grad():
+        want, got = (run(m, seq2seq, ids, mask).logits for m in (eager, ours))
+    rows = slice(None) if seq2seq else mask.bool()  # decoder rows of a seq2seq model see no encoder padding
+    torch.testing.assert_close(got[rows], want[rows], atol=1e-5, rtol=1e-5)
+    assert (got[rows] - want[rows]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sinks_and_position_bias_families_generate_as_eager(basic_manager, family):
+    config, auto, _ = FAMILIES[family]()
+    eager, ours = (m.eval() for m in same_weights(config, auto, "eager", "opdispatch", sink_scale=3.0))
+    ids, mask = batch(seed=6, length=9, left_pad=(0, 3))
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sinks_and_position_bias_families_train_as_eager(basic_manager, family):
+    config, auto, seq2seq = FAMILIES[family]()
+    eager, ours = (m.train() for m in same_weights(config, auto, "eager", "opdispatch", sink_scale=3.0))
+    ids, mask = batch(seed=7, length=10, left_pad=(0, 0))
+    labels = ids[:, :7].contiguous() if seq2seq else ids
+    for model in (eager, ours):
+        run(model, seq2seq, ids, mask, labels=labels).loss.backward()
+    special = 0
+    for (name, a), (_, b) in zip(eager.named_parameters(), ours.named_parameters()):
+        if a.grad is None:
+            assert b.grad is None, name
+            continue
+        if name.endswith(("sinks", "relative_attention_bias.weight")):
+            special += 1
+            assert a.grad.abs().sum() > 0, name  # the learned sinks / relative bias do get a gradient
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert special >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sinks_and_position_bias_families_under_torch_compile(basic_manager, family):
+    torch._dynamo.reset()
+    config, auto, seq2seq = FAMILIES[family]()
+    eager, ours = (m.eval() for m in same_weights(config, auto, "eager", "opdispatch", sink_scale=3.0))
+    ids, mask = batch(seed=8, length=8, left_pad=(0, 0))
+    compiled = torch.compile(lambda *a: run(ours, seq2seq, *a).logits, fullgraph=True)
+    with torch.no_grad():
+        got = compiled(ids, mask)
+        want = run(eager, seq2seq, ids, mask).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_decoder_and_cross_attention_have_distinct_module_paths(basic_manager):
+    seen: list[str | None] = []
+    original = opdispatch.compat.hf.attention
+
+    def spy(*args, **kwargs):
+        seen.append(opdispatch.policies._overrides.MODULE.get())
+        return original(*args, **kwargs)
+
+    (model,) = same_weights(seq2seq_config("t5"), transformers.AutoModelForSeq2SeqLM, "opdispatch")
+    ids, mask = batch(seed=9, length=6, left_pad=(0, 0))
+    import unittest.mock
+
+    with unittest.mock.patch.object(opdispatch.compat.hf, "attention", spy), torch.no_grad():
+        run(model.eval(), True, ids, mask)
+    assert set(seen) == {f"{side}.block.{n}.layer.{i}.{kind}" for n in (0, 1) for side, i, kind in (
+        ("encoder", 0, "SelfAttention"), ("decoder", 0, "SelfAttention"), ("decoder", 1, "EncDecAttention"))}
+
+
+def test_an_unknown_attention_argument_is_refused_at_the_first_forward(basic_manager):
+    (model,) = models(tiny(transformers.LlamaConfig), "opdispatch")
+    ids, mask = batch()
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn.*keyword argument seq_idx=.*not understood"):
+        model.eval()(ids, attention_mask=mask, seq_idx=torch.zeros_like(ids))
+    q = k = v = torch.randn(1, 4, 3, 8)
+    module = torch.nn.Module()
+    module._opdispatch_name = "my.attention"
+    with pytest.raises(ValueError, match=r"my\.attention.*keyword argument block_indices="):
+        opdispatch.compat.hf.attention_forward(module, q, k, v, None, block_indices=torch.zeros(2))
+    # Arguments that cannot change the result given the mask pass; None is no argument.
+    out, _ = opdispatch.compat.hf.attention_forward(module, q, k, v, None, sliding_window=4, position_ids=None,
+                                                    output_attentions=False, foo=None)
+    assert out.shape == (1, 3, 4, 8)
+
+
+def test_packed_sequences_without_a_mask_run_as_varlen(basic_manager):
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 4, 9, 8, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, 4, 9])
+    module = torch.nn.Module()
+    module._opdispatch_name = "packed"
+    out, _ = opdispatch.compat.hf.attention_forward(module, q, k, v, None, is_causal=True, cu_seq_lens_q=cu,
+                                                    cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+    for start, end in ((0, 4), (4, 9)):
+        part = torch.nn.functional.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end],
+                                                                v[:, :, start:end], is_causal=True)
+        torch.testing.assert_close(out[:, start:end], part.transpose(1, 2), atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="cu_seq_lens_k"):
+        opdispatch.compat.hf.attention_forward(module, q, k, v, None, cu_seq_lens_q=cu)

@@ -65,8 +65,8 @@ class ReferenceAttention(AttentionImpl):
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=_ALL_DTYPES, head_dim_v_differs=True, layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}),
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, softcap=True,
-        alibi=True, dropout=True, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, backward=True,
-        deterministic_backward=True, strided_inputs=True,
+        alibi=True, dropout=True, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, lse_grad=True,
+        backward=True, deterministic_backward=True, strided_inputs=True,
         causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, kv_cache_alibi=True,
     )
 

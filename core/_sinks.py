@@ -1,0 +1,118 @@
+"""Attention sinks: one shared epilogue over any implementation that returns its LSE.
+
+A sink is a virtual key per query head with logit `sink` and a zero value (GPT-OSS, TE's learnable softmax,
+FA3's and vLLM's `s_aux`). Each row's softmax over [scores, sink] gives
+
+    out = out_plain * sigmoid(lse - sink)        lse_with_sink = logaddexp(lse, sink)
+
+where `out_plain`, `lse` are the attention without the sink (lse over the scaled scores, natural log). A row
+that sees no key has lse = -inf: out 0, lse_with_sink = sink. So the chosen implementation runs the call
+without sinks and with its LSE (`AttentionCall.without_sinks`), and the epilogue — torch ops, differentiated by
+autograd (the sink's gradient included) — combines the two. Implementations need nothing sink-specific.
+
+The backward needs the LSE's gradient with respect to q and k. Where the implementation's LSE is a kernel's
+side output without one (`caps.lse_grad` False), `exact_lse` supplies it: with P the attention probabilities,
+
+    d lse_i / d q_i = scale * sum_j P_ij k_j             = scale * attention(q, k, v=k)_i
+    sum_i g_i d lse_i / d k_j = scale * sum_i P_ij g_i q_i = the v-gradient of attention(q, k, v=k) for
+                                                            grad_out = scale * g * q
+
+— one more call of the same implementation on the same pattern (causal, window, mask, ALiBi, KV cache, GQA), with
+v = k and no dropout (the LSE is the pre-dropout softmax's). Softcap (its scores are not linear in q.k) and a
+bias gradient (d lse / d bias = P) are not covered: capability reasons refuse those, unless `caps.lse_grad`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._attention import AttentionCall
+
+__all__ = ["apply_sinks", "exact_lse", "out_rows"]
+
+
+def out_rows(per_row: torch.Tensor, layout: str) -> torch.Tensor:
+    """A per-row value shaped like the LSE ((batch, heads, seq), or (heads, tokens) for thd) as a tensor that
+    broadcasts over the output of `layout` (a trailing unit head dim)."""
+    if layout == "bhsd":
+        return per_row.unsqueeze(-1)
+    if layout == "bshd":
+        return per_row.transpose(1, 2).unsqueeze(-1)
+    if layout == "sbhd":
+        return per_row.permute(2, 0, 1).unsqueeze(-1)
+    return per_row.transpose(0, 1).unsqueeze(-1)  # thd: (heads, tokens) -> (tokens, heads, 1)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+                layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the call with `sinks` from those of the call without: the epilogue, in float32 (float64 for a
+    float64 call). Traceable by torch.compile; autograd gives every gradient, the sink's included."""
+    sink = sinks.to(lse.dtype).unsqueeze(-1)  # (heads, 1): broadcasts over (batch, heads, seq) and (heads, tokens)
+    weight = torch.sigmoid(lse - sink)  # the share of each row's mass on real keys; 0 for a row that sees none
+    scaled = (out * out_rows(weight, layout)).to(out.dtype)
+    return scaled, torch.logaddexp(lse, sink)
+
+
+class _LseGradient(torch.autograd.Function):
+    """Identity on the LSE whose backward gives q and k the LSE's gradient (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                probabilities_times: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                scale: float, layout: str) -> torch.Tensor:
+        ctx.save_for_backward(q, k)
+        ctx.probabilities_times, ctx.scale, ctx.layout = probabilities_times, scale, layout
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_lse: torch.Tensor) -> tuple[Any, ...]:
+        q, k = ctx.saved_tensors
+        weight = out_rows(grad_lse * ctx.scale, ctx.layout)
+        with torch.enable_grad():
+            k_as_v = k.detach().requires_grad_()
+            pk = ctx.probabilities_times(q.detach(), k.detach(), k_as_v)  # sum_j P_ij k_j, in q's layout
+            grad_pk = (weight * q.detach()).to(pk.dtype)
+            (dk,) = torch.autograd.grad(pk, k_as_v, grad_pk)
+        dq = (weight * pk.detach()).to(q.dtype)
+        return grad_lse, dq if ctx.needs_input_grad[1] else None, dk if ctx.needs_input_grad[2] else None, \
+            None, None, None
+
+
+def exact_lse(impl: Any, call: AttentionCall, lse: torch.Tensor) -> torch.Tensor:
+    """`lse` as returned by `impl` for `call` (run with return_lse), made to carry its exact gradient with
+    respect to q and k when the implementation's does not (a kernel's side output); unchanged otherwise."""
+    q, k = call.q, call.k
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or lse.requires_grad:
+        return lse
+    if call.softcap > 0 or (call.attn_bias is not None and call.attn_bias.requires_grad):
+        raise RuntimeError(f"attention sinks: {impl.id}'s LSE carries no gradient and the sink epilogue's "
+                           "correction does not cover softcap or an attn_bias gradient; capability reasons should "
+                           "have refused this call — report it")
+    # The same call with v = k: its output is sum_j P_ij k_j; no dropout (the LSE is the pre-dropout softmax's).
+    template = call.stripped()
+    template.head_dim_v, template.dropout_p, template.return_lse = call.head_dim, 0.0, False
+    template.requires_grad = True
+
+    def probabilities_times(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = impl.run(impl.conform(template.with_tensors(q_, k_, v_)))
+        return result
+
+    out: torch.Tensor = _LseGradient.apply(  # type: ignore[no-untyped-call]
+        lse, q, k, probabilities_times, call.scale, call.layout)
+    return out
+
+
+def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
+    """Decide `call` (sinks and all: capability reasons, `when: sinks` rules), run its implementation on the call
+    without sinks and with the LSE, and apply the epilogue. Returns what `opdispatch.attention` returns."""
+    assert call.sinks is not None
+    decision = manager.resolve("attention", call, impl=impl)
+    chosen = decision.chosen
+    inner = call.without_sinks()
+    # Pinned to the decision's choice: the inner call must not be decided again without its sinks.
+    out, lse = manager.call("attention", inner, impl=chosen.id)
+    out, lse = apply_sinks(out, exact_lse(chosen, inner, lse), call.sinks, call.layout)
+    return (out, lse) if call.return_lse else out
