@@ -179,6 +179,26 @@ class AttentionCall:
         return self.seqlen_q == self.seqlen_k
 
     @property
+    def keyless_rows(self) -> bool:
+        """Whether the causal/window pattern may leave a query row without any key (its output is then zeros and
+        its LSE -inf). Dense layouts: exactly, from the lengths and the alignment. Packed sequences of distinct
+        lengths and KV caches, whose per-sequence lengths are data: whenever a bottom-right alignment or a window
+        could blind a row. Not said here (data, read by no selection): a mask that hides a whole row, or a sequence
+        with no key at all."""
+        window = self.window
+        if not self.causal and window is None:
+            return False
+        left, right = window if window is not None else (-1, -1)
+        if self.causal:
+            right = 0
+        if self.seqused_k is not None or (self.varlen and self.cu_seqlens_q is not self.cu_seqlens_k):
+            return self.causal_alignment == "bottom_right" or window is not None
+        offset = self.seqlen_k - self.seqlen_q if self.causal_alignment == "bottom_right" else 0
+        # Row 0 sees keys up to offset + right; the last row keys from seqlen_q - 1 + offset - left on.
+        return (right != -1 and offset + right < 0) or (left != -1 and self.seqlen_q - 1 + offset - left
+                                                          > self.seqlen_k - 1)
+
+    @property
     def positional_mask(self) -> bool:
         """Whether a top-left-causal kernel needs an explicit pattern: a window, or bottom-right causal alignment
         where it differs from top-left."""
@@ -283,7 +303,8 @@ class AttentionCall:
         alibi = self.alibi_slopes
         return (
             self.layout, self.dtype, self.device, self.head_dim, self.head_dim_v, self.heads_q // self.heads_kv,
-            self.causal, self.causal_alignment, self.same_lengths, self.window, self.dropout_p > 0.0,
+            self.causal, self.causal_alignment, self.same_lengths, self.keyless_rows, self.window,
+            self.dropout_p > 0.0,
             self.softcap > 0.0, None if alibi is None else alibi.dim(),
             None if self.seqused_k is None else self.page_size,
             None if mask is None else (tuple(s == 1 for s in mask.shape), mask.requires_grad),
@@ -1311,6 +1332,7 @@ def attention_features(call: AttentionCall) -> dict[str, Any]:
         "return_lse": call.return_lse, "causal_alignment": call.causal_alignment,
         "kv_cache": call.seqused_k is not None, "paged": call.block_table is not None, "page_size": call.page_size,
         "sinks": call.sinks is not None,
+        "keyless_rows": call.keyless_rows,
     }
 
 
@@ -1323,5 +1345,6 @@ ATTENTION = register_op(OpSpec(
         ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio", "page_size"),
         "int"),
         **dict.fromkeys(("causal", "window", "softcap", "alibi", "dropout", "mask", "bias", "varlen",
-                         "requires_grad", "deterministic", "return_lse", "kv_cache", "paged", "sinks"), "bool")},
+                         "requires_grad", "deterministic", "return_lse", "kv_cache", "paged", "sinks",
+                         "keyless_rows"), "bool")},
 ))

@@ -482,8 +482,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     impls = [i.strip() for i in args.impl.split(",") if i.strip()] if args.impl else None
     code = run_validation(impls, device, timeout=args.timeout, quick=args.quick, quarantine_path=quarantine,
                           report_md=Path(args.report) if args.report else None,
-                          report_json=Path(args.json) if args.json else None, stream=sys.stdout, jobs=args.jobs)
-    if quarantine is not None:
+                          report_json=Path(args.json) if args.json else None, stream=sys.stdout, jobs=args.jobs,
+                          replace=args.replace)
+    if quarantine is not None and code != 2:
         print(f"policies read {quarantine} from now on (`opdispatch explain` shows what it denies)")
     return code
 
@@ -575,8 +576,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds one case may take before its worker is "
                                                                "killed (default 120: first calls compile kernels)")
-    p.add_argument("--quick", action="store_true", help="a smaller matrix: " + ", ".join(
-        __import__("opdispatch._validate", fromlist=["QUICK"]).QUICK))
+    p.add_argument("--quick", action="store_true", help="a sampled matrix (one pairwise covering array over the "
+                                                        "factors, dtypes taking turns, edge rows in one dtype; under "
+                                                        "a minute per implementation on a CPU) instead of the full "
+                                                        "one (three arrays with dtype a factor, edge rows per dtype)")
+    p.add_argument("--replace", action="store_true", help="start the quarantine file over instead of merging: by "
+                                                          "default only the rules of the implementations validated "
+                                                          "here, on this device and these versions, are rewritten")
     p.add_argument("--quarantine", default=None, help="where to write the quarantine (default: OPDISPATCH_QUARANTINE "
                                                       "or ~/.cache/opdispatch/quarantine.yaml, which policies read)")
     p.add_argument("--no-quarantine", action="store_true", help="write no quarantine file")

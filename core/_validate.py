@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import itertools
 import json
 import math
 import os
@@ -31,49 +33,73 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["TOLERANCE", "Case", "CaseResult", "attention_cases", "quarantine_yaml", "run_validation"]
+__all__ = ["FACTORS", "TOLERANCE", "Case", "CaseResult", "attention_cases", "covering_rows", "merge_quarantine",
+           "quarantine_rules", "quarantine_yaml", "run_case", "run_validation"]
 
 # ‖out − ref‖ / ‖ref‖ per dtype: forward, gradients. LSE: max |Δ| over finite rows.
 TOLERANCE = {"fp16": (4e-3, 1.5e-2), "bf16": (2.5e-2, 5e-2), "fp32": (2e-3, 5e-3), "fp64": (1e-9, 1e-8)}
 LSE_ATOL = 2e-2
 STARTUP_S = 120.0  # a worker's start (imports, plugin loading) before its first case, beyond --timeout
 
-# Feature class -> (the call's keyword arguments beyond q/k/v, shape changes, the `when:` conditions a quarantine
-# of this class gets). Shapes: batch 2, 8 query heads, head dim 64 unless changed.
-_FEATURES: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
-    "dense": ({}, {}, {}),
-    "causal": ({"causal": True}, {}, {"causal": True}),
-    "causal_bottom_right": ({"causal": True, "causal_alignment": "bottom_right"}, {"sq": 19, "sk": 45},
-                            {"causal": True, "causal_alignment": "bottom_right"}),
-    "window": ({"window": (16, 0), "causal": True}, {}, {"window": True}),
-    "softcap": ({"softcap": 20.0}, {}, {"softcap": True}),
-    "alibi": ({"alibi": True}, {}, {"alibi": True}),
-    "mask": ({"mask": True}, {}, {"mask": True}),
-    "bias": ({"bias": True}, {}, {"bias": True}),
-    "gqa": ({}, {"hkv": 2}, {"gqa_ratio": ">1"}),
-    "lse": ({"return_lse": True, "causal": True}, {}, {"return_lse": True}),
-    "varlen": ({"varlen": True, "causal": True}, {}, {"varlen": True}),
-    "odd_shapes": ({}, {"sq": 1, "sk": 37, "b": 3}, {"seqlen_q": 1}),
-    "strided": ({"strided": True}, {}, {}),
-    "backward": ({"grad": True, "causal": True}, {}, {"requires_grad": True}),
+# The conformance matrix of attention: factors whose values a case combines. Seeded pairwise covering arrays over
+# them (`covering_rows`) make the cases, each kept only if the op accepts it and the implementation declares it;
+# `EDGES` add the rows every implementation must pass. `lengths` and `dtype` are context: no `when:` key names them.
+FACTORS: dict[str, tuple[str, ...]] = {
+    "layout": ("bshd", "bhsd", "sbhd", "thd"),
+    "causal": ("none", "top_left", "bottom_right"),
+    "heads": ("mha", "gqa", "mqa"),
+    "kv_cache": ("none", "dense", "paged"),
+    "window": ("none", "window"),
+    "term": ("none", "softcap", "alibi", "mask", "bias"),
+    "lengths": ("equal", "q_shorter", "q_longer"),
+    "lse": ("no", "yes"),
+    "direction": ("forward", "backward"),
 }
-QUICK = ("dense", "causal", "causal_bottom_right", "gqa", "lse", "varlen", "strided", "backward")
+BASELINE = {"layout": "bshd", "causal": "none", "heads": "mha", "kv_cache": "none", "window": "none", "term": "none",
+            "lengths": "equal", "lse": "no", "direction": "forward"}
+CONTEXT = ("lengths", "dtype")
+HEADS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}
+# (query, key) lengths per sequence: dense layouts take the first (batch 2); thd packs all three.
+LENGTHS = {"equal": ((40, 40), (9, 9), (31, 31)), "q_shorter": ((19, 45), (5, 20), (12, 12)),
+           "q_longer": ((45, 19), (20, 5), (12, 12))}
+SEEDS_FULL = (0, 1, 2)  # the full matrix: three covering arrays (dtype a factor) — more combinations beyond pairs
+SEED_QUICK = 0
+# Edge rows: name -> (factor values over BASELINE, extra options, the `when:` a failure is quarantined with).
+EDGES: dict[str, tuple[dict[str, str], dict[str, Any], dict[str, Any]]] = {
+    "keyless_causal": ({"causal": "bottom_right", "lse": "yes"}, {"sq": 24, "sk": 9}, {"keyless_rows": True}),
+    "keyless_causal_backward": ({"causal": "bottom_right", "direction": "backward"}, {"sq": 24, "sk": 9},
+                                {"keyless_rows": True, "requires_grad": True}),
+    "keyless_window": ({"window": "window", "lse": "yes"}, {"sq": 30, "sk": 9, "window_size": (2, 0)},
+                       {"keyless_rows": True}),
+    "keyless_mask": ({"term": "mask", "lse": "yes"}, {"blind_mask": True}, {"mask": True}),
+    "seqlen_q_below_k": ({}, {"sq": 7, "sk": 61}, {}),
+    "seqlen_q_above_k": ({}, {"sq": 61, "sk": 7}, {}),
+    "decode": ({"causal": "bottom_right"}, {"sq": 1, "sk": 77}, {"seqlen_q": 1}),
+    "head_dim_min": ({}, {"d": "min"}, {}),
+    "head_dim_max": ({}, {"d": "max"}, {}),
+    "strided": ({}, {"strided": True}, {}),
+    "backward_twice": ({"causal": "top_left", "direction": "backward"}, {"twice": True}, {"requires_grad": True}),
+    "lse_gradient": ({"causal": "top_left", "direction": "backward", "lse": "yes"}, {"lse_grad": True},
+                     {"return_lse": True, "requires_grad": True}),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One call of the matrix, as plain data (it travels to the worker as JSON)."""
+    """One call of the matrix, as plain data (it travels to the worker as JSON). An attention case's `options`
+    hold its factor values (`FACTORS`) and an edge row's extras; `feature` is ``pairwise``, an edge's name or
+    ``isolate`` (a follow-up that tells which factors of a failing case fail together)."""
 
     index: int
     feature: str
     dtype: str
     b: int = 2
-    sq: int = 48
-    sk: int = 48
+    sq: int = 40
+    sk: int = 40
     hq: int = 8
     hkv: int = 8
     d: int = 64
@@ -84,9 +110,19 @@ class Case:
     def describe(self) -> str:
         if self.op != "attention":
             return f"{self.op} {self.feature}"
-        opts = " ".join(f"{k}={v}" for k, v in self.options)
+        opts = dict(self.options)
+        shown = " ".join(f"{k}={v}" for k, v in opts.items() if BASELINE.get(k) != v and k != "page_size")
         return (f"{self.feature} {self.dtype} b={self.b} sq={self.sq} sk={self.sk} heads={self.hq}/{self.hkv} "
-                f"d={self.d}" + (f" {opts}" if opts else ""))
+                f"d={self.d}" + (f" {shown}" if shown else ""))
+
+    def factors(self) -> dict[str, Any]:
+        """Its factor values as the op sees the call: bottom-right alignment over equal lengths is top-left."""
+        opts = dict(self.options)
+        factors = {**{k: opts.get(k, v) for k, v in BASELINE.items()}, "dtype": self.dtype}
+        if factors["causal"] == "bottom_right" and factors["lengths"] == "equal" and factors["kv_cache"] == "none" \
+                and "sq" not in opts and self.feature in ("pairwise", "isolate"):
+            factors["causal"] = "top_left"
+        return factors
 
 
 @dataclasses.dataclass
@@ -97,13 +133,164 @@ class CaseResult:
     error: float | None = None
 
 
-def attention_cases(dtypes: Sequence[str], features: Sequence[str] | None = None) -> list[Case]:
+def make_case(index: int, feature: str, factors: dict[str, Any], extra: dict[str, Any] | None = None,
+              caps: Any = None) -> Case:
+    """A case from its factor values (and an edge's extras): the sizes they imply."""
+    extra = dict(extra or {})
+    hq, hkv = HEADS[factors["heads"]]
+    (sq, sk), *_ = LENGTHS[factors["lengths"]]
+    sq, sk = extra.pop("sq", sq), extra.pop("sk", sk)
+    d: Any = extra.pop("d", 64)
+    head_max = getattr(caps, "head_dim_max", None)
+    multiple = getattr(caps, "head_dim_multiple", 1)
+    if d == "min":
+        d = max(getattr(caps, "head_dim_min", 1), multiple)
+    elif d == "max":
+        d = head_max if head_max is not None else 256
+        d -= d % multiple
+    elif head_max is not None and d > head_max:
+        d = head_max - head_max % multiple
+    options = {k: v for k, v in factors.items() if k != "dtype"}
+    if factors["kv_cache"] == "paged":
+        options["page_size"] = max(16, getattr(caps, "page_size_multiple", 1))
+    options.update(extra)
+    batch = 3 if factors["layout"] == "thd" else 2
+    return Case(index, feature, factors["dtype"], b=batch, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d,
+                options=tuple(sorted(options.items())))
+
+
+def covering_rows(factors: Mapping[str, Sequence[Any]], allowed: Callable[[dict[str, Any]], bool], seed: int,
+                  tries: int = 40) -> list[dict[str, Any]]:
+    """Rows (factor -> value) that cover every pair of values of two factors that some allowed row can hold.
+
+    Greedy and seeded (AETG): for an uncovered pair, `tries` rows are built around it, each factor taking the value
+    that covers most new pairs (ties and later tries random), and the allowed row covering most is kept; a pair no
+    try fits into an allowed row is dropped as one the op or the implementation refuses. Hand-written rather than a
+    covering-array library because `allowed` judges whole rows only (the op's own validation and the
+    implementation's declared capabilities), and the result must depend on the seed alone.
+    """
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    names = list(factors)
+
+    def pairs(row: dict[str, Any]) -> set[tuple[Any, ...]]:
+        return {(a, row[a], b, row[b]) for a, b in itertools.combinations(names, 2)}
+
+    uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2) for va in factors[a]
+                 for vb in factors[b]}
+    rows: list[dict[str, Any]] = []
+    while uncovered:
+        target = rng.choice(sorted(uncovered, key=repr))
+        best: dict[str, Any] | None = None
+        best_new: set[tuple[Any, ...]] = set()
+        for attempt in range(tries):
+            row = {target[0]: target[1], target[2]: target[3]}
+            order = [n for n in names if n not in row]
+            rng.shuffle(order)
+            for name in order:
+                values = list(factors[name])
+                rng.shuffle(values)
+                if attempt < tries // 2:
+                    row[name] = max(values, key=lambda v: sum(
+                        (a, row[a], name, v) in uncovered or (name, v, a, row[a]) in uncovered for a in row))
+                else:  # greedy rows keep landing on refused combinations: explore
+                    row[name] = values[0]
+            new = pairs(row) & uncovered
+            if len(new) > len(best_new) and allowed(row):
+                best, best_new = row, new
+        if best is None:
+            uncovered.discard(target)
+            continue
+        rows.append(best)
+        uncovered -= best_new
+    return rows
+
+
+def attention_cases(impl: Any, device: str, dtypes: Sequence[str], quick: bool,
+                    device_info: Any = None) -> list[Case]:
+    """`impl`'s attention matrix: seeded pairwise covering arrays over `FACTORS` (and the dtypes) restricted to
+    calls the op accepts and `impl` declares, then the edge rows it declares. `--quick`: one covering array with
+    the dtypes taking turns; the full matrix: dtype a factor, `SEEDS_FULL` arrays."""
+    caps = getattr(impl, "caps", None)
+    checker = _Declared(impl, device, device_info)
     cases: list[Case] = []
-    for feature in features or _FEATURES:
-        options, shape, _ = _FEATURES[feature]
-        for dtype in dtypes:
-            cases.append(Case(len(cases), feature, dtype, options=tuple(sorted(options.items())), **shape))
+    seen: set[Case] = set()
+
+    def add(feature: str, factors: dict[str, Any], extra: dict[str, Any] | None = None) -> bool:
+        case = make_case(len(cases), feature, factors, extra, caps)
+        key = dataclasses.replace(case, index=0)
+        if key in seen or not checker(case):
+            return False
+        seen.add(key)
+        cases.append(case)
+        return True
+
+    # Values the implementation never takes (alone, over any lengths) leave the factors: the arrays cover pairs of
+    # what it declares, and the greedy search does not spend its tries on refused rows.
+    factors = {name: tuple(v for v in values if any(
+        checker(make_case(0, "pairwise", {**BASELINE, name: v, "lengths": lengths, "dtype": dtypes[0]}, caps=caps))
+        for lengths in LENGTHS)) for name, values in FACTORS.items()}
+    factors = {name: values for name, values in factors.items() if values}
+    if len(factors) < len(FACTORS):
+        return []  # not even the baseline call is declared
+    if quick:
+        rows = covering_rows(factors, lambda r: checker(make_case(0, "pairwise", {**r, "dtype": dtypes[0]},
+                                                                  caps=caps)), SEED_QUICK)
+        for i, row in enumerate(rows):
+            add("pairwise", {**row, "dtype": dtypes[i % len(dtypes)]}) or add("pairwise", {**row, "dtype": dtypes[0]})
+    else:
+        for seed in SEEDS_FULL:
+            for row in covering_rows({**factors, "dtype": tuple(dtypes)},
+                                     lambda r: checker(make_case(0, "pairwise", r, caps=caps)), seed):
+                add("pairwise", row)
+    for name, (edge, extra, _) in EDGES.items():
+        for dtype in (dtypes[:1] if quick else dtypes):
+            row = {**BASELINE, **edge, "dtype": dtype}
+            # The LSE where declared: else the same row without it.
+            add(name, row, extra) or (row["lse"] == "yes" and "lse_grad" not in extra
+                                       and add(name, {**row, "lse": "no"}, extra))
     return cases
+
+
+class _Declared:
+    """Whether the op accepts a case and the implementation declares it (built on the device, never filled)."""
+
+    def __init__(self, impl: Any, device: str, device_info: Any) -> None:
+        self.impl, self.device, self.info = impl, device, device_info
+        self.seen: dict[Case, bool] = {}
+
+    def __call__(self, case: Case) -> bool:
+        key = dataclasses.replace(case, index=0)
+        if key not in self.seen:
+            self.seen[key] = self._judge(case)
+        return self.seen[key]
+
+    def _judge(self, case: Case) -> bool:
+        import opdispatch
+
+        try:
+            (q, k, v), kwargs = _tensors(case, self.device, fill=False)
+            call = opdispatch.validate_attention(q, k, v, **kwargs)
+        except (TypeError, ValueError):
+            return False
+        if case.feature != "decode" and call.rewrites:
+            return False  # e.g. bottom-right over equal lengths is top-left: a row that means what it says
+        if _builds_keyless_rows(case, call):
+            return False  # only the keyless edge rows have rows without keys: a failure says which
+        info = self.info if self.info is not None else opdispatch.get_manager().device_info(call.device)
+        return not self.impl.not_supported_reasons(call, info)
+
+
+def _builds_keyless_rows(case: Case, call: Any) -> bool:
+    if case.feature.startswith("keyless"):
+        return False
+    if call.seqused_k is None and not call.varlen:
+        return bool(call.keyless_rows)
+    # Per-sequence lengths are ours: a query longer than its keys under a bottom-right diagonal or a window.
+    longer = dict(case.options).get("lengths") == "q_longer"
+    return longer and (call.causal_alignment == "bottom_right" or call.window is not None)
 
 
 def op_cases(op: str, dtypes: Sequence[str]) -> list[Case]:
@@ -190,7 +377,8 @@ def run_op_case(impl_id: str, case: Case, device: str) -> CaseResult:
 
 # -- the worker: runs cases and reports each as a JSON line -----------------------------------------------------
 
-def _tensors(case: Case, device: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _tensors(case: Case, device: str, fill: bool = True) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """q, k, v and the keyword arguments of `case` (random, seeded by its index; `fill=False`: shapes only)."""
     import torch
 
     from ._attention import dtype_from_name
@@ -200,36 +388,96 @@ def _tensors(case: Case, device: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
     gen = torch.Generator().manual_seed(1000 + case.index)
 
     def rand(*shape: int) -> Any:
+        if not fill:
+            return torch.empty(*shape, dtype=dtype, device=device)
         return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
 
-    kwargs: dict[str, Any] = {k: v for k, v in opts.items()
-                              if k in ("causal", "causal_alignment", "window", "softcap", "return_lse")}
-    if opts.get("varlen"):
-        lengths = [case.sq - 9, 9, case.sq]
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        total = sum(lengths)
-        q, k, v = rand(total, case.hq, case.d), rand(total, case.hkv, case.d), rand(total, case.hkv, case.d)
-        kwargs.update(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
-                      max_seqlen_k=max(lengths))
-        return (q, k, v), kwargs
-    if opts.get("strided"):  # head dim not innermost, k/v sliced
-        q = rand(case.b, case.sq, case.d, case.hq).transpose(-1, -2)
-        k = rand(case.b, case.sk, case.hkv, 2 * case.d)[..., ::2]
-        v = rand(case.b, case.hkv, case.sk, case.d).transpose(1, 2)
+    def index(values: list[int]) -> Any:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    causal = opts.get("causal", "none")
+    kwargs: dict[str, Any] = {}
+    if causal != "none":
+        kwargs.update(causal=True, causal_alignment=causal)
+    if opts.get("window", "none") != "none":
+        kwargs["window"] = tuple(opts.get("window_size", (16, 0) if causal != "none" else (16, 8)))
+    if opts.get("lse") == "yes":
+        kwargs["return_lse"] = True
+    term = opts.get("term", "none")
+    if term == "softcap":
+        kwargs["softcap"] = 20.0
+    layout, cache = opts.get("layout", "bshd"), opts.get("kv_cache", "none")
+    hq, hkv, d = case.hq, case.hkv, case.d
+    if layout == "thd":
+        lengths = [(case.sq, case.sk), *LENGTHS[opts.get("lengths", "equal")][1:]][:case.b]
     else:
-        q, k, v = rand(case.b, case.sq, case.hq, case.d), rand(case.b, case.sk, case.hkv, case.d), \
-            rand(case.b, case.sk, case.hkv, case.d)
-    if opts.get("alibi"):
-        kwargs["alibi_slopes"] = (torch.rand(case.hq, generator=gen) * 0.5).to(device)
-    if opts.get("mask"):
-        mask = torch.rand(case.b, case.hq, case.sq, case.sk, generator=gen) > 0.3
-        mask[..., 0] = True
-        kwargs["attn_mask"] = mask.to(device)
-    if opts.get("bias"):
-        kwargs["attn_bias"] = (torch.randn(case.b, case.hq, case.sq, case.sk, generator=gen)).to(dtype).to(device)
-    if opts.get("grad"):
+        lengths = [(case.sq, case.sk)] * case.b
+    fills = [k - 3 * (i % 2) if cache != "none" and k > 3 + q else k for i, (q, k) in enumerate(lengths)]
+    capacity = max(fills) + 8  # a cache holds more than it uses
+    q_lens = [q for q, _ in lengths]
+    if layout == "thd":
+        q = rand(sum(q_lens), hq, d)
+        cu_q = index([0, *itertools.accumulate(q_lens)])
+        kwargs.update(layout="thd", cu_seqlens_q=cu_q, max_seqlen_q=max(q_lens))
+    else:
+        q = _in_layout(rand(case.b, max(q_lens), hq, d), layout, fill)
+        if layout != "bshd":
+            kwargs["layout"] = layout
+    if cache == "paged":
+        size = int(opts["page_size"])
+        per_seq = -(-capacity // size)
+        pages = case.b * per_seq + 1
+        k, v = rand(pages, size, hkv, d), rand(pages, size, hkv, d)
+        order = torch.randperm(pages, generator=gen)[: case.b * per_seq] if fill else torch.arange(case.b * per_seq)
+        kwargs.update(block_table=order.view(case.b, per_seq).to(torch.int32).to(device), seqused_k=index(fills))
+    elif layout == "thd":
+        spans = [capacity if cache == "dense" else k for k in fills]
+        k, v = rand(sum(spans), hkv, d), rand(sum(spans), hkv, d)
+        cu_k = index([0, *itertools.accumulate(spans)])
+        kwargs.update(cu_seqlens_k=cu_q if spans == q_lens else cu_k, max_seqlen_k=max(spans))
+        if cache == "dense":
+            kwargs["seqused_k"] = index(fills)
+    else:
+        keys = capacity if cache == "dense" else case.sk
+        k, v = (_in_layout(rand(case.b, keys, hkv, d), layout, fill) for _ in range(2))
+        if cache == "dense":
+            kwargs["seqused_k"] = index(fills)
+    if opts.get("strided"):  # head dim not innermost, k sliced
+        q = rand(case.b, case.d, case.sq, hq).permute(0, 2, 3, 1)
+        k = rand(case.b, case.sk, hkv, 2 * case.d)[..., ::2]
+        v = rand(case.b, hkv, case.sk, case.d).transpose(1, 2)
+    if term == "alibi":
+        kwargs["alibi_slopes"] = (torch.rand(hq, generator=gen) * 0.5).to(device)
+    if term in ("mask", "bias") and layout != "thd" and cache == "none":
+        sq, sk = case.sq, case.sk
+        if term == "mask":
+            mask = torch.rand(case.b, hq, sq, sk, generator=gen) > 0.3
+            # Each row keeps the key on its diagonal (inside any causal or window pattern) — but the blind-mask
+            # edge, whose first row sees nothing.
+            offset = sk - sq if causal == "bottom_right" else 0
+            rows = torch.arange(sq)
+            mask[..., rows, (rows + offset).clamp(0, sk - 1)] = True
+            if opts.get("blind_mask"):
+                mask[..., 0, :] = False
+            kwargs["attn_mask"] = mask.to(device)
+        else:
+            kwargs["attn_bias"] = torch.randn(case.b, hq, sq, sk, generator=gen).to(dtype).to(device)
+    elif term in ("mask", "bias"):  # the op refuses them here: let it say so
+        kwargs["attn_mask" if term == "mask" else "attn_bias"] = torch.ones(1, dtype=torch.bool, device=device)
+    if opts.get("direction") == "backward":
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     return (q, k, v), kwargs
+
+
+def _in_layout(bshd: Any, layout: str, copy: bool = True) -> Any:
+    """A (batch, seq, heads, dim) tensor as a contiguous tensor of `layout` (`copy=False`: a view, for shapes)."""
+    if layout == "bhsd":
+        view = bshd.transpose(1, 2)
+    elif layout == "sbhd":
+        view = bshd.transpose(0, 1)
+    else:
+        return bshd
+    return view.contiguous() if copy else view
 
 
 def _undeclared(manager: Any, case: Case, impl_id: str, call: Any) -> CaseResult | None:
@@ -242,7 +490,7 @@ def _undeclared(manager: Any, case: Case, impl_id: str, call: Any) -> CaseResult
 
 
 def _rel(a: Any, b: Any) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -253,41 +501,59 @@ def run_case(impl_id: str, case: Case, device: str) -> CaseResult:
     import opdispatch
 
     (q, k, v), kwargs = _tensors(case, device)
+    opts = dict(case.options)
     call = opdispatch.validate_attention(q, k, v, **kwargs)
     manager = opdispatch.get_manager()
     undeclared = _undeclared(manager, case, impl_id, call)
     if undeclared is not None:
         return undeclared
+    weights: list[Any] = []
+
+    def loss(out: Any, lse: Any) -> Any:
+        if not weights:
+            gen = torch.Generator().manual_seed(case.index)
+            weights.extend(torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (out, lse)
+                           if t is not None)
+        total = (out * weights[0].to(out)).sum()
+        return total + (lse * weights[1].to(lse)).sum() if opts.get("lse_grad") else total
+
+    grads = again = None
     try:
         result = opdispatch.attention(q, k, v, impl=impl_id, **kwargs)
         out, lse = result if kwargs.get("return_lse") else (result, None)
-        grads = None
         if q.requires_grad:
-            weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(case.index)).to(out)
-            grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+            objective = loss(out, lse)
+            grads = torch.autograd.grad(objective, (q, k, v), retain_graph=bool(opts.get("twice")))
+            if opts.get("twice"):  # a second backward through the same graph
+                again = torch.autograd.grad(objective, (q, k, v))
         if out.is_cuda:
             torch.cuda.synchronize()
     except Exception as exc:
         return CaseResult(case, "fail", f"raised {type(exc).__name__}: {str(exc)[:300]}")
     ref_inputs = [t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v)]
-    ref_kwargs = {key: (val.double() if hasattr(val, "is_floating_point") and val.is_floating_point()
-                        and key == "attn_bias" else val) for key, val in kwargs.items()}
+    ref_kwargs = {key: (val.double() if key == "attn_bias" else val) for key, val in kwargs.items()}
     ref = opdispatch.attention(*ref_inputs, impl="reference.math", **ref_kwargs)
     ref_out, ref_lse = ref if kwargs.get("return_lse") else (ref, None)
     fwd_tol, grad_tol = TOLERANCE[case.dtype]
     err = _rel(out, ref_out)
     problems = [f"out error {err:.3g} > {fwd_tol:g}"] if not err <= fwd_tol else []
+    if bool(torch.isnan(out).any()):
+        problems.append(f"NaN in {int(torch.isnan(out).sum())} output value(s)")
     if lse is not None and ref_lse is not None:
         finite = torch.isfinite(ref_lse)
         lse_err = float((lse.double()[finite] - ref_lse[finite]).abs().max()) if finite.any() else 0.0
         if not lse_err <= LSE_ATOL or bool((lse[~finite] != -math.inf).any()):
-            problems.append(f"lse error {lse_err:.3g} (or a blind row not -inf)")
+            problems.append(f"lse error {lse_err:.3g} (or a row that sees no key not -inf)")
     if grads is not None:
-        ref_grads = torch.autograd.grad((ref_out * weight.double()).sum(), ref_inputs)
+        ref_grads = torch.autograd.grad(loss(ref_out, ref_lse), ref_inputs)
         for name, g, rg in zip("qkv", grads, ref_grads):
             g_err = _rel(g, rg)
             if not g_err <= grad_tol:
                 problems.append(f"d{name} error {g_err:.3g} > {grad_tol:g}")
+        for name, g, g2 in zip("qkv", grads, again or ()):
+            if not _rel(g2, g) <= grad_tol / 10:
+                problems.append(f"second backward (retain_graph=True): d{name} differs from the first by "
+                                f"{_rel(g2, g):.3g}")
     return CaseResult(case, "fail" if problems else "pass", "; ".join(problems), err)
 
 
@@ -332,14 +598,17 @@ def _context_may_be_dead(detail: str) -> bool:
 # -- the parent: workers, progress, results ---------------------------------------------------------------------
 
 def validate_impl(impl_id: str, device: str, cases: list[Case], timeout: float,
-                  progress: Callable[[str, int, int, str], None], workdir: Path) -> list[CaseResult]:
-    """Run `cases` for `impl_id` in worker processes, restarting after a crash, a hang or a dead context."""
+                  progress: Callable[[str, int, int, str], None], workdir: Path,
+                  run_as: str | None = None) -> list[CaseResult]:
+    """Run `cases` for `impl_id` (progress shown under that name; `run_as`: the implementation they pin) in worker
+    processes, restarting after a crash, a hang or a dead context."""
     cases_path = workdir / f"cases-{impl_id}.json"
     cases_path.write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
     results: dict[int, CaseResult] = {}
     start = 0
     while start < len(cases):
-        proc = subprocess.Popen([sys.executable, "-m", "opdispatch._validate", impl_id, device, str(cases_path),
+        proc = subprocess.Popen([sys.executable, "-m", "opdispatch._validate", run_as or impl_id, device,
+                                 str(cases_path),
                                  str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines: queue.Queue[str | None] = queue.Queue()
         stderr_tail: collections.deque[str] = collections.deque(maxlen=50)  # the crash message comes last
@@ -390,51 +659,268 @@ def validate_impl(impl_id: str, device: str, cases: list[Case], timeout: float,
     return [results[c.index] for c in cases if c.index in results]
 
 
-def quarantine_yaml(failures: dict[str, list[CaseResult]], device: Any, when_extra: Callable[[str], dict[str, Any]],
-                    command: str) -> str:
-    """The quarantine file for `failures` (implementation id -> its failed, crashed or timed-out cases)."""
+# -- from failures to quarantine rules ----------------------------------------------------------------------------
+
+POLICY_FACTORS = tuple(f for f in FACTORS if f not in CONTEXT)
+FAILED = ("fail", "crashed", "timeout")
+
+
+def factor_when(name: str, value: str) -> dict[str, Any]:
+    """The `when:` conditions that select exactly the calls of one factor value."""
+    if name == "layout":
+        return {"layout": value}
+    if name == "causal":
+        return {"causal": False} if value == "none" else {"causal": True, "causal_alignment": value}
+    if name == "heads":
+        return {"gqa_ratio": 1} if value == "mha" else {"gqa_ratio": ">1", "heads_kv": 1 if value == "mqa" else ">1"}
+    if name == "kv_cache":
+        return {"kv_cache": False} if value == "none" else {"kv_cache": True, "paged": value == "paged"}
+    if name == "window":
+        return {"window": value != "none"}
+    if name == "term":
+        terms = ("softcap", "alibi", "mask", "bias")
+        return {t: False for t in terms} if value == "none" else {value: True}
+    if name == "lse":
+        return {"return_lse": value == "yes"}
+    if name == "direction":
+        return {"requires_grad": value == "backward"}
+    return {}
+
+
+def _items(case: Case) -> frozenset[tuple[str, str]]:
+    factors = case.factors()
+    return frozenset((n, factors[n]) for n in POLICY_FACTORS)
+
+
+def _clearing(results: Sequence[CaseResult]) -> list[Case]:
+    """The passing cases that clear factor values: the matrix's and the isolations' (an edge row's sizes change
+    what its values mean: a decode row's bottom-right alignment hides no key)."""
+    return [r.case for r in results if r.status == "pass" and r.case.feature in ("pairwise", "isolate")]
+
+
+def suspects(failed: Case, passed: Sequence[Case]) -> list[frozenset[tuple[str, str]]]:
+    """The smallest sets of `failed`'s factor values no passing case holds: single values if any, else pairs."""
+    passing = [_items(c) for c in passed]
+    items = sorted(_items(failed))
+    singles = [frozenset({i}) for i in items if not any(i in p for p in passing)]
+    if singles:
+        return singles
+    return [frozenset(pair) for pair in itertools.combinations(items, 2)
+            if not any(set(pair) <= p for p in passing)]
+
+
+def isolation_case(index: int, failed: Case, suspect: frozenset[tuple[str, str]], caps: Any = None) -> Case:
+    """`failed` with every factor outside `suspect` back at its baseline (its lengths and dtype kept): does the
+    suspect combination fail on its own?"""
+    factors = {**BASELINE, **dict(suspect), "lengths": failed.factors()["lengths"], "dtype": failed.dtype}
+    return dataclasses.replace(make_case(index, "isolate", factors, caps=caps), b=failed.b)
+
+
+def rule_conditions(failed: Case, results: Sequence[CaseResult],
+                    isolations: dict[tuple[int, frozenset[tuple[str, str]]], str]) -> list[dict[str, Any]]:
+    """The `when:` conditions (call features; dtype and device added later) that quarantine exactly what made
+    `failed` fail: an edge row's own; else the suspect combinations its isolation confirmed (or could not clear);
+    else — every pair of its values passed somewhere, so the failure needs more — all its factor values."""
+    if failed.op != "attention":
+        return [dict(failed.options)]
+    if failed.feature in EDGES:
+        edge = dict(EDGES[failed.feature][2])
+        if failed.feature.startswith("head_dim"):
+            edge["head_dim"] = failed.d
+        return [edge]
+    passed = _clearing(results)
+    confirmed = [s for s in suspects(failed, passed) if isolations.get((failed.index, s), "fail") != "pass"]
+    confirmed = [s for s in confirmed if not any(o < s for o in confirmed)]
+    sets = confirmed or [_items(failed)]
+    out = []
+    for suspect in sets:
+        when: dict[str, Any] = {}
+        for name, value in sorted(suspect):
+            when.update(factor_when(name, value))
+        out.append(when)
+    return out
+
+
+def quarantine_rules(impl_id: str, results: Sequence[CaseResult], env_when: dict[str, Any],
+                     isolations: dict[tuple[int, frozenset[tuple[str, str]]], str]) -> dict[str, list[dict[str, Any]]]:
+    """`impl_id`'s deny rules per op: one per distinct failing combination, its dtypes merged, then rules that
+    differ in one name-valued condition (layout, causal_alignment) merged into one with the list."""
+    groups: dict[tuple[str, str], tuple[dict[str, Any], list[CaseResult]]] = {}
+    for r in results:
+        if r.status not in FAILED or r.case.feature == "isolate":
+            continue
+        for when in rule_conditions(r.case, results, isolations):
+            key = (r.case.op, json.dumps(when, sort_keys=True))
+            groups.setdefault(key, (when, []))[1].append(r)
+    merged: list[tuple[str, dict[str, Any], list[CaseResult]]] = [(op, w, bad) for (op, _), (w, bad) in
+                                                                   groups.items()]
+    changed = True
+    while changed:
+        changed = False
+        for i, j in itertools.combinations(range(len(merged)), 2):
+            (op_a, a, bad_a), (op_b, b, bad_b) = merged[i], merged[j]
+            differ = [k for k in set(a) | set(b) if a.get(k) != b.get(k)]
+            if (op_a == op_b and set(a) == set(b) and len(differ) == 1 and differ[0] in ("layout", "causal_alignment")
+                    and {r.case.dtype for r in bad_a} == {r.case.dtype for r in bad_b}):
+                name = differ[0]
+                values = sorted({*_as_list(a[name]), *_as_list(b[name])})
+                merged[i] = (op_a, {**a, name: values}, bad_a + bad_b)
+                del merged[j]
+                changed = True
+                break
+    rules: dict[str, list[dict[str, Any]]] = {}
+    for op, when, bad in merged:
+        full = {**env_when, **when, "dtype": sorted({r.case.dtype for r in bad})}
+        first = bad[0]
+        label = ",".join(f"{k}={v}" for k, v in sorted(when.items())) or "every-call"
+        digest = hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:6]
+        rules.setdefault(op, []).append({
+            "name": _rule_name(impl_id, f"{label}-{digest}"), "when": full, "deny": [impl_id],
+            "reason": f"{first.status}: {first.detail} on [{first.case.describe()}]"
+                      + (f" (and {len(bad) - 1} more case(s))" if len(bad) > 1 else "")})
+    return rules
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else [value]
+
+
+def env_conditions(device: Any, libraries: dict[str, str]) -> dict[str, Any]:
+    """The device and library conditions every rule of this environment carries."""
+    when: dict[str, Any] = {"vendor": device.vendor, "arch": device.arch,
+                            "device_name": "".join(f"[{c}]" if c in "[]*?" else c for c in device.name)}
+    if libraries:
+        when["libraries"] = libraries
+    return when
+
+
+def merge_quarantine(existing: dict[str, Any] | None, new_rules: dict[str, dict[str, list[dict[str, Any]]]],
+                     validated: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The quarantine file's content after a run: `existing`'s rules kept but those of an implementation validated
+    here on this environment (`validated`: id -> its device and library conditions), which this run's
+    `new_rules` (id -> op -> rules) replace."""
+    env_keys = ("vendor", "arch", "device_name", "libraries")
+    ops: dict[str, list[dict[str, Any]]] = {}
+    for op, spec in ((existing or {}).get("ops") or {}).items():
+        for rule in (spec or {}).get("rules") or ():
+            deny, when = rule.get("deny") or [], rule.get("when") or {}
+            ours = len(deny) == 1 and deny[0] in validated and all(
+                when.get(k) == validated[deny[0]].get(k) for k in env_keys)
+            if not ours:
+                ops.setdefault(op, []).append(rule)
+    for impl_rules in new_rules.values():
+        for op, rules in impl_rules.items():
+            kept = ops.setdefault(op, [])
+            names = {r.get("name") for r in kept}
+            for rule in rules:
+                name, n = rule["name"], 2
+                while rule["name"] in names:  # a rule of another host under this name
+                    rule = {**rule, "name": f"{name}-{n}"}
+                    n += 1
+                kept.append(rule)
+                names.add(rule["name"])
+    ops = {op: rules for op, rules in ops.items() if rules}
+    body: dict[str, Any] = {"version": 1, "extends": "none"}
+    if ops:
+        body["ops"] = {op: {"rules": rules} for op, rules in sorted(ops.items())}
+    return body
+
+
+def quarantine_text(body: dict[str, Any], device: Any, command: str) -> str:
     import yaml
 
-    ops: dict[str, Any] = {}
-    for impl_id, results in sorted(failures.items()):
-        by_feature: dict[str, list[CaseResult]] = {}
-        for r in results:
-            by_feature.setdefault(r.case.feature, []).append(r)
-        for feature, bad in by_feature.items():
-            when: dict[str, Any] = {"vendor": device.vendor, "arch": device.arch,
-                                    "device_name": "".join(f"[{c}]" if c in "[]*?" else c for c in device.name)}
-            first = bad[0]
-            when.update(_FEATURES[feature][2] if first.case.op == "attention" else dict(first.case.options))
-            when["dtype"] = sorted({r.case.dtype for r in bad})
-            libraries = when_extra(impl_id)
-            if libraries:
-                when["libraries"] = libraries
-            rules = ops.setdefault(first.case.op, {"rules": []})["rules"]
-            rules.append({"name": _rule_name(impl_id, feature), "when": when, "deny": [impl_id],
-                          "reason": f"{first.status}: {first.detail} on [{first.case.describe()}]"
-                                    + (f" (and {len(bad) - 1} more case(s) of this class)" if len(bad) > 1 else "")})
-    header = (f"# Written by `{command}` on {time.strftime('%Y-%m-%d %H:%M')} for {device.describe()}.\n"
-              "# Deny rules only, each scoped to the feature class, dtypes, device and library versions it failed on.\n"
+    header = (f"# Last written by `{command}` on {time.strftime('%Y-%m-%d %H:%M')} for {device.describe()}.\n"
+              "# Deny rules only, each scoped to the combination, dtypes, device and library versions it failed on;\n"
+              "# a run rewrites only the rules of the implementations it validated on its environment.\n"
               "# Delete a rule (or the file) to try the implementation again; a pin still reaches it.\n")
-    body = {"version": 1, "extends": "none", "ops": ops} if ops else {"version": 1, "extends": "none"}
     return header + yaml.safe_dump(body, sort_keys=False, width=120)
 
 
+def quarantine_yaml(failures: dict[str, list[CaseResult]], device: Any, when_extra: Callable[[str], dict[str, Any]],
+                    command: str) -> str:
+    """A fresh quarantine file for `failures` (implementation id -> its cases; the failed ones become rules)."""
+    new = {impl_id: quarantine_rules(impl_id, results, env_conditions(device, when_extra(impl_id)), {})
+           for impl_id, results in sorted(failures.items())}
+    return quarantine_text(merge_quarantine(None, new, {}), device, command)
+
+
 def _rule_name(impl_id: str, feature: str) -> str:
-    """A policy rule name (letters, digits, ``_.:-``) for an implementation's failing feature class."""
+    """A policy rule name (letters, digits, ``_.:-``) for an implementation's failing combination."""
     return "quarantine-" + "".join(c if c.isalnum() or c in "_.:-" else "-" for c in f"{impl_id}-{feature}")
+
+
+def _read_existing_quarantine(path: Path) -> dict[str, Any] | None:
+    """The quarantine file a run merges into (None: none there). Refuses one it cannot read rather than drop its
+    rules: fix it, or start over with --replace."""
+    import stat
+
+    import yaml
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"validate: the quarantine path {path} is not a regular file; pass another --quarantine")
+    from .policies._policy import read_quarantine_file
+
+    read_quarantine_file(path)  # a PolicyError with file:line when it is not a valid quarantine
+    data = yaml.safe_load(path.read_text())
+    return data if isinstance(data, dict) else None
+
+
+Runner = Callable[[list[Case], str], list[CaseResult]]
+
+
+def validate_one(impl: Any, device: str, info: Any, dtypes: list[str], quick: bool, runner: Runner
+                 ) -> tuple[list[CaseResult], dict[tuple[int, frozenset[tuple[str, str]]], str]]:
+    """`impl`'s matrix through `runner` (worker processes, or `in_process`), then — when a pairwise case failed —
+    a second round that runs each failing case's suspect combinations alone. Returns every result and what each
+    (failing case, suspect) isolation gave."""
+    if impl.op != "attention":
+        return runner(op_cases(impl.op, dtypes), impl.id), {}
+    results = runner(attention_cases(impl, device, dtypes, quick, info), impl.id)
+    if not any(r.status in FAILED for r in results):
+        return results, {}
+    passed = _clearing(results)
+    checker = _Declared(impl, device, info)
+    plan: list[tuple[int, frozenset[tuple[str, str]], Case]] = []
+    seen: dict[Case, Case] = {}
+    for r in results:
+        if r.status not in FAILED or r.case.feature != "pairwise":
+            continue
+        for suspect in suspects(r.case, passed):
+            case = isolation_case(len(seen), r.case, suspect, getattr(impl, "caps", None))
+            key = dataclasses.replace(case, index=0)
+            if key not in seen and checker(case):
+                seen[key] = case
+            if key in seen:
+                plan.append((r.case.index, suspect, seen[key]))
+    if not seen:
+        return results, {}
+    extra = runner(list(seen.values()), impl.id + ".isolate")
+    by_index = {r.case.index: r.status for r in extra}
+    return results + extra, {(i, s): by_index.get(c.index, "fail") for i, s, c in plan}
+
+
+def in_process(impl_id: str, device: str) -> Runner:
+    """A runner of cases in this process (tests; no crash isolation)."""
+    def run(cases: list[Case], label: str) -> list[CaseResult]:
+        return [run_case(impl_id, c, device) if c.op == "attention" else run_op_case(impl_id, c, device)
+                for c in cases]
+    return run
 
 
 def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: float, quick: bool,
                    quarantine_path: Path | None, report_md: Path | None, report_json: Path | None,
-                   stream: TextIO, jobs: int = 1) -> int:
-    """The `opdispatch validate` command; returns its exit code (1 when an implementation failed a case)."""
+                   stream: TextIO, jobs: int = 1, replace: bool = False) -> int:
+    """The `opdispatch validate` command; returns its exit code (1 when an implementation failed a case, 2 when
+    nothing could be validated)."""
     import tempfile
 
     import opdispatch
 
     from ._attention import dtype_name
-
     from ._ops import known_ops
 
     manager = opdispatch.get_manager()
@@ -447,35 +933,51 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
         if unknown:
             raise ValueError(f"validate: unknown implementation(s) {unknown}; registered: {', '.join(sorted(known))}")
         chosen = [i for i in available if i.id in impl_ids]
+        missing = [i for i in impl_ids if i not in {c.id for c in chosen}]
+        for impl_id in missing:
+            impl = next(i for i in everything if i.id == impl_id)
+            stream.write(f"validate: {impl_id} is not available on {device}: {manager.availability(impl, info)}\n")
     else:  # the oracles are not validated against themselves
         chosen = [i for i in available if not getattr(i, "reference_fallback", False)]
+    if not chosen:
+        stream.write(f"validate: nothing to validate on {device} ({info.describe()}): no implementation named is "
+                     "available here; nothing was written\n")
+        return 2
+    existing = None
+    if quarantine_path is not None and not replace:
+        existing = _read_existing_quarantine(quarantine_path)  # before any case runs: a bad file stops us early
     tty = stream.isatty()
+    lock = threading.Lock()
+    counts: dict[str, collections.Counter[str]] = {}
 
     def progress(impl_id: str, done: int, total: int, status: str) -> None:
-        width = 24
-        bar = "#" * (width * done // max(total, 1))
-        text = f"{impl_id:24} [{bar:<{width}}] {done}/{total} {status:<12}"
-        stream.write(("\r" + text) if tty else (text + "\n") if done == total or status not in ("pass",
-                                                                                                  "not declared")
-                     else "")
-        stream.flush()
-
-    features = QUICK if quick else None
-    lock = threading.Lock()
-
-    def locked_progress(impl_id: str, done: int, total: int, status: str) -> None:
         with lock:
-            progress(impl_id, done, total, status)
+            tally = counts.setdefault(impl_id, collections.Counter())
+            tally["error" if status in ("crashed", "timeout") else status] += 1
+            width = 24
+            bar = "#" * (width * done // max(total, 1))
+            text = (f"{impl_id:24} [{bar:<{width}}] {done}/{total} pass {tally['pass']} fail {tally['fail']} "
+                    f"error {tally['error']} not declared {tally['not declared']}")
+            stream.write(("\r" + text) if tty and jobs == 1 else (text + "\n") if done == total
+                         or status not in ("pass", "not declared") else "")
+            stream.flush()
 
-    def one(impl: Any, tmp: str) -> list[CaseResult]:
+    def dtypes_of(impl: Any) -> list[str]:
         dtypes = sorted(dtype_name(d) for d in getattr(impl, "caps").dtypes if dtype_name(d) in TOLERANCE)
         if info.type != "cpu":
             dtypes = [d for d in dtypes if d != "fp64"] or dtypes
-        cases = attention_cases(dtypes, features) if impl.op == "attention" else op_cases(impl.op, dtypes)
-        results = validate_impl(impl.id, device, cases, timeout,
-                                locked_progress if jobs > 1 else progress, Path(tmp))
-        if tty and jobs == 1:
-            stream.write("\n")
+        return dtypes
+
+    isolations: dict[str, dict[tuple[int, frozenset[tuple[str, str]]], str]] = {}
+
+    def one(impl: Any, tmp: str) -> list[CaseResult]:
+        def runner(cases: list[Case], label: str) -> list[CaseResult]:
+            results = validate_impl(label, device, cases, timeout, progress, Path(tmp), run_as=impl.id)
+            if tty and jobs == 1:
+                stream.write("\n")
+            return results
+
+        results, isolations[impl.id] = validate_one(impl, device, info, dtypes_of(impl), quick, runner)
         return results
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -485,7 +987,7 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             futures = {impl.id: pool.submit(one, impl, tmp) for impl in chosen}
         all_results = {impl_id: future.result() for impl_id, future in futures.items()}
-    failures = {impl_id: [r for r in results if r.status in ("fail", "crashed", "timeout")]
+    failures = {impl_id: [r for r in results if r.status in FAILED and r.case.feature != "isolate"]
                 for impl_id, results in all_results.items()}
     failures = {k: v for k, v in failures.items() if v}
 
@@ -496,10 +998,17 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
 
     command = "opdispatch validate" + (f" --impl {','.join(impl_ids)}" if impl_ids else "")
     if quarantine_path is not None:
+        envs = {impl_id: env_conditions(info, libraries(impl_id)) for impl_id in all_results}
+        new = {impl_id: quarantine_rules(impl_id, results, envs[impl_id], isolations.get(impl_id, {}))
+               for impl_id, results in all_results.items()}
+        body = merge_quarantine(existing, new, envs)
         quarantine_path.parent.mkdir(parents=True, exist_ok=True)
-        quarantine_path.write_text(quarantine_yaml(failures, info, libraries, command))
-        stream.write(f"quarantine: {quarantine_path} ({sum(1 for v in failures.values() for _ in v)} failed case(s) "
-                     f"in {len(failures)} implementation(s))\n")
+        partial = quarantine_path.with_name(quarantine_path.name + ".partial")
+        partial.write_text(quarantine_text(body, info, command))
+        os.replace(partial, quarantine_path)  # readers see the old file or the new one, never half of one
+        written = sum(len(rules) for impl_rules in new.values() for rules in impl_rules.values())
+        stream.write(f"quarantine: {quarantine_path} ({written} rule(s) for {len(failures)} implementation(s) "
+                     f"validated here; rules of other implementations and hosts kept)\n")
     summary = {impl_id: _summary(results) for impl_id, results in all_results.items()}
     if report_json is not None:
         report_json.write_text(json.dumps({"device": info.to_dict(), "implementations": summary,
@@ -521,7 +1030,8 @@ def _summary(results: list[CaseResult]) -> dict[str, Any]:
         if r.error is not None and r.status in ("pass", "fail"):
             worst[r.case.dtype] = max(worst.get(r.case.dtype, 0.0), r.error)
     counts["worst_out_error"] = {k: float(f"{v:.3g}") for k, v in sorted(worst.items())}
-    counts["quarantined"] = sorted({r.case.feature for r in results if r.status in ("fail", "crashed", "timeout")})
+    counts["quarantined"] = sorted({r.case.feature for r in results if r.status in FAILED
+                                    and r.case.feature != "isolate"})
     return counts
 
 

@@ -5,7 +5,9 @@ overrides, read once. The verdict for one call — the precedence of every layer
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -26,6 +28,7 @@ from ._yaml import LineMap, load_yaml_with_lines
 
 ENV_POLICY = "OPDISPATCH_POLICY"
 ENV_QUARANTINE = "OPDISPATCH_QUARANTINE"
+log = logging.getLogger("opdispatch")
 
 
 def default_policy_path() -> Path:
@@ -330,12 +333,29 @@ def read_quarantine_file(path: str | os.PathLike[str]) -> PolicyLayer:
 
 def quarantine_layers(environ: Mapping[str, str] | None) -> list[PolicyLayer]:
     """The shipped quarantine, then the user's if the file exists (read from the real environment, or from
-    OPDISPATCH_QUARANTINE in `environ`)."""
-    layers = [read_quarantine_file(shipped_quarantine_path())]
+    OPDISPATCH_QUARANTINE in `environ`). A quarantine only narrows choices: one that is not a regular file (a FIFO
+    would block the open), cannot be read or is malformed is reported as a WARNING with its file:line and skipped;
+    it never blocks or stops dispatch."""
+    layers = []
+    paths = [shipped_quarantine_path()]
     if environ is None or environ.get(ENV_QUARANTINE):
-        path = user_quarantine_path(environ)
-        if path.exists():
+        paths.append(user_quarantine_path(environ))
+    for path in paths:
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning("quarantine file %s skipped: cannot stat it (%s)", path, exc.strerror)
+            continue
+        if not stat.S_ISREG(mode):
+            log.warning("quarantine file %s skipped: not a regular file; point %s at a YAML file", path,
+                        ENV_QUARANTINE)
+            continue
+        try:
             layers.append(read_quarantine_file(path))
+        except PolicyError as exc:
+            log.warning("quarantine file skipped: %s", exc)
     return layers
 
 

@@ -426,3 +426,22 @@ def test_an_id_listed_exactly_is_placed_where_listed_not_by_an_earlier_glob(four
     x = q()
     ids = [c.impl_id for c in opdispatch.explain(x, x, x).candidates]
     assert ids[-1] == "reference.math" and len(ids) > 2
+
+
+@pytest.mark.parametrize("sq, sk, kwargs, blind", [
+    (24, 9, dict(causal=True, causal_alignment="bottom_right"), True),  # the first 15 rows see no key
+    (9, 24, dict(causal=True, causal_alignment="bottom_right"), False),
+    (24, 9, dict(causal=True), False),  # top-left: row i sees keys 0..i
+    (30, 9, dict(window=(2, 0)), True),  # rows 11.. are past every key's window
+    (9, 9, dict(window=(2, 0)), False),
+    (24, 9, {}, False),
+])
+def test_when_keyless_rows_matches_calls_whose_pattern_leaves_a_row_without_keys(basic_manager, sq, sk, kwargs,
+                                                                                 blind):
+    basic_manager.set_policy(parse_policy(
+        "ops: {attention: {rules: [{name: blind, when: {keyless_rows: true}, deny: [cpu.flash]}]}}", "<p>"))
+    q, k = torch.randn(1, sq, 2, 8), torch.randn(1, sk, 2, 8)
+    call = opdispatch.validate_attention(q, k, k, **kwargs)
+    assert call.keyless_rows is blind
+    # The decision follows the key, not a cached decision of the same class with other lengths.
+    assert opdispatch.explain(q, k, k, **kwargs).chosen_id == ("reference.math" if blind else "cpu.flash")

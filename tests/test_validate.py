@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch._validate import CaseResult, attention_cases, quarantine_yaml
+from opdispatch._validate import CaseResult, attention_cases, covering_rows, quarantine_rules, quarantine_yaml
 from tests.conftest import REPO
 
 FAKES = REPO / "tests" / "validate_fakes"
@@ -37,31 +37,36 @@ def test_validate_isolates_crashes_and_hangs_and_quarantines_exactly_the_failing
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPDISPATCH_")}
     env.update(PYTHONPATH=f"{site}{os.pathsep}{REPO}", OPDISPATCH_PLUGINS="cpu,reference,vfake")
     impls = "vfake.right,vfake.shape,vfake.nan,vfake.corrupt,vfake.abort,vfake.hang,vfake.bottom,vfake.norm"
+    quarantine.write_text("version: 1\nops:\n  attention:\n    rules:\n      - name: keep-me-other-host\n"
+                          "        when: {device_name: 'another host'}\n        deny: [cpu.flash]\n")
     result = subprocess.run([sys.executable, "-m", "opdispatch._cli", "validate", "--impl", impls, "--on", "cpu",
                              "--quick", "--timeout", "6", "--jobs", "2", "--quarantine", str(quarantine), "--json", str(report)],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stdout + result.stderr  # failures found, the run itself finished
     cases = json.loads(report.read_text())["cases"]
 
-    def statuses(impl):
-        return {c["feature"]: c["status"] for c in cases[impl]}
+    def by(impl, status):
+        return [c for c in cases[impl] if c["status"] == status]
 
-    right = statuses("vfake.right")
-    assert set(right.values()) <= {"pass", "not declared"} and right["causal_bottom_right"] == "pass"
-    assert statuses("vfake.shape")["dense"] == "fail" and statuses("vfake.nan")["dense"] == "fail"
-    assert statuses("vfake.corrupt")["dense"] == "fail"
-    assert "changed its input(s) q" in next(c["detail"] for c in cases["vfake.corrupt"] if c["feature"] == "dense")
-    abort = statuses("vfake.abort")
-    assert abort["causal"] == "crashed" and abort["causal_bottom_right"] == "crashed" and abort["dense"] == "pass"
-    assert abort["gqa"] == "pass"  # a fresh worker took the cases after the crash
-    hang = statuses("vfake.hang")
-    assert hang["gqa"] == "timeout" and hang["dense"] == "pass" and hang["lse"] != "timeout"
-    bottom = statuses("vfake.bottom")
-    assert bottom["causal_bottom_right"] == "fail" and bottom["causal"] == "pass" and bottom["dense"] == "pass"
+    def options(c):
+        return dict(map(tuple, c["options"]))
+
+    assert cases["vfake.right"] and not [c for c in cases["vfake.right"] if c["status"] not in ("pass",)]
+    assert all(c["status"] == "fail" for impl in ("vfake.shape", "vfake.nan") for c in cases[impl]
+               if c["d"] > 1)  # out[..., :1] is all of a head dim of 1
+    assert "changed its input(s) q" in by("vfake.corrupt", "fail")[0]["detail"]
+    crashed, passed = by("vfake.abort", "crashed"), by("vfake.abort", "pass")
+    assert crashed and all(options(c)["heads"] == "mqa" and options(c)["causal"] != "none" for c in crashed)
+    assert any(options(c)["heads"] == "mqa" for c in passed)  # a fresh worker took the cases after a crash
+    hung = by("vfake.hang", "timeout")
+    assert hung and all(options(c)["heads"] == "mqa" for c in hung) and by("vfake.hang", "pass")
+    bottom = by("vfake.bottom", "fail")
+    assert bottom and all(options(c)["causal"] == "bottom_right" for c in bottom)
     text = quarantine.read_text()
-    assert "quarantine-vfake.bottom-causal_bottom_right" in text and "quarantine-vfake.right" not in text
-    assert "quarantine-vfake.abort-causal" in text and "quarantine-vfake.hang-gqa" in text
-    assert "quarantine-vfake.abort-dense" not in text
+    assert "quarantine-vfake.right" not in text and "quarantine-vfake.abort-" in text
+    assert "quarantine-vfake.hang-" in text and "quarantine-vfake.bottom-causal-True-causal_alignment-bottom_right" in text
+    assert " pass " in result.stdout and " error " in result.stdout  # progress counts, not the last status
+    assert "keep-me-other-host" in text  # merged: another host's rule survives
     norm = cases["vfake.norm"]  # another op: its tuning cases (no backward declared: those are not run)
     assert {c["status"] for c in norm if ("weight", False) in map(tuple, c["data"])} == {"pass", "not declared"}
     assert {c["status"] for c in norm if ("weight", True) in map(tuple, c["data"])} == {"fail", "not declared"}
@@ -92,46 +97,193 @@ def test_validate_isolates_crashes_and_hangs_and_quarantines_exactly_the_failing
     assert seen["reason"].startswith("quarantined by validate: fail: out error") and str(quarantine) in seen["reason"]
 
 
+@pytest.fixture
+def fakes(tmp_path, monkeypatch):
+    """A fresh manager with the fakes loaded through their entry point (a dist-info on sys.path)."""
+    site = installed_fakes(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("OPDISPATCH_PLUGINS", "cpu,reference,vfake")
+    monkeypatch.setenv("OPDISPATCH_CHECK_OUTPUTS", "1")
+    fresh = opdispatch.OpManager()
+    previous = opdispatch.set_manager(fresh)
+    yield fresh
+    opdispatch.set_manager(previous)
+
+
+def test_covering_rows_cover_every_allowed_pair_and_depend_on_the_seed_alone():
+    import itertools
+
+    factors = {"a": (0, 1, 2), "b": ("x", "y"), "c": (True, False), "d": (0, 1, 2, 3)}
+
+    def allowed(row):
+        return not (row["a"] == 2 and row["b"] == "y")  # a pair no row may hold
+
+    rows = covering_rows(factors, allowed, seed=7)
+    assert rows == covering_rows(factors, allowed, seed=7) and all(allowed(r) for r in rows)
+    for (f, g) in itertools.combinations(factors, 2):
+        for vf, vg in itertools.product(factors[f], factors[g]):
+            feasible = any(allowed({**dict.fromkeys(factors, 0), "b": "x", f: vf, g: vg}) for _ in [0]) or \
+                {f: vf, g: vg} != {"a": 2, "b": "y"}
+            covered = any(r[f] == vf and r[g] == vg for r in rows)
+            assert covered == ({f: vf, g: vg} != {"a": 2, "b": "y"}), (f, vf, g, vg, feasible)
+    assert len(rows) < 3 * 2 * 2 * 4  # pairs, not the product
+
+
+def test_the_matrix_combines_declared_features_and_adds_the_edge_rows(fakes):
+    import itertools
+
+    from opdispatch._validate import BASELINE, FACTORS
+
+    info = fakes.device_info("cpu")
+    reference = fakes.implementation("attention", "reference.math")
+    cases = attention_cases(reference, "cpu", ["fp32", "fp64"], True, info)
+    assert cases == attention_cases(reference, "cpu", ["fp32", "fp64"], True, info)  # seeded
+    pairwise = [c for c in cases if c.feature == "pairwise"]
+    for f, g in itertools.combinations([f for f in FACTORS if f != "lengths"], 2):
+        for vf, vg in itertools.product(FACTORS[f], FACTORS[g]):
+            if {f: vf, g: vg} in ({"layout": "thd", "term": "mask"}, {"layout": "thd", "term": "bias"}) or (
+                    {f, g} == {"kv_cache", "term"} and vg in ("mask", "bias") and vf != "none"):
+                continue  # the op refuses these
+            assert any(c.factors()[f] == vf and c.factors()[g] == vg for c in pairwise), (f, vf, g, vg)
+    edges = {c.feature for c in cases} - {"pairwise"}
+    assert edges == {"keyless_causal", "keyless_causal_backward", "keyless_window", "keyless_mask", "decode",
+                     "seqlen_q_below_k", "seqlen_q_above_k", "head_dim_min", "head_dim_max", "strided",
+                     "backward_twice", "lse_gradient"}
+    # An implementation gets only what it declares: vfake.right has no thd, window, KV cache, backward.
+    right = attention_cases(fakes.implementation("attention", "vfake.right"), "cpu", ["fp32"], True, info)
+    assert right and all(c.factors()["layout"] != "thd" and c.factors()["direction"] == "forward" for c in right)
+    assert {c.factors()["heads"] for c in right} == {"mha", "gqa", "mqa"}
+    assert BASELINE["layout"] == "bshd"
+
+
+def test_validate_quarantines_exactly_the_three_combination_bugs_of_a_plugin(fakes, tmp_path, monkeypatch):
+    """The done-when: thd bottom-right, GQA backward, NaN on a row that sees no key — each caught and denied for
+    exactly its calls; other calls still reach the plugin."""
+    from opdispatch._validate import env_conditions, in_process, merge_quarantine, quarantine_text, validate_one
+    from opdispatch.policies import parse_policy
+
+    info = fakes.device_info("cpu")
+    impl = fakes.implementation("attention", "vfake.combo")
+    results, isolations = validate_one(impl, "cpu", info, ["fp32"], True, in_process(impl.id, "cpu"))
+    failed = {r.case.describe(): r.detail for r in results if r.status == "fail" and r.case.feature != "isolate"}
+    assert any("layout=thd" in d and "causal=bottom_right" in d for d in failed)
+    assert any("heads=gqa" in d and "direction=backward" in d for d in failed)
+    assert any(d.startswith("keyless_causal ") for d in failed)
+    rules = quarantine_rules(impl.id, results, env_conditions(info, {}), isolations)["attention"]
+    path = tmp_path / "q.yaml"
+    path.write_text(quarantine_text(merge_quarantine(None, {impl.id: {"attention": rules}}, {}), info, "test"))
+    monkeypatch.setenv("OPDISPATCH_QUARANTINE", str(path))
+    fakes.set_policy(parse_policy("ops: {attention: {order: [vfake.combo, reference.math]}}", "<p>",
+                                  environ={"OPDISPATCH_QUARANTINE": str(path)}))
+
+    def chosen(q, k, v, **kw):
+        decision = opdispatch.explain(q, k, v, **kw)
+        if decision.chosen_id != "vfake.combo":
+            assert decision.candidate("vfake.combo").reasons[0].startswith("quarantined by validate")
+        return decision.chosen_id
+
+    q, k, kv2 = torch.randn(2, 19, 8, 32), torch.randn(2, 45, 8, 32), torch.randn(2, 45, 2, 32)
+    assert chosen(q, k, k, causal=True, causal_alignment="bottom_right") == "vfake.combo"  # dense: right
+    assert chosen(q, kv2, kv2) == "vfake.combo"  # GQA forward: right
+    grad = q.clone().requires_grad_()
+    assert chosen(grad, k, k, causal=True) == "vfake.combo"  # MHA backward: right
+    assert chosen(grad, kv2, kv2) == "reference.math"  # (b) GQA backward
+    blind = torch.randn(2, 60, 8, 32)
+    assert chosen(blind, k, k, causal=True, causal_alignment="bottom_right") == "reference.math"  # (c)
+    assert chosen(blind, k, k, causal=True) == "vfake.combo"  # top-left: every row sees a key
+    cu_q = torch.tensor([0, 5, 19], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 45], dtype=torch.int32)
+    tq, tk = torch.randn(19, 8, 32), torch.randn(45, 8, 32)
+    packed = dict(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=14, max_seqlen_k=25)
+    assert chosen(tq, tk, tk, causal=True, causal_alignment="bottom_right", **packed) == "reference.math"  # (a)
+    assert chosen(tq, tk, tk, causal=True, **packed) == "vfake.combo"  # thd top-left: right
+    # What reaches the plugin is right, and what it would get wrong is served right by another.
+    out = opdispatch.attention(tq, tk, tk, causal=True, causal_alignment="bottom_right", **packed)
+    want = opdispatch.attention(tq.double(), tk.double(), tk.double(), causal=True, causal_alignment="bottom_right",
+                                impl="reference.math", **packed)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_quarantine_applies_on_its_device_and_versions_only(basic_manager, tmp_path):
     from opdispatch import load_device_descriptor
+    from opdispatch._validate import BASELINE, make_case
     from opdispatch.policies import parse_policy
 
     cpu = basic_manager.device_info("cpu")
-    case = attention_cases(["fp32"], ["causal"])[0]
-    failures = {"cpu.flash": [CaseResult(case, "fail", "out error 3.1 > 0.002")]}
+    case = make_case(0, "pairwise", {**BASELINE, "causal": "top_left", "dtype": "fp32"})
+    other = make_case(1, "pairwise", {**BASELINE, "dtype": "fp32"})
+    results = [CaseResult(case, "fail", "out error 3.1 > 0.002"), CaseResult(other, "pass")]
     path = tmp_path / "q.yaml"
-    path.write_text(quarantine_yaml(failures, cpu, lambda impl: {"torch": f"=={cpu.libraries['torch']}"}, "test"))
+    path.write_text(quarantine_yaml({"cpu.flash": results}, cpu, lambda impl: {"torch": f"=={cpu.libraries['torch']}"},
+                                    "test"))
     policy = parse_policy("ops: {}", "<p>", environ={"OPDISPATCH_QUARANTINE": str(path)})
     basic_manager.set_policy(policy)
     q = torch.randn(1, 6, 2, 16)
     causal = opdispatch.explain(q, q, q, causal=True)
     assert causal.chosen_id == "reference.math"
     assert causal.candidate("cpu.flash").reasons[0].startswith(
-        "quarantined by validate: fail: out error 3.1 > 0.002 on [causal fp32")
+        "quarantined by validate: fail: out error 3.1 > 0.002 on [pairwise fp32")
     assert opdispatch.explain(q, q, q).chosen_id == "cpu.flash"  # another class
-    k = torch.randn(1, 9, 2, 16)
-    bottom = attention_cases(["fp32"], ["causal_bottom_right"])[0]
-    path.write_text(quarantine_yaml({"cpu.flash": [CaseResult(bottom, "fail", "out error 2.0")]}, cpu,
-                                    lambda impl: {}, "test"))
-    basic_manager.set_policy(parse_policy("ops: {}", "<p>", environ={"OPDISPATCH_QUARANTINE": str(path)}))
-    assert opdispatch.explain(q, k, k, causal=True, causal_alignment="bottom_right").chosen_id == "reference.math"
-    assert opdispatch.explain(q, k, k, causal=True).chosen_id == "cpu.flash"  # top-left causal: not quarantined
-    basic_manager.set_policy(policy)
     assert opdispatch.explain(q.double(), q.double(), q.double(), causal=True).chosen_id == "cpu.flash"  # dtype
-    other = load_device_descriptor(REPO / "configs" / "devices" / "cpu.yaml")  # a simulated CPU, another name
-    assert opdispatch.explain(q, q, q, causal=True, device=other).chosen_id == "cpu.flash"
-    torch.testing.assert_close(opdispatch.attention(q, q, q, causal=True, impl="cpu.flash"),
-                               opdispatch.attention(q, q, q, causal=True), atol=1e-5, rtol=1e-5)
+    device = load_device_descriptor(REPO / "configs" / "devices" / "cpu.yaml")  # a simulated CPU, another name
+    assert opdispatch.explain(q, q, q, causal=True, device=device).chosen_id == "cpu.flash"
 
 
-def test_a_quarantine_file_may_only_deny(tmp_path):
-    from opdispatch._errors import PolicyError
+def test_quarantine_files_are_merged_never_replaced(basic_manager):
+    from opdispatch._validate import merge_quarantine
+
+    def rule(name, impl, host):
+        return {"name": name, "when": {"vendor": "cpu", "arch": "x86_64", "device_name": host}, "deny": [impl]}
+
+    existing = {"version": 1, "ops": {"attention": {"rules": [
+        rule("a-here", "cpu.flash", "here"), rule("a-there", "cpu.flash", "there"), rule("b-here", "other.x", "here")]},
+        "rms_norm": {"rules": [rule("n", "other.norm", "here")]}}}
+    env = {"vendor": "cpu", "arch": "x86_64", "device_name": "here"}
+    new = {"cpu.flash": {"attention": [rule("a-here", "cpu.flash", "here") | {"reason": "new"}]}}
+    body = merge_quarantine(existing, new, {"cpu.flash": env})
+    names = [(r["name"], r.get("reason")) for r in body["ops"]["attention"]["rules"]]
+    assert names == [("a-there", None), ("b-here", None), ("a-here", "new")]  # only cpu.flash here rewritten
+    assert body["ops"]["rms_norm"]["rules"][0]["name"] == "n"
+    assert "ops" not in merge_quarantine(None, {}, {"cpu.flash": env})  # nothing failed, nothing kept
+
+
+def test_a_bad_quarantine_file_is_a_warning_and_is_skipped(tmp_path, caplog):
     from opdispatch.policies import parse_policy
 
     path = tmp_path / "q.yaml"
     path.write_text("version: 1\nops:\n  attention:\n    rules:\n      - name: sneaky\n        prefer: [cpu.flash]\n")
-    with pytest.raises(PolicyError, match=r"q.yaml:5: quarantine rule 'sneaky' must only deny"):
+    with caplog.at_level("WARNING", logger="opdispatch"):
+        policy = parse_policy("ops: {}", "<p>", environ={"OPDISPATCH_QUARANTINE": str(path)})
+    assert str(path) not in [layer.source for layer in policy.layers]
+    assert f"{path}:5: quarantine rule 'sneaky' must only deny" in caplog.text
+    path.write_text("version: 1\nops: [\n")
+    with caplog.at_level("WARNING", logger="opdispatch"):
         parse_policy("ops: {}", "<p>", environ={"OPDISPATCH_QUARANTINE": str(path)})
+    assert f"{path}:" in caplog.text and "invalid YAML" in caplog.text
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it would block forever: it must never be opened
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="opdispatch"):
+        policy = parse_policy("ops: {}", "<p>", environ={"OPDISPATCH_QUARANTINE": str(fifo)})
+    assert "not a regular file" in caplog.text and str(fifo) not in [layer.source for layer in policy.layers]
+    q = torch.randn(1, 4, 2, 8)
+    opdispatch.get_manager().set_policy(policy)
+    assert opdispatch.attention(q, q, q).shape == q.shape  # dispatch goes on
+
+
+def test_validating_nothing_exits_non_zero_and_writes_nothing(fakes, tmp_path):
+    import io
+
+    from opdispatch._validate import run_validation
+
+    target = tmp_path / "q.yaml"
+    target.write_text("version: 1\n")
+    out = io.StringIO()
+    code = run_validation(["vfake.elsewhere"], "cpu", timeout=5, quick=True, quarantine_path=target, report_md=None,
+                          report_json=None, stream=out)
+    assert code == 2, out.getvalue()
+    assert "vfake.elsewhere is not available on cpu: needs an accelerator" in out.getvalue()
+    assert "nothing to validate" in out.getvalue() and target.read_text() == "version: 1\n"
 
 
 def test_the_shipped_quarantine_keeps_flag_gems_backward_off_hopper(manager):

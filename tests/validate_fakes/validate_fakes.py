@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import opdispatch
+from opdispatch.plugins.toolkit import allowed_positions
 
 F32 = frozenset({torch.float32})
 
@@ -60,7 +61,7 @@ class AbortsOnCausal(Right):
     name = "abort"
 
     def run(self, call):
-        if call.causal:
+        if call.causal and call.heads_kv == 1:
             os.abort()
         return self.compute(call)
 
@@ -69,9 +70,18 @@ class HangsOnGqa(Right):
     name = "hang"
 
     def run(self, call):
-        if call.heads_q != call.heads_kv:
+        if call.heads_kv == 1 and call.causal:
             time.sleep(600)
         return self.compute(call)
+
+
+class Elsewhere(Right):
+    """Available on no device here: `validate --impl vfake.elsewhere` has nothing to validate."""
+
+    name = "elsewhere"
+
+    def extra_availability(self, device):
+        return "needs an accelerator this host does not have"
 
 
 class TopLeftOnly(Right):
@@ -98,7 +108,45 @@ class NormIgnoresWeight(opdispatch.RmsNormImpl):
         return y if call.residual is None else (y, h)
 
 
+class ThreeBugs(opdispatch.AttentionImpl):
+    """A third party's attention, right alone in every feature it declares, with three combination bugs:
+    (a) bottom-right alignment computed top-left, only for packed sequences (thd);
+    (b) no gradient reaching k/v when kv heads are shared (GQA/MQA: the expanded k/v are detached);
+    (c) NaN for a query that sees no key (a plain softmax over a row of -inf)."""
+
+    vendor, name = "vfake", "combo"
+    caps = opdispatch.AttentionCaps(dtypes=F32, layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}), causal=True,
+                                    causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True,
+                                    backward=True)
+
+    def run(self, call):
+        if not call.varlen:
+            q, k, v = (call.bhsd(t) for t in (call.q, call.k, call.v))
+            return call.from_bhsd(self.attend(call, q, k, v, call.causal_alignment))
+        cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+        outs = []
+        for b in range(call.batch):
+            q, k, v = (t[c[b]:c[b + 1]].transpose(0, 1).unsqueeze(0) for t, c in
+                       ((call.q, cu_q), (call.k, cu_k), (call.v, cu_k)))
+            outs.append(self.attend(call, q, k, v, "top_left")[0].transpose(0, 1))  # bug (a)
+        return torch.cat(outs)
+
+    @staticmethod
+    def attend(call, q, k, v, alignment):
+        group = q.shape[1] // k.shape[1]
+        if group > 1:  # bug (b): the gradient stops at the expanded k/v
+            k, v = (t.repeat_interleave(group, 1).detach() + 0 * t.repeat_interleave(group, 1) for t in (k, v))
+        scores = q @ k.transpose(-1, -2) * call.scale
+        sq, sk = scores.shape[-2:]
+        offset = sk - sq if alignment == "bottom_right" else 0
+        allowed = allowed_positions(sq, sk, call.causal, call.window, offset,
+                                   scores.device)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v  # bug (c): a row of -inf gives NaN
+
+
 @opdispatch.hookimpl
 def opdispatch_impls():
     return [Right(), WrongShape(), Nan(), Corrupts(), AbortsOnCausal(), HangsOnGqa(), TopLeftOnly(),
-            NormIgnoresWeight()]
+            NormIgnoresWeight(), ThreeBugs(), Elsewhere()]
