@@ -113,12 +113,13 @@ def _attention_slow(manager: OpManager, key: Any, *args: Any) -> Any:
 def _fast_path_failed(manager: OpManager, key: Any, fn: Any, exc: Exception, slow: Callable[..., Any],
                       args: tuple[Any, ...]) -> Any:
     """The kernel bound to a fast-path hit raised `exc`. With settings.fallback_on_error (and no pin), demote it
-    for its call class and run the call again through `slow`, which decides the class again (the next
-    implementation takes it); a due retry (RetryDue) only decides again. Otherwise `exc` goes to the caller."""
+    for its signature (or its class: see opdispatch._breaker) and run the call again through `slow`, which
+    decides it again (the next implementation takes it); a due retry (RetryDue) only decides again. Otherwise
+    `exc` goes to the caller."""
     if isinstance(exc, RetryDue):
         manager.fast.pop(key, None)
     elif manager.may_fail_over(fn.decision, None, exc, args[0].device):
-        manager.fail_over(fn.decision, exc)
+        manager.fail_over(fn.decision, exc, bound=fn)  # the failing signature: see opdispatch._breaker
     else:
         raise exc
     return slow(manager, key, *args)

@@ -94,10 +94,14 @@ class Decision:
     policy_source: str
     policy_hash: str
     pinned: str | None = None
-    # The decision cache key it was made for (the breaker demotes per key), and when a demotion it honours
-    # expires (time.monotonic()): the cached decision is then made again, giving the demoted kernel its retry.
+    # The decision cache key of the call class it was made for (the breaker demotes per class and per
+    # signature), and when a demotion it honours expires (on the breaker's clock): the cached decision is then
+    # made again, giving the demoted kernel its retry.
     cache_key: Any = field(default=None, repr=False, compare=False)
     retry_at: float | None = field(default=None, repr=False, compare=False)
+    # The call signature it was made for alone, when an implementation is demoted for that signature only
+    # (opdispatch._breaker); None: it stands for the whole class.
+    signature: Any = field(default=None, repr=False, compare=False)
     # How the ranks of a torch.distributed group agreed on it (opdispatch._distributed); None: agreement is off.
     agreement: str | None = field(default=None, compare=False)
     agreed: bool = field(default=False, compare=False)  # by every rank of the group (then `agreement` says how)

@@ -6,7 +6,6 @@ import logging
 import os
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -22,7 +21,7 @@ from ._decision import (CHOSEN, DEMOTED, DENIED, ELIGIBLE, FAILED, REJECTED, UNA
 from opdispatch.policies._overrides import OVERRIDES
 
 from . import _native
-from ._breaker import Breaker, RetryDue, may_fail_over
+from ._breaker import CLASS, Breaker, RetryDue, may_fail_over
 from ._output_guard import ImplementationOutputError, check_values_enabled, guarded, structure_problems
 from ._classes import DecisionClasses
 from ._device import DeviceInfo, probe_cpu, probe_generic
@@ -86,7 +85,8 @@ class OpManager:
         self.checked_varlen: dict[Any, bool] = {}
         # How many decisions were made (cache misses of `resolve`): a decode loop should make one.
         self.decisions_made = 0
-        # Implementations demoted per call class after raising at run time (settings.fallback_on_error).
+        # Implementations demoted per call signature, then per call class, after raising at run time
+        # (settings.fallback_on_error); its `clock` is the time every demotion and retry is measured in.
         self.breaker = Breaker()
         self._check_values: bool | None = None  # OPDISPATCH_CHECK_OUTPUTS, read on first use
         self._devices: dict[Any, DeviceInfo] = {}
@@ -318,24 +318,25 @@ class OpManager:
         overrides = OVERRIDES.get()
         cache = state.decisions
         key = self._cache_key(op, call, device, impl, overrides, state)
+        signature, lookup = self._signature_scope(key, call)
         if use_cache:
-            decision = cache.get(key)
+            decision = cache.get(lookup)
             # Under group agreement a decision this rank made alone (before agreement, inside `local()`) is decided
             # again, collectively: every rank of the group then takes part.
-            if decision is not None and (decision.retry_at is None or time.monotonic() < decision.retry_at) and (
+            if decision is not None and (decision.retry_at is None or self.breaker.clock() < decision.retry_at) and (
                     self.agreement is None or decision.agreed or not self.agreement.ready()):
                 try:  # least recently used goes first: a hit moves to the end
-                    cache[key] = cache.pop(key)
+                    cache[lookup] = cache.pop(lookup)
                 except KeyError:  # evicted by another thread meanwhile: the decision is still valid
                     pass
                 return decision  # type: ignore[no-any-return]
         raise_if_capturing(op, call)  # deciding probes devices and may sync: never inside CUDA graph capture
         agreement = self.agreement
         if agreement is None:
-            decision = self._decide(op, call, device, impl, state, overrides, key)
+            decision = self._decide(op, call, device, impl, state, overrides, key, signature)
         else:  # every rank of the group takes part, also one that cannot decide (its error is re-raised after)
             try:
-                decision = self._decide(op, call, device, impl, state, overrides, key)
+                decision = self._decide(op, call, device, impl, state, overrides, key, signature)
             except OpDispatchError as exc:
                 agreement.agree_failed(self, op, call, exc)
                 raise
@@ -344,7 +345,7 @@ class OpManager:
         if decision.chosen is None:
             raise _no_impl_error(decision, self.plugins)
         if use_cache:
-            bounded_put(cache, key, decision)
+            bounded_put(cache, lookup, decision)
         log.info("%s: chose %s for [%s] on %s (decided by %s)", op, decision.chosen_id, decision.call,
                  device.describe(), decision.decided_by)
         if getattr(decision.chosen, "reference_fallback", False) and device.type != "cpu":
@@ -358,8 +359,21 @@ class OpManager:
         """The cached decision for `call`'s class, or None; never decides (safe during CUDA graph capture)."""
         state = self.state
         device = self.device_info(call.device)
-        decision: Decision | None = state.decisions.get(self._cache_key(op, call, device, impl, OVERRIDES.get(), state))
+        _, lookup = self._signature_scope(self._cache_key(op, call, device, impl, OVERRIDES.get(), state), call)
+        decision: Decision | None = state.decisions.get(lookup)
         return decision
+
+    def _signature_scope(self, key: Any, call: Any) -> tuple[Any, Any]:
+        """`call`'s signature when the breaker demoted an implementation for one signature of its class (else
+        None), and the decision cache key to look up: the class's, or — while such a demotion holds for this very
+        signature — one of the signature's own (other signatures of the class keep the class's decision)."""
+        breaker = self.breaker
+        if not breaker or not breaker.has_signature_demotions(key):
+            return None, key
+        signature = call.signature()
+        if breaker.holds_for_signature(key, signature, breaker.clock()):
+            return signature, ("signature", key, signature)
+        return signature, key
 
     def _cache_key(self, op: str, call: Any, device: DeviceInfo, impl: str | None, overrides: Any,
                    state: DispatchState) -> tuple[Any, ...]:
@@ -400,7 +414,8 @@ class OpManager:
             device = self.device_info(call.device)
         state, overrides = self.state, OVERRIDES.get()
         key = self._cache_key(op, call, device, impl, overrides, state) if self.breaker else None
-        decision = self._decide(op, call, device, impl, state, overrides, key)
+        signature = None if key is None else self._signature_scope(key, call)[0]
+        decision = self._decide(op, call, device, impl, state, overrides, key, signature)
         if self.agreement is not None:
             from ._distributed import explained
 
@@ -410,10 +425,12 @@ class OpManager:
         return decision
 
     def _decide(self, op: str, call: Any, device: DeviceInfo, impl: str | None, state: DispatchState,
-                overrides: Any, key: Any = None) -> Decision:
+                overrides: Any, key: Any = None, signature: Any = None) -> Decision:
+        """Decide `call` (its class `key` for the breaker's demotions; with `signature`, also the demotions of
+        that signature alone — the decision then stands for that signature only)."""
         self.ensure_initialized()
         policy = state.policy
-        now = time.monotonic()
+        now = self.breaker.clock()
         retry_at: list[float] = []
         # The state's implementations (registered when it was built), so a plugin registering meanwhile cannot
         # make this decision see an implementation its state has not configured.
@@ -434,10 +451,10 @@ class OpManager:
             return Candidate(impl_obj.id, REJECTED if reasons else ELIGIBLE, reasons, prov, origins[impl_obj.id])
 
         def demoted(cand: Candidate) -> Candidate:
-            """An eligible candidate the breaker demoted for this class (never a pinned one: a pin never falls
-            back) — with the error it raised and when it is retried."""
+            """An eligible candidate the breaker demoted for this class or this signature (never a pinned one: a
+            pin never falls back) — with the error it raised, the call, the scope and when it is retried."""
             consult = key is not None and self.breaker and policy.settings.fallback_on_error  # off: never demoted
-            demotion = self.breaker.active(key, cand.impl_id, now) if consult else None
+            demotion = self.breaker.active(key, signature, cand.impl_id, now) if consult else None
             if cand.status == ELIGIBLE and demotion is not None:
                 cand.status, cand.reasons = DEMOTED, [demotion.reason(now)]
                 if demotion.retry_at is not None:
@@ -483,8 +500,11 @@ class OpManager:
                       else f"denied by {prov}")
             candidates.append(Candidate(impl_id, DENIED, [reason], prov, origins[impl_id]))
         candidates.extend(self._failed_candidates())
+        # A decision that honours a demotion of this signature alone stands for this signature only.
+        own = signature if any(c.status == DEMOTED for c in candidates) and signature is not None and \
+            self.breaker.holds_for_signature(key, signature, now) else None
         return Decision(op, call.describe(), device, chosen, candidates, decided_by, policy.source, policy.hash,
-                        cache_key=key, retry_at=min(retry_at, default=None))
+                        cache_key=key, retry_at=min(retry_at, default=None), signature=own)
 
     def _failed_candidates(self) -> list[Candidate]:
         return [Candidate(f"plugin:{r.name}", FAILED, [r.describe()], None, r.origin)
@@ -500,7 +520,14 @@ class OpManager:
         code hands a failure to `fail_over` itself, at no cost per call.
         """
         decision = self.resolve(op, call, impl=impl)
-        fn = self._bound(decision, call)
+        while True:
+            try:
+                fn = self._bound(decision, call)
+                break
+            except Exception as exc:  # a kernel that cannot bind fails over like one that raises
+                if not self.may_fail_over(decision, impl, exc, call.device):
+                    raise
+                decision = self._next_decision(op, call, impl, decision, exc)
         if not guarded or not self.policy.settings.fallback_on_error:
             return fn
         current = [fn]
@@ -514,15 +541,16 @@ class OpManager:
                     raise
                 retry = rebuild(*tensors)
                 if not isinstance(exc, RetryDue):
-                    self.fail_over(current[0].decision, exc)
+                    self.fail_over(current[0].decision, exc, bound=current[0])
                 return self.run_bound(op, retry, impl, tensors, remember=lambda bound: current.__setitem__(0, bound))
 
         with_fallback.decision = decision  # type: ignore[attr-defined]
         return with_fallback
 
     def _bound(self, decision: Decision, call: Any) -> Any:
-        """`decision.chosen` bound to `call`'s signature, with `.decision`; while the decision honours a demotion,
-        the function raises RetryDue once the demoted kernel's retry is due."""
+        """`decision.chosen` bound to `call`'s signature, with `.decision`, `.signature` (the call's) and
+        `.described` (the call, for the breaker's messages); while the decision honours a demotion, the function
+        raises RetryDue once the demoted kernel's retry is due. Raises what the implementation's `bind` raises."""
         chosen = decision.chosen
         assert chosen is not None
         fn = chosen.bind(chosen.conform(call))
@@ -538,7 +566,7 @@ class OpManager:
             fn = guarded(decision.op, chosen.id, fn, _template(call).with_tensors, _bound_names(decision.op))
         retry_at = decision.retry_at
         if retry_at is not None:
-            kernel, clock = fn, time.monotonic
+            kernel, clock = fn, self.breaker.clock
 
             def until_retry(*tensors: Any) -> Any:
                 if clock() >= retry_at:
@@ -547,6 +575,8 @@ class OpManager:
 
             fn = until_retry
         fn.decision = decision  # type: ignore[attr-defined]
+        fn.signature = call.signature()  # type: ignore[attr-defined]
+        fn.described = call.describe()  # type: ignore[attr-defined]
         return fn
 
     @property
@@ -563,8 +593,8 @@ class OpManager:
             chosen = decision.chosen
             assert chosen is not None
             try:
-                if self.check_values:
-                    names = _bound_names(op)
+                if self.check_values:  # every tensor the call holds: checked unchanged, and for NaN given
+                    names = _tensor_names(op, call)
                     result = guarded(op, chosen.id, lambda *_: chosen.run(chosen.conform(call)), lambda *_: call,
                                      names)(*(getattr(call, n) for n in names))
                 else:
@@ -582,8 +612,8 @@ class OpManager:
         returned; a kernel that raises is demoted and the call goes to the next implementation (`fail_over`)."""
         decision = self.resolve(op, call, impl=impl)
         while True:
-            fn = self._bound(decision, call)
             try:
+                fn = self._bound(decision, call)  # a kernel that cannot bind fails over like one that raises
                 out = fn(*tensors)
                 _raise_for_structure(op, decision.chosen_id, call, out)  # once per signature: it fixes the structure
             except Exception as exc:
@@ -596,7 +626,7 @@ class OpManager:
             return out
 
     def _next_decision(self, op: str, call: Any, impl: str | None, failed: Decision, exc: Exception) -> Decision:
-        self.fail_over(failed, exc)
+        self.fail_over(failed, exc, call=call)
         try:
             return self.resolve(op, call, impl=impl)
         except NoImplementationError as none_left:
@@ -611,29 +641,62 @@ class OpManager:
                 and self.agreement is None and may_fail_over(exc) and not _is_compiling()
                 and not is_capturing(device))
 
-    def fail_over(self, decision: Decision, exc: BaseException) -> None:
-        """Demote `decision.chosen` for its call class after `exc`: forget the decision and every fast-path
-        function bound to it, so the class is decided again without that implementation."""
+    def fail_over(self, decision: Decision, exc: BaseException, *, bound: Any = None, call: Any = None) -> None:
+        """Demote `decision.chosen` after `exc` on the call `call` (a call record) or the signature `bound` (the
+        function `_bound` made for it) was bound to: for that signature, or for the whole call class once it
+        failed on two distinct signatures of it (see `_breaker`). Forget the decisions and the fast-path functions
+        the demotion invalidates, so those calls are decided again without that implementation."""
         impl_id = decision.chosen_id
         assert impl_id is not None
-        demotion, first = self.breaker.record(decision.cache_key, impl_id, exc, decision.call)
+        if bound is not None:
+            signature, described = getattr(bound, "signature", None), getattr(bound, "described", decision.call)
+        elif call is not None:
+            signature, described = call.signature(), call.describe()
+        else:
+            signature, described = None, decision.call  # demoted for the class
+        key = decision.cache_key
+        demotion, loud = self.breaker.record(key, signature, impl_id, exc, described)
         state = self.state
-        if decision.cache_key is not None and state.decisions.get(decision.cache_key) is decision:
-            state.decisions.pop(decision.cache_key, None)
-        stale = [k for k, fn in list(state.fast.items()) if getattr(fn, "decision", None) is decision]
-        for k in stale:
-            state.fast.pop(k, None)
-        log.log(logging.WARNING if first else logging.INFO,
-                "%s: %s raised %s on [%s]; the call goes to the next implementation (settings.fallback_on_error), "
-                "%s.%s", decision.op, impl_id, demotion.error, decision.call, demotion.outlook(time.monotonic()),
-                " Later failures of this implementation log at INFO." if first else "")
 
+        def invalidated(d: Any, d_signature: Any) -> bool:
+            """Whether a decision (or a function bound to it for `d_signature`) relied on what was demoted."""
+            if d is not decision and (d is None or d.cache_key != key or d.chosen_id != impl_id):
+                return False
+            return demotion.scope == CLASS or d_signature == signature
+
+        for k, d in list(state.decisions.items()):
+            if invalidated(d, d.signature if demotion.scope != CLASS else None):
+                state.decisions.pop(k, None)  # (a signature's demotion leaves the class's decision in place)
+        for k, fn in list(state.fast.items()):
+            if invalidated(getattr(fn, "decision", None), getattr(fn, "signature", None)):
+                state.fast.pop(k, None)
+        log.log(logging.WARNING if loud else logging.INFO,
+                "%s: %s raised %s on [%s]; the call goes to the next implementation (settings.fallback_on_error); "
+                "%s is %s.%s", decision.op, impl_id, demotion.error, described, impl_id,
+                demotion.outlook(self.breaker.clock()),
+                " Later failures at this scope log at INFO." if loud else "")
 
 def _bound_names(op: str) -> tuple[str, ...]:
     from ._ops import op_spec
 
     arguments = op_spec(op).arguments
     return tuple(arguments.bound + arguments.bound_optional) if arguments is not None else ()
+
+
+def _tensor_names(op: str, call: Any) -> tuple[str, ...]:
+    """The op's arguments that hold a tensor in `call`: the bound ones first (masks, biases, offsets after)."""
+    from ._ops import op_spec
+
+    arguments = op_spec(op).arguments
+    bound = _bound_names(op)
+    others = () if arguments is None else tuple(n for n in arguments.names if n not in bound)
+    return bound + tuple(n for n in others if _is_tensor(getattr(call, n, None)))
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
 
 
 def _raise_for_structure(op: str, impl_id: Any, call: Any, result: Any) -> None:
