@@ -36,9 +36,14 @@ class KvCacheIndexError(ValueError):
     `check_pending_errors`."""
 
 
+def sync_checks() -> bool:
+    """Whether ``OPDISPATCH_SYNC_CHECKS`` asks for host checks on every device (a sync per call)."""
+    return os.environ.get(SYNC_ENV, "") not in ("", "0")
+
+
 def host_checks(device: torch.device) -> bool:
     """Whether a call on `device` checks its indices on the host (see the module docstring)."""
-    if os.environ.get(SYNC_ENV, "") not in ("", "0"):
+    if sync_checks():
         return True
     return device.type == "cpu" and os.environ.get(MODE_ENV, "") != "device"
 
@@ -133,9 +138,9 @@ def raise_first(fn: str, rules: list[Rule]) -> None:
             raise ValueError(rule.message(fn, position, int(source[position])))
 
 
-def device_verdict(fn: str, rules: list[Rule], device: torch.device) -> torch.Tensor:
-    """Device check: a 0-d bool tensor, True when every rule holds, computed without a host sync; the first bad
-    (rule, position, value) is recorded for `raise_pending` / `check_pending_errors` to raise later."""
+def device_verdict(fn: str, rules: list[Rule], device: torch.device) -> tuple[torch.Tensor, Any]:
+    """Device check: (a 0-d bool tensor, True when every rule holds, computed without a host sync; the report to
+    hand `defer` once the call's work is queued — so that the call itself does not raise its own error)."""
     rows = []
     for rule in rules:
         flat = rule.bad().flatten()
@@ -148,9 +153,14 @@ def device_verdict(fn: str, rules: list[Rule], device: torch.device) -> torch.Te
     table = torch.stack(rows)  # (rules, 3): any, position, value
     rule_index = table[:, 0].argmax()
     report = torch.cat([table[:, 0].any().long().view(1), rule_index.view(1), table[rule_index, 1:]])
-    _record(fn, rules, report, device)
     valid: torch.Tensor = report[0] == 0
-    return valid
+    return valid, (fn, rules, report, device)
+
+
+def defer(report: Any) -> None:
+    """Record a `device_verdict` report: its first bad (rule, position, value) is copied to the host behind an
+    event, for `raise_pending` / `check_pending_errors` to raise."""
+    _record(*report)
 
 
 @dataclass
@@ -240,4 +250,5 @@ def poisoned(result: Any, valid: torch.Tensor) -> Any:
 
 
 __all__ = ["Bound", "KvCacheIndexError", "MODE_ENV", "SYNC_ENV", "Unique", "check_index_tensor",
-           "check_pending_errors", "device_verdict", "host_checks", "poisoned", "raise_first", "raise_pending"]
+           "check_pending_errors", "defer", "device_verdict", "host_checks", "poisoned", "raise_first", "raise_pending",
+           "sync_checks"]

@@ -33,7 +33,7 @@ from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compili
     _run_and_remember, attention
 from .._attention import validate_attention
 from .._kv_checks import Bound, KvCacheIndexError, Rule, Unique, check_index_tensor, check_pending_errors, \
-    device_verdict, host_checks, poisoned, raise_first, raise_pending
+    defer, device_verdict, host_checks, poisoned, raise_first, raise_pending
 from .._rotary import rotary_embedding
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
@@ -288,6 +288,7 @@ class _KvIndices(NamedTuple):
     leftpad: Tensor | None
     table: Tensor | None
     valid: Tensor | None
+    report: Any  # the device-side verdict's report, deferred once the call is queued (None: host-checked)
 
 
 def _kvcache_indices(q: Tensor, k_cache: Tensor, new: int, cache_seqlens: Any, cache_batch_idx: Any,
@@ -321,8 +322,15 @@ def _kvcache_indices(q: Tensor, k_cache: Tensor, new: int, cache_seqlens: Any, c
         raise TypeError(f"{_KV}: cache_seqlens must be an int or an int32 tensor (batch,), got "
                         f"{type(cache_seqlens).__name__} {cache_seqlens!r}")
     host = host_checks(device)
+    rules: list[Rule] = []
+
+    def add(rule: Rule) -> None:  # on the host each rule raises before the next one reads its values
+        rules.append(rule)
+        if host:
+            raise_first(_KV, [rule])
+
     lens_rule = Bound("cache_seqlens", lens, 0, capacity - new, allowed, fix)
-    rules: list[Rule] = [lens_rule]
+    add(lens_rule)
     lens = lens if host else lens_rule.clamped()
     rows = table = leftpad = None
     if cache_batch_idx is not None:
@@ -330,10 +338,10 @@ def _kvcache_indices(q: Tensor, k_cache: Tensor, new: int, cache_seqlens: Any, c
         rows_rule = Bound("cache_batch_idx", rows, 0, k_cache.shape[0] - 1,
                           f"0..{k_cache.shape[0] - 1} (k_cache has {k_cache.shape[0]} rows)",
                           "pass the k_cache row of each sequence")
-        rules.append(rows_rule)
+        add(rows_rule)
         rows = rows if host else rows_rule.clamped()
         if new:
-            rules.append(Unique("cache_batch_idx", rows, "distinct rows when k/v are appended (flash-attn leaves "
+            add(Unique("cache_batch_idx", rows, "distinct rows when k/v are appended (flash-attn leaves "
                                 "two sequences writing one row undefined)", "give each sequence its own cache row"))
     if block_table is not None:
         num_pages = k_cache.shape[0]
@@ -343,12 +351,12 @@ def _kvcache_indices(q: Tensor, k_cache: Tensor, new: int, cache_seqlens: Any, c
                            f"page ids 0..{num_pages - 1} (k_cache holds {num_pages} pages) in the entries each "
                            f"sequence uses (the first ceil((cache_seqlens + {new}) / {page}) of its row)",
                            "point every used entry at an existing page", where=used)
-        rules.append(table_rule)
+        add(table_rule)
         table = block_table if host else table_rule.clamped()
         if new:
             positions = lens.long().unsqueeze(1) + torch.arange(new, device=device)
             slots = table.long().gather(1, positions // page) * page + positions % page
-            rules.append(Unique("block_table", slots, "distinct pages for the positions each sequence appends to",
+            add(Unique("block_table", slots, "distinct pages for the positions each sequence appends to",
                                 "give each sequence its own page for the positions it appends (share only full "
                                 "prefix pages)", divisor=page))
     if cache_leftpad is not None:
@@ -356,12 +364,11 @@ def _kvcache_indices(q: Tensor, k_cache: Tensor, new: int, cache_seqlens: Any, c
         pad_rule = Bound("cache_leftpad", leftpad, 0, lens + new,
                          f"0..cache_seqlens[b]{' + ' + str(new) if new else ''} (a sequence's keys are the cache "
                          "positions [cache_leftpad[b], its end))", "pass each sequence's left padding")
-        rules.append(pad_rule)
+        add(pad_rule)
         leftpad = leftpad if host else pad_rule.clamped()
     if host:
-        raise_first(_KV, rules)
-        return _KvIndices(lens, rows, leftpad, table, None)
-    return _KvIndices(lens, rows, leftpad, table, device_verdict(_KV, rules, device))
+        return _KvIndices(lens, rows, leftpad, table, None, None)
+    return _KvIndices(lens, rows, leftpad, table, *device_verdict(_KV, rules, device))
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
@@ -380,7 +387,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
     raise_pending(q.device)  # an earlier call's failed device-side check
     _check_kvcache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad)
     new = k.shape[1] if k is not None else 0
-    lens, rows, leftpad, table, valid = _kvcache_indices(q, k_cache, new, cache_seqlens, cache_batch_idx,
+    lens, rows, leftpad, table, valid, report = _kvcache_indices(q, k_cache, new, cache_seqlens, cache_batch_idx,
                                                          cache_leftpad, block_table)
     if rotary_cos is not None and rotary_sin is not None:
         capacity = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
@@ -398,7 +405,10 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
         table = None
     result = _run(q, k_cache, v_cache, "bshd", 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
                   False, return_softmax_lse, seqused_k=lens, block_table=table)
-    return result if valid is None else poisoned(result, valid)
+    if valid is None:
+        return result
+    defer(report)  # after the op: this call's own check must not raise from inside it
+    return poisoned(result, valid)
 
 
 def _drop_leftpad(k_cache: Tensor, v_cache: Tensor, lens: Tensor, leftpad: Tensor,
