@@ -80,18 +80,20 @@ class Bound:
 
     def bad(self) -> torch.Tensor:
         values = self.values.long()
-        bad = (values < self.low) | (values > self.high)
+        bad: torch.Tensor = (values < self.low) | (values > self.high)
         return bad & self.where if self.where is not None else bad
 
     def clamped(self) -> torch.Tensor:
-        """The values clamped into range, in their dtype (entries outside `where` unchanged)."""
-        low = self.low if isinstance(self.low, torch.Tensor) else torch.tensor(self.low, device=self.values.device)
-        high = self.high if isinstance(self.high, torch.Tensor) else torch.tensor(self.high,
-                                                                                   device=self.values.device)
-        low = low.to(self.values.dtype)
-        high = torch.maximum(high.to(self.values.dtype), low)  # an empty range (no valid value): its low end
-        clamped = torch.minimum(torch.maximum(self.values, low), high)
-        return torch.where(self.where, clamped, self.values) if self.where is not None else clamped
+        """The values clamped into range, in their dtype (entries outside `where` unchanged; an empty range
+        clamps to its low end). Built on the device: no host value is copied over."""
+        values, low, high = self.values, self.low, self.high
+        if isinstance(low, torch.Tensor) or isinstance(high, torch.Tensor):
+            low = low.to(values.dtype) if isinstance(low, torch.Tensor) else torch.full_like(values, low)
+            high = high.to(values.dtype) if isinstance(high, torch.Tensor) else torch.full_like(values, high)
+            clamped = torch.minimum(torch.maximum(values, low), torch.maximum(high, low))
+        else:
+            clamped = values.clamp(min=low, max=max(high, low))
+        return torch.where(self.where, clamped, values) if self.where is not None else clamped
 
     def message(self, fn: str, position: int, value: int) -> str:
         index = (f"[{position}]" if self.values.dim() <= 1
@@ -180,7 +182,7 @@ def _record(fn: str, rules: list[Rule], report: torch.Tensor, device: torch.devi
     if device.type == "cuda":
         host = torch.empty(4, dtype=torch.long, pin_memory=True)
         host.copy_(report, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
     else:
         host = report.to("cpu", copy=True)
