@@ -115,7 +115,7 @@ class Unique:
     def bad(self) -> torch.Tensor:
         keys, _ = self.keys.flatten().long().sort()
         dup = keys[1:] == keys[:-1]
-        return torch.nn.functional.pad(dup, (1, 0))  # aligned with the sorted keys: True at a repeat
+        return torch.cat([dup.new_zeros(1), dup])  # aligned with the sorted keys: True at a repeat
 
     def reported(self) -> torch.Tensor:
         keys, _ = self.keys.flatten().long().sort()
@@ -150,11 +150,13 @@ def device_verdict(fn: str, rules: list[Rule], device: torch.device) -> tuple[to
         if flat.numel() == 0:
             rows.append(torch.zeros(3, dtype=torch.long, device=device))
             continue
-        position = flat.to(torch.int8).argmax()  # the first True (argmax of a 0/1 vector returns the first)
-        rows.append(torch.stack([flat.any().long(), position, source[position]]))
+        # The first True (argmax of a 0/1 vector returns the first); gather/index_select, not t[0-d tensor],
+        # which could read the index on the host.
+        position = flat.to(torch.int32).argmax().view(1)
+        rows.append(torch.cat([flat.any().long().view(1), position, source.gather(0, position)]))
     table = torch.stack(rows)  # (rules, 3): any, position, value
-    rule_index = table[:, 0].argmax()
-    report = torch.cat([table[:, 0].any().long().view(1), rule_index.view(1), table[rule_index, 1:]])
+    rule_index = table[:, 0].argmax().view(1)
+    report = torch.cat([table[:, 0].any().long().view(1), rule_index, table.index_select(0, rule_index)[0, 1:]])
     valid: torch.Tensor = report[0] == 0
     return valid, (fn, rules, report, device)
 

@@ -73,3 +73,30 @@ def test_out_of_bounds_paged_append_leaves_the_context_alive_and_raises(case, fr
     synchronous = _child(case, OPDISPATCH_SYNC_CHECKS="1")
     assert synchronous["cuda_alive"] and synchronous["unchanged"] and synchronous["returned_nan"] is None
     assert synchronous["error"].startswith("ValueError") and fragment in synchronous["error"]
+
+
+def test_the_device_side_check_adds_no_host_sync(basic_manager):
+    """Warm once (decision, binding), then run a valid and an invalid paged append with CUDA's sync debug mode set
+    to error: the checks, the all-or-nothing write and the deferred report must not synchronize."""
+    from opdispatch.compat import flash_attn as fa
+
+    dev, i32 = "cuda", torch.int32
+    q = torch.randn(2, 1, 8, 64, device=dev, dtype=torch.float16)
+    k_new = torch.randn(2, 3, 2, 64, device=dev, dtype=torch.float16)
+    pool_k = torch.randn(10, 16, 2, 64, device=dev, dtype=torch.float16)
+    pool_v = torch.randn_like(pool_k)
+    table = torch.tensor([[7, 2, 0, 0], [4, 1, 9, 3]], dtype=i32, device=dev)
+    good = torch.tensor([5, 20], dtype=i32, device=dev)
+    bad = torch.tensor([5, 62], dtype=i32, device=dev)
+    kw = dict(k=k_new, v=k_new, block_table=table, causal=True)
+    fa.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=good, **kw)
+    fa.check_pending_errors()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fa.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=good, **kw)
+        out = fa.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=bad, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.isnan().all()
+    with pytest.raises(fa.KvCacheIndexError, match=r"cache_seqlens\[1\]=62 is out of range"):
+        fa.check_pending_errors()
