@@ -16,6 +16,7 @@ import torch
 from ._arguments import Arg, OpArguments
 from ._attention_tuning import ATTENTION_TUNING
 from ._impl import Impl
+from ._kv_checks import raise_pending, sync_checks
 from ._ops import OpSpec, register_op
 
 if TYPE_CHECKING:
@@ -816,6 +817,7 @@ def _read_kv_cache(call: AttentionCall, seqused_k: Any, block_table: Any, max_se
     """A KV cache: seqused_k (keys each sequence uses) and, for a paged one, the block table. Sets the call's
     seqlen_k to the cache's capacity per sequence (the longest fill it can hold)."""
     device, batch = call.q.device, call.batch
+    raise_pending(device)  # an earlier KV-cache call's failed device-side check (core._kv_checks)
     if seqused_k is None:
         raise ValueError("attention(): block_table needs seqused_k, the number of keys each sequence holds "
                          "(int32, (batch,)): the last page is usually only partly filled")
@@ -841,7 +843,9 @@ def _read_kv_cache(call: AttentionCall, seqused_k: Any, block_table: Any, max_se
         else:
             call.seqlen_k = capacity
     call.seqused_k, call.block_table = seqused_k, block_table
-    if check_values and device.type == "cpu":  # a host read elsewhere; kernels trust these values as given
+    # A host read: on CPU always, on accelerators with OPDISPATCH_SYNC_CHECKS=1 (a sync per call; else kernels
+    # trust these values — flash_attn_with_kvcache checks its own on the device, core._kv_checks).
+    if check_values and (device.type == "cpu" or sync_checks()):
         _check_kv_values(call, seqused_k, block_table, pages)
 
 

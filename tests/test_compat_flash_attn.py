@@ -351,9 +351,9 @@ def test_kvcache_refuses_what_it_does_not_support(basic_manager):
     with pytest.raises(ValueError, match="cache_leftpad and block_table cannot be used together"):
         fa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=torch.tensor([1], dtype=torch.int32),
                                    block_table=table)
-    with pytest.raises(TypeError, match=r"cache_leftpad must be int32 of shape \(batch,\) = \(1,\)"):
+    with pytest.raises(TypeError, match=r"cache_leftpad must be torch.int32 \(as in flash-attn\), got torch.int64"):
         fa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=torch.tensor([1]))
-    with pytest.raises(ValueError, match=r"cache_leftpad=\[4\] must be <= each sequence's end"):
+    with pytest.raises(ValueError, match=r"cache_leftpad\[0\]=4 is out of range; allowed: 0..cache_seqlens\[b\]"):
         fa.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=torch.tensor([4], dtype=torch.int32))
     with pytest.raises(ValueError, match="pass k and v together"):
         fa.flash_attn_with_kvcache(q, cache, cache, k=torch.randn(1, 1, 2, 16), cache_seqlens=3)

@@ -104,3 +104,42 @@ def test_availability_reports_import_failure(monkeypatch, manager):
                                 libraries={"flag_gems": "5.0.2"})
     reason = FlagGemsAttention().availability(dev)
     assert reason is not None and "flag_gems failed to import" in reason
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("window", [(0, 0), (50, 0), (300, 0), (3, -1), (-1, 2), None])
+def test_windowed_kv_cache_with_fill_below_capacity(manager, gems, rng, paged, seqlen_q, window):
+    """Issue 27: flag_gems 5.0.2 applies a window only when its left bound is set and then takes both bounds
+    literally (a right bound of -1 hides the diagonal), and a causal decode's canonical window is (left, -1): the
+    fake mirrors that, so this failed by ~3 before gems_window. GQA decode without a window also checks the LSE
+    flag_gems scrambles (query groups swapped into the sequence dimension)."""
+    fills, capacity, page = [400, 130, 37], 512, 64
+    q = randn(3, seqlen_q, 8, 64, dtype=torch.float16, gen=rng)
+    k = randn(3, capacity, 2, 64, dtype=torch.float16, gen=rng)
+    v = randn(3, capacity, 2, 64, dtype=torch.float16, gen=rng)
+    table = None
+    if paged:
+        order = torch.randperm(3 * capacity // page, generator=rng)
+        k_pool, v_pool = torch.empty(3 * capacity // page, page, 2, 64, dtype=torch.float16), None
+        k_pool[order] = k.reshape(-1, page, 2, 64)
+        v_pool = torch.empty_like(k_pool)
+        v_pool[order] = v.reshape(-1, page, 2, 64)
+        k, v, table = k_pool, v_pool, order.view(3, -1).to(torch.int32)
+    for causal in (True, False) if window is None or window[1] <= 0 else (False,):  # causal forbids right > 0
+        call = validate_attention(q, k, v, causal=causal, causal_alignment="bottom_right", window=window,
+                                  seqused_k=torch.tensor(fills, dtype=torch.int32), block_table=table,
+                                  return_lse=True)
+        assert not FlagGemsAttention().extra_reasons(call, None)
+        _check(manager, call)
+
+
+def test_left_only_window_with_more_queries_than_keys_is_refused(manager, gems, rng):
+    q = randn(1, 40, 4, 32, dtype=torch.float16, gen=rng)
+    k = randn(1, 16, 4, 32, dtype=torch.float16, gen=rng)
+    call = validate_attention(q, k, k, window=(3, -1), causal_alignment="bottom_right", return_lse=True)
+    reasons = FlagGemsAttention().extra_reasons(call, None)
+    assert any("left-only window with more queries (40) than keys (16)" in r for r in reasons)
+    fine = validate_attention(q[:, :16], k, k, window=(3, -1), causal_alignment="bottom_right", return_lse=True)
+    assert not FlagGemsAttention().extra_reasons(fine, None)
+    _check(manager, fine)

@@ -23,7 +23,7 @@ to start at 0 (one copy of the cache per call). ``num_splits`` is a flash-attn s
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,10 +33,13 @@ from .._arguments import REQUIRED
 from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, \
     _run_and_remember, attention
 from .._attention import validate_attention
+from .._kv_checks import Bound, KvCacheIndexError, Rule, Unique, check_index_tensor, check_pending_errors, \
+    defer, device_verdict, host_checks, poisoned, raise_first, raise_pending
 from .._rotary import rotary_embedding
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"]
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
+           "KvCacheIndexError", "check_pending_errors"]
 
 
 def _window_bounds(window_size: Any) -> tuple[int, int]:
@@ -276,24 +279,128 @@ def flash_attn_varlen_kvpacked_func(q: Tensor, kv: Tensor, cu_seqlens_q: Tensor,
                                   deterministic, return_attn_probs)
 
 
-def _check_kvcache(q: Tensor, k_cache: Tensor, block_table: Tensor | None, cache_batch_idx: Tensor | None,
-                   cache_leftpad: Tensor | None) -> None:
-    if q.dim() != 4 or k_cache.dim() != 4:
-        raise ValueError(f"flash_attn_with_kvcache: q and k_cache must be 4-D, got q {tuple(q.shape)}, k_cache "
-                         f"{tuple(k_cache.shape)}")
-    if cache_leftpad is not None:
-        if block_table is not None:
-            raise ValueError("flash_attn_with_kvcache: cache_leftpad and block_table cannot be used together (as in "
-                             "flash-attn); pass one or the other")
-        if cache_leftpad.dtype != torch.int32 or tuple(cache_leftpad.shape) != (q.shape[0],):
-            raise TypeError(f"flash_attn_with_kvcache: cache_leftpad must be int32 of shape (batch,) = "
-                            f"({q.shape[0]},), got {cache_leftpad.dtype} {tuple(cache_leftpad.shape)}; pass "
-                            f"one start per sequence, e.g. cache_leftpad.to(torch.int32)")
+_KV = "flash_attn_with_kvcache"
+
+
+def _check_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
+                   block_table: Tensor | None, cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None) -> None:
+    """Shapes, dtypes and devices of the tensors (host-known, checked before anything else: a mismatch found by
+    the write itself could leave k_cache written and v_cache not)."""
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(f"{_KV}: q, k_cache and v_cache must be 4-D, got q {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
+        raise ValueError(f"{_KV}: k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
+                         f"{v_cache.dtype} must agree in all but the last dimension, dtype and device")
+    if (k is None) != (v is None):
+        raise ValueError(f"{_KV}: pass k and v together (or neither)")
+    if k is not None and v is not None:
+        for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+            want = (q.shape[0], k.shape[1] if k.dim() == 4 else -1, cache.shape[2], cache.shape[3])
+            if new.dim() != 4 or tuple(new.shape) != want or new.dtype != cache.dtype or new.device != cache.device:
+                raise ValueError(f"{_KV}: {name} must be (batch, seqlen_new, heads_k, dim) = {want} {cache.dtype} on "
+                                 f"{cache.device} like {name}_cache, got {tuple(new.shape)} {new.dtype} on "
+                                 f"{new.device}")
+    if cache_leftpad is not None and block_table is not None:
+        raise ValueError(f"{_KV}: cache_leftpad and block_table cannot be used together (as in flash-attn); pass "
+                         "one or the other")
     if block_table is not None and cache_batch_idx is not None:
-        raise ValueError("flash_attn_with_kvcache: cache_batch_idx and block_table cannot be used together (as "
-                         "in flash-attn)")
-    if block_table is not None and block_table.dtype != torch.int32:
-        raise TypeError(f"flash_attn_with_kvcache: block_table must be int32, got {block_table.dtype}")
+        raise ValueError(f"{_KV}: cache_batch_idx and block_table cannot be used together (as in flash-attn)")
+    if block_table is None and cache_batch_idx is None and k_cache.shape[0] < q.shape[0]:
+        raise ValueError(f"{_KV}: k_cache has {k_cache.shape[0]} rows but q has batch {q.shape[0]}; give every "
+                         "sequence a row (sequence b uses row b, or pass cache_batch_idx)")
+
+
+class _KvIndices(NamedTuple):
+    """A call's checked indices (clamped into range on the device path) and its verdict (None: checked on the
+    host, which raised if anything was wrong; else a 0-d bool tensor)."""
+
+    lens: Tensor
+    rows: Tensor | None
+    leftpad: Tensor | None
+    table: Tensor | None
+    valid: Tensor | None
+    report: Any  # the device-side verdict's report, deferred once the call is queued (None: host-checked)
+
+
+def _kvcache_indices(q: Tensor, k_cache: Tensor, new: int, cache_seqlens: Any, cache_batch_idx: Any,
+                     cache_leftpad: Any, block_table: Any) -> _KvIndices:
+    """Every index of the call as a rule of core._kv_checks, checked before anything is written: on the host
+    (raising ValueError/TypeError here), or on the device (see that module)."""
+    batch, device = q.shape[0], q.device
+    page = k_cache.shape[1]
+    if block_table is not None:
+        if not isinstance(block_table, Tensor) or block_table.dim() != 2:
+            raise ValueError(f"{_KV}: block_table must be a 2-D int32 tensor (batch, max_blocks), got "
+                             f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+        block_table = check_index_tensor(_KV, "block_table", block_table, (batch, block_table.shape[1]), device)
+    capacity = page * (block_table.shape[1] if block_table is not None else 1)
+    room = f"the cache holds {capacity} positions per sequence" + (
+        f" ({block_table.shape[1]} pages of {page} in block_table)" if block_table is not None else "")
+    if new > capacity:
+        raise ValueError(f"{_KV}: k appends {new} keys per sequence but {room}; append at most {capacity}")
+    if cache_seqlens is None:
+        cache_seqlens = 0 if new else capacity
+    after = f" with {new} new keys appended after them" if new else ""
+    allowed = f"0..{capacity - new} ({room}{after})"
+    fix = "pass each sequence's current length; grow the cache (or its block_table) before appending past its end"
+    if isinstance(cache_seqlens, Tensor):
+        lens = check_index_tensor(_KV, "cache_seqlens", cache_seqlens, (batch,), device)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - new:
+            raise ValueError(f"{_KV}: cache_seqlens={cache_seqlens} is out of range; allowed: {allowed}; {fix}")
+        lens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    else:
+        raise TypeError(f"{_KV}: cache_seqlens must be an int or an int32 tensor (batch,), got "
+                        f"{type(cache_seqlens).__name__} {cache_seqlens!r}")
+    host = host_checks(device)
+    rules: list[Rule] = []
+
+    def add(rule: Rule) -> None:  # on the host each rule raises before the next one reads its values
+        rules.append(rule)
+        if host:
+            raise_first(_KV, [rule])
+
+    lens_rule = Bound("cache_seqlens", lens, 0, capacity - new, allowed, fix)
+    add(lens_rule)
+    lens = lens if host else lens_rule.clamped()
+    rows = table = leftpad = None
+    if cache_batch_idx is not None:
+        rows = check_index_tensor(_KV, "cache_batch_idx", cache_batch_idx, (batch,), device)
+        rows_rule = Bound("cache_batch_idx", rows, 0, k_cache.shape[0] - 1,
+                          f"0..{k_cache.shape[0] - 1} (k_cache has {k_cache.shape[0]} rows)",
+                          "pass the k_cache row of each sequence")
+        add(rows_rule)
+        rows = rows if host else rows_rule.clamped()
+        if new:
+            add(Unique("cache_batch_idx", rows, "distinct rows when k/v are appended (flash-attn leaves "
+                                "two sequences writing one row undefined)", "give each sequence its own cache row"))
+    if block_table is not None:
+        num_pages = k_cache.shape[0]
+        pages_used = (lens.long() + new + page - 1) // page
+        used = torch.arange(block_table.shape[1], device=device).unsqueeze(0) < pages_used.unsqueeze(1)
+        table_rule = Bound("block_table", block_table, 0, num_pages - 1,
+                           f"page ids 0..{num_pages - 1} (k_cache holds {num_pages} pages) in the entries each "
+                           f"sequence uses (the first ceil((cache_seqlens + {new}) / {page}) of its row)",
+                           "point every used entry at an existing page", where=used)
+        add(table_rule)
+        table = block_table if host else table_rule.clamped()
+        if new:
+            positions = lens.long().unsqueeze(1) + torch.arange(new, device=device)
+            slots = table.long().gather(1, positions // page) * page + positions % page
+            add(Unique("block_table", slots, "distinct pages for the positions each sequence appends to",
+                                "give each sequence its own page for the positions it appends (share only full "
+                                "prefix pages)", divisor=page))
+    if cache_leftpad is not None:
+        leftpad = check_index_tensor(_KV, "cache_leftpad", cache_leftpad, (batch,), device)
+        pad_rule = Bound("cache_leftpad", leftpad, 0, lens + new,
+                         f"0..cache_seqlens[b]{' + ' + str(new) if new else ''} (a sequence's keys are the cache "
+                         "positions [cache_leftpad[b], its end))", "pass each sequence's left padding")
+        add(pad_rule)
+        leftpad = leftpad if host else pad_rule.clamped()
+    if host:
+        return _KvIndices(lens, rows, leftpad, table, None, None)
+    return _KvIndices(lens, rows, leftpad, table, *device_verdict(_KV, rules, device))
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
@@ -306,44 +413,43 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                             num_splits: int = 0, return_softmax_lse: bool = False) -> Any:
     """Decode and chunked prefill against a KV cache (see the module docstring): q (batch, seqlen_q, heads, dim);
     k_cache/v_cache (batch_cache, seqlen_cache, heads_k, dim), or with `block_table` (batch, max_blocks) int32
-    paged (num_blocks, block_size, heads_k, dim); k/v (batch, seqlen_new, heads_k, dim) appended in place."""
+    paged (num_blocks, block_size, heads_k, dim); k/v (batch, seqlen_new, heads_k, dim) appended in place.
+    Every index is checked before anything is written (opdispatch.core._kv_checks)."""
     del num_splits  # flash-attn's split-KV scheduling: the chosen kernel schedules itself
-    _check_kvcache(q, k_cache, block_table, cache_batch_idx, cache_leftpad)
+    raise_pending(q.device)  # an earlier call's failed device-side check
+    _check_kvcache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad)
     _window_bounds(window_size)  # a malformed window is refused before anything is written
-    batch, device = q.shape[0], q.device
-    if cache_seqlens is None:
-        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-        cache_seqlens = 0 if k is not None else capacity
-    lens = (torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
-            if not isinstance(cache_seqlens, Tensor) else cache_seqlens.to(torch.int32))
-    if (k is None) != (v is None):
-        raise ValueError("flash_attn_with_kvcache: pass k and v together (or neither)")
+    new = k.shape[1] if k is not None else 0
+    lens, rows, leftpad, table, valid, report = _kvcache_indices(q, k_cache, new, cache_seqlens, cache_batch_idx,
+                                                         cache_leftpad, block_table)
     if rotary_cos is not None and rotary_sin is not None:
-        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        capacity = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
         q, k = _rotate(q, k, rotary_cos, rotary_sin, lens, rotary_interleaved,
                        _is_local(window_size, causal, capacity))
-    if cache_batch_idx is not None:  # rows of the cache, in any order: one page per row (no copy)
-        block_table = cache_batch_idx.to(torch.int32).unsqueeze(1)
+    if rows is None and table is None and k_cache.shape[0] != q.shape[0]:
+        rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)  # more rows than sequences: b uses b
+    if rows is not None:  # rows of the cache, in any order: one page per row (no copy)
+        table = rows.unsqueeze(1)
     if k is not None and v is not None:
-        _append(k_cache, v_cache, k, v, lens, block_table)
-        lens = lens + k.shape[1]
-    if cache_leftpad is not None:
-        k_cache, v_cache, lens = _drop_leftpad(k_cache, v_cache, lens, cache_leftpad, block_table)
-        block_table = None
+        _append(k_cache, v_cache, k, v, lens, table, valid)
+        lens = lens + new
+    if leftpad is not None:
+        k_cache, v_cache, lens = _drop_leftpad(k_cache, v_cache, lens, leftpad, table)
+        table = None
     result = _run(q, k_cache, v_cache, "bshd", 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  False, return_softmax_lse, seqused_k=lens, block_table=block_table)
-    return result
+                  False, return_softmax_lse, seqused_k=lens, block_table=table)
+    if valid is None:
+        return result
+    defer(report)  # after the op: this call's own check must not raise from inside it
+    return poisoned(result, valid)
 
 
 def _drop_leftpad(k_cache: Tensor, v_cache: Tensor, lens: Tensor, leftpad: Tensor,
                   rows: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Sequence i's keys are cache positions [leftpad[i], lens[i]): gathered to start at 0 (a copy: the op's KV
     cache reads each sequence from its first position), with their lengths. `rows`: the one-page-per-row table of
-    a cache_batch_idx, else row i."""
+    a cache_batch_idx, else row i. The indices were checked (or clamped) by _kvcache_indices."""
     batch, capacity = leftpad.shape[0], k_cache.shape[1]
-    if k_cache.device.type == "cpu" and bool((leftpad > lens).any()):  # on an accelerator: a sync, not checked
-        raise ValueError(f"flash_attn_with_kvcache: cache_leftpad={leftpad.tolist()} must be <= each sequence's "
-                         f"end (cache_seqlens plus the new keys) = {lens.tolist()}")
     row = (rows[:, 0].long() if rows is not None else torch.arange(batch, device=k_cache.device)).unsqueeze(1)
     positions = (leftpad.long().unsqueeze(1) + torch.arange(capacity, device=k_cache.device)).clamp_(max=capacity - 1)
     return k_cache[row, positions], v_cache[row, positions], lens - leftpad
@@ -375,24 +481,20 @@ def _rotate(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, lens: Tensor,
     return q, k
 
 
-def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, lens: Tensor,
-            block_table: Tensor | None) -> None:
+def _append(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, lens: Tensor, block_table: Tensor | None,
+            valid: Tensor | None) -> None:
     """Write the new keys/values into the caches in place, sequence i from position lens[i] (indexed on the
-    device: no host read, except the bounds check on CPU — on an accelerator it would be a sync per call)."""
+    device: no host read). The indices were checked (host) or clamped into range (device: `valid` says whether
+    the call is valid, and an invalid one writes each slot's old value back — all or nothing)."""
     new = k.shape[1]
     positions = lens.long().unsqueeze(1) + torch.arange(new, device=k.device)  # (batch, new)
     if block_table is None:
-        if k.device.type == "cpu" and new and int(positions.max()) >= k_cache.shape[1]:
-            raise ValueError(f"flash_attn_with_kvcache: appending {new} keys at cache_seqlens={lens.tolist()} "
-                             f"overflows the cache of {k_cache.shape[1]} positions")
-        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
-        return
-    block = k_cache.shape[1]
-    if k.device.type == "cpu" and new and int(positions.max()) >= block * block_table.shape[1]:
-        raise ValueError(f"flash_attn_with_kvcache: appending {new} keys at cache_seqlens={lens.tolist()} "
-                         f"overflows the {block_table.shape[1]} pages of {block} positions in block_table")
-    pages = block_table.long().gather(1, positions // block)
-    k_cache[pages, positions % block] = k
-    v_cache[pages, positions % block] = v
+        index: tuple[Tensor, Tensor] = (torch.arange(k.shape[0], device=k.device).unsqueeze(1), positions)
+    else:
+        block = k_cache.shape[1]
+        index = (block_table.long().gather(1, positions // block), positions % block)
+    if valid is not None:
+        k = torch.where(valid, k, k_cache[index])
+        v = torch.where(valid, v, v_cache[index])
+    k_cache[index] = k
+    v_cache[index] = v

@@ -8,8 +8,9 @@ import torch
 
 
 def attend(q, k, v, scale, causal, window, softcap, alibi, offset, additive=None, log2_lse=False,
-           blind_lse=math.inf):
-    """q (b, sq, h, d), k/v (b, sk, hk, d) → out (b, sq, h, d), lse (b, h, sq) the way FA2-like kernels report."""
+           blind_lse=math.inf, literal_window=False):
+    """q (b, sq, h, d), k/v (b, sk, hk, d) → out (b, sq, h, d), lse (b, h, sq) the way FA2-like kernels report.
+    `literal_window`: both window bounds are applied as given, a negative one included (FlagGems' local mask)."""
     qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
     g = qf.shape[1] // kf.shape[1]
     kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
@@ -24,7 +25,9 @@ def attend(q, k, v, scale, causal, window, softcap, alibi, offset, additive=None
     allowed = torch.ones(sq, sk, dtype=torch.bool)
     if causal:
         allowed &= rel <= 0
-    if window is not None and window != (-1, -1):
+    if literal_window:
+        allowed &= (rel >= -window[0]) & (rel <= window[1])
+    elif window is not None and window != (-1, -1):
         if window[0] >= 0:
             allowed &= rel >= -window[0]
         if window[1] >= 0:

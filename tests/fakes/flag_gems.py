@@ -28,12 +28,29 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     assert q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
     assert q.stride(-1) == 1
     calls.append(("flash_attn_varlen_func", dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)))
-    window = (-1, -1) if window_size is None else tuple(window_size)
+    left, right = (-1, -1) if window_size is None else tuple(window_size)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    # 5.0.2's mha_varlan_fwd: causal is dropped for one query without ALiBi, causal sets the right bound to 0,
+    # bounds >= max_seqlen_k are dropped to -1, and the window is applied only when the LEFT bound is set
+    # ("is_local = window_size_left >= 0") — then both bounds literally, a right bound of -1 hiding the diagonal;
+    # a right bound alone (left -1, not causal) is ignored.
+    is_causal = causal and not (max_seqlen_q == 1 and alibi_slopes is None)
+    if is_causal:
+        right = 0
+    left = -1 if left >= max_seqlen_k else left
+    right = -1 if right >= max_seqlen_k else right
+    is_local = left >= 0
+    # Decode with GQA and no window: query groups swapped into the sequence dimension; the LSE comes back through
+    # `lse.reshape(hk, b, groups).reshape(hk * groups, b)`, which scrambles heads and sequences.
+    swapped = (max_seqlen_q == 1 and alibi_slopes is None and q.shape[1] > k.shape[-2] and left < 0 and right < 0
+               and dropout_p == 0)
 
     def one(qi, ki, vi, i):
         sl = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[i]
-        return attend(qi, ki, vi, scale, causal, window, softcap, sl, ki.shape[1] - qi.shape[1])
+        offset = ki.shape[1] - qi.shape[1]
+        if is_local:
+            return attend(qi, ki, vi, scale, False, (left, right), softcap, sl, offset, literal_window=True)
+        return attend(qi, ki, vi, scale, is_causal, None, softcap, sl, offset)
 
     if block_table is not None:
         assert seqused_k is not None, "seqused_k must be provided if block_table is provided"
@@ -47,6 +64,9 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     else:
         assert seqused_k is None, "this fake knows seqused_k only with a block_table (all the adapter sends)"
         o, lse = varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, one)
+    if swapped:
+        heads_k, batch = k.shape[-2], cu_seqlens_q.numel() - 1
+        lse = lse.reshape(heads_k, q.shape[1] // heads_k, batch).transpose(1, 2).reshape(q.shape[1], batch)
     return (o, lse) if return_softmax_lse else o
 
 

@@ -11,6 +11,10 @@ Two entries, chosen per call:
 - KV caches → the same entry with ``seqused_k`` and ``block_table`` (it takes no ``cu_seqlens_k`` then). A dense
   cache is read as one page per sequence; the kernel addresses slot ``page * page_size + i`` with k's row
   stride, so that needs a bshd cache (rows of one sequence adjacent).
+- Windows (`gems_window`): 5.0.2 applies a window only when its left bound is set and then takes both bounds
+  literally, so an unbounded side is passed as max_seqlen_k - 1 (a causal decode's window (left, -1) hid the
+  diagonal key: off by ~3 on an H100). One-query GQA calls without a window come back with a scrambled LSE
+  (query groups swapped into the sequence dimension), put back in order by `unswap_lse`.
 
 flag_gems is imported lazily: its import raises "No device were detected on your machine" without a GPU.
 
@@ -89,7 +93,9 @@ class FlagGemsAttention(AttentionImpl):
         return None
 
     def selection_key(self, call: AttentionCall) -> Any:
-        return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
+        # extra_reasons reads class features (flags, alignment, same_lengths, head_dim, options) and, for a
+        # left-only window, whether the queries outnumber the keys
+        return (window_reason(call) is not None,)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
@@ -111,6 +117,9 @@ class FlagGemsAttention(AttentionImpl):
             pages = cache_as_pages_reason(call, "flag_gems") if call.kv_cache else None
             if pages:
                 reasons.append(pages)
+            window = window_reason(call)
+            if window:
+                reasons.append(window)
         elif call.head_dim not in SDPA_HEAD_DIMS:
             reasons.append(f"head_dim {call.head_dim} not in {sorted(SDPA_HEAD_DIMS)} (flag_gems "
                            "scaled_dot_product_attention_forward)")
@@ -138,29 +147,35 @@ class FlagGemsAttention(AttentionImpl):
     def _varlen(self, call: AttentionCall) -> Any:
         import flag_gems
 
-        kwargs = dict(softmax_scale=call.scale, causal=call.causal, window_size=kernel_window(call),
-                      softcap=call.softcap, alibi_slopes=call.alibi_slopes, return_softmax_lse=call.return_lse)
+        def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_q: int, cu_q: torch.Tensor, max_k: int,
+                   cu_k: torch.Tensor | None, **kv: Any) -> Any:
+            res = flag_gems.flash_attn_varlen_func(
+                q, k, v, max_q, cu_q, max_k, cu_k, softmax_scale=call.scale, causal=call.causal,
+                window_size=gems_window(call, max_q, max_k), softcap=call.softcap, alibi_slopes=call.alibi_slopes,
+                return_softmax_lse=call.return_lse, **kv)
+            if call.return_lse and lse_swapped(call, max_q, max_k):
+                res = res[0], unswap_lse(res[1], call.heads_kv)
+            return res
+
         if call.kv_cache:
             queries = packed_queries(call)
             k, v, table = cache_as_pages(call)
-            res = flag_gems.flash_attn_varlen_func(queries.q, k, v, queries.max_seqlen_q, queries.cu_seqlens_q,
-                                                   call.seqlen_k, None, seqused_k=call.seqused_k, block_table=table,
-                                                   **kwargs)
+            res = varlen(queries.q, k, v, queries.max_seqlen_q, queries.cu_seqlens_q, call.seqlen_k, None,
+                         seqused_k=call.seqused_k, block_table=table)
             if not call.return_lse:
                 return unpack_kv_out(call, res)
             lse = res[1] if call.varlen else unpack_lse(call, res[1])
             return unpack_kv_out(call, res[0]), kv_lse_fix(lse, call)
         if call.varlen:
-            res = flag_gems.flash_attn_varlen_func(call.q, call.k, call.v, call.max_seqlen_q, call.cu_seqlens_q,
-                                                   call.max_seqlen_k, call.cu_seqlens_k, **kwargs)
+            res = varlen(call.q, call.k, call.v, call.max_seqlen_q, call.cu_seqlens_q, call.max_seqlen_k,
+                         call.cu_seqlens_k)
             if not call.return_lse:
                 return res
             return res[0], varlen_lse_fix(res[1], call.cu_seqlens_q, call.cu_seqlens_k, call.causal, call.window,
                                           call.alibi_slopes)
         packed = pack_dense(call)
-        res = flag_gems.flash_attn_varlen_func(packed.q, packed.k, packed.v, packed.max_seqlen_q,
-                                               packed.cu_seqlens_q, packed.max_seqlen_k, packed.cu_seqlens_k,
-                                               **kwargs)
+        res = varlen(packed.q, packed.k, packed.v, packed.max_seqlen_q, packed.cu_seqlens_q, packed.max_seqlen_k,
+                     packed.cu_seqlens_k)
         out = unpack_out(call, res[0] if call.return_lse else res)
         if not call.return_lse:
             return out
@@ -168,4 +183,57 @@ class FlagGemsAttention(AttentionImpl):
                                   call.alibi_slopes)
 
 
-__all__ = ["BACKWARD_REASON", "FlagGemsAttention", "SDPA_HEAD_DIMS", "uses_varlen_kernel"]
+def varlen_lengths(call: AttentionCall) -> tuple[int, int]:
+    """(max_seqlen_q, max_seqlen_k) the adapter hands flash_attn_varlen_func for `call` (a KV cache: its
+    capacity; packed dense calls: their own lengths)."""
+    if call.kv_cache:
+        return (call.max_seqlen_q if call.varlen else call.seqlen_q), call.seqlen_k
+    if call.varlen:
+        return call.max_seqlen_q, call.max_seqlen_k
+    return call.seqlen_q, call.seqlen_k
+
+
+def gems_window(call: AttentionCall, max_q: int, max_k: int) -> tuple[int, int]:
+    """The call's window as flag_gems 5.0.2 must be told it. Its mha_varlan_fwd applies a window only when the
+    left bound is set (``is_local = window_size_left >= 0``) and then takes BOTH bounds literally: an unbounded
+    right side (-1) hides the diagonal key (measured on an H100: windowed decode off by up to 3.0, because a causal
+    decode's canonical window is (left, -1)), and a right bound alone is ignored. Bounds of max_seqlen_k or more
+    are dropped to -1 first, so an unbounded side becomes max_k - 1: a left bound that far reaches key 0 for every
+    query; a right bound that far reaches each sequence's last key when max_q <= max_k (else refused, see
+    `window_reason`)."""
+    left, right = kernel_window(call)
+    if left < 0 and right < 0:
+        return left, right
+    return (left if left >= 0 else max_k - 1), (right if right >= 0 else max_k - 1)
+
+
+def window_reason(call: AttentionCall) -> str | None:
+    """Why flag_gems cannot take the call's window (None when it can): a left-only window needs a right bound
+    of max_seqlen_k - 1 to reach every sequence's last key, which falls short when a sequence has more queries
+    than max_seqlen_k."""
+    if call.window is None or call.window[0] < 0 or call.window[1] >= 0:
+        return None
+    max_q, max_k = varlen_lengths(call)
+    if max_q <= max_k:
+        return None
+    return (f"a left-only window with more queries ({max_q}) than keys ({max_k}): flag_gems 5.0.2 applies both "
+            "window bounds literally and drops bounds >= max_seqlen_k, so no right bound reaches every key")
+
+
+def lse_swapped(call: AttentionCall, max_q: int, max_k: int) -> bool:
+    """Whether flag_gems 5.0.2 ran the call with query groups swapped into the sequence dimension (one query per
+    sequence, GQA, no window, ALiBi or dropout after its own rewrites): its LSE comes back scrambled then."""
+    if max_q != 1 or call.alibi_slopes is not None or call.heads_q == call.heads_kv or call.dropout_p:
+        return False
+    # causal needs no look: mha_varlan_fwd drops it for one query without ALiBi
+    return all(bound < 0 or bound >= max_k for bound in gems_window(call, max_q, max_k))
+
+
+def unswap_lse(lse: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """The (heads, batch) LSE of a swapped decode in its right order: flag_gems returns the kernel's
+    (heads_kv, batch * groups) buffer reshaped (heads_kv, batch, groups) -> (heads, batch) without the transpose."""
+    heads, batch = lse.shape
+    return lse.reshape(heads_kv, batch, heads // heads_kv).transpose(1, 2).reshape(heads, batch)
+
+
+__all__ = ["BACKWARD_REASON", "FlagGemsAttention", "SDPA_HEAD_DIMS", "gems_window", "uses_varlen_kernel"]

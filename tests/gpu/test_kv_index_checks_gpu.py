@@ -1,0 +1,102 @@
+"""Hostile KV-cache indices on a real GPU (issue 27): an out-of-bounds paged append used to kill the CUDA context
+(a device-side assert in the gather). Each case runs in a subprocess, so a context it did kill could not hide
+behind this one: the child must finish normally, its caches unchanged, its output NaN, the error raised by the
+next call (or at once with OPDISPATCH_SYNC_CHECKS=1) — and CUDA must still work afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    import torch
+    from opdispatch.compat import flash_attn as fa
+    case, result = sys.argv[1], {}
+    dev, i32 = "cuda", torch.int32
+    q = torch.randn(2, 1, 8, 64, device=dev, dtype=torch.float16)
+    k_new = torch.randn(2, 3, 2, 64, device=dev, dtype=torch.float16)
+    pool_k = torch.randn(10, 16, 2, 64, device=dev, dtype=torch.float16)
+    pool_v = torch.randn_like(pool_k)
+    table = torch.tensor([[7, 2, 0, 0], [4, 1, 9, 3]], dtype=i32, device=dev)
+    lens = torch.tensor([5, 20], dtype=i32, device=dev)
+    bad = {"page": dict(block_table=torch.tensor([[7, 2, 0, 0], [4, 12, 9, 3]], dtype=i32, device=dev)),
+           "negative_page": dict(block_table=torch.tensor([[-4, 2, 0, 0], [4, 1, 9, 3]], dtype=i32, device=dev)),
+           "overflow": dict(cache_seqlens=torch.tensor([5, 62], dtype=i32, device=dev)),
+           "negative_len": dict(cache_seqlens=torch.tensor([-1, 20], dtype=i32, device=dev))}[case]
+    kw = dict(k=k_new, v=k_new, cache_seqlens=lens, block_table=table, causal=True)
+    kw.update(bad)
+    before = pool_k.clone(), pool_v.clone()
+    try:
+        out = fa.flash_attn_with_kvcache(q, pool_k, pool_v, **kw)
+        result["returned_nan"] = bool(out.isnan().all())
+        try:
+            fa.check_pending_errors()
+            result["error"] = None
+        except Exception as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:
+        result["returned_nan"] = None
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    torch.cuda.synchronize()
+    result["unchanged"] = bool(torch.equal(pool_k, before[0]) and torch.equal(pool_v, before[1]))
+    result["cuda_alive"] = float((torch.ones(4, device=dev) * 2).sum()) == 8.0  # the context still works
+    print(json.dumps(result))
+""")
+
+
+def _child(case: str, **env: str) -> dict:
+    run = subprocess.run([sys.executable, "-c", CHILD, case], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env})
+    assert run.returncode == 0, f"the child died (rc {run.returncode}):\n{run.stderr[-3000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("page", r"block_table[1, 1]=12 is out of range"),
+    ("negative_page", r"block_table[0, 0]=-4 is out of range"),
+    ("overflow", r"cache_seqlens[1]=62 is out of range; allowed: 0..61"),
+    ("negative_len", r"cache_seqlens[0]=-1 is out of range"),
+])
+def test_out_of_bounds_paged_append_leaves_the_context_alive_and_raises(case, fragment):
+    deferred = _child(case)
+    assert deferred["cuda_alive"] and deferred["unchanged"] and deferred["returned_nan"]
+    assert deferred["error"].startswith("KvCacheIndexError") and fragment in deferred["error"]
+    synchronous = _child(case, OPDISPATCH_SYNC_CHECKS="1")
+    assert synchronous["cuda_alive"] and synchronous["unchanged"] and synchronous["returned_nan"] is None
+    assert synchronous["error"].startswith("ValueError") and fragment in synchronous["error"]
+
+
+def test_the_device_side_check_adds_no_host_sync(basic_manager):
+    """Warm once (decision, binding), then run a valid and an invalid paged append with CUDA's sync debug mode set
+    to error: the checks, the all-or-nothing write and the deferred report must not synchronize."""
+    from opdispatch.compat import flash_attn as fa
+
+    dev, i32 = "cuda", torch.int32
+    q = torch.randn(2, 1, 8, 64, device=dev, dtype=torch.float16)
+    k_new = torch.randn(2, 3, 2, 64, device=dev, dtype=torch.float16)
+    pool_k = torch.randn(10, 16, 2, 64, device=dev, dtype=torch.float16)
+    pool_v = torch.randn_like(pool_k)
+    table = torch.tensor([[7, 2, 0, 0], [4, 1, 9, 3]], dtype=i32, device=dev)
+    good = torch.tensor([5, 20], dtype=i32, device=dev)
+    bad = torch.tensor([5, 62], dtype=i32, device=dev)
+    kw = dict(k=k_new, v=k_new, block_table=table, causal=True)
+    fa.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=good, **kw)
+    fa.check_pending_errors()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fa.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=good, **kw)
+        out = fa.flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=bad, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.isnan().all()
+    with pytest.raises(fa.KvCacheIndexError, match=r"cache_seqlens\[1\]=62 is out of range"):
+        fa.check_pending_errors()
