@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ._attention import AttentionImpl, validate_attention
+from ._distributed import SignatureField, agree_call
 
 __all__ = ["MODES", "SHARDINGS", "context_parallel_attention", "shard_sequence", "unshard_sequence"]
 
@@ -203,6 +204,43 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     what = "opdispatch.context_parallel_attention()"
     rank, world = _group_rank(group, what)
+    if world == 1:  # the whole sequence is here (zigzag's two chunks are in order): one local call
+        _check_call(what, q, k, v, causal, mode, sharding, layout, world)
+        from ._api import attention
+
+        out1: torch.Tensor = attention(q, k, v, causal=causal, layout=layout, scale=scale)
+        return out1
+    # The ranks agree the call before any exchange: shards of other shapes would abort a rank inside the
+    # collective, other options would give every rank a wrong result. A call this rank's own checks reject takes
+    # part all the same (the others then raise too, instead of waiting), and its own error is raised here.
+    call, rejected = None, None
+    try:
+        _check_call(what, q, k, v, causal, mode, sharding, layout, world)
+        # Validated as one unsharded call would be (dtypes, heads, head dims, scale), with its error messages.
+        call = validate_attention(_BSHD_VIEWS[layout](q), _BSHD_VIEWS[layout](k), _BSHD_VIEWS[layout](v),
+                                  causal=causal, scale=scale)
+    except Exception as exc:
+        rejected = exc
+    agree_call(group, what, _SIGNATURE, _signature(q, k, v, causal, mode, sharding, layout,
+                                                   scale if call is None else call.scale),
+               device=_agreement_device(group, q), rejected=rejected)
+    if rejected is not None:
+        raise rejected
+    assert call is not None
+    # Work in bshd views; the result goes back to the caller's layout.
+    to_bshd = _BSHD_VIEWS[layout]
+    q4, k4, v4 = to_bshd(q), to_bshd(k), to_bshd(v)
+    if mode == "ring":
+        out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
+            q4, k4, v4, group, causal, sharding == "zigzag", call.scale)
+    else:
+        out = _allgather_attention(q4, k4, v4, group, rank, world, causal, sharding, call.scale)
+    return out if layout == "bshd" else to_bshd(out).contiguous()
+
+
+def _check_call(what: str, q: Any, k: Any, v: Any, causal: Any, mode: Any, sharding: Any, layout: Any,
+                world: int) -> None:
+    """This rank's own checks of a call (before the ranks agree it)."""
     _check_choice(what, "mode", mode, MODES)
     _check_choice(what, "sharding", sharding, SHARDINGS)
     _check_choice(what, "layout", layout, tuple(_SEQ_DIM))
@@ -220,22 +258,59 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if sharding == "zigzag" and q_len % 2:
         raise ValueError(_divisible_error(what, q_len * world, sharding, world)
                          + f" (this rank's shard has {q_len}, an odd number)")
-    # Work in bshd views; the result goes back to the caller's layout.
-    to_bshd = _BSHD_VIEWS[layout]
-    q4, k4, v4 = to_bshd(q), to_bshd(k), to_bshd(v)
-    if world == 1:  # the whole sequence is here (zigzag's two chunks are in order): one local call
-        from ._api import attention
 
-        out1: torch.Tensor = attention(q, k, v, causal=causal, layout=layout, scale=scale)
-        return out1
-    # Validated as one unsharded call would be (dtypes, heads, head dims, scale), with its error messages.
-    call = validate_attention(q4, k4, v4, causal=causal, scale=scale)
-    if mode == "ring":
-        out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
-            q4, k4, v4, group, causal, sharding == "zigzag", call.scale)
-    else:
-        out = _allgather_attention(q4, k4, v4, group, rank, world, causal, sharding, call.scale)
-    return out if layout == "bshd" else to_bshd(out).contiguous()
+
+_SAME_SHARDS = ("give every rank its shard of one sequence (`shard_sequence`): equal batch, shard length, heads and "
+                "head_dim on every rank (pad the sequence to a multiple of 2 x world for zigzag, of world for "
+                "contiguous)")
+# What the ranks agree before any exchange (`_distributed.agree_call`); a new option of the op joins it here.
+_SAME_DTYPE = "cast q, k and v to one dtype on every rank"
+_SIGNATURE = (
+    SignatureField("q.shape", "shape", _SAME_SHARDS), SignatureField("k.shape", "shape", _SAME_SHARDS),
+    SignatureField("v.shape", "shape", _SAME_SHARDS), SignatureField("q.dtype", "text", _SAME_DTYPE),
+    SignatureField("k.dtype", "text", _SAME_DTYPE), SignatureField("v.dtype", "text", _SAME_DTYPE),
+    SignatureField("device type", "text", "put every rank's shards on one type of device"),
+    SignatureField("layout", "text", "pass the same layout on every rank"),
+    SignatureField("causal", "bool", "pass the same causal on every rank"),
+    SignatureField("scale", "float", "pass the same scale on every rank (None: 1/sqrt(head_dim))"),
+    SignatureField("mode", "text", "pass the same mode on every rank"),
+    SignatureField("sharding", "text", "pass the same sharding on every rank"),
+    SignatureField("records a backward", "bool", "enable gradients on every rank or on none (grad mode on and an "
+                   "input that requires grad): the backward exchanges too, so every rank must run it"),
+)
+
+
+def _signature(q: Any, k: Any, v: Any, causal: Any, mode: Any, sharding: Any, layout: Any,
+               scale: Any) -> dict[str, Any]:
+    """This rank's values of `_SIGNATURE` (a rejected call's too, as far as they can be read)."""
+    tensors = {"q": q, "k": k, "v": v}
+    values: dict[str, Any] = {}
+    for name, t in tensors.items():
+        is_tensor = isinstance(t, torch.Tensor)
+        values[f"{name}.shape"] = tuple(t.shape) if is_tensor else None
+        values[f"{name}.dtype"] = str(t.dtype).replace("torch.", "") if is_tensor else type(t).__name__
+    values["device type"] = q.device.type if isinstance(q, torch.Tensor) else ""
+    records = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                              for t in tensors.values())
+    values.update({"layout": layout, "causal": bool(causal), "mode": mode, "sharding": sharding,
+                   "scale": scale if isinstance(scale, (int, float)) else None, "records a backward": records})
+    return values
+
+
+def _agreement_device(group: Any, q: Any) -> torch.device:
+    """Where the agreement's collective runs: the CPU for gloo, this rank's accelerator otherwise (NCCL takes
+    device tensors only)."""
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend(group)):
+        return torch.device("cpu")
+    if isinstance(q, torch.Tensor) and q.device.type != "cpu":
+        return q.device
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    if current is None:
+        return torch.device("cpu")
+    return torch.device(current.type, accelerator.current_device_index())
 
 
 def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:

@@ -23,7 +23,10 @@ over on its own rank (the others would not know): the error reaches the caller.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,8 +44,8 @@ log = logging.getLogger("opdispatch")
 ENV_DISTRIBUTED = "OPDISPATCH_DISTRIBUTED"
 _ENV_VALUES = ("consistent", "local")
 
-__all__ = ["AgreementError", "ENV_DISTRIBUTED", "GroupAgreement", "agree_tuned_table", "consistent",
-           "explained", "from_environ", "join_torchrun", "local"]
+__all__ = ["AgreementError", "ENV_DISTRIBUTED", "GroupAgreement", "SignatureField", "agree_call", "agree_tuned_table",
+           "consistent", "explained", "from_environ", "join_torchrun", "local"]
 
 
 class AgreementError(OpDispatchError, RuntimeError):
@@ -401,3 +404,138 @@ def agree_tuned_table(table: TunedTable, group: Any = None) -> TunedTable:
     settings = {**table.settings, "ranks": len(tables), "agreed": "max over ranks of each median"}
     return TunedTable(table.fingerprint, entries, op=table.op, source=table.source, created=table.created,
                       settings=settings)
+
+
+# -- call signatures --------------------------------------------------------------------------------------------
+
+# How each kind of signature field travels: a fixed number of int64 words whatever the value, so that every rank's
+# record has one size (a collective of unequal sizes aborts inside gloo).
+_WORDS = {"int": 1, "bool": 1, "float": 2, "text": 2, "shape": 5}
+_TEXT_BYTES = 8 * _WORDS["text"]
+_MAX_DIMS = _WORDS["shape"] - 1
+_MAGIC = 0x6F70_6473_6967  # "opdsig": a record of another opdispatch version (other fields) reads as a mismatch
+# Calls agreed so far per process group (every rank counts its own; agreed records carry the count).
+_CALLS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class SignatureField:
+    """One field of a collective call's signature: its `name` in errors, its `kind` (int, bool, float — None
+    allowed —, text of up to 16 bytes, shape of up to 4 dims — None allowed) and the `fix` an error suggests when
+    ranks differ in it."""
+
+    name: str
+    kind: str
+    fix: str
+
+
+def _encode(kind: str, value: Any) -> list[int]:
+    if kind in ("int", "bool"):
+        return [int(value)]
+    if kind == "float":
+        return [0, 0] if value is None else [1, struct.unpack("<q", struct.pack("<d", float(value)))[0]]
+    if kind == "text":
+        raw = str(value).encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0")
+        return list(struct.unpack(f"<{_WORDS['text']}q", raw))
+    dims = [] if value is None else list(value)
+    return [len(dims), *(dims + [-1] * _MAX_DIMS)[:_MAX_DIMS]]
+
+
+def _decode(kind: str, words: list[int]) -> str:
+    if kind == "bool":
+        return str(bool(words[0]))
+    if kind == "int":
+        return str(words[0])
+    if kind == "float":
+        return "None" if not words[0] else repr(struct.unpack("<d", struct.pack("<q", words[1]))[0])
+    if kind == "text":
+        return repr(struct.pack(f"<{len(words)}q", *words).rstrip(b"\0").decode(errors="replace"))
+    if words[0] > _MAX_DIMS:
+        return f"a {words[0]}-D tensor"
+    return "None" if words[0] == 0 else str(tuple(words[1:1 + words[0]]))
+
+
+def _signature_hash(values: list[Any]) -> int:
+    digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def agree_call(group: Any, what: str, fields: tuple[SignatureField, ...], values: Mapping[str, Any], *,
+               device: Any, rejected: BaseException | None = None) -> int:
+    """Agree one call of a collective op (`what`) across `group` before it exchanges anything: every rank's
+    signature (`values` of `fields`) and its count of calls agreed in this group, with one all-gather of a small
+    fixed-size int64 tensor on `device` (the CPU for gloo; the rank's accelerator for NCCL). Returns the call's
+    number. Collective: every rank of the group calls it at the same point.
+
+    Ranks that differ in any field, or in the count, raise the same AgreementError on every rank, naming each field
+    that differs and each rank's value. A rank whose call was `rejected` by its own checks takes part all the same,
+    so the others do not wait: they raise an AgreementError naming it (the caller re-raises its own error there).
+
+    The count catches a rank that fell out of step: one whose extra call was abandoned when the group's timeout
+    ended it (that rank's count is then ahead), or one that skipped a call that raised before this point. It cannot
+    tell an extra call from the next one: collectives pair in the order each rank issues them, so a rank's extra
+    call pairs with the others' next call, and with the same signature it is indistinguishable from it (with
+    another signature, the field that differs is named). A rank that calls while the others never do waits for the
+    group's timeout (``init_process_group(timeout=)``), which raises an AgreementError saying so."""
+    import torch
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.group.WORLD
+    call = _CALLS.get(pg, 0) + 1
+    _CALLS[pg] = call  # counted whatever happens below, on every rank alike
+    ordered = [values[f.name] for f in fields]
+    words = [_MAGIC, len(fields), call, _signature_hash(ordered), int(rejected is not None)]
+    for f, value in zip(fields, ordered):
+        words += _encode(f.kind, value)
+    mine = torch.tensor(words, dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    try:
+        dist.all_gather(parts, mine, group=group)
+    except Exception as exc:
+        raise AgreementError(
+            f"{what}: the ranks of the group could not agree call {call} in this group before exchanging anything: "
+            f"the collective failed ({type(exc).__name__}: {str(exc)[:300]}). Every rank of the group must call it "
+            "at the same point, the same number of times; a rank that calls it while the others do not waits for "
+            "the group's timeout. Fix: call it on every rank of the group (not inside a rank-dependent branch), "
+            "the same number of times") from exc
+    rows = torch.stack(parts).cpu().tolist()  # one host copy (a sync on an accelerator: see the caller)
+    if rejected is not None or all(row == rows[0] for row in rows):
+        return call  # a rejected call: the caller raises its own error, which says more than a list of fields
+    raise AgreementError(_disagreeing_calls(what, fields, rows))
+
+
+def _disagreeing_calls(what: str, fields: tuple[SignatureField, ...], rows: list[list[int]]) -> str:
+    def by_value(texts: list[str]) -> str:  # "a on ranks 0, 1; b on rank 2"
+        groups: dict[str, list[int]] = {}
+        for r, text in enumerate(texts):
+            groups.setdefault(text, []).append(r)
+        return "; ".join(f"{text} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                         for text, rs in groups.items())
+
+    if any(row[:2] != [_MAGIC, len(fields)] for row in rows):
+        return (f"{what}: the ranks of the group run different versions of opdispatch (their call records differ in "
+                "form), so nothing was exchanged. Fix: install one opdispatch version on every host")
+    lines, fixes = [], []
+    rejected = [r for r, row in enumerate(rows) if row[4]]
+    if rejected:
+        lines.append(f"  rejected by its own checks on rank{'s' if len(rejected) > 1 else ''} "
+                     f"{', '.join(map(str, rejected))} (each raises its own error there, which says why)")
+        fixes.append("fix the call the error on those ranks names")
+    if len({row[2] for row in rows}) > 1:
+        lines.append(f"  call number in this group: {by_value([str(row[2]) for row in rows])}")
+        fixes.append("call it the same number of times on every rank, never inside a rank-dependent branch (a "
+                     "rank ahead had a call abandoned, by the group's timeout or an error before it was agreed)")
+    offset = 5
+    for f in fields:
+        width = _WORDS[f.kind]
+        texts = [_decode(f.kind, row[offset:offset + width]) for row in rows]
+        if len({tuple(row[offset:offset + width]) for row in rows}) > 1 and not rejected:
+            lines.append(f"  {f.name}: {by_value(texts)}")
+            fixes.append(f.fix)
+        offset += width
+    if not lines:  # only the hash differs: a text field longer than its 16 bytes
+        lines.append("  a text field beyond its first 16 bytes")
+    return (f"{what}: the {len(rows)} ranks of the group did not make the same call, so nothing was exchanged:\n"
+            + "\n".join(lines) + "\nEvery rank of the group must call it at the same point with the same arguments. "
+            "Fix: " + "; ".join(dict.fromkeys(fixes)))
