@@ -23,11 +23,12 @@ over on its own rank (the others would not know): the error reaches the caller.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import struct
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,7 @@ ENV_DISTRIBUTED = "OPDISPATCH_DISTRIBUTED"
 _ENV_VALUES = ("consistent", "local")
 
 __all__ = ["AgreementError", "ENV_DISTRIBUTED", "GroupAgreement", "SignatureField", "agree_call", "agree_tuned_table",
-           "consistent", "explained", "from_environ", "join_torchrun", "local"]
+           "consistent", "explained", "from_environ", "local", "torchrun_group"]
 
 
 class AgreementError(OpDispatchError, RuntimeError):
@@ -346,20 +347,34 @@ def _default_manager() -> OpManager:
 
 # -- tuned tables -----------------------------------------------------------------------------------------------
 
-def join_torchrun(environ: Mapping[str, str]) -> int | None:
+@contextlib.contextmanager
+def torchrun_group(environ: Mapping[str, str]) -> Iterator[int | None]:
     """When this process is one of several ranks launched by torchrun (WORLD_SIZE > 1), join their default group
-    (gloo: `opdispatch tune` only exchanges its tables) with this rank's GPU made current (LOCAL_RANK), and return
-    the rank; None for a single process."""
+    (gloo: `opdispatch tune` only exchanges its tables) with this rank's GPU made current (LOCAL_RANK), and yield
+    the rank; None for a single process.
+
+    A group it created is destroyed on leaving, after a barrier when no error left the block (no rank tears its
+    connections down while another still reads from them): a gloo group left alive at interpreter exit is torn
+    down with its worker threads still joinable, which aborts the rank ("terminate called without an active
+    exception", SIGABRT) — now and then, as the race at exit goes."""
     if int(environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
+        yield None
+        return
     import torch
     import torch.distributed as dist
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group("gloo")
-    return dist.get_rank()
+    try:
+        yield dist.get_rank()
+        if created:  # not after an error: the others may be inside another collective, which would pair with it
+            dist.barrier()
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def agree_tuned_table(table: TunedTable, group: Any = None) -> TunedTable:
