@@ -15,6 +15,9 @@ device (`opdispatch.attention(..., return_lse=True)`):
   the ring's per-block one; dK/dV of the gathered keys are reduce-scattered to their owners. The diagonal needs
   no other rank's K/V: it is computed while the gather (forward) and the reduce-scatter (backward) travel.
 
+Before any exchange, the ranks agree each call's signature (shapes, dtypes, options, mode, sharding, call
+number) with one small all-gather, and raise the same error on every rank where they differ (`agree_call`).
+
 Sharding: ``zigzag`` (the default; load-balanced for causal masks) splits the sequence into 2×world chunks and
 rank r holds chunks r and 2×world−1−r; ``contiguous`` gives rank r the r-th of world equal pieces.
 `shard_sequence`/`unshard_sequence` convert a full sequence to and from either.
@@ -201,6 +204,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     keys j <= i).
     Layouts ``bshd``, ``bhsd``, ``sbhd``; k/v may have fewer heads (GQA). Each local block runs on the
     implementation the policy picks (`opdispatch.attention`); gradients flow to q, k and v.
+
+    Before any exchange the ranks agree the call (`opdispatch._distributed.agree_call`: one all-gather of a
+    fixed-size int64 record per call): q/k/v shard shapes and dtypes, device type, layout, causal, the effective
+    scale, mode, sharding, whether a backward is recorded, and the call's number in the group. Ranks that differ
+    raise the same AgreementError on every rank, naming each field and each rank's value; a rank whose own checks
+    reject its call raises its own error and the others an AgreementError naming it. A rank calling once more than
+    the others is named only where its extra call differs from the others' next one (see `agree_call`).
     """
     what = "opdispatch.context_parallel_attention()"
     rank, world = _group_rank(group, what)
@@ -306,7 +316,7 @@ def _agreement_device(group: Any, q: Any) -> torch.device:
         return torch.device("cpu")
     if isinstance(q, torch.Tensor) and q.device.type != "cpu":
         return q.device
-    accelerator = getattr(torch, "accelerator", None)
+    accelerator: Any = getattr(torch, "accelerator", None)  # torch >= 2.6
     current = accelerator.current_accelerator() if accelerator is not None else None
     if current is None:
         return torch.device("cpu")

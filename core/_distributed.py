@@ -486,12 +486,16 @@ def agree_call(group: Any, what: str, fields: tuple[SignatureField, ...], values
     that differs and each rank's value. A rank whose call was `rejected` by its own checks takes part all the same,
     so the others do not wait: they raise an AgreementError naming it (the caller re-raises its own error there).
 
-    The count catches a rank that fell out of step: one whose extra call was abandoned when the group's timeout
-    ended it (that rank's count is then ahead), or one that skipped a call that raised before this point. It cannot
-    tell an extra call from the next one: collectives pair in the order each rank issues them, so a rank's extra
-    call pairs with the others' next call, and with the same signature it is indistinguishable from it (with
-    another signature, the field that differs is named). A rank that calls while the others never do waits for the
-    group's timeout (``init_process_group(timeout=)``), which raises an AgreementError saying so."""
+    What is caught, and what is not, without waiting for a timeout: collectives pair in the order each rank issues
+    them, so a rank's extra call pairs with the others' next call. With another signature (other shards, options,
+    or a backward recorded on one side only — an evaluation call under ``no_grad`` on one rank) the fields that
+    differ are named, on every rank. With the same signature it is indistinguishable from the next call (no record
+    a rank can carry tells them apart), so its results pair shards of different steps; where the others never call
+    again, it waits for the group's timeout (``init_process_group(timeout=)``) and raises an AgreementError
+    saying so — after which gloo has closed the group's connections and NCCL aborts the communicator, so every
+    later collective of that group fails too. The call number (counted on every rank before the collective,
+    whatever its outcome) numbers the calls in these errors and names a rank whose count went out of step while
+    the group stayed usable."""
     import torch
     import torch.distributed as dist
 
