@@ -85,7 +85,7 @@ def _rank(rank: int, world: int, port: int, out: str, smoke: bool, lengths: list
         for _ in range(50):
             sync()
             start = time.perf_counter()
-            agreed(None, "bench", cp._SIGNATURE, cp._signature(q, k, v, True, "ring", "zigzag", "bshd", 0.1),
+            agreed(None, cp._CALL, cp._signature(q, k, v, True, "ring", "zigzag", "bshd", 0.1),
                    device=cp._agreement_device(None, q))
             alone.append((time.perf_counter() - start) * 1e6)
         # Ranks that disagree (rank 1's shard is shorter): the same error on every rank, nothing exchanged.

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ._attention import AttentionImpl, validate_attention
-from ._distributed import SignatureField, agree_call
+from ._distributed import SignatureField, agree_call, collective_op
 
 __all__ = ["MODES", "SHARDINGS", "context_parallel_attention", "shard_sequence", "unshard_sequence"]
 
@@ -110,11 +110,26 @@ def unshard_sequence(x: torch.Tensor, *, group: Any = None, sharding: str = "zig
     rank calls it). Differentiable: the gradient of each shard is its part of the full gradient."""
     what = "opdispatch.unshard_sequence()"
     rank, world = _group_rank(group, what)
-    dim = _seq_dim(what, layout, seq_dim, x)
-    _check_choice(what, "sharding", sharding, SHARDINGS)
-    if sharding == "zigzag" and x.shape[dim] % 2:
-        raise ValueError(f"{what}: a zigzag shard holds two equal chunks, so its length along dim {dim} must be "
-                         f"even; got {x.shape[dim]}")
+    dim, rejected = None, None
+    try:
+        dim = _seq_dim(what, layout, seq_dim, x)
+        _check_choice(what, "sharding", sharding, SHARDINGS)
+        if sharding == "zigzag" and x.shape[dim] % 2:
+            raise ValueError(f"{what}: a zigzag shard holds two equal chunks, so its length along dim {dim} must be "
+                             f"even; got {x.shape[dim]}")
+    except Exception as exc:
+        rejected = exc
+    if world > 1:  # shards of other shapes would abort a rank inside the all-gather: agreed first, as a call
+        is_tensor = isinstance(x, torch.Tensor)
+        agree_call(group, _UNSHARD, {
+            "x.shape": tuple(x.shape) if is_tensor else None,
+            "x.dtype": _dtype_text(x.dtype) if is_tensor else type(x).__name__,
+            "device type": x.device.type if is_tensor else "", "dim": -1 if dim is None else dim,
+            "sharding": sharding, "records a backward": is_tensor and torch.is_grad_enabled() and x.requires_grad,
+        }, device=_agreement_device(group, x), rejected=rejected)
+    if rejected is not None:
+        raise rejected
+    assert dim is not None
     return _natural(_gather(x, dim, group), dim, sharding, world)
 
 
@@ -160,6 +175,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        _agree_backward(ctx.group, grad, _UNSHARD_BACKWARD)
         mine, work = _start_reduce_scatter(grad, ctx.dim, ctx.group)
         work.wait()
         return mine(), None, None
@@ -209,8 +225,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     fixed-size int64 record per call): q/k/v shard shapes and dtypes, device type, layout, causal, the effective
     scale, mode, sharding, whether a backward is recorded, and the call's number in the group. Ranks that differ
     raise the same AgreementError on every rank, naming each field and each rank's value; a rank whose own checks
-    reject its call raises its own error and the others an AgreementError naming it. A rank calling once more than
-    the others is named only where its extra call differs from the others' next one (see `agree_call`).
+    reject its call raises its own error and the others an AgreementError naming it. The backward agrees too (the
+    gradient's shape and dtype), so a rank that runs it while the others skip it is named, not left waiting. A
+    rank calling once more than the others is named only where its extra call differs from the others' next one
+    (see `agree_call`).
     """
     what = "opdispatch.context_parallel_attention()"
     rank, world = _group_rank(group, what)
@@ -231,7 +249,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                   causal=causal, scale=scale)
     except Exception as exc:
         rejected = exc
-    agree_call(group, what, _SIGNATURE, _signature(q, k, v, causal, mode, sharding, layout,
+    agree_call(group, _CALL, _signature(q, k, v, causal, mode, sharding, layout,
                                                    scale if call is None else call.scale),
                device=_agreement_device(group, q), rejected=rejected)
     if rejected is not None:
@@ -275,7 +293,9 @@ _SAME_SHARDS = ("give every rank its shard of one sequence (`shard_sequence`): e
                 "contiguous)")
 # What the ranks agree before any exchange (`_distributed.agree_call`); a new option of the op joins it here.
 _SAME_DTYPE = "cast q, k and v to one dtype on every rank"
-_SIGNATURE = (
+_RECORDS = SignatureField("records a backward", "bool", "enable gradients on every rank or on none (grad mode on "
+                          "and an input that requires grad): the backward exchanges too, so every rank must run it")
+_CALL = collective_op("opdispatch.context_parallel_attention()", (
     SignatureField("q.shape", "shape", _SAME_SHARDS), SignatureField("k.shape", "shape", _SAME_SHARDS),
     SignatureField("v.shape", "shape", _SAME_SHARDS), SignatureField("q.dtype", "text", _SAME_DTYPE),
     SignatureField("k.dtype", "text", _SAME_DTYPE), SignatureField("v.dtype", "text", _SAME_DTYPE),
@@ -284,27 +304,53 @@ _SIGNATURE = (
     SignatureField("causal", "bool", "pass the same causal on every rank"),
     SignatureField("scale", "float", "pass the same scale on every rank (None: 1/sqrt(head_dim))"),
     SignatureField("mode", "text", "pass the same mode on every rank"),
-    SignatureField("sharding", "text", "pass the same sharding on every rank"),
-    SignatureField("records a backward", "bool", "enable gradients on every rank or on none (grad mode on and an "
-                   "input that requires grad): the backward exchanges too, so every rank must run it"),
-)
+    SignatureField("sharding", "text", "pass the same sharding on every rank"), _RECORDS,
+))
+# The backward exchanges as well: a rank that skips it (or runs another) is named before it does.
+_SAME_GRAD = "give every rank's output a gradient of its shape and dtype"
+_BACKWARD = collective_op("opdispatch.context_parallel_attention() backward", (
+    SignatureField("grad_out.shape", "shape", _SAME_GRAD), SignatureField("grad_out.dtype", "text", _SAME_GRAD),
+))
+_UNSHARD = collective_op("opdispatch.unshard_sequence()", (
+    SignatureField("x.shape", "shape", "pass every rank's shard of one sequence: equal shapes on every rank"),
+    SignatureField("x.dtype", "text", "pass shards of one dtype on every rank"),
+    SignatureField("device type", "text", "put every rank's shard on one type of device"),
+    SignatureField("dim", "int", "pass the same layout (or seq_dim) on every rank"),
+    SignatureField("sharding", "text", "pass the same sharding on every rank"), _RECORDS,
+))
+_UNSHARD_BACKWARD = collective_op("opdispatch.unshard_sequence() backward", _BACKWARD[1])
 
 
 def _signature(q: Any, k: Any, v: Any, causal: Any, mode: Any, sharding: Any, layout: Any,
                scale: Any) -> dict[str, Any]:
-    """This rank's values of `_SIGNATURE` (a rejected call's too, as far as they can be read)."""
+    """This rank's values of `_CALL`'s fields (a rejected call's too, as far as they can be read)."""
     tensors = {"q": q, "k": k, "v": v}
     values: dict[str, Any] = {}
     for name, t in tensors.items():
         is_tensor = isinstance(t, torch.Tensor)
         values[f"{name}.shape"] = tuple(t.shape) if is_tensor else None
-        values[f"{name}.dtype"] = str(t.dtype).replace("torch.", "") if is_tensor else type(t).__name__
+        values[f"{name}.dtype"] = _dtype_text(t.dtype) if is_tensor else type(t).__name__
     values["device type"] = q.device.type if isinstance(q, torch.Tensor) else ""
     records = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                               for t in tensors.values())
     values.update({"layout": layout, "causal": bool(causal), "mode": mode, "sharding": sharding,
                    "scale": scale if isinstance(scale, (int, float)) else None, "records a backward": records})
     return values
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _agree_backward(group: Any, grad: torch.Tensor, op: tuple[str, tuple[SignatureField, ...]]) -> None:
+    """Agree a backward across `group` before it exchanges: every rank is at this backward, with a gradient of
+    one shape and dtype."""
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) == 1:  # a group of one computed locally and exchanges nothing
+        return
+    agree_call(group, op, {"grad_out.shape": tuple(grad.shape), "grad_out.dtype": _dtype_text(grad.dtype)},
+               device=_agreement_device(group, grad))
 
 
 def _agreement_device(group: Any, q: Any) -> torch.device:
@@ -404,6 +450,7 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        _agree_backward(ctx.group, grad_out, _BACKWARD)
         q, k, v, keys, values, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         if _agreeing():
@@ -595,6 +642,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        _agree_backward(ctx.group, grad_out, _BACKWARD)
         q, k, v, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.group)
         length, causal, zigzag, scale = q.shape[1], ctx.causal, ctx.zigzag, ctx.scale

@@ -46,7 +46,7 @@ ENV_DISTRIBUTED = "OPDISPATCH_DISTRIBUTED"
 _ENV_VALUES = ("consistent", "local")
 
 __all__ = ["AgreementError", "ENV_DISTRIBUTED", "GroupAgreement", "SignatureField", "agree_call", "agree_tuned_table",
-           "consistent", "explained", "from_environ", "local", "torchrun_group"]
+           "collective_op", "consistent", "explained", "from_environ", "local", "torchrun_group"]
 
 
 class AgreementError(OpDispatchError, RuntimeError):
@@ -429,6 +429,13 @@ _WORDS = {"int": 1, "bool": 1, "float": 2, "text": 2, "shape": 5}
 _TEXT_BYTES = 8 * _WORDS["text"]
 _MAX_DIMS = _WORDS["shape"] - 1
 _MAGIC = 0x6F70_6473_6967  # "opdsig": a record of another opdispatch version (other fields) reads as a mismatch
+# Every record has this many words whatever its op, so that ranks at different ops' agreements still exchange
+# records of one size (and learn that they differ) instead of aborting inside the collective.
+_RECORD_WORDS = 64
+_HEADER_WORDS = 6  # magic, op, field count, call number, signature hash, rejected
+# The ops that agree their calls, by the hash their records carry (each registers at import: every rank knows
+# every name).
+_OPS: dict[int, str] = {}
 # Calls agreed so far per process group (every rank counts its own; agreed records carry the count).
 _CALLS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
@@ -470,20 +477,31 @@ def _decode(kind: str, words: list[int]) -> str:
     return "None" if words[0] == 0 else str(tuple(words[1:1 + words[0]]))
 
 
-def _signature_hash(values: list[Any]) -> int:
+def _signature_hash(values: Any) -> int:
     digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
-def agree_call(group: Any, what: str, fields: tuple[SignatureField, ...], values: Mapping[str, Any], *,
-               device: Any, rejected: BaseException | None = None) -> int:
-    """Agree one call of a collective op (`what`) across `group` before it exchanges anything: every rank's
-    signature (`values` of `fields`) and its count of calls agreed in this group, with one all-gather of a small
-    fixed-size int64 tensor on `device` (the CPU for gloo; the rank's accelerator for NCCL). Returns the call's
-    number. Collective: every rank of the group calls it at the same point.
+def collective_op(what: str, fields: tuple[SignatureField, ...]) -> tuple[str, tuple[SignatureField, ...]]:
+    """Register an op whose calls are agreed (`agree_call`) under its name `what`, with its signature `fields`;
+    returns both, for `agree_call`. Registered at import, so any rank can name the op another rank is at."""
+    if _HEADER_WORDS + sum(_WORDS[f.kind] for f in fields) > _RECORD_WORDS:
+        raise ValueError(f"{what}: its signature needs more than the {_RECORD_WORDS} words of a call record")
+    _OPS[_signature_hash(what)] = what
+    return what, fields
 
-    Ranks that differ in any field, or in the count, raise the same AgreementError on every rank, naming each field
-    that differs and each rank's value. A rank whose call was `rejected` by its own checks takes part all the same,
+
+def agree_call(group: Any, op: tuple[str, tuple[SignatureField, ...]], values: Mapping[str, Any], *,
+               device: Any, rejected: BaseException | None = None) -> int:
+    """Agree one call of a collective op (`op`: its name and signature fields, from `collective_op`) across `group`
+    before it exchanges anything: the op every rank is at, every rank's signature (`values` of the fields) and its
+    count of calls agreed in this group, with one all-gather of a small fixed-size int64 tensor on `device` (the
+    CPU for gloo; the rank's accelerator for NCCL). Returns the call's number. Collective: every rank of the group
+    calls it at the same point.
+
+    Ranks at different ops (a rank that skipped a backward is at its next forward), or that differ in any field or
+    in the count, raise the same AgreementError on every rank, naming each field that differs and each rank's
+    value. A rank whose call was `rejected` by its own checks takes part all the same,
     so the others do not wait: they raise an AgreementError naming it (the caller re-raises its own error there).
 
     What is caught, and what is not, without waiting for a timeout: collectives pair in the order each rank issues
@@ -499,13 +517,15 @@ def agree_call(group: Any, what: str, fields: tuple[SignatureField, ...], values
     import torch
     import torch.distributed as dist
 
+    what, fields = op
     pg = group if group is not None else dist.group.WORLD
     call = _CALLS.get(pg, 0) + 1
     _CALLS[pg] = call  # counted whatever happens below, on every rank alike
     ordered = [values[f.name] for f in fields]
-    words = [_MAGIC, len(fields), call, _signature_hash(ordered), int(rejected is not None)]
+    words = [_MAGIC, _signature_hash(what), len(fields), call, _signature_hash(ordered), int(rejected is not None)]
     for f, value in zip(fields, ordered):
         words += _encode(f.kind, value)
+    words += [0] * (_RECORD_WORDS - len(words))
     mine = torch.tensor(words, dtype=torch.int64, device=device)
     size = dist.get_world_size(group)
     parts = [torch.empty_like(mine) for _ in range(size)]
@@ -532,20 +552,29 @@ def _disagreeing_calls(what: str, fields: tuple[SignatureField, ...], rows: list
         return "; ".join(f"{text} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
                          for text, rs in groups.items())
 
-    if any(row[:2] != [_MAGIC, len(fields)] for row in rows):
+    if any(row[0] != _MAGIC for row in rows):
+        return (f"{what}: the ranks of the group run different versions of opdispatch (their call records differ in "
+                "form), so nothing was exchanged. Fix: install one opdispatch version on every host")
+    if len({row[1] for row in rows}) > 1:
+        ops = by_value([_OPS.get(row[1], f"an op unknown here (#{row[1]:x})") for row in rows])
+        return (f"opdispatch: the {len(rows)} ranks of the group are at different collective calls: {ops}; nothing "
+                "was exchanged. Every rank of the group must make the same calls in the same order. Fix: run the "
+                "backward on every rank or on none, and call each op the same number of times on every rank (never "
+                "inside a rank-dependent branch)")
+    if any(row[2] != len(fields) for row in rows):
         return (f"{what}: the ranks of the group run different versions of opdispatch (their call records differ in "
                 "form), so nothing was exchanged. Fix: install one opdispatch version on every host")
     lines, fixes = [], []
-    rejected = [r for r, row in enumerate(rows) if row[4]]
+    rejected = [r for r, row in enumerate(rows) if row[5]]
     if rejected:
         lines.append(f"  rejected by its own checks on rank{'s' if len(rejected) > 1 else ''} "
                      f"{', '.join(map(str, rejected))} (each raises its own error there, which says why)")
         fixes.append("fix the call the error on those ranks names")
-    if len({row[2] for row in rows}) > 1:
-        lines.append(f"  call number in this group: {by_value([str(row[2]) for row in rows])}")
+    if len({row[3] for row in rows}) > 1:
+        lines.append(f"  call number in this group: {by_value([str(row[3]) for row in rows])}")
         fixes.append("call it the same number of times on every rank, never inside a rank-dependent branch (a "
                      "rank ahead had a call abandoned, by the group's timeout or an error before it was agreed)")
-    offset = 5
+    offset = _HEADER_WORDS
     for f in fields:
         width = _WORDS[f.kind]
         texts = [_decode(f.kind, row[offset:offset + width]) for row in rows]

@@ -328,6 +328,23 @@ CP_MISMATCHES = {  # name: (the rank that differs, what it changes)
 }
 
 
+def _backward_skipped(rank: int) -> dict[str, Any]:
+    """Rank 0 runs the backward of a call; ranks 1 and 2 skip it and call again: rank 0's backward meets their
+    next forward."""
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(2, SEQ // 3, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(2, SEQ // 3, 2, 8, generator=gen, dtype=torch.float64)
+
+    def steps() -> None:
+        out = od.context_parallel_attention(q, kv, kv, causal=True)
+        if rank == 0:
+            out.sum().backward()
+        else:
+            od.context_parallel_attention(q, kv, kv, causal=True)
+
+    return _error(steps)
+
+
 def cp_mismatch(rank: int, world: int) -> dict[str, Any]:
     """Every kind of disagreement between the ranks of one context-parallel call, then an agreed call that must
     still be right (the group is intact after each error)."""
@@ -336,6 +353,9 @@ def cp_mismatch(rank: int, world: int) -> dict[str, Any]:
 
     results: dict[str, Any] = {name: _cp_call(rank, differs, **change)
                                for name, (differs, change) in CP_MISMATCHES.items()}
+    shard = torch.zeros(1, 6 if rank == 2 else 4, 2, 8)  # rank 2's shard is longer
+    results["unshard"] = _error(lambda: od.unshard_sequence(shard))
+    results["backward skipped"] = _backward_skipped(rank)
     results["after"] = _cp_errors(None, "ring", "zigzag", True, (4, 2), "bshd", torch.float64, seed=21)
     results["calls"] = _distributed._CALLS[dist.group.WORLD]
     return results

@@ -272,6 +272,27 @@ def test_context_parallel_a_rank_rejecting_its_call_does_not_leave_the_others_wa
         errors[0]["message"].splitlines()
 
 
+def test_unshard_sequence_shards_of_other_shapes_raise_one_clear_error_everywhere(
+        ranks: list[dict[str, Any]]) -> None:
+    """An all-gather of shards of other lengths aborted a rank inside gloo."""
+    errors = [r["cp_mismatch"]["unshard"] for r in ranks]
+    assert len({e["message"] for e in errors}) == 1 and errors[0]["type"] == "AgreementError"
+    assert errors[0]["message"].splitlines()[:2] == [
+        "opdispatch.unshard_sequence(): the 3 ranks of the group did not make the same call, so nothing was "
+        "exchanged:", "  x.shape: (1, 4, 2, 8) on ranks 0, 1; (1, 6, 2, 8) on rank 2"]
+
+
+def test_context_parallel_a_rank_running_a_backward_the_others_skip_is_named(ranks: list[dict[str, Any]]) -> None:
+    """Rank 0's backward (its ring exchanges) met the others' next forward: now both sides raise, naming the ops."""
+    errors = [r["cp_mismatch"]["backward skipped"] for r in ranks]
+    assert len({e["message"] for e in errors}) == 1 and errors[0]["type"] == "AgreementError"
+    assert errors[0]["message"].startswith(
+        "opdispatch: the 3 ranks of the group are at different collective calls: "
+        "opdispatch.context_parallel_attention() backward on rank 0; opdispatch.context_parallel_attention() on "
+        "ranks 1, 2; nothing was exchanged.")
+    assert "run the backward on every rank or on none" in errors[0]["message"]
+
+
 def test_context_parallel_after_disagreements_agrees_and_matches_the_oracle(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert max(r["cp_mismatch"]["after"].values()) < 1e-10, r["cp_mismatch"]["after"]
