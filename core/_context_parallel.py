@@ -250,7 +250,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     except Exception as exc:
         rejected = exc
     agree_call(group, _CALL, _signature(q, k, v, causal, mode, sharding, layout,
-                                                   scale if call is None else call.scale),
+                                        scale if call is None else call.scale),
                device=_agreement_device(group, q), rejected=rejected)
     if rejected is not None:
         raise rejected
@@ -291,10 +291,10 @@ def _check_call(what: str, q: Any, k: Any, v: Any, causal: Any, mode: Any, shard
 _SAME_SHARDS = ("give every rank its shard of one sequence (`shard_sequence`): equal batch, shard length, heads and "
                 "head_dim on every rank (pad the sequence to a multiple of 2 x world for zigzag, of world for "
                 "contiguous)")
-# What the ranks agree before any exchange (`_distributed.agree_call`); a new option of the op joins it here.
 _SAME_DTYPE = "cast q, k and v to one dtype on every rank"
 _RECORDS = SignatureField("records a backward", "bool", "enable gradients on every rank or on none (grad mode on "
                           "and an input that requires grad): the backward exchanges too, so every rank must run it")
+# What the ranks agree before any exchange (`_distributed.agree_call`); a new option of the op joins it here.
 _CALL = collective_op("opdispatch.context_parallel_attention()", (
     SignatureField("q.shape", "shape", _SAME_SHARDS), SignatureField("k.shape", "shape", _SAME_SHARDS),
     SignatureField("v.shape", "shape", _SAME_SHARDS), SignatureField("q.dtype", "text", _SAME_DTYPE),

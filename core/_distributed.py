@@ -501,8 +501,8 @@ def agree_call(group: Any, op: tuple[str, tuple[SignatureField, ...]], values: M
 
     Ranks at different ops (a rank that skipped a backward is at its next forward), or that differ in any field or
     in the count, raise the same AgreementError on every rank, naming each field that differs and each rank's
-    value. A rank whose call was `rejected` by its own checks takes part all the same,
-    so the others do not wait: they raise an AgreementError naming it (the caller re-raises its own error there).
+    value. A rank whose call was `rejected` by its own checks takes part all the same, so the others do not wait:
+    they raise an AgreementError naming it (the caller re-raises its own error there).
 
     What is caught, and what is not, without waiting for a timeout: collectives pair in the order each rank issues
     them, so a rank's extra call pairs with the others' next call. With another signature (other shards, options,
@@ -538,7 +538,7 @@ def agree_call(group: Any, op: tuple[str, tuple[SignatureField, ...]], values: M
             "at the same point, the same number of times; a rank that calls it while the others do not waits for "
             "the group's timeout. Fix: call it on every rank of the group (not inside a rank-dependent branch), "
             "the same number of times") from exc
-    rows = torch.stack(parts).cpu().tolist()  # one host copy (a sync on an accelerator: see the caller)
+    rows = torch.stack(parts).cpu().tolist()  # on an accelerator, one host sync per call (docs/architecture.md)
     if rejected is not None or all(row == rows[0] for row in rows):
         return call  # a rejected call: the caller raises its own error, which says more than a list of fields
     raise AgreementError(_disagreeing_calls(what, fields, rows))
@@ -573,7 +573,8 @@ def _disagreeing_calls(what: str, fields: tuple[SignatureField, ...], rows: list
     if len({row[3] for row in rows}) > 1:
         lines.append(f"  call number in this group: {by_value([str(row[3]) for row in rows])}")
         fixes.append("call it the same number of times on every rank, never inside a rank-dependent branch (a "
-                     "rank ahead had a call abandoned, by the group's timeout or an error before it was agreed)")
+                     "rank's count runs ahead when one of its calls failed on it alone, before or inside the "
+                     "collective)")
     offset = _HEADER_WORDS
     for f in fields:
         width = _WORDS[f.kind]
