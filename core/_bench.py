@@ -190,17 +190,22 @@ def _check_op_and_preset(args: argparse.Namespace) -> str | None:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from ._api import get_manager
-
     problem = _check_op_and_preset(args)
     if problem:
         print(f"opdispatch tune: {problem}", file=sys.stderr)
         return 2
-    from ._distributed import agree_tuned_table, join_torchrun
+    from ._distributed import torchrun_group
 
     # Under torchrun every rank measures on its own GPU and the group agrees on one table (agree_tuned_table: the
     # slowest rank's median per implementation); rank 0 writes it.
-    rank = join_torchrun(os.environ)
+    with torchrun_group(os.environ) as rank:
+        return _tune(args, rank)
+
+
+def _tune(args: argparse.Namespace, rank: int | None) -> int:
+    from ._api import get_manager
+    from ._distributed import agree_tuned_table
+
     device = _device(args)
     cases = _cases(args, device)
     impls = args.impl or None

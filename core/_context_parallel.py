@@ -15,6 +15,9 @@ device (`opdispatch.attention(..., return_lse=True)`):
   the ring's per-block one; dK/dV of the gathered keys are reduce-scattered to their owners. The diagonal needs
   no other rank's K/V: it is computed while the gather (forward) and the reduce-scatter (backward) travel.
 
+Before any exchange, the ranks agree each call's signature (shapes, dtypes, options, mode, sharding, call
+number) with one small all-gather, and raise the same error on every rank where they differ (`agree_call`).
+
 Sharding: ``zigzag`` (the default; load-balanced for causal masks) splits the sequence into 2×world chunks and
 rank r holds chunks r and 2×world−1−r; ``contiguous`` gives rank r the r-th of world equal pieces.
 `shard_sequence`/`unshard_sequence` convert a full sequence to and from either.
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from ._attention import AttentionImpl, validate_attention
+from ._distributed import SignatureField, agree_call, collective_op
 
 __all__ = ["MODES", "SHARDINGS", "context_parallel_attention", "shard_sequence", "unshard_sequence"]
 
@@ -106,11 +110,26 @@ def unshard_sequence(x: torch.Tensor, *, group: Any = None, sharding: str = "zig
     rank calls it). Differentiable: the gradient of each shard is its part of the full gradient."""
     what = "opdispatch.unshard_sequence()"
     rank, world = _group_rank(group, what)
-    dim = _seq_dim(what, layout, seq_dim, x)
-    _check_choice(what, "sharding", sharding, SHARDINGS)
-    if sharding == "zigzag" and x.shape[dim] % 2:
-        raise ValueError(f"{what}: a zigzag shard holds two equal chunks, so its length along dim {dim} must be "
-                         f"even; got {x.shape[dim]}")
+    dim, rejected = None, None
+    try:
+        dim = _seq_dim(what, layout, seq_dim, x)
+        _check_choice(what, "sharding", sharding, SHARDINGS)
+        if sharding == "zigzag" and x.shape[dim] % 2:
+            raise ValueError(f"{what}: a zigzag shard holds two equal chunks, so its length along dim {dim} must be "
+                             f"even; got {x.shape[dim]}")
+    except Exception as exc:
+        rejected = exc
+    if world > 1:  # shards of other shapes would abort a rank inside the all-gather: agreed first, as a call
+        is_tensor = isinstance(x, torch.Tensor)
+        agree_call(group, _UNSHARD, {
+            "x.shape": tuple(x.shape) if is_tensor else None,
+            "x.dtype": _dtype_text(x.dtype) if is_tensor else type(x).__name__,
+            "device type": x.device.type if is_tensor else "", "dim": -1 if dim is None else dim,
+            "sharding": sharding, "records a backward": is_tensor and torch.is_grad_enabled() and x.requires_grad,
+        }, device=_agreement_device(group, x), rejected=rejected)
+    if rejected is not None:
+        raise rejected
+    assert dim is not None
     return _natural(_gather(x, dim, group), dim, sharding, world)
 
 
@@ -156,6 +175,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        _agree_backward(ctx.group, grad, _UNSHARD_BACKWARD)
         mine, work = _start_reduce_scatter(grad, ctx.dim, ctx.group)
         work.wait()
         return mine(), None, None
@@ -200,12 +220,58 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     keys j <= i).
     Layouts ``bshd``, ``bhsd``, ``sbhd``; k/v may have fewer heads (GQA). Each local block runs on the
     implementation the policy picks (`opdispatch.attention`); gradients flow to q, k and v.
+
+    Before any exchange the ranks agree the call (`opdispatch._distributed.agree_call`: one all-gather of a
+    fixed-size int64 record per call): q/k/v shard shapes and dtypes, device type, layout, causal, the effective
+    scale, mode, sharding, whether a backward is recorded, and the call's number in the group. Ranks that differ
+    raise the same AgreementError on every rank, naming each field and each rank's value; a rank whose own checks
+    reject its call raises its own error and the others an AgreementError naming it. The backward agrees too (the
+    gradient's shape and dtype), so a rank that runs it while the others skip it is named, not left waiting. A
+    rank calling once more than the others is named only where its extra call differs from the others' next one
+    (see `agree_call`).
     """
     what = "opdispatch.context_parallel_attention()"
     if sinks is not None:  # the sink must enter the merged LSE once, with its gradient through the ring's merge
         raise ValueError(f"{what}: sinks are not supported across ranks yet; gather the sequence and call "
                          "opdispatch.attention(..., sinks=...) instead")
     rank, world = _group_rank(group, what)
+    if world == 1:  # the whole sequence is here (zigzag's two chunks are in order): one local call
+        _check_call(what, q, k, v, causal, mode, sharding, layout, world)
+        from ._api import attention
+
+        out1: torch.Tensor = attention(q, k, v, causal=causal, layout=layout, scale=scale)
+        return out1
+    # The ranks agree the call before any exchange: shards of other shapes would abort a rank inside the
+    # collective, other options would give every rank a wrong result. A call this rank's own checks reject takes
+    # part all the same (the others then raise too, instead of waiting), and its own error is raised here.
+    call, rejected = None, None
+    try:
+        _check_call(what, q, k, v, causal, mode, sharding, layout, world)
+        # Validated as one unsharded call would be (dtypes, heads, head dims, scale), with its error messages.
+        call = validate_attention(_BSHD_VIEWS[layout](q), _BSHD_VIEWS[layout](k), _BSHD_VIEWS[layout](v),
+                                  causal=causal, scale=scale)
+    except Exception as exc:
+        rejected = exc
+    agree_call(group, _CALL, _signature(q, k, v, causal, mode, sharding, layout,
+                                        scale if call is None else call.scale),
+               device=_agreement_device(group, q), rejected=rejected)
+    if rejected is not None:
+        raise rejected
+    assert call is not None
+    # Work in bshd views; the result goes back to the caller's layout.
+    to_bshd = _BSHD_VIEWS[layout]
+    q4, k4, v4 = to_bshd(q), to_bshd(k), to_bshd(v)
+    if mode == "ring":
+        out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
+            q4, k4, v4, group, causal, sharding == "zigzag", call.scale)
+    else:
+        out = _allgather_attention(q4, k4, v4, group, rank, world, causal, sharding, call.scale)
+    return out if layout == "bshd" else to_bshd(out).contiguous()
+
+
+def _check_call(what: str, q: Any, k: Any, v: Any, causal: Any, mode: Any, sharding: Any, layout: Any,
+                world: int) -> None:
+    """This rank's own checks of a call (before the ranks agree it)."""
     _check_choice(what, "mode", mode, MODES)
     _check_choice(what, "sharding", sharding, SHARDINGS)
     _check_choice(what, "layout", layout, tuple(_SEQ_DIM))
@@ -223,22 +289,87 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if sharding == "zigzag" and q_len % 2:
         raise ValueError(_divisible_error(what, q_len * world, sharding, world)
                          + f" (this rank's shard has {q_len}, an odd number)")
-    # Work in bshd views; the result goes back to the caller's layout.
-    to_bshd = _BSHD_VIEWS[layout]
-    q4, k4, v4 = to_bshd(q), to_bshd(k), to_bshd(v)
-    if world == 1:  # the whole sequence is here (zigzag's two chunks are in order): one local call
-        from ._api import attention
 
-        out1: torch.Tensor = attention(q, k, v, causal=causal, layout=layout, scale=scale)
-        return out1
-    # Validated as one unsharded call would be (dtypes, heads, head dims, scale), with its error messages.
-    call = validate_attention(q4, k4, v4, causal=causal, scale=scale)
-    if mode == "ring":
-        out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
-            q4, k4, v4, group, causal, sharding == "zigzag", call.scale)
-    else:
-        out = _allgather_attention(q4, k4, v4, group, rank, world, causal, sharding, call.scale)
-    return out if layout == "bshd" else to_bshd(out).contiguous()
+
+_SAME_SHARDS = ("give every rank its shard of one sequence (`shard_sequence`): equal batch, shard length, heads and "
+                "head_dim on every rank (pad the sequence to a multiple of 2 x world for zigzag, of world for "
+                "contiguous)")
+_SAME_DTYPE = "cast q, k and v to one dtype on every rank"
+_RECORDS = SignatureField("records a backward", "bool", "enable gradients on every rank or on none (grad mode on "
+                          "and an input that requires grad): the backward exchanges too, so every rank must run it")
+# What the ranks agree before any exchange (`_distributed.agree_call`); a new option of the op joins it here.
+_CALL = collective_op("opdispatch.context_parallel_attention()", (
+    SignatureField("q.shape", "shape", _SAME_SHARDS), SignatureField("k.shape", "shape", _SAME_SHARDS),
+    SignatureField("v.shape", "shape", _SAME_SHARDS), SignatureField("q.dtype", "text", _SAME_DTYPE),
+    SignatureField("k.dtype", "text", _SAME_DTYPE), SignatureField("v.dtype", "text", _SAME_DTYPE),
+    SignatureField("device type", "text", "put every rank's shards on one type of device"),
+    SignatureField("layout", "text", "pass the same layout on every rank"),
+    SignatureField("causal", "bool", "pass the same causal on every rank"),
+    SignatureField("scale", "float", "pass the same scale on every rank (None: 1/sqrt(head_dim))"),
+    SignatureField("mode", "text", "pass the same mode on every rank"),
+    SignatureField("sharding", "text", "pass the same sharding on every rank"), _RECORDS,
+))
+# The backward exchanges as well: a rank that skips it (or runs another) is named before it does.
+_SAME_GRAD = "give every rank's output a gradient of its shape and dtype"
+_BACKWARD = collective_op("opdispatch.context_parallel_attention() backward", (
+    SignatureField("grad_out.shape", "shape", _SAME_GRAD), SignatureField("grad_out.dtype", "text", _SAME_GRAD),
+))
+_UNSHARD = collective_op("opdispatch.unshard_sequence()", (
+    SignatureField("x.shape", "shape", "pass every rank's shard of one sequence: equal shapes on every rank"),
+    SignatureField("x.dtype", "text", "pass shards of one dtype on every rank"),
+    SignatureField("device type", "text", "put every rank's shard on one type of device"),
+    SignatureField("dim", "int", "pass the same layout (or seq_dim) on every rank"),
+    SignatureField("sharding", "text", "pass the same sharding on every rank"), _RECORDS,
+))
+_UNSHARD_BACKWARD = collective_op("opdispatch.unshard_sequence() backward", _BACKWARD[1])
+
+
+def _signature(q: Any, k: Any, v: Any, causal: Any, mode: Any, sharding: Any, layout: Any,
+               scale: Any) -> dict[str, Any]:
+    """This rank's values of `_CALL`'s fields (a rejected call's too, as far as they can be read)."""
+    tensors = {"q": q, "k": k, "v": v}
+    values: dict[str, Any] = {}
+    for name, t in tensors.items():
+        is_tensor = isinstance(t, torch.Tensor)
+        values[f"{name}.shape"] = tuple(t.shape) if is_tensor else None
+        values[f"{name}.dtype"] = _dtype_text(t.dtype) if is_tensor else type(t).__name__
+    values["device type"] = q.device.type if isinstance(q, torch.Tensor) else ""
+    records = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                              for t in tensors.values())
+    values.update({"layout": layout, "causal": bool(causal), "mode": mode, "sharding": sharding,
+                   "scale": scale if isinstance(scale, (int, float)) else None, "records a backward": records})
+    return values
+
+
+def _dtype_text(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _agree_backward(group: Any, grad: torch.Tensor, op: tuple[str, tuple[SignatureField, ...]]) -> None:
+    """Agree a backward across `group` before it exchanges: every rank is at this backward, with a gradient of
+    one shape and dtype."""
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) == 1:  # a group of one computed locally and exchanges nothing
+        return
+    agree_call(group, op, {"grad_out.shape": tuple(grad.shape), "grad_out.dtype": _dtype_text(grad.dtype)},
+               device=_agreement_device(group, grad))
+
+
+def _agreement_device(group: Any, q: Any) -> torch.device:
+    """Where the agreement's collective runs: the CPU for gloo, this rank's accelerator otherwise (NCCL takes
+    device tensors only)."""
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend(group)):
+        return torch.device("cpu")
+    if isinstance(q, torch.Tensor) and q.device.type != "cpu":
+        return q.device
+    accelerator: Any = getattr(torch, "accelerator", None)  # torch >= 2.6
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    if current is None:
+        return torch.device("cpu")
+    return torch.device(current.type, accelerator.current_device_index())
 
 
 def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -322,6 +453,7 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        _agree_backward(ctx.group, grad_out, _BACKWARD)
         q, k, v, keys, values, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         if _agreeing():
@@ -513,6 +645,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        _agree_backward(ctx.group, grad_out, _BACKWARD)
         q, k, v, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.group)
         length, causal, zigzag, scale = q.shape[1], ctx.causal, ctx.zigzag, ctx.scale

@@ -23,8 +23,12 @@ over on its own rank (the others would not know): the error reaches the caller.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
-from collections.abc import Mapping
+import struct
+import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +45,8 @@ log = logging.getLogger("opdispatch")
 ENV_DISTRIBUTED = "OPDISPATCH_DISTRIBUTED"
 _ENV_VALUES = ("consistent", "local")
 
-__all__ = ["AgreementError", "ENV_DISTRIBUTED", "GroupAgreement", "agree_tuned_table", "consistent",
-           "explained", "from_environ", "join_torchrun", "local"]
+__all__ = ["AgreementError", "ENV_DISTRIBUTED", "GroupAgreement", "SignatureField", "agree_call", "agree_tuned_table",
+           "collective_op", "consistent", "explained", "from_environ", "local", "torchrun_group"]
 
 
 class AgreementError(OpDispatchError, RuntimeError):
@@ -343,20 +347,34 @@ def _default_manager() -> OpManager:
 
 # -- tuned tables -----------------------------------------------------------------------------------------------
 
-def join_torchrun(environ: Mapping[str, str]) -> int | None:
+@contextlib.contextmanager
+def torchrun_group(environ: Mapping[str, str]) -> Iterator[int | None]:
     """When this process is one of several ranks launched by torchrun (WORLD_SIZE > 1), join their default group
-    (gloo: `opdispatch tune` only exchanges its tables) with this rank's GPU made current (LOCAL_RANK), and return
-    the rank; None for a single process."""
+    (gloo: `opdispatch tune` only exchanges its tables) with this rank's GPU made current (LOCAL_RANK), and yield
+    the rank; None for a single process.
+
+    A group it created is destroyed on leaving, after a barrier when no error left the block (no rank tears its
+    connections down while another still reads from them): a gloo group left alive at interpreter exit is torn
+    down with its worker threads still joinable, which aborts the rank ("terminate called without an active
+    exception", SIGABRT) — now and then, as the race at exit goes."""
     if int(environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
+        yield None
+        return
     import torch
     import torch.distributed as dist
 
     if torch.cuda.is_available():
         torch.cuda.set_device(int(environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group("gloo")
-    return dist.get_rank()
+    try:
+        yield dist.get_rank()
+        if created:  # not after an error: the others may be inside another collective, which would pair with it
+            dist.barrier()
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 def agree_tuned_table(table: TunedTable, group: Any = None) -> TunedTable:
@@ -401,3 +419,172 @@ def agree_tuned_table(table: TunedTable, group: Any = None) -> TunedTable:
     settings = {**table.settings, "ranks": len(tables), "agreed": "max over ranks of each median"}
     return TunedTable(table.fingerprint, entries, op=table.op, source=table.source, created=table.created,
                       settings=settings)
+
+
+# -- call signatures --------------------------------------------------------------------------------------------
+
+# How each kind of signature field travels: a fixed number of int64 words whatever the value, so that every rank's
+# record has one size (a collective of unequal sizes aborts inside gloo).
+_WORDS = {"int": 1, "bool": 1, "float": 2, "text": 2, "shape": 5}
+_TEXT_BYTES = 8 * _WORDS["text"]
+_MAX_DIMS = _WORDS["shape"] - 1
+_MAGIC = 0x6F70_6473_6967  # "opdsig": a record of another opdispatch version (other fields) reads as a mismatch
+# Every record has this many words whatever its op, so that ranks at different ops' agreements still exchange
+# records of one size (and learn that they differ) instead of aborting inside the collective.
+_RECORD_WORDS = 64
+_HEADER_WORDS = 6  # magic, op, field count, call number, signature hash, rejected
+# The ops that agree their calls, by the hash their records carry (each registers at import: every rank knows
+# every name).
+_OPS: dict[int, str] = {}
+# Calls agreed so far per process group (every rank counts its own; agreed records carry the count).
+_CALLS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class SignatureField:
+    """One field of a collective call's signature: its `name` in errors, its `kind` (int, bool, float — None
+    allowed —, text of up to 16 bytes, shape of up to 4 dims — None allowed) and the `fix` an error suggests when
+    ranks differ in it."""
+
+    name: str
+    kind: str
+    fix: str
+
+
+def _encode(kind: str, value: Any) -> list[int]:
+    if kind in ("int", "bool"):
+        return [int(value)]
+    if kind == "float":
+        return [0, 0] if value is None else [1, struct.unpack("<q", struct.pack("<d", float(value)))[0]]
+    if kind == "text":
+        raw = str(value).encode()[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0")
+        return list(struct.unpack(f"<{_WORDS['text']}q", raw))
+    dims = [] if value is None else list(value)
+    return [len(dims), *(dims + [-1] * _MAX_DIMS)[:_MAX_DIMS]]
+
+
+def _decode(kind: str, words: list[int]) -> str:
+    if kind == "bool":
+        return str(bool(words[0]))
+    if kind == "int":
+        return str(words[0])
+    if kind == "float":
+        return "None" if not words[0] else repr(struct.unpack("<d", struct.pack("<q", words[1]))[0])
+    if kind == "text":
+        return repr(struct.pack(f"<{len(words)}q", *words).rstrip(b"\0").decode(errors="replace"))
+    if words[0] > _MAX_DIMS:
+        return f"a {words[0]}-D tensor"
+    return "None" if words[0] == 0 else str(tuple(words[1:1 + words[0]]))
+
+
+def _signature_hash(values: Any) -> int:
+    digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def collective_op(what: str, fields: tuple[SignatureField, ...]) -> tuple[str, tuple[SignatureField, ...]]:
+    """Register an op whose calls are agreed (`agree_call`) under its name `what`, with its signature `fields`;
+    returns both, for `agree_call`. Registered at import, so any rank can name the op another rank is at."""
+    if _HEADER_WORDS + sum(_WORDS[f.kind] for f in fields) > _RECORD_WORDS:
+        raise ValueError(f"{what}: its signature needs more than the {_RECORD_WORDS} words of a call record")
+    _OPS[_signature_hash(what)] = what
+    return what, fields
+
+
+def agree_call(group: Any, op: tuple[str, tuple[SignatureField, ...]], values: Mapping[str, Any], *,
+               device: Any, rejected: BaseException | None = None) -> int:
+    """Agree one call of a collective op (`op`: its name and signature fields, from `collective_op`) across `group`
+    before it exchanges anything: the op every rank is at, every rank's signature (`values` of the fields) and its
+    count of calls agreed in this group, with one all-gather of a small fixed-size int64 tensor on `device` (the
+    CPU for gloo; the rank's accelerator for NCCL). Returns the call's number. Collective: every rank of the group
+    calls it at the same point.
+
+    Ranks at different ops (a rank that skipped a backward is at its next forward), or that differ in any field or
+    in the count, raise the same AgreementError on every rank, naming each field that differs and each rank's
+    value. A rank whose call was `rejected` by its own checks takes part all the same, so the others do not wait:
+    they raise an AgreementError naming it (the caller re-raises its own error there).
+
+    What is caught, and what is not, without waiting for a timeout: collectives pair in the order each rank issues
+    them, so a rank's extra call pairs with the others' next call. With another signature (other shards, options,
+    or a backward recorded on one side only — an evaluation call under ``no_grad`` on one rank) the fields that
+    differ are named, on every rank. With the same signature it is indistinguishable from the next call (no record
+    a rank can carry tells them apart), so its results pair shards of different steps; where the others never call
+    again, it waits for the group's timeout (``init_process_group(timeout=)``) and raises an AgreementError
+    saying so — after which gloo has closed the group's connections and NCCL aborts the communicator, so every
+    later collective of that group fails too. The call number (counted on every rank before the collective,
+    whatever its outcome) numbers the calls in these errors and names a rank whose count went out of step while
+    the group stayed usable."""
+    import torch
+    import torch.distributed as dist
+
+    what, fields = op
+    pg = group if group is not None else dist.group.WORLD
+    call = _CALLS.get(pg, 0) + 1
+    _CALLS[pg] = call  # counted whatever happens below, on every rank alike
+    ordered = [values[f.name] for f in fields]
+    words = [_MAGIC, _signature_hash(what), len(fields), call, _signature_hash(ordered), int(rejected is not None)]
+    for f, value in zip(fields, ordered):
+        words += _encode(f.kind, value)
+    words += [0] * (_RECORD_WORDS - len(words))
+    mine = torch.tensor(words, dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    try:
+        dist.all_gather(parts, mine, group=group)
+    except Exception as exc:
+        raise AgreementError(
+            f"{what}: the ranks of the group could not agree call {call} in this group before exchanging anything: "
+            f"the collective failed ({type(exc).__name__}: {str(exc)[:300]}). Every rank of the group must call it "
+            "at the same point, the same number of times; a rank that calls it while the others do not waits for "
+            "the group's timeout. Fix: call it on every rank of the group (not inside a rank-dependent branch), "
+            "the same number of times") from exc
+    rows = torch.stack(parts).cpu().tolist()  # on an accelerator, one host sync per call (docs/architecture.md)
+    if rejected is not None or all(row == rows[0] for row in rows):
+        return call  # a rejected call: the caller raises its own error, which says more than a list of fields
+    raise AgreementError(_disagreeing_calls(what, fields, rows))
+
+
+def _disagreeing_calls(what: str, fields: tuple[SignatureField, ...], rows: list[list[int]]) -> str:
+    def by_value(texts: list[str]) -> str:  # "a on ranks 0, 1; b on rank 2"
+        groups: dict[str, list[int]] = {}
+        for r, text in enumerate(texts):
+            groups.setdefault(text, []).append(r)
+        return "; ".join(f"{text} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                         for text, rs in groups.items())
+
+    if any(row[0] != _MAGIC for row in rows):
+        return (f"{what}: the ranks of the group run different versions of opdispatch (their call records differ in "
+                "form), so nothing was exchanged. Fix: install one opdispatch version on every host")
+    if len({row[1] for row in rows}) > 1:
+        ops = by_value([_OPS.get(row[1], f"an op unknown here (#{row[1]:x})") for row in rows])
+        return (f"opdispatch: the {len(rows)} ranks of the group are at different collective calls: {ops}; nothing "
+                "was exchanged. Every rank of the group must make the same calls in the same order. Fix: run the "
+                "backward on every rank or on none, and call each op the same number of times on every rank (never "
+                "inside a rank-dependent branch)")
+    if any(row[2] != len(fields) for row in rows):
+        return (f"{what}: the ranks of the group run different versions of opdispatch (their call records differ in "
+                "form), so nothing was exchanged. Fix: install one opdispatch version on every host")
+    lines, fixes = [], []
+    rejected = [r for r, row in enumerate(rows) if row[5]]
+    if rejected:
+        lines.append(f"  rejected by its own checks on rank{'s' if len(rejected) > 1 else ''} "
+                     f"{', '.join(map(str, rejected))} (each raises its own error there, which says why)")
+        fixes.append("fix the call the error on those ranks names")
+    if len({row[3] for row in rows}) > 1:
+        lines.append(f"  call number in this group: {by_value([str(row[3]) for row in rows])}")
+        fixes.append("call it the same number of times on every rank, never inside a rank-dependent branch (a "
+                     "rank's count runs ahead when one of its calls failed on it alone, before or inside the "
+                     "collective)")
+    offset = _HEADER_WORDS
+    for f in fields:
+        width = _WORDS[f.kind]
+        texts = [_decode(f.kind, row[offset:offset + width]) for row in rows]
+        if len({tuple(row[offset:offset + width]) for row in rows}) > 1 and not rejected:
+            lines.append(f"  {f.name}: {by_value(texts)}")
+            fixes.append(f.fix)
+        offset += width
+    if not lines:  # only the hash differs: a text field longer than its 16 bytes
+        lines.append("  a text field beyond its first 16 bytes")
+    return (f"{what}: the {len(rows)} ranks of the group did not make the same call, so nothing was exchanged:\n"
+            + "\n".join(lines) + "\nEvery rank of the group must call it at the same point with the same arguments. "
+            "Fix: " + "; ".join(dict.fromkeys(fixes)))

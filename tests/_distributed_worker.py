@@ -303,6 +303,74 @@ def cp_errors(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _cp_call(rank: int, differs: int, **change: Any) -> dict[str, Any]:
+    """One context-parallel call on the 3-rank group, rank `differs` passing `change` (shards: "batch", "length",
+    "heads", "head_dim", "dtype"; options as keyword arguments): each rank's error."""
+    gen = torch.Generator().manual_seed(13)
+    shape = {"batch": 2, "length": SEQ // 3, "heads": 4, "head_dim": 8}
+    dtype = torch.float64
+    options: dict[str, Any] = {"causal": True, "mode": "ring", "sharding": "zigzag"}
+    mine = change if rank == differs else {}
+    shape.update({key: value for key, value in mine.items() if key in shape})
+    dtype = mine.get("dtype", dtype)
+    options.update({key: value for key, value in mine.items() if key in ("causal", "mode", "sharding", "scale")})
+    q = torch.randn(shape["batch"], shape["length"], shape["heads"], shape["head_dim"], generator=gen, dtype=dtype)
+    kv = torch.randn(shape["batch"], shape["length"], 2, shape["head_dim"], generator=gen, dtype=dtype)
+    with torch.set_grad_enabled(not mine.get("no_grad", False)):
+        return _error(lambda: od.context_parallel_attention(q.requires_grad_(), kv, kv, **options))
+
+
+CP_MISMATCHES = {  # name: (the rank that differs, what it changes)
+    "shard length": (2, {"length": 6}), "heads": (1, {"heads": 2}), "head_dim": (0, {"head_dim": 16}),
+    "dtype": (2, {"dtype": torch.float32}), "batch": (1, {"batch": 1}), "causal": (1, {"causal": False}),
+    "scale": (0, {"scale": 0.5}), "sharding": (2, {"sharding": "contiguous"}), "mode": (1, {"mode": "allgather"}),
+    "grad": (2, {"no_grad": True}), "rejected": (1, {"mode": "tree"}),
+}
+
+
+def _backward_skipped(rank: int) -> dict[str, Any]:
+    """Rank 0 runs the backward of a call; ranks 1 and 2 skip it and call again: rank 0's backward meets their
+    next forward."""
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(2, SEQ // 3, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(2, SEQ // 3, 2, 8, generator=gen, dtype=torch.float64)
+
+    def steps() -> None:
+        out = od.context_parallel_attention(q, kv, kv, causal=True)
+        if rank == 0:
+            out.sum().backward()
+        else:
+            od.context_parallel_attention(q, kv, kv, causal=True)
+
+    return _error(steps)
+
+
+def cp_mismatch(rank: int, world: int) -> dict[str, Any]:
+    """Every kind of disagreement between the ranks of one context-parallel call, then an agreed call that must
+    still be right (the group is intact after each error)."""
+    _fresh()
+    from opdispatch import _distributed
+
+    results: dict[str, Any] = {name: _cp_call(rank, differs, **change)
+                               for name, (differs, change) in CP_MISMATCHES.items()}
+    shard = torch.zeros(1, 6 if rank == 2 else 4, 2, 8)  # rank 2's shard is longer
+    results["unshard"] = _error(lambda: od.unshard_sequence(shard))
+    results["backward skipped"] = _backward_skipped(rank)
+    results["after"] = _cp_errors(None, "ring", "zigzag", True, (4, 2), "bshd", torch.float64, seed=21)
+    results["calls"] = _distributed._CALLS[dist.group.WORLD]
+    return results
+
+
+def cp_twice(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 calls once more than the others, who then call again with another signature (no gradient): the
+    extra call pairs with their next one, which names the difference; with the same signature nothing could."""
+    _fresh()
+    first = _cp_call(rank, -1)
+    extra = _cp_call(rank, -1) if rank == 0 else None
+    later = _cp_call(rank, rank, no_grad=True) if rank else None
+    return {"first": first, "extra": extra, "later": later}
+
+
 def timeout(rank: int, world: int) -> dict[str, Any]:
     # Last: a rank deciding alone under agreement waits for the group's timeout, then raises.
     short = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
@@ -317,7 +385,7 @@ def timeout(rank: int, world: int) -> dict[str, Any]:
 
 
 SCENARIOS = [agreed, env_mode, override, denied, pinned, unavailable, mismatch, local_calls, tuned, context_parallel,
-             context_parallel_agreed, cp_errors, timeout]
+             context_parallel_agreed, cp_errors, cp_mismatch, cp_twice, timeout]
 
 
 def main(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -150,3 +150,20 @@ def test_agreement_benchmark_smoke(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 0 |") or line.startswith("| 1 |")]
     assert len(rows) == 2 and all("rank 1 chose reference.math, overridden by rank 0's cpu.flash" in r for r in rows)
     assert all("rank 0's choice (cpu.flash) cannot run on every rank" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_context_parallel_agreement_benchmark_smoke(tmp_path):
+    """benchmarks/context_parallel_agreement.py --smoke (CPU, gloo, 2 spawned ranks): both passes timed with and
+    without the per-call agreement, and ranks with shards of other lengths raise one error on both ranks."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "cpa.md"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "context_parallel_agreement.py"), "--smoke",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    assert "| 64 | forward |" in text and "| 64 | forward+backward |" in text
+    assert "the same AgreementError on every rank: yes" in text
+    assert "  q.shape: (1, 32, 4, 16) on rank 0; (1, 16, 4, 16) on rank 1" in text

@@ -214,6 +214,101 @@ def test_context_parallel_errors(ranks: list[dict[str, Any]]) -> None:
                                     "'ring', 'allgather'")
 
 
+CP_WHAT = "opdispatch.context_parallel_attention()"
+# The lines each disagreement must produce: the fields that differ, each rank's value.
+CP_MISMATCH_LINES = {
+    "shard length": ["  q.shape: (2, 4, 4, 8) on ranks 0, 1; (2, 6, 4, 8) on rank 2",
+                     "  k.shape: (2, 4, 2, 8) on ranks 0, 1; (2, 6, 2, 8) on rank 2",
+                     "  v.shape: (2, 4, 2, 8) on ranks 0, 1; (2, 6, 2, 8) on rank 2"],
+    "heads": ["  q.shape: (2, 4, 4, 8) on ranks 0, 2; (2, 4, 2, 8) on rank 1"],
+    "head_dim": ["  q.shape: (2, 4, 4, 16) on rank 0; (2, 4, 4, 8) on ranks 1, 2",
+                 "  k.shape: (2, 4, 2, 16) on rank 0; (2, 4, 2, 8) on ranks 1, 2",
+                 "  v.shape: (2, 4, 2, 16) on rank 0; (2, 4, 2, 8) on ranks 1, 2",
+                 f"  scale: {1 / 16 ** 0.5!r} on rank 0; {1 / 8 ** 0.5!r} on ranks 1, 2"],
+    "dtype": ["  q.dtype: 'float64' on ranks 0, 1; 'float32' on rank 2",
+              "  k.dtype: 'float64' on ranks 0, 1; 'float32' on rank 2",
+              "  v.dtype: 'float64' on ranks 0, 1; 'float32' on rank 2"],
+    "batch": ["  q.shape: (2, 4, 4, 8) on ranks 0, 2; (1, 4, 4, 8) on rank 1",
+              "  k.shape: (2, 4, 2, 8) on ranks 0, 2; (1, 4, 2, 8) on rank 1",
+              "  v.shape: (2, 4, 2, 8) on ranks 0, 2; (1, 4, 2, 8) on rank 1"],
+    "causal": ["  causal: True on ranks 0, 2; False on rank 1"],
+    "scale": [f"  scale: 0.5 on rank 0; {1 / 8 ** 0.5!r} on ranks 1, 2"],
+    "sharding": ["  sharding: 'zigzag' on ranks 0, 1; 'contiguous' on rank 2"],
+    "mode": ["  mode: 'ring' on ranks 0, 2; 'allgather' on rank 1"],
+    "grad": ["  records a backward: True on ranks 0, 1; False on rank 2"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CP_MISMATCH_LINES))
+def test_context_parallel_ranks_that_disagree_raise_one_clear_error_everywhere(ranks: list[dict[str, Any]],
+                                                                               kind: str) -> None:
+    """Shards of other shapes used to abort a rank inside gloo, other options to give every rank a wrong answer,
+    another mode to time out: each is now the same error on every rank, before any exchange, naming the field and
+    each rank's value."""
+    errors = [r["cp_mismatch"][kind] for r in ranks]
+    assert {e["type"] for e in errors} == {"AgreementError"}, errors
+    assert len({e["message"] for e in errors}) == 1, errors  # word for word the same on every rank
+    message = errors[0]["message"]
+    lines = message.splitlines()
+    assert lines[0] == f"{CP_WHAT}: the 3 ranks of the group did not make the same call, so nothing was exchanged:"
+    assert lines[1:-1] == CP_MISMATCH_LINES[kind]  # exactly the fields that differ
+    assert lines[-1].startswith("Every rank of the group must call it at the same point with the same arguments. "
+                                "Fix: ")
+    fix = {"shard length": "`shard_sequence`", "heads": "equal batch, shard length, heads and head_dim",
+           "dtype": "cast q, k and v to one dtype", "causal": "pass the same causal on every rank",
+           "scale": "pass the same scale", "sharding": "pass the same sharding", "mode": "pass the same mode",
+           "grad": "enable gradients on every rank or on none", "batch": "equal batch",
+           "head_dim": "pass the same scale"}[kind]
+    assert fix in lines[-1]
+
+
+def test_context_parallel_a_rank_rejecting_its_call_does_not_leave_the_others_waiting(
+        ranks: list[dict[str, Any]]) -> None:
+    errors = [r["cp_mismatch"]["rejected"] for r in ranks]
+    assert errors[1] == {"type": "ValueError", "message": f"{CP_WHAT}: mode='tree' is not supported; allowed: 'ring', "
+                                                          "'allgather'"}
+    assert errors[0] == errors[2] and errors[0]["type"] == "AgreementError"
+    assert "  rejected by its own checks on rank 1 (each raises its own error there, which says why)" in \
+        errors[0]["message"].splitlines()
+
+
+def test_unshard_sequence_shards_of_other_shapes_raise_one_clear_error_everywhere(
+        ranks: list[dict[str, Any]]) -> None:
+    """An all-gather of shards of other lengths aborted a rank inside gloo."""
+    errors = [r["cp_mismatch"]["unshard"] for r in ranks]
+    assert len({e["message"] for e in errors}) == 1 and errors[0]["type"] == "AgreementError"
+    assert errors[0]["message"].splitlines()[:2] == [
+        "opdispatch.unshard_sequence(): the 3 ranks of the group did not make the same call, so nothing was "
+        "exchanged:", "  x.shape: (1, 4, 2, 8) on ranks 0, 1; (1, 6, 2, 8) on rank 2"]
+
+
+def test_context_parallel_a_rank_running_a_backward_the_others_skip_is_named(ranks: list[dict[str, Any]]) -> None:
+    """Rank 0's backward (its ring exchanges) met the others' next forward: now both sides raise, naming the ops."""
+    errors = [r["cp_mismatch"]["backward skipped"] for r in ranks]
+    assert len({e["message"] for e in errors}) == 1 and errors[0]["type"] == "AgreementError"
+    assert errors[0]["message"].startswith(
+        "opdispatch: the 3 ranks of the group are at different collective calls: "
+        "opdispatch.context_parallel_attention() backward on rank 0; opdispatch.context_parallel_attention() on "
+        "ranks 1, 2; nothing was exchanged.")
+    assert "run the backward on every rank or on none" in errors[0]["message"]
+
+
+def test_context_parallel_after_disagreements_agrees_and_matches_the_oracle(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert max(r["cp_mismatch"]["after"].values()) < 1e-10, r["cp_mismatch"]["after"]
+    assert len({r["cp_mismatch"]["calls"] for r in ranks}) == 1  # every rank counted the same calls
+
+
+def test_context_parallel_an_extra_call_on_one_rank_is_named_by_the_others_next_call(
+        ranks: list[dict[str, Any]]) -> None:
+    """Rank 0 calls once more than the others: its extra call pairs with their next one (collectives pair in
+    order), which here has no gradient: every rank raises, naming it."""
+    assert all(r["cp_twice"]["first"]["type"] is None for r in ranks)
+    errors = [ranks[0]["cp_twice"]["extra"], ranks[1]["cp_twice"]["later"], ranks[2]["cp_twice"]["later"]]
+    assert len({e["message"] for e in errors}) == 1 and errors[0]["type"] == "AgreementError"
+    assert "  records a backward: True on rank 0; False on ranks 1, 2" in errors[0]["message"].splitlines()
+
+
 def test_tune_under_torchrun_agrees_one_table(tmp_path: Path) -> None:
     import subprocess
     import sys
