@@ -84,11 +84,18 @@ def _flex_api() -> Any:
     return module
 
 
+def _flex_entry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
+    """The function this adapter compiles. dynamo caches graphs per code object, shared by every torch.compile
+    of it: compiling flex_attention itself would share graphs with a caller's own torch.compile(flex_attention),
+    compiled under the caller's config (donated buffers on, see `retainable`). This code object is ours alone."""
+    return _flex_api().flex_attention(q, k, v, **kwargs)
+
+
 @functools.cache
 def _compiled_flex() -> Callable[..., Any]:
     """torch.compile(flex_attention), created once per process: that is how torch turns it into one fused kernel.
     dynamo then keeps one graph per variant of mods and flags (and goes dynamic over sequence lengths)."""
-    return torch.compile(_flex_api().flex_attention)
+    return torch.compile(_flex_entry)
 
 
 # dynamo keeps at most `recompile_limit` (8) graphs per function and runs anything beyond them eagerly — for
@@ -112,6 +119,82 @@ def _call_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: di
         return _flex_api().flex_attention(q, k, v, **kwargs)
     finally:
         config.recompile_limit, config.fail_on_recompile_limit_hit = prior
+
+
+def _no_donated_buffers() -> Any:
+    """AOTAutograd config scope with donated buffers off (torch 2.13, torch/_functorch/_aot_autograd)."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(donated_buffer=False)
+
+
+class _RetainableGraph(torch.autograd.Function):
+    """Runs ``fn`` on detached leaves with its own autograd graph, and backprops through that graph on request.
+
+    Why (issue 27): AOTAutograd compiles a backward with *donated buffers* (saved activations it overwrites in
+    place) when ``torch._functorch.config.donated_buffer`` is on while the forward graph is compiled, and its
+    runtime (`_backward_impl` in runtime_wrappers.py) refuses any ``retain_graph=True`` backward when the global
+    flag is on at backward time and ``bw_donated_idxs != []`` — which holds both for a donating graph and for one
+    compiled without donation (idxs None). The outer autograd engine calls that backward directly, outside any
+    scope of ours, so the compiled graph is kept inside this Function: its forward runs (and compiles) ``fn``
+    with donation off, and its backward runs ``torch.autograd.grad`` over the inner graph with donation off
+    again (the backward graph may compile lazily there), forwarding the outer task's ``retain_graph``. A graph
+    compiled without donation keeps its saved tensors intact, so it may be backpropagated any number of times.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
+        leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
+        with torch.enable_grad(), _no_donated_buffers():
+            result = fn(*leaves)
+        single = isinstance(result, torch.Tensor)
+        outputs = (result,) if single else tuple(result)
+        ctx.leaves, ctx.outputs = leaves, outputs
+        ctx.set_materialize_grads(False)  # an output without a gradient (an unused LSE) costs nothing
+        # Detached results share storage and version counter with the inner outputs: an in-place change of a
+        # returned tensor still fails the inner backward's saved-tensor check, as it would without this wrapper.
+        returned = tuple(o.detach() for o in outputs)
+        ctx.mark_non_differentiable(*(r for r, o in zip(returned, outputs) if not o.requires_grad))
+        return returned[0] if single else returned
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        if ctx.outputs is None:
+            raise RuntimeError("torch.flex: backward through this graph a second time, but the earlier backward "
+                               "freed it; pass retain_graph=True to every backward but the last")
+        keep_graph = torch._C._autograd._get_current_graph_task_keep_graph()
+        pairs = [(o, g) for o, g in zip(ctx.outputs, grads) if g is not None and o.requires_grad]
+        wanted = [i for i, leaf in enumerate(ctx.leaves) if leaf.requires_grad and ctx.needs_input_grad[1 + i]]
+        result: list[torch.Tensor | None] = [None] * (1 + len(ctx.leaves))
+        if pairs and wanted:
+            with _no_donated_buffers():
+                got = torch.autograd.grad([o for o, _ in pairs], [ctx.leaves[i] for i in wanted],
+                                          [g for _, g in pairs], retain_graph=keep_graph,
+                                          create_graph=torch.is_grad_enabled(), allow_unused=True)
+            for i, g in zip(wanted, got):
+                result[1 + i] = g
+        if not keep_graph:
+            ctx.leaves = ctx.outputs = None  # the inner graph freed its saved tensors; drop the rest now
+        return tuple(result)
+
+
+def retainable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (tensors -> a tensor or a tuple of tensors, typically calling a ``torch.compile``d function),
+    compiled and backpropagated without donated buffers, so ``backward(retain_graph=True)`` works any number of
+    times (see `_RetainableGraph`). Without a gradient to track it only scopes the compile; under an outer
+    ``torch.compile`` trace it calls ``fn`` directly: the outer graph is compiled, and donates, by its own config.
+    """
+
+    @functools.wraps(fn)
+    def call(*tensors: torch.Tensor) -> Any:
+        if torch.compiler.is_compiling():
+            return fn(*tensors)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return _RetainableGraph.apply(fn, *tensors)
+        with _no_donated_buffers():
+            return fn(*tensors)
+
+    return call
 
 
 def _warn_unfused(limit: int) -> None:
@@ -234,9 +317,10 @@ def _broadcast_index(t: torch.Tensor, target: tuple[int, ...]) -> Callable[..., 
     return read
 
 
-def _score_mod(call: AttentionCall, pos: _Positions, q_bhsd_shape: tuple[int, ...],
-               sk: int) -> Callable[..., Any] | None:
-    """softcap · tanh(s / softcap), then -slope · |i + o - j|, then the additive bias — reference.math's order."""
+def _score_mod(call: AttentionCall, pos: _Positions, q_bhsd_shape: tuple[int, ...], sk: int,
+               attn_bias: torch.Tensor | None) -> Callable[..., Any] | None:
+    """softcap · tanh(s / softcap), then -slope · |i + o - j|, then the additive bias — reference.math's order.
+    ``attn_bias`` is the call's bias, or the leaf standing for it inside `retainable`."""
     device = call.q.device
     softcap = torch.tensor(call.softcap, dtype=torch.float32, device=device) if call.softcap > 0 else None
     slopes = call.alibi_slopes
@@ -246,9 +330,9 @@ def _score_mod(call: AttentionCall, pos: _Positions, q_bhsd_shape: tuple[int, ..
         slopes = slopes.detach()
     varlen = call.varlen
     bias = None
-    if call.attn_bias is not None:
+    if attn_bias is not None:
         b, h, sq = q_bhsd_shape[0], q_bhsd_shape[1], q_bhsd_shape[2]
-        bias = _broadcast_index(call.attn_bias, (b, h, sq, sk))
+        bias = _broadcast_index(attn_bias, (b, h, sq, sk))
     if softcap is None and slopes is None and bias is None:
         return None
 
@@ -357,8 +441,7 @@ class TorchFlexAttention(AttentionImpl):
         block_mask = pos.block_mask
         if call.attn_mask is not None:
             block_mask = self._data_block_mask(call, pos, tuple(q.shape), k.shape[2])
-        score_mod = _score_mod(call, pos, tuple(q.shape), k.shape[2])
-        kwargs: dict[str, Any] = dict(score_mod=score_mod, block_mask=block_mask, scale=call.scale,
+        kwargs: dict[str, Any] = dict(block_mask=block_mask, scale=call.scale,
                                       enable_gqa=call.heads_q != call.heads_kv)
         if self.options.kernel_options:
             kwargs["kernel_options"] = dict(self.options.kernel_options)
@@ -367,15 +450,26 @@ class TorchFlexAttention(AttentionImpl):
             kwargs["return_aux"] = aux
         elif call.return_lse:
             kwargs["return_lse"] = True
-        if self.options.compile:
-            result = self._run_compiled(q, k, v, kwargs)
-        else:
-            result = _flex_api().flex_attention(q, k, v, **kwargs)
+        q_shape, sk = tuple(q.shape), k.shape[2]
+
+        def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *bias: torch.Tensor) -> Any:
+            score_mod = _score_mod(call, pos, q_shape, sk, bias[0] if bias else call.attn_bias)
+            if self.options.compile:
+                result = self._run_compiled(q, k, v, dict(kwargs, score_mod=score_mod))
+            else:
+                result = _flex_api().flex_attention(q, k, v, score_mod=score_mod, **kwargs)
+            if not call.return_lse:
+                return result
+            return result[0], (result[1].lse if aux is not None else result[1])
+
+        # A bias with a gradient is an input of the graph, like q/k/v; any other captured tensor is a constant.
+        bias_leaf = (call.attn_bias,) if call.attn_bias is not None and call.attn_bias.requires_grad else ()
+        # The compiled graph is kept behind `retainable` so that backward(retain_graph=True) works (issue 27);
+        # the eager path has no compiled backward and needs none.
+        result = (retainable(flex) if self.options.compile else flex)(q, k, v, *bias_leaf)
         if not call.return_lse:
             return self._layout_out(call, result)
         out, lse = result
-        if aux is not None:
-            lse = lse.lse
         return self._layout_out(call, out), (lse[0] if call.varlen else lse)
 
     def _run_compiled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Any:
