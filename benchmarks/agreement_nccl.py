@@ -98,6 +98,7 @@ def rank_main(rank: int, world: int, port: int, out: str, smoke: bool) -> None:
         except od.AgreementError as exc:
             result["no_common"] = {"raised": str(exc).splitlines()[0]}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears the group down while another is still inside its last collective
     dist.destroy_process_group()
 
 

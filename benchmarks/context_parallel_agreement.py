@@ -97,6 +97,7 @@ def _rank(rank: int, world: int, port: int, out: str, smoke: bool, lengths: list
             mismatch = str(exc)
         Path(out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "alone_us": statistics.median(alone),
                                                              "mismatch": mismatch}))
+        dist.barrier()  # no rank tears the group down while another is still inside its last collective
     finally:
         dist.destroy_process_group()
 

@@ -518,6 +518,10 @@ def agree_call(group: Any, op: tuple[str, tuple[SignatureField, ...]], values: M
     import torch.distributed as dist
 
     what, fields = op
+    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise AgreementError(
+            f"{what}: called while a CUDA graph is being captured, but the ranks agree each call with a collective "
+            "whose result the host reads, which a capture cannot hold. Fix: call it outside the captured region")
     pg = group if group is not None else dist.group.WORLD
     call = _CALLS.get(pg, 0) + 1
     _CALLS[pg] = call  # counted whatever happens below, on every rank alike

@@ -342,3 +342,20 @@ def test_ranks_compare_a_calls_class_whatever_gpu_each_holds() -> None:
         ("bshd", torch.bfloat16, torch.device("cuda", 0), 128, (torch.device("cuda", 0), True)))
     assert _rank_independent(key) != _rank_independent(
         ("bshd", torch.bfloat16, torch.device("cpu"), 128, (torch.device("cpu"), True)))
+
+
+def test_context_parallel_refuses_a_cuda_graph_capture_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agreement reads its collective's result on the host, which a capture cannot hold: a clear refusal
+    before anything runs, not a CUDA error from inside the capture."""
+    from opdispatch import _context_parallel as cp
+    from opdispatch import distributed as od
+    from opdispatch._distributed import agree_call
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(od.AgreementError) as info:
+        agree_call(None, cp._CALL, cp._signature(q, q, q, True, "ring", "zigzag", "bshd", None), device="cuda")
+    assert str(info.value) == (
+        "opdispatch.context_parallel_attention(): called while a CUDA graph is being captured, but the ranks agree "
+        "each call with a collective whose result the host reads, which a capture cannot hold. Fix: call it outside "
+        "the captured region")
