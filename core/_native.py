@@ -280,12 +280,12 @@ def from_arguments(python: Callable[..., Any], arguments: OpArguments, namespace
 AUTOCAST = "autocast"  # a context marker: see compiled_front_door
 
 
-def context_sources(*fns: Callable[..., Any]) -> list[Any]:
+def context_sources(*fns: Callable[..., Any] | str) -> list[Any]:
     """`compiled_front_door`'s context for these zero-argument functions (as `_context_source` reads each)."""
     return [_context_source(fn) for fn in fns]
 
 
-def _context_source(fn: Callable[..., Any]) -> Any:
+def _context_source(fn: Callable[..., Any] | str) -> Any:
     """What the compiled door reads for a context function: a ContextVar's bound ``get`` as the ContextVar itself
     (read without a call), torch's determinism flag as None (read from torch's global context in C), else the
     callable, called."""
