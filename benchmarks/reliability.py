@@ -347,8 +347,9 @@ def _kv_hostile_cases() -> list[tuple[str, dict[str, Any]]]:
                         ("int64 page 2**32", [[0, 2**32], [2, 3]]), ("float table", [[0.0, 1.0], [2.0, 3.0]])):
         dtype = torch.float32 if "float" in name else torch.int64 if "int64" in name else i32
         cases.append((f"block_table {name}", {"paged": True, "block_table": torch.tensor(pages, dtype=dtype),
-                                             "cache_seqlens": torch.tensor([9, 3], dtype=i32)}))
-    for name, pad in (("negative", [-2, 0]), ("past the end", [5, 0]), ("float", [0.0, 1.0])):
+                                             "cache_seqlens": torch.tensor([9, 12], dtype=i32)}))  # reads both
+    # sequence 0 ends at 4 + 1 appended: a leftpad of 5 leaves it empty (allowed), 7 is past its end
+    for name, pad in (("negative", [-2, 0]), ("past the end", [7, 0]), ("float", [0.0, 1.0])):
         dtype = torch.float32 if name == "float" else i32
         cases.append((f"cache_leftpad {name}", {"cache_leftpad": torch.tensor(pad, dtype=dtype),
                                                "cache_seqlens": torch.tensor([4, 3], dtype=i32)}))
@@ -438,13 +439,72 @@ def quarantine_files() -> list[tuple[str, str]]:
             except subprocess.TimeoutExpired:
                 rows.append((what, "HUNG (no dispatch in 60 s)"))
                 continue
-            warned = [line for line in done.stderr.splitlines() if "WARNING" in line.upper() and path in line]
+            warned = [line for line in done.stderr.splitlines() if path in line]  # logging's bare last resort
             if done.returncode != 0 or "DISPATCHED" not in done.stdout:
                 tail = (done.stderr.strip().splitlines() or ["?"])[-1][:110]
                 rows.append((what, f"STOPPED DISPATCH: {tail}"))
             else:
                 rows.append((what, "dispatched" + (f"; warning: {warned[0].strip()[:110]}" if warned else
                                                    "; no warning")))
+    return rows
+
+
+# -- context-parallel calls on which the ranks disagree --------------------------------------------------------
+
+def _cp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One rank of tests/_distributed_worker.py running only its context-parallel disagreement scenarios."""
+    from tests import _distributed_worker as worker
+
+    worker.SCENARIOS = [worker.cp_mismatch, worker.cp_twice]
+    worker.main(rank, world, port, out_dir)
+
+
+def context_parallel_mismatches() -> list[tuple[str, str]]:
+    """Three gloo ranks (CPU); one rank's call differs in one way (shard length, heads, head_dim, dtype, batch,
+    causal, scale, sharding, mode, a gradient, a call it rejects itself, an unshard of another length, a
+    skipped backward, an extra call): what every rank got. Survived = the same clear error on every rank (no
+    abort, no timeout), and an agreed call afterwards still right."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    world = 3
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            mp.start_processes(_cp_rank, args=(world, port, out), nprocs=world, join=True, start_method="spawn")
+        except Exception as exc:  # a rank died (an abort inside gloo): what the family exists to catch
+            return [("every mismatch", f"CRASHED: {type(exc).__name__}: {str(exc)[:110]}")]
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    rows = []
+    mismatch = [r["cp_mismatch"] for r in ranks]
+    for kind in [k for k in mismatch[0] if k not in ("after", "calls")]:
+        got = [m[kind] for m in mismatch]
+        if any("crashed" in g for g in got if isinstance(g, dict)):
+            rows.append((kind, "CRASHED on a rank"))
+            continue
+        types = {g["type"] for g in got}
+        if None in types:
+            rows.append((kind, "WRONG-SILENT: a rank returned normally"))
+        elif kind == "rejected":  # the rejecting rank raises its own error, the others name it
+            rows.append((kind, "clear error on every rank: " + ", ".join(sorted(t for t in types if t))))
+        elif len({g["message"] for g in got}) == 1:
+            lines = got[0]["message"].splitlines()
+            field = next((line.strip() for line in lines[1:] if line.startswith("  ")), lines[0])  # what differs
+            rows.append((kind, f"the same {got[0]['type']} on every rank: {field[:100]}"))
+        else:
+            rows.append((kind, "DIFFERENT errors on the ranks: " + "; ".join(g["type"] for g in got)))
+    after = max(max(m["after"].values()) for m in mismatch)
+    rows.append(("an agreed call after all of them", ("right" if after < 1e-10 else "WRONG") +
+                 f" (max error {after:.1e} against one process in float64)"))
+    twice = [r["cp_twice"] for r in ranks]
+    later = [t["extra"] if rank == 0 else t["later"] for rank, t in enumerate(twice)]
+    rows.append(("one rank calls once more (the others' next call differs)",
+                 "clear error on every rank" if all(g and g.get("type") for g in later) else
+                 "NOT DETECTED: " + json.dumps(later)[:110]))
     return rows
 
 
@@ -540,6 +600,11 @@ def main() -> None:
               "| the file | what happened |", "|---|---|"] + [f"| {w} | {r} |" for w, r in rows2]
     ok = sum(1 for _, r in rows2 if r.startswith("dispatched"))
     lines += ["", f"Dispatch went on: {ok} of {len(rows2)}.", ""]
+    rows_cp = context_parallel_mismatches()
+    lines += ["## Context-parallel calls on which the ranks disagree (3 gloo ranks on the CPU)", "",
+              "| what differs | what the ranks got |", "|---|---|"] + [f"| {w} | {r} |" for w, r in rows_cp]
+    ok = sum(1 for _, r in rows_cp if not r.startswith(("CRASHED", "WRONG", "DIFFERENT", "NOT")))
+    lines += ["", f"Survived (the same clear error on every rank, or right): {ok} of {len(rows_cp)}.", ""]
     rows3 = breaker_scope()
     lines += ["## The breaker's scope (a kernel failing at one sequence length, cpu.flash next)", "",
               "| call | served by |", "|---|---|"] + [f"| {w} | {r} |" for w, r in rows3]

@@ -1282,6 +1282,26 @@ def _outputs_and_training(caps: AttentionCaps, call: AttentionCall, reasons: lis
         reasons.append("deterministic=True not supported: its backward is not deterministic")
 
 
+def _lse_gradient_fix(impl: Any, call: Any) -> Any:
+    """attention's OpSpec.result_fix (`opdispatch._sinks.lse_gradient_fix`: imported late, it builds on this
+    module)."""
+    from ._sinks import lse_gradient_fix
+
+    return lse_gradient_fix(impl, call)
+
+
+def _returned_lse_gradient(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
+    """A returned LSE under autograd: exact through `opdispatch._sinks.exact_lse` where the kernel's LSE has no
+    gradient, which reads the scores as scale * q.k — not with softcap, nor for an attn_bias gradient."""
+    if not (call.return_lse and call.requires_grad) or caps.lse_grad or call.sinks is not None:
+        return
+    if call.softcap > 0:
+        reasons.append("return_lse=True with softcap under autograd needs a differentiable LSE (caps.lse_grad): "
+                       "the exact LSE gradient opdispatch adds reads the scores as scale * q.k")
+    if call.attn_bias is not None and call.attn_bias.requires_grad:
+        reasons.append("return_lse=True with a gradient for attn_bias needs a differentiable LSE (caps.lse_grad)")
+
+
 def _sinks(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
     """Attention sinks: computed by the shared epilogue from the implementation's LSE (`opdispatch._sinks`)."""
     if call.sinks is None:
@@ -1318,7 +1338,8 @@ def _sequence_limits(caps: AttentionCaps, call: AttentionCall, reasons: list[str
 
 
 _CAPABILITY_STEPS: tuple[Callable[[AttentionCaps, AttentionCall, list[str]], None], ...] = (
-    _dtype_and_layout, _head_dims_and_gqa, _masking_pattern, _score_terms, _outputs_and_training, _sinks,
+    _dtype_and_layout, _head_dims_and_gqa, _masking_pattern, _score_terms, _outputs_and_training,
+    _returned_lse_gradient, _sinks,
     _kv_cache, _sequence_limits)
 
 
@@ -1345,6 +1366,7 @@ ATTENTION = register_op(OpSpec(
     validator=validate_attention, tuning=ATTENTION_TUNING,
     description="scaled dot-product attention (dense layouts and packed varlen)",
     vocabularies={"layout": LAYOUTS, "causal_alignment": CAUSAL_ALIGNMENTS}, expected_outputs=attention_outputs,
+    result_fix=_lse_gradient_fix,
     features={"dtype": "dtype", "layout": "name", "causal_alignment": "name", **dict.fromkeys(
         ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio", "page_size"),
         "int"),

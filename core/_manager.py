@@ -562,6 +562,14 @@ class OpManager:
                 return bound_kernel(*conformer(*tensors))
 
             fn = conforming
+        fix = _result_fix(decision.op, chosen, call)
+        if fix is not None:  # e.g. a returned LSE's gradient the kernel does not give (OpSpec.result_fix)
+            unfixed, rebuild = fn, _template(call).with_tensors
+
+            def fixed(*tensors: Any) -> Any:
+                return fix(unfixed(*tensors), rebuild(*tensors))
+
+            fn = fixed
         if self.check_values:
             fn = guarded(decision.op, chosen.id, fn, _template(call).with_tensors, _bound_names(decision.op))
         retry_at = decision.retry_at
@@ -600,7 +608,8 @@ class OpManager:
                 else:
                     result = chosen.run(chosen.conform(call))
                 _raise_for_structure(op, chosen.id, call, result)
-                return result
+                fix = _result_fix(op, chosen, call)
+                return result if fix is None else fix(result, call)
             except Exception as exc:
                 if not self.may_fail_over(decision, impl, exc, call.device):
                     raise
@@ -697,6 +706,15 @@ def _is_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
+
+
+
+def _result_fix(op: str, chosen: Any, call: Any) -> Any:
+    """The op's `OpSpec.result_fix` for this implementation and call (None: the result passes as it is)."""
+    from ._ops import op_spec
+
+    hook = op_spec(op).result_fix
+    return None if hook is None else hook(chosen, call)
 
 
 def _raise_for_structure(op: str, impl_id: Any, call: Any, result: Any) -> None:

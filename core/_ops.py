@@ -109,6 +109,10 @@ class OpSpec:
       (`opdispatch._output_guard`). None: not checked.
     vocabularies: for each feature of kind ``name``, the values a call can have (a rule naming another value is
       refused when the policy is read: it could never match).
+    result_fix: given the chosen implementation and a validated call, None, or ``fix(result, call)`` that every run
+      of that implementation for that signature passes its result through (bound or not; `call` holds that run's
+      tensors). Decided once per signature, so a call that needs nothing pays nothing. Attention: a returned LSE
+      gets its exact gradient where the kernel's LSE has none (`opdispatch._sinks.exact_lse`).
     """
 
     name: str
@@ -122,6 +126,7 @@ class OpSpec:
     tuning: TuningSpec | None = None
     vocabularies: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     expected_outputs: Callable[[Any], list[tuple[tuple[int, ...], Any]]] | None = None
+    result_fix: Callable[[Any, Any], Callable[[Any, Any], Any] | None] | None = None
 
 
 _OPS: dict[str, OpSpec] = {}

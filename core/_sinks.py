@@ -31,7 +31,7 @@ import torch
 
 from ._attention import AttentionCall
 
-__all__ = ["apply_sinks", "exact_lse", "out_rows"]
+__all__ = ["apply_sinks", "exact_lse", "lse_gradient_fix", "out_rows"]
 
 
 def out_rows(per_row: torch.Tensor, layout: str) -> torch.Tensor:
@@ -81,16 +81,23 @@ class _LseGradient(torch.autograd.Function):
             None, None, None
 
 
-def exact_lse(impl: Any, call: AttentionCall, lse: torch.Tensor) -> torch.Tensor:
+def exact_lse(impl: Any, call: AttentionCall, lse: torch.Tensor, *, replace: bool = False) -> torch.Tensor:
     """`lse` as returned by `impl` for `call` (run with return_lse), made to carry its exact gradient with
-    respect to q and k when the implementation's does not (a kernel's side output); unchanged otherwise."""
+    respect to q and k when the implementation's does not (a kernel's side output); unchanged otherwise.
+    `replace`: the implementation declares no LSE gradient (`caps.lse_grad` False), so whatever gradient its LSE
+    seems to carry is dropped for the exact one (an aten kernel's LSE output may require grad and still give
+    none)."""
     q, k = call.q, call.k
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or lse.requires_grad:
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        return lse
+    if replace:
+        lse = lse.detach()
+    elif lse.requires_grad:
         return lse
     if call.softcap > 0 or (call.attn_bias is not None and call.attn_bias.requires_grad):
-        raise RuntimeError(f"attention sinks: {impl.id}'s LSE carries no gradient and the sink epilogue's "
-                           "correction does not cover softcap or an attn_bias gradient; capability reasons should "
-                           "have refused this call — report it")
+        raise RuntimeError(f"attention: {impl.id}'s LSE carries no gradient and the exact LSE gradient does not "
+                           "cover softcap or an attn_bias gradient; capability reasons should have refused this "
+                           "call — report it")
     # The same call with v = k: its output is sum_j P_ij k_j; no dropout (the LSE is the pre-dropout softmax's).
     template = call.stripped()
     template.head_dim_v, template.dropout_p, template.return_lse = call.head_dim, 0.0, False
@@ -116,3 +123,20 @@ def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
     out, lse = manager.call("attention", inner, impl=chosen.id)
     out, lse = apply_sinks(out, exact_lse(chosen, inner, lse), call.sinks, call.layout)
     return (out, lse) if call.return_lse else out
+
+
+def lse_gradient_fix(impl: Any, call: AttentionCall) -> Callable[[Any, Any], Any] | None:
+    """attention's `OpSpec.result_fix`: for a call that returns its LSE under autograd, on an implementation whose
+    LSE has no gradient of its own (`caps.lse_grad` False), the returned LSE gets its exact gradient (`exact_lse`).
+    Without it a loss that reads the LSE (a merged context-parallel block, a user's own logsumexp term) would get
+    gradients silently missing that term. Calls with sinks apply it inside their epilogue."""
+    if not (call.return_lse and call.requires_grad) or call.sinks is not None:
+        return None
+    if getattr(getattr(impl, "caps", None), "lse_grad", True):
+        return None
+
+    def fix(result: Any, run_call: Any) -> Any:
+        out, lse = result
+        return out, exact_lse(impl, run_call, lse, replace=True)
+
+    return fix
