@@ -48,6 +48,25 @@ def test_dense_sdpa_path_mapping(manager, gems, rng):
     assert name == "scaled_dot_product_attention_forward" and kw == {"is_causal": True, "enable_gqa": True}
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask_shape", [(2, 1, 20, 33), (20, 33), (2, 8, 20, 33)])
+def test_masks_in_every_dtype_with_rows_they_blind(manager, gems, rng, dtype, mask_shape):
+    """A mask in float16 (its -1e6 overflowed half: masked_fill raised, validate on an H200) and rows a mask
+    blinds (the kernel averaged their values: 0.16 off in bf16): zeros and an LSE of -inf, like the reference."""
+    q = randn(2, 20, 8, 64, dtype=dtype, gen=rng)
+    k = randn(2, 33, 2, 64, dtype=dtype, gen=rng)
+    v = randn(2, 33, 2, 64, dtype=dtype, gen=rng)
+    mask = torch.rand(*mask_shape, generator=rng) > 0.4
+    mask[..., 3, :] = False  # row 3 sees no key
+    mask[..., 4, 1:] = False  # row 4 sees one
+    mask[..., 4, 0] = True
+    call = validate_attention(q, k, v, attn_mask=mask, return_lse=True)
+    out, lse = FlagGemsAttention().run(call)
+    assert (out[:, 3] == 0).all() and (lse[:, :, 3] == -math.inf).all()
+    assert not out.isnan().any()
+    _check(manager, call)
+
+
 def test_varlen_path_mapping(manager, gems, rng):
     lens_q, lens_k = [5, 17, 1], [9, 17, 30]
     q = randn(sum(lens_q), 8, 64, dtype=torch.float16, gen=rng)

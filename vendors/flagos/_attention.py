@@ -131,18 +131,29 @@ class FlagGemsAttention(AttentionImpl):
         from flag_gems.ops.attention import scaled_dot_product_attention_forward
 
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
-        mask = None
+        mask = blind = None
         if call.attn_mask is not None:
             allowed = call.attn_mask
-            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, _MASKED)
+            # -1e6 overflows float16 (masked_fill raised): half its lowest finite value masks as well there
+            masked = max(_MASKED, torch.finfo(q.dtype).min / 2)
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, masked)
             mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)).expand(
                 q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            # A row its mask blinds: the kernel averages the values (every score equally masked, a finite
+            # softmax); opdispatch's answer is zeros and an LSE of -inf (validate on an H200: 0.16 off in bf16).
+            blind = ~allowed.any(-1)
+            blind = blind.reshape((1,) * (3 - blind.dim()) + tuple(blind.shape)).expand(
+                q.shape[0], q.shape[1], q.shape[2])
         out, m = scaled_dot_product_attention_forward(q, k, v, mask, 0.0, call.causal, call.scale,
                                                       call.heads_q != call.heads_kv)
+        lse = m * _LN2
+        if blind is not None:
+            out = out.masked_fill(blind.unsqueeze(-1), 0.0)
+            lse = lse.masked_fill(blind, -math.inf)
         out = call.from_bhsd(out)
         if not call.return_lse:
             return out
-        return out, m * _LN2
+        return out, lse
 
     def _varlen(self, call: AttentionCall) -> Any:
         import flag_gems
