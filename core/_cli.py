@@ -475,6 +475,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout {args.timeout} must be a positive number of seconds")
     if args.jobs < 1:
         raise ValueError(f"--jobs {args.jobs} must be at least 1")
+    if args.budget is not None and not args.budget > 0:
+        raise ValueError(f"--budget {args.budget} must be a positive number of seconds (or leave it out: no limit)")
     from ._timing import usable_device
 
     device = str(usable_device(args.on)) if args.on else str(_local_torch_device())
@@ -483,7 +485,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     code = run_validation(impls, device, timeout=args.timeout, quick=args.quick, quarantine_path=quarantine,
                           report_md=Path(args.report) if args.report else None,
                           report_json=Path(args.json) if args.json else None, stream=sys.stdout, jobs=args.jobs,
-                          replace=args.replace)
+                          replace=args.replace, budget=args.budget)
     if quarantine is not None and code != 2:
         print(f"policies read {quarantine} from now on (`opdispatch explain` shows what it denies)")
     return code
@@ -588,6 +590,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-quarantine", action="store_true", help="write no quarantine file")
     p.add_argument("--jobs", type=_positive, default=1, help="implementations validated at once, each in its own "
                                                            "worker (default 1; on a GPU they share its memory)")
+    p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default: no limit); when "
+                                                             "they run out the cases left are reported 'not run' "
+                                                             "and the reports and quarantine are written with what "
+                                                             "ran (a job runner's timeout would lose it all)")
     p.add_argument("--report", default=None, help="also write the markdown report here")
     p.add_argument("--json", default=None, help="also write the JSON report (every case) here")
     p.set_defaults(func=cmd_validate)

@@ -597,16 +597,30 @@ def _context_may_be_dead(detail: str) -> bool:
 
 # -- the parent: workers, progress, results ---------------------------------------------------------------------
 
+NOT_RUN = "not run"  # the run's --budget ran out first: neither a pass nor a failure
+
+
 def validate_impl(impl_id: str, device: str, cases: list[Case], timeout: float,
                   progress: Callable[[str, int, int, str], None], workdir: Path,
-                  run_as: str | None = None) -> list[CaseResult]:
+                  run_as: str | None = None, stop_at: float | None = None) -> list[CaseResult]:
     """Run `cases` for `impl_id` (progress shown under that name; `run_as`: the implementation they pin) in worker
-    processes, restarting after a crash, a hang or a dead context."""
+    processes, restarting after a crash, a hang or a dead context. At `stop_at` (time.monotonic()) the worker is
+    stopped and the case in flight and those left are `NOT_RUN`."""
     cases_path = workdir / f"cases-{impl_id}.json"
     cases_path.write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
     results: dict[int, CaseResult] = {}
     start = 0
+
+    def out_of_budget(first: int) -> list[CaseResult]:
+        for case in cases[first:]:
+            if case.index not in results:
+                results[case.index] = CaseResult(case, NOT_RUN, "the run's --budget ran out before it")
+                progress(impl_id, len(results), len(cases), NOT_RUN)
+        return [results[c.index] for c in cases if c.index in results]
+
     while start < len(cases):
+        if stop_at is not None and time.monotonic() >= stop_at:
+            return out_of_budget(start)
         proc = subprocess.Popen([sys.executable, "-m", "opdispatch._validate", run_as or impl_id, device,
                                  str(cases_path),
                                  str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -624,11 +638,14 @@ def validate_impl(impl_id: str, device: str, cases: list[Case], timeout: float,
         current: int | None = None
         deadline = time.monotonic() + timeout + STARTUP_S  # importing torch and the plugins is not the case's time
         while True:
+            limit = deadline if stop_at is None else min(deadline, stop_at)
             try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:  # the case in flight hangs (or the worker never started)
+                line = lines.get(timeout=max(0.0, limit - time.monotonic()))
+            except queue.Empty:  # the case in flight hangs (or the worker never started), or the budget ran out
                 proc.kill()
                 proc.wait()
+                if stop_at is not None and time.monotonic() >= stop_at and time.monotonic() < deadline:
+                    return out_of_budget(start if current is None else current)
                 index = start if current is None else current
                 results[index] = CaseResult(cases[index], "timeout", f"no result in {timeout:g} s; worker killed")
                 progress(impl_id, len(results), len(cases), "timeout")
@@ -813,6 +830,8 @@ def merge_quarantine(existing: dict[str, Any] | None, new_rules: dict[str, dict[
             kept = ops.setdefault(op, [])
             names = {r.get("name") for r in kept}
             for rule in rules:
+                if rule in kept:  # kept from an earlier run of an implementation not finished this time
+                    continue
                 name, n = rule["name"], 2
                 while rule["name"] in names:  # a rule of another host under this name
                     rule = {**rule, "name": f"{name}-{n}"}
@@ -913,9 +932,14 @@ def in_process(impl_id: str, device: str) -> Runner:
 
 def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: float, quick: bool,
                    quarantine_path: Path | None, report_md: Path | None, report_json: Path | None,
-                   stream: TextIO, jobs: int = 1, replace: bool = False) -> int:
+                   stream: TextIO, jobs: int = 1, replace: bool = False, budget: float | None = None) -> int:
     """The `opdispatch validate` command; returns its exit code (1 when an implementation failed a case, 2 when
-    nothing could be validated)."""
+    nothing could be validated).
+
+    `budget`: seconds for the whole run. When they run out, the cases not yet run are reported as `NOT_RUN` and the
+    reports are written with what ran: an implementation not validated to the end gets its new failures'
+    rules added to the quarantine, and keeps its earlier rules (its unrun cases are no evidence either way)."""
+    stop_at = None if budget is None else time.monotonic() + budget
     import tempfile
 
     import opdispatch
@@ -957,9 +981,10 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
             width = 24
             bar = "#" * (width * done // max(total, 1))
             text = (f"{impl_id:24} [{bar:<{width}}] {done}/{total} pass {tally['pass']} fail {tally['fail']} "
-                    f"error {tally['error']} not declared {tally['not declared']}")
+                    f"error {tally['error']} not declared {tally['not declared']}"
+                    + (f" not run {tally[NOT_RUN]}" if tally[NOT_RUN] else ""))
             stream.write(("\r" + text) if tty and jobs == 1 else (text + "\n") if done == total
-                         or status not in ("pass", "not declared") else "")
+                         or status not in ("pass", "not declared", NOT_RUN) else "")
             stream.flush()
 
     def dtypes_of(impl: Any) -> list[str]:
@@ -972,7 +997,8 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
 
     def one(impl: Any, tmp: str) -> list[CaseResult]:
         def runner(cases: list[Case], label: str) -> list[CaseResult]:
-            results = validate_impl(label, device, cases, timeout, progress, Path(tmp), run_as=impl.id)
+            results = validate_impl(label, device, cases, timeout, progress, Path(tmp), run_as=impl.id,
+                                    stop_at=stop_at)
             if tty and jobs == 1:
                 stream.write("\n")
             return results
@@ -997,11 +1023,17 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
         return {k: f"=={v}" for k, v in sorted(info.libraries.items()) if k in keys}
 
     command = "opdispatch validate" + (f" --impl {','.join(impl_ids)}" if impl_ids else "")
+    unfinished = sorted(impl_id for impl_id, results in all_results.items()
+                        if any(r.status == NOT_RUN for r in results))
+    if unfinished:
+        stream.write(f"validate: --budget {budget:g} s ran out before {', '.join(unfinished)} finished: their cases "
+                     "not run are reported as such, and their earlier quarantine rules are kept\n")
     if quarantine_path is not None:
         envs = {impl_id: env_conditions(info, libraries(impl_id)) for impl_id in all_results}
         new = {impl_id: quarantine_rules(impl_id, results, envs[impl_id], isolations.get(impl_id, {}))
                for impl_id, results in all_results.items()}
-        body = merge_quarantine(existing, new, envs)
+        replaced = {impl_id: env for impl_id, env in envs.items() if impl_id not in unfinished}
+        body = merge_quarantine(existing, new, replaced)
         quarantine_path.parent.mkdir(parents=True, exist_ok=True)
         partial = quarantine_path.with_name(quarantine_path.name + ".partial")
         partial.write_text(quarantine_text(body, info, command))
@@ -1023,7 +1055,7 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
 
 
 def _summary(results: list[CaseResult]) -> dict[str, Any]:
-    counts: dict[str, Any] = {s: 0 for s in ("pass", "fail", "crashed", "timeout", "not declared")}
+    counts: dict[str, Any] = {s: 0 for s in ("pass", "fail", "crashed", "timeout", "not declared", NOT_RUN)}
     worst: dict[str, float] = {}
     for r in results:
         counts[r.status] = counts.get(r.status, 0) + 1
@@ -1037,12 +1069,12 @@ def _summary(results: list[CaseResult]) -> dict[str, Any]:
 
 def _markdown(info: Any, summary: dict[str, Any], failures: dict[str, list[CaseResult]]) -> str:
     lines = [f"# opdispatch validate: {info.describe()}", "",
-             "| implementation | pass | fail | crashed | timeout | not declared | worst out error | quarantined |",
-             "|---|--:|--:|--:|--:|--:|---|---|"]
+             "| implementation | pass | fail | crashed | timeout | not declared | not run | worst out error | "
+             "quarantined |", "|---|--:|--:|--:|--:|--:|--:|---|---|"]
     for impl_id, s in summary.items():
         worst = ", ".join(f"{k} {v:.2g}" for k, v in s["worst_out_error"].items()) or "-"
         lines.append(f"| {impl_id} | {s['pass']} | {s['fail']} | {s['crashed']} | {s['timeout']} | "
-                     f"{s['not declared']} | {worst} | {', '.join(s['quarantined']) or '-'} |")
+                     f"{s['not declared']} | {s[NOT_RUN]} | {worst} | {', '.join(s['quarantined']) or '-'} |")
     for impl_id, bad in failures.items():
         lines += ["", f"## {impl_id}", ""] + [f"- {r.status}: {r.case.describe()}: {r.detail}" for r in bad]
     return "\n".join(lines) + "\n"

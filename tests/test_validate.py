@@ -294,3 +294,26 @@ def test_the_shipped_quarantine_keeps_flag_gems_backward_off_hopper(manager):
     decision = opdispatch.explain(q, q, q, causal=True, device=h100)
     reason = decision.candidate("flagos.triton").reasons[0]
     assert reason.startswith("quarantined by validate: flag_gems 5.0.2 SDPA backward died") and "#3395" in reason
+
+
+@pytest.mark.slow
+def test_a_budget_writes_the_reports_and_keeps_an_unfinished_implementations_rules(tmp_path):
+    """--budget: a hang that would hold the run past a job runner's limit (the first H100 runs were killed before
+    any report was written) instead ends the run on time: the cases left are 'not run', the reports and the
+    quarantine are written, and the unfinished implementation's earlier rules are kept (no evidence either way)."""
+    site = installed_fakes(tmp_path / "site")
+    quarantine, report, md = tmp_path / "quarantine.yaml", tmp_path / "report.json", tmp_path / "report.md"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPDISPATCH_")}
+    env.update(PYTHONPATH=f"{site}{os.pathsep}{REPO}", OPDISPATCH_PLUGINS="cpu,reference,vfake")
+    earlier = ("version: 1\nops:\n  attention:\n    rules:\n      - name: earlier-hang-rule\n"
+               "        when: {vendor: cpu}\n        deny: [vfake.hang]\n        reason: an earlier run\n")
+    quarantine.write_text(earlier)
+    result = subprocess.run([sys.executable, "-m", "opdispatch._cli", "validate", "--impl", "vfake.hang", "--on", "cpu",
+                             "--quick", "--timeout", "300", "--budget", "20", "--quarantine", str(quarantine),
+                             "--json", str(report), "--report", str(md)],
+                            env=env, capture_output=True, text=True, timeout=280)
+    assert "--budget 20 s ran out before vfake.hang finished" in result.stdout, result.stdout + result.stderr
+    statuses = [c["status"] for c in json.loads(report.read_text())["cases"]["vfake.hang"]]
+    assert "not run" in statuses and "timeout" not in statuses  # the hang was cut by the budget, not --timeout
+    assert "| not run |" in md.read_text()
+    assert "earlier-hang-rule" in quarantine.read_text()
