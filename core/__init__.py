@@ -4,7 +4,7 @@ Call ``opdispatch.attention(...)``; ask ``opdispatch.explain(...)`` why an imple
 plug in through the ``opdispatch.plugins`` entry-point group (see ``opdispatch.plugins.hookspec``).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .plugins.hookspec import hookimpl  # plugin modules use it at import time; pluggy only, no torch
 
@@ -56,26 +56,8 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
 
 
-if TYPE_CHECKING:
-    from ._api import (Attention, attention, define_explain, define_front_door, explain, get_manager, plan, plan_op,
-                       set_manager)
-    from ._attention import AttentionCall, AttentionCaps, AttentionImpl, validate_attention
-    from ._ops import OpSpec, known_ops, op_spec, register_op
-    from ._rms_norm import RmsNormCall, RmsNormCaps, RmsNormImpl, explain_rms_norm, rms_norm, validate_rms_norm
-    from ._rotary import (RotaryCall, RotaryCaps, RotaryImpl, explain_rotary_embedding, rotary_embedding,
-                          validate_rotary_embedding)
-    from ._decision import Candidate, Decision, Provenance
-    from ._device import DeviceInfo, load_device_descriptor
-    from ._errors import (DeviceDescriptorError, NoImplementationError, OpDispatchError, PinnedImplementationError,
-                          PluginLoadError, PolicyError, RegistrationError)
-    from ._impl import Impl, Requirement
-    from ._manager import OpManager
-    from ._packed import PACKED_LAYOUTS, attention_packed, packed_views
-    from ._registry import Origin, Registry
-    from .policies._overrides import policy_override, scope
-    from ._context_parallel import context_parallel_attention, shard_sequence, unshard_sequence
-    from ._distributed import AgreementError
-    from . import distributed
+# Type checkers read __init__.pyi instead of this file: the same names, with the front doors typed from the ops'
+# argument definitions (generated: `opdispatch stubs > core/__init__.pyi`; tests/test_stubs.py checks it).
 
 __version__ = "0.1.0"
 

@@ -170,6 +170,7 @@ def _plan_with_sinks(manager: OpManager, call: Any, impl: str | None) -> Callabl
 
 plan.__signature__ = ATTENTION_ARGS.signature(  # type: ignore[attr-defined]
     return_annotation="Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]")
+plan.__opdispatch_arguments__ = ATTENTION_ARGS  # type: ignore[attr-defined]  # the typing stub's source
 
 
 def plan_op(op: str, *args: Any, **kwargs: Any) -> Callable[..., Any]:
@@ -237,6 +238,7 @@ _DEVICE_PARAMETER = inspect.Parameter("device", inspect.Parameter.KEYWORD_ONLY, 
                                       annotation="DeviceInfo | str | os.PathLike[str] | None")
 explain.__signature__ = ATTENTION_ARGS.signature(extra=(_DEVICE_PARAMETER,),  # type: ignore[attr-defined]
                                                  return_annotation="Decision")
+explain.__opdispatch_arguments__ = ATTENTION_ARGS  # type: ignore[attr-defined]  # the typing stub's source
 
 
 def _is_meta(t: torch.Tensor) -> bool:
@@ -338,6 +340,7 @@ def define_explain(op: str) -> Callable[..., Decision]:
                           "path; the tensors may then live on the ``meta`` device).")
     explain_op.__signature__ = arguments.signature(  # type: ignore[attr-defined]
         extra=(_DEVICE_PARAMETER,), return_annotation="Decision")
+    explain_op.__opdispatch_arguments__ = arguments  # type: ignore[attr-defined]  # the typing stub's source
     return explain_op
 
 

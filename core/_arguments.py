@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import keyword
+import linecache
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,10 @@ class OpArguments:
       them call it with `bound` alone. Their key kind is ``index`` (shape, dtype and device in the key).
     context: names of zero-argument functions (looked up in the front door's namespace) whose results join the
       key: the active overrides, the module scope, torch's determinism flag…
+    return_forms: the front door's return by one argument's value, for type checkers (the generated stub's
+      overloads, `opdispatch._stubs`): ``(argument, its annotation in this form, the return annotation)``, e.g.
+      ``("return_lse", "Literal[True]", "tuple[torch.Tensor, torch.Tensor]")``. A return annotation that is the
+      union of the forms' returns is refined by them; the union stays the catch-all form.
     """
 
     op: str
@@ -72,6 +77,7 @@ class OpArguments:
     bound: tuple[str, ...]
     context: tuple[str, ...] = ("_overrides", "_module")
     bound_optional: tuple[str, ...] = ()
+    return_forms: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.args]
@@ -99,6 +105,9 @@ class OpArguments:
         for n in self.bound_optional:
             if n not in by_name or by_name[n].key != "index" or n in self.bound:
                 problems.append(f"bound_optional name {n!r} must be an argument of key kind 'index', not in bound")
+        for form in self.return_forms:
+            if len(form) != 3 or form[0] not in by_name:
+                problems.append(f"return form {form!r} must be (argument name, its annotation, return annotation)")
         if problems:
             raise ValueError(f"op {self.op!r}: malformed argument definition: " + "; ".join(problems))
 
@@ -178,15 +187,13 @@ class OpArguments:
         """
         source = self.front_door_source(compiled=compiled, slow=slow, failed=failed,
                                         return_annotation=return_annotation, manager=manager)
-        code = compile(source, f"<opdispatch front door {self.op}>", "exec")
-        local: dict[str, Any] = {}
-        exec(code, namespace, local)  # generated from the definition above, as dataclasses does
-        fn: Callable[..., Any] = local[self.op]
+        fn: Callable[..., Any] = _exec_source(source, f"<opdispatch front door {self.op}>", namespace)[self.op]
         fn.__doc__ = doc
         fn.__signature__ = self.signature(return_annotation=return_annotation)  # type: ignore[attr-defined]
         fn.__module__ = "opdispatch"
         fn.__qualname__ = self.op
         fn.__opdispatch_source__ = source  # type: ignore[attr-defined]
+        fn.__opdispatch_arguments__ = self  # type: ignore[attr-defined]  # what the typing stub is generated from
         return fn
 
     def front_door_source(self, *, compiled: str, slow: str, failed: str, return_annotation: str = "Any",
@@ -241,10 +248,8 @@ class OpArguments:
         """``key_of(*arguments)``: the fast-path key the front door builds for these arguments (all of them,
         positionally, in definition order), or None where it builds none — what the compiled front door reads
         back from the manager's cache after the Python path ran a call (`opdispatch._native`)."""
-        source = self.key_function_source()
-        local: dict[str, Any] = {}
-        exec(compile(source, f"<opdispatch fast-path key {self.op}>", "exec"), namespace, local)
-        fn: Callable[..., Any] = local[f"{self.op}_key"]
+        fn: Callable[..., Any] = _exec_source(self.key_function_source(), f"<opdispatch fast-path key {self.op}>",
+                                              namespace)[f"{self.op}_key"]
         return fn
 
     def key_function_source(self) -> str:
@@ -304,6 +309,17 @@ class OpArguments:
             else:
                 kinds.append("value")
         return kinds
+
+
+def _exec_source(source: str, filename: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """Run generated source (as dataclasses does) and register it in `linecache` under its file name, so
+    tracebacks, pdb and `inspect.getsource` show the generated lines. Returns the names it defined."""
+    # A linecache entry with mtime None is never checked against a file (`linecache.checkcache` keeps it); the
+    # same text under the same name (a second door of one op, in tests) is simply replaced.
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    local: dict[str, Any] = {}
+    exec(compile(source, filename, "exec"), namespace, local)
+    return local
 
 
 def _default_name(a: Arg) -> str:

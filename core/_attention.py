@@ -83,7 +83,9 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("deterministic", "bool", False, doc="only implementations with a deterministic backward"),
     Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
 ), bound=("q", "k", "v"), context=("_overrides", "_module", "_deterministic"),
-   bound_optional=("seqused_k", "block_table"))
+   bound_optional=("seqused_k", "block_table"),
+   return_forms=(("return_lse", "Literal[False]", "torch.Tensor"),
+                 ("return_lse", "Literal[True]", "tuple[torch.Tensor, torch.Tensor]")))
 
 
 class AttentionCall:

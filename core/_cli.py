@@ -496,6 +496,13 @@ def cmd_ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stubs(args: argparse.Namespace) -> int:
+    from ._stubs import init_stub
+
+    print(init_stub(), end="")
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -512,6 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ops", help="the registered ops: arguments and policy `when:` keys (markdown, docs/ops.md)")
     p.set_defaults(func=cmd_ops)
+
+    p = sub.add_parser("stubs", help="the typing stub of `import opdispatch`, generated from the ops' argument "
+                                     "definitions (core/__init__.pyi: `opdispatch stubs > core/__init__.pyi`)")
+    p.set_defaults(func=cmd_stubs)
 
     p = sub.add_parser("explain", help="which implementation a call would use, and why")
     p.add_argument("--op", default="attention", choices=sorted(_EXPLAIN_CALLS),

@@ -6,10 +6,12 @@ TensorImpl and the flags, find the bound kernel, call it — runs in C. Anything
 which stays the reference behaviour (it validates, decides, binds, raises); after it ran a call, the builtin reads
 the bound function back from the manager's cache under the key the Python path used (`OpArguments.key_function`).
 
-It is never required. ``opdispatch build`` compiles it with torch's `cpp_extension` (a C++ compiler and ninja)
-into a cache directory keyed by Python, torch, the C++ ABI and this source; importing opdispatch loads it from
-there when it exists. ``OPDISPATCH_FAST_PATH`` chooses: ``auto`` (default: compiled when built, else Python),
-``python``, or ``compiled`` (raise where it cannot load). ``opdispatch doctor`` says which path is active and why.
+It is never required. ``opdispatch build`` compiles it with torch's `cpp_extension` (a C++ compiler for the standard
+torch builds extensions with — C++20 with current torch, C++17 with older — and ninja) into a cache directory keyed
+by the environment (sys.prefix), Python, torch, the C++ ABI and this source; importing opdispatch loads it from
+there when it exists. It builds for CPython 3.11–3.13 (`PYTHONS`); on other Pythons opdispatch runs the Python path.
+``OPDISPATCH_FAST_PATH`` chooses: ``auto`` (default: compiled when built, else Python), ``python``, or ``compiled``
+(raise where it cannot load). ``opdispatch doctor`` says which path is active and why.
 """
 
 from __future__ import annotations
@@ -70,13 +72,16 @@ def module_name() -> str:
 
 
 def build_directory() -> Path:
-    """Where the extension for this Python, torch, C++ ABI and source lives (``OPDISPATCH_CACHE_DIR`` or the
-    user's cache directory)."""
+    """Where the extension for this environment (sys.prefix), Python, torch, C++ ABI and source lives
+    (``OPDISPATCH_CACHE_DIR`` or the user's cache directory)."""
     root = os.environ.get("OPDISPATCH_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "opdispatch")
     abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "na")
+    # The environment too: two venvs with the same Python and torch each keep their own build (one rebuilding
+    # would replace the other's loaded .so under it).
+    environment = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:8]
     tag = (f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}-cxx11abi{int(bool(abi))}-"
-           f"{platform.machine()}-{_source_digest()}")
+           f"{platform.machine()}-env{environment}-{_source_digest()}")
     return Path(root) / "native" / tag.replace("+", "_")
 
 
@@ -92,6 +97,11 @@ def build(*, verbose: bool = False) -> Path:
 
     Raises OpDispatchError saying what is missing (a C++ compiler, ninja, torch's headers) and how to get it.
     """
+    if not supported_python():
+        raise OpDispatchError(
+            f"opdispatch's compiled fast path builds for Python {_pythons_text()}, not {platform.python_version()} "
+            "(it reads CPython internals those versions share); the Python fast path runs here, with the same "
+            "behaviour. `opdispatch doctor` shows which is active.")
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     # ninja from the environment's own bin (pip's `ninja`) when the PATH lacks it.
@@ -106,7 +116,8 @@ def build(*, verbose: bool = False) -> Path:
     except Exception as exc:  # a compiler error, no compiler, no ninja: say which, and that Python still runs
         raise OpDispatchError(
             f"building opdispatch's compiled fast path failed: {type(exc).__name__}: {exc}\n"
-            f"It needs a C++17 compiler (g++ or clang++), ninja (pip install ninja) and torch's headers "
+            f"It needs a C++ compiler (g++ or clang++) for {cxx_standard()} — the standard torch "
+            f"{torch.__version__}'s cpp_extension compiles with —, ninja (pip install ninja) and torch's headers "
             f"(in the torch wheel). Without it the Python fast path runs; `opdispatch doctor` shows which is "
             f"active. Build directory: {directory}") from exc
     path = _built_path()
@@ -114,6 +125,34 @@ def build(*, verbose: bool = False) -> Path:
         raise OpDispatchError(f"opdispatch build: the compiler ran but {path} is missing; remove {directory} "
                               "and build again")
     return path
+
+
+# The Pythons the extension builds for (_native.cpp's #error lines): 3.11 added PyErr_SetHandledException, 3.14
+# removed dict version tags. opdispatch itself runs on Python >= 3.10 (requires-python): elsewhere the Python path.
+PYTHONS = ((3, 11), (3, 13))
+
+
+def supported_python() -> bool:
+    return PYTHONS[0] <= sys.version_info[:2] <= PYTHONS[1]
+
+
+def _pythons_text() -> str:
+    return f"{PYTHONS[0][0]}.{PYTHONS[0][1]}–{PYTHONS[1][0]}.{PYTHONS[1][1]}"
+
+
+def cxx_standard() -> str:
+    """The C++ standard torch's cpp_extension builds the extension with (it passes ``-std`` itself: C++20 with
+    current torch, C++17 with older); read from torch, so a message never names a standard the build does not use."""
+    import inspect
+    import re
+
+    try:
+        from torch.utils import cpp_extension
+
+        found = {int(n) for n in re.findall(r"-std=c\+\+(\d+)", inspect.getsource(cpp_extension))}
+    except (OSError, TypeError, ImportError):  # no source shipped: say what any torch >= 2.4 accepts at least
+        found = set()
+    return f"C++{max(found)}" if found else "C++17 or newer"
 
 
 _loaded: ModuleType | None = None
@@ -150,6 +189,12 @@ def _load() -> tuple[ModuleType | None, NativeStatus]:
     mode = _mode()
     if mode == "python":
         return None, NativeStatus(False, f"{ENV}=python")
+    if not supported_python():
+        reason = (f"not available on Python {platform.python_version()} (it builds for Python {_pythons_text()}); "
+                  "the Python path runs, with the same behaviour")
+        if mode == "compiled":
+            raise OpDispatchError(f"{ENV}=compiled, but the compiled fast path is {reason}")
+        return None, NativeStatus(False, reason)
     path = _built_path()
     if not path.exists():
         reason = (f"not built for this Python, torch {torch.__version__} and source: run `opdispatch build` "

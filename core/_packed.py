@@ -14,11 +14,12 @@ gradients into one packed gradient). `attention_packed` calls `opdispatch.attent
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 import torch
 
-from ._attention import DENSE_LAYOUTS
+from ._attention import ATTENTION_ARGS, DENSE_LAYOUTS
 
 _BASES = (*DENSE_LAYOUTS, "thd")
 
@@ -97,3 +98,15 @@ def attention_packed(qkv_or_q: torch.Tensor, kv: torch.Tensor | None = None, *, 
 
     q, k, v, base = packed_views(layout, qkv_or_q, kv)
     return attention(q, k, v, layout=base, **kwargs)
+
+
+# Its signature: the packed tensors and layout, then attention's own keywords (what **kwargs forwards), from
+# attention's argument definition — so help(), IDEs and the typing stub (`opdispatch._stubs`) list them.
+attention_packed.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("qkv_or_q", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.Tensor"),
+     inspect.Parameter("kv", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                       annotation="torch.Tensor | None"),
+     inspect.Parameter("layout", inspect.Parameter.KEYWORD_ONLY, annotation="str"),
+     *ATTENTION_ARGS.signature(drop=("q", "k", "v", "layout")).parameters.values()],
+    return_annotation="torch.Tensor | tuple[torch.Tensor, torch.Tensor]")
+attention_packed.__opdispatch_arguments__ = ATTENTION_ARGS  # type: ignore[attr-defined]

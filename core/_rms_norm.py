@@ -35,7 +35,9 @@ RMS_NORM_ARGS = OpArguments("rms_norm", (
     Arg("residual", "torch.Tensor | None", None, key="tensor?", positional=True,
         doc="added to x first; the op then returns (y, x + residual)"),
     Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
-), bound=("x", "weight", "residual"))
+), bound=("x", "weight", "residual"),
+   return_forms=(("residual", "None", "torch.Tensor"),
+                 ("residual", "torch.Tensor", "tuple[torch.Tensor, torch.Tensor]")))
 
 
 class RmsNormCall:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pluggy
 
-from .hookspec import PLUGIN_API_VERSION
+from .hookspec import PLUGIN_API_CHANGES, PLUGIN_API_VERSION
 
 ENTRY_POINT_GROUP = "opdispatch.plugins"
 ENV_ALLOW = "OPDISPATCH_PLUGINS"
@@ -117,10 +117,17 @@ def _load_bounded(ep: Any, timeout: float) -> Any:
 def check_plugin_api(plugin: Any, name: str) -> None:
     """A plugin may say which plugin API it was written for (`OPDISPATCH_PLUGIN_API`); missing means the current."""
     version = getattr(plugin, "OPDISPATCH_PLUGIN_API", PLUGIN_API_VERSION)
-    if type(version) is not int or version != PLUGIN_API_VERSION:
-        raise ValueError(f"plugin {name!r} declares OPDISPATCH_PLUGIN_API = {version!r}, but this opdispatch "
-                         f"implements plugin API {PLUGIN_API_VERSION}; install the opdispatch version the plugin "
-                         "was written for, or a plugin release for this one")
+    if type(version) is int and version == PLUGIN_API_VERSION:
+        return
+    message = (f"plugin {name!r} declares OPDISPATCH_PLUGIN_API = {version!r}, but this opdispatch implements plugin "
+               f"API {PLUGIN_API_VERSION}")
+    if type(version) is int and 1 <= version < PLUGIN_API_VERSION:
+        changes = "; ".join(f"API {v}: {PLUGIN_API_CHANGES[v]}" for v in range(version + 1, PLUGIN_API_VERSION + 1))
+        raise ValueError(f"{message}, which changed since: {changes}. Update the plugin to API {PLUGIN_API_VERSION} "
+                         f"(then set OPDISPATCH_PLUGIN_API = {PLUGIN_API_VERSION}; docs/plugins.md), or install the "
+                         "opdispatch version it was written for")
+    raise ValueError(f"{message}; install the opdispatch version the plugin was written for, or a plugin release "
+                     "for this one")
 
 
 def check_hooks(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:

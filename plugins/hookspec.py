@@ -6,19 +6,18 @@ Publish it through the ``opdispatch.plugins`` entry-point group in your package'
     [project.entry-points."opdispatch.plugins"]
     myvendor = "myvendor_opdispatch.plugin"
 
-The entry-point name is the plugin name that ``OPDISPATCH_PLUGINS`` / ``OPDISPATCH_DISABLE_PLUGINS``,
-``opdispatch doctor`` and error messages use. The built-in vendors are published exactly this way.
-
-A plugin owns the vendor prefixes of the ids it registers: its entry-point name, plus the names a plugin module
-lists in ``OPDISPATCH_NAMESPACES = ("acme", "acme_npu")``. An implementation in another namespace refuses the
-plugin's whole registration (nothing of it stays registered), and the built-in vendors' namespaces (``nvidia``,
-``rocm``, ``reference``, ``torch``, …) are theirs alone: a third-party plugin cannot register or displace their
-ids, whatever the load order. A plugin module may state the plugin API it was written for,
-``OPDISPATCH_PLUGIN_API = 1`` (`PLUGIN_API_VERSION`; missing means the current one); another is refused with the
-versions named. A hook function whose name matches no hook below (``opdispatch_impl``) fails the plugin with the
-name it probably meant. An import that does not finish in ``OPDISPATCH_PLUGIN_TIMEOUT`` seconds (30) fails its
-plugin, and dispatch goes on without it. Every such failure is logged once as a WARNING and shown by
-``opdispatch doctor`` and ``explain()``.
+The entry-point name is the plugin name that ``OPDISPATCH_PLUGINS`` / ``OPDISPATCH_DISABLE_PLUGINS``, ``opdispatch
+doctor`` and error messages use. The built-in vendors are published exactly this way. A plugin owns the vendor
+prefixes of the ids it registers: its entry-point name, plus the names a plugin module lists in
+``OPDISPATCH_NAMESPACES = ("acme", "acme_npu")``. An implementation in another namespace refuses the plugin's whole
+registration (nothing of it stays registered), and the built-in vendors' namespaces (``nvidia``, ``rocm``,
+``reference``, ``torch``, …) are theirs alone: a third-party plugin cannot register or displace their ids, whatever
+the load order. A plugin module may state the plugin API it was written for, ``OPDISPATCH_PLUGIN_API = 2``
+(`PLUGIN_API_VERSION`; missing means the current one); another is refused with the versions named and, for an older
+one, what changed since (`PLUGIN_API_CHANGES`). A hook function whose name matches no hook below
+(``opdispatch_impl``) fails the plugin with the name it probably meant. An import that does not finish in
+``OPDISPATCH_PLUGIN_TIMEOUT`` seconds (30) fails its plugin, and dispatch goes on without it. Every such failure is
+logged once as a WARNING and shown by ``opdispatch doctor`` and ``explain()``.
 
 Rules every hook follows:
 
@@ -43,8 +42,14 @@ if TYPE_CHECKING:
     from opdispatch._impl import Impl
 
 PROJECT_NAME = "opdispatch"
-# The plugin contract's version: what a plugin module's OPDISPATCH_PLUGIN_API must equal (when it sets one).
-PLUGIN_API_VERSION = 1
+# The plugin contract's version: what a plugin module's OPDISPATCH_PLUGIN_API must equal (when it sets one). It
+# grows when a plugin written for the previous version could stop registering or behave differently; what each
+# version changed is in PLUGIN_API_CHANGES (a plugin declaring an older version is refused with those changes).
+PLUGIN_API_VERSION = 2
+PLUGIN_API_CHANGES: dict[int, str] = {
+    2: "attention's AttentionCaps.layouts is required (registration refuses an implementation that leaves it "
+       "empty: list the layouts run() accepts, e.g. layouts=frozenset({'bshd'})); AttentionCaps.dtypes too",
+}
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

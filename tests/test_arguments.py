@@ -4,6 +4,7 @@ added end to end from nothing but its spec (definition, validator, implementatio
 from __future__ import annotations
 
 import inspect
+import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -331,3 +332,23 @@ def test_plan_op_binds_any_op_once(basic_manager, rng):
     assert pinned.decision.chosen_id == "reference.rms_norm"
     with pytest.raises(TypeError, match=r"plan_op\('rms_norm', ...\).*unexpected keyword argument 'bias'"):
         opdispatch.plan_op("rms_norm", x, bias=w)
+
+
+def test_generated_doors_show_their_source_in_tracebacks_and_inspect():
+    import linecache
+    import traceback
+
+    for door in (opdispatch.attention, opdispatch.rms_norm, opdispatch.rotary_embedding):
+        python = _native.python_of(door)
+        filename = python.__code__.co_filename
+        assert filename == f"<opdispatch front door {python.__name__}>"
+        assert linecache.getline(filename, 1).startswith(f"def {python.__name__}(")
+        assert inspect.getsource(python) == python.__opdispatch_source__
+    try:
+        _native.python_of(opdispatch.rms_norm)("not a tensor")
+    except TypeError:
+        frames = traceback.extract_tb(sys.exc_info()[2])
+    door_frame = next(f for f in frames if f.filename == "<opdispatch front door rms_norm>")
+    assert door_frame.line == "return _slow(manager, key, x, weight, eps, residual, impl)"
+    linecache.checkcache()  # the entries have no file behind them: kept, not dropped
+    assert linecache.getline("<opdispatch front door rms_norm>", 1).startswith("def rms_norm(")

@@ -9,7 +9,9 @@ hit path ran. Then coherence (a policy swap, a demotion, a new manager, contexts
 
 from __future__ import annotations
 
+import inspect
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,6 +23,7 @@ import torch
 
 import opdispatch
 from opdispatch import _native
+from opdispatch._errors import OpDispatchError
 from opdispatch.compat import flash_attn
 from opdispatch.compat import scaled_dot_product_attention as compat_sdpa
 from opdispatch.policies import parse_policy
@@ -443,7 +446,8 @@ def test_build_without_a_compiler_says_what_is_missing_and_python_still_runs(tmp
     result = _run(code, OPDISPATCH_CACHE_DIR=str(tmp_path), CXX="/nonexistent/c++")
     assert result.returncode == 1
     assert "building opdispatch's compiled fast path failed" in result.stderr
-    assert "C++17 compiler" in result.stderr and "Python fast path runs" in result.stderr
+    assert f"C++ compiler (g++ or clang++) for {_native.cxx_standard()}" in result.stderr
+    assert "Python fast path runs" in result.stderr
 
 
 @pytest.mark.slow
@@ -455,3 +459,41 @@ def test_the_fast_path_tests_pass_on_the_python_path(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], env=env,
                             capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_the_build_directory_is_per_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPDISPATCH_CACHE_DIR", str(tmp_path))
+    here = _native.build_directory()
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    there = _native.build_directory()
+    assert here != there and here.parent == there.parent == tmp_path / "native"
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv") + "/")  # one environment, however spelled
+    assert _native.build_directory() == there
+
+
+def test_a_python_the_extension_does_not_build_for_runs_the_python_path(monkeypatch):
+    monkeypatch.setattr(_native, "PYTHONS", ((3, 0), (3, 1)))
+    monkeypatch.setenv(_native.ENV, "auto")
+    _native.reset_status()
+    try:
+        status = _native.status()
+        assert not status.active
+        assert status.reason.startswith(f"not available on Python {platform.python_version()} (it builds for "
+                                        "Python 3.0–3.1)")
+        with pytest.raises(OpDispatchError, match=r"builds for Python 3\.0–3\.1, not .*the Python fast path runs"):
+            _native.build()
+        monkeypatch.setenv(_native.ENV, "compiled")
+        _native.reset_status()
+        with pytest.raises(OpDispatchError, match="OPDISPATCH_FAST_PATH=compiled, but the compiled fast path is not "
+                                                  "available on Python"):
+            _native.status()
+    finally:
+        monkeypatch.undo()
+        _native.reset_status()
+
+
+def test_the_build_message_names_the_standard_torch_compiles_with():
+    from torch.utils import cpp_extension
+
+    standard = _native.cxx_standard()
+    assert standard.startswith("C++") and f"-std=c++{standard[3:]}" in inspect.getsource(cpp_extension)

@@ -100,11 +100,25 @@ def test_a_misspelt_hook_fails_its_plugin_with_a_hint(monkeypatch, caplog):
 
 def test_the_plugin_api_version_is_checked(monkeypatch):
     manager, records = builtin_and(monkeypatch, ("acme", module("acme_api", [impl("acme", "x")],
-                                                                OPDISPATCH_PLUGIN_API=2)))
+                                                                OPDISPATCH_PLUGIN_API=3)))
     assert records["acme"].status == "failed"
-    assert "OPDISPATCH_PLUGIN_API = 2, but this opdispatch implements plugin API 1" in records["acme"].error
-    record = manager.register_plugin(module("acme_api1", [impl("acme1", "x")], OPDISPATCH_PLUGIN_API=1), "acme1")
+    assert "OPDISPATCH_PLUGIN_API = 3, but this opdispatch implements plugin API 2; install" in records["acme"].error
+    record = manager.register_plugin(module("acme_api2", [impl("acme2", "x")], OPDISPATCH_PLUGIN_API=2), "acme2")
     assert record.status == "loaded"
+    for bad in ("2", 0, True):  # not an int API version (True == 1 is no version either)
+        record = manager.register_plugin(module(f"acme_bad_{bad}", [impl("acme3", "x")], OPDISPATCH_PLUGIN_API=bad),
+                                         "acme3")
+        assert record.status == "failed" and f"OPDISPATCH_PLUGIN_API = {bad!r}, but" in record.error
+
+
+def test_a_plugin_written_for_api_1_is_told_what_changed(monkeypatch):
+    manager, records = builtin_and(monkeypatch, ("acme", module("acme_v1", [impl("acme", "x")],
+                                                                OPDISPATCH_PLUGIN_API=1)))
+    error = records["acme"].error
+    assert records["acme"].status == "failed" and manager.registry.get("attention", "acme.x") is None
+    assert ("OPDISPATCH_PLUGIN_API = 1, but this opdispatch implements plugin API 2, which changed since: API 2: "
+            "attention's AttentionCaps.layouts is required") in error
+    assert "Update the plugin to API 2 (then set OPDISPATCH_PLUGIN_API = 2; docs/plugins.md)" in error
 
 
 def test_a_hanging_import_fails_its_plugin_in_bounded_time(tmp_path, monkeypatch):
