@@ -284,7 +284,7 @@ def plugin_faults() -> list[tuple[str, str]]:
         "registers outside its namespace": module("rel_outside", [impl("other")]),
         "second implementation refused": module("rel_half", [impl("acme"), impl("acme", caps="not caps")]),
         "misspelt hook opdispatch_impl": module("rel_typo", [impl("acme")], hook="opdispatch_impl"),
-        "plugin API 2": module("rel_api", [impl("acme")], OPDISPATCH_PLUGIN_API=2),
+        "plugin API 3": module("rel_api", [impl("acme")], OPDISPATCH_PLUGIN_API=3),
         "hook raises": module("rel_hook", [], hook="opdispatch_impls"),
         "import hangs": "rel_hangs",
         "import raises": "rel_raises",
