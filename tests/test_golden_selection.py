@@ -17,7 +17,9 @@ from tests.conftest import DEVICES_DIR, REPO
 
 GOLDEN = REPO / "tests" / "golden" / "selection.json"
 UPDATE = os.environ.get("UPDATE_GOLDEN") == "1"
-DEVICES = ["h100", "h200", "a100", "l40s", "mi300x", "mi250x", "bi-v150", "p800", "cpu"]
+DEVICES = ["h100", "h200", "a100", "l40s", "mi300x", "mi250x", "bi-v150", "p800", "cpu",
+           # FlagGems' other vendors (issue 35): what would run there
+           "ascend-910b", "cambricon-mlu590", "hygon-k100", "metax-c500", "mthreads-s4000"]
 
 
 def meta(*shape, dtype=torch.bfloat16, grad=False):
@@ -111,3 +113,25 @@ def test_short_varlen_inference_rule_on_h100(manager, max_len, grad, expected, r
                                   max_seqlen_k=max_len, causal=True, device=DEVICES_DIR / "h100.yaml")
     assert decision.chosen_id == expected, str(decision)
     assert decision.decided_by.rule == rule
+
+
+@pytest.mark.parametrize("device,forward,training", [
+    # FlagGems' generic Triton kernels serve inference; training takes torch.flex where torch's inductor has a
+    # Triton backend for the device type (cuda), else only the reference remains (npu/mlu/musa)
+    ("metax-c500", "flagos.triton", "torch.flex"), ("hygon-k100", "flagos.triton", "torch.flex"),
+    ("ascend-910b", "flagos.triton", "reference.math"), ("cambricon-mlu590", "flagos.triton", "reference.math"),
+    ("mthreads-s4000", "flagos.triton", "reference.math"),
+    # vendors with their own kernels keep them first; their training goes to flex, not the reference
+    ("bi-v150", "iluvatar.ixformer", "torch.flex"), ("p800", "kunlunxin.prefill", "torch.flex"),
+])
+def test_flagos_and_flex_beyond_nvidia(manager, device, forward, training):
+    for grad, want in ((False, forward), (True, training)):
+        kw = dict(calls()["training causal d128"])
+        q, k, v = (kw.pop(n).detach().requires_grad_(grad) for n in ("q", "k", "v"))
+        decision = opdispatch.explain(q, k, v, device=DEVICES_DIR / f"{device}.yaml", **kw)
+        assert decision.chosen_id == want, str(decision)
+        if want == "reference.math":
+            flex = next(c for c in decision.candidates if c.impl_id == "torch.flex")
+            assert f"not {decision.device.type!r}" in flex.reasons[0]
+            flagos = next(c for c in decision.candidates if c.impl_id == "flagos.triton")
+            assert any("forward-only" in r for r in flagos.reasons)

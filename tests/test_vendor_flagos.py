@@ -162,3 +162,61 @@ def test_left_only_window_with_more_queries_than_keys_is_refused(manager, gems, 
     fine = validate_attention(q[:, :16], k, k, window=(3, -1), causal_alignment="bottom_right", return_lse=True)
     assert not FlagGemsAttention().extra_reasons(fine, None)
     _check(manager, fine)
+
+
+# -- FlagGems' vendors beyond NVIDIA (its runtime/backend/_<vendor> folders, 5.0.2) ------------------------------
+
+def _device(vendor, type_="cuda", capability=None):
+    import opdispatch
+
+    return opdispatch.DeviceInfo(vendor=vendor, type=type_, arch="x", name="x", capability=capability,
+                                 libraries={"flag_gems": "5.0.2"})
+
+
+@pytest.mark.parametrize("vendor,type_", [("amd", "cuda"), ("iluvatar", "cuda"), ("kunlunxin", "cuda"),
+                                          ("hygon", "cuda"), ("metax", "cuda"), ("mthreads", "musa"),
+                                          ("cambricon", "mlu"), ("ascend", "npu")])
+def test_available_where_flag_gems_detects_the_same_vendor(monkeypatch, vendor, type_):
+    impl = FlagGemsAttention()
+    fake_flag_gems.install(monkeypatch, vendor=vendor)
+    assert impl.availability(_device(vendor, type_)) is None
+    # FlagGems resolved another backend (GEMS_VENDOR wrong or its probe found another tool): refused, with the fix
+    fake_flag_gems.install(monkeypatch, vendor="nvidia")
+    reason = impl.availability(_device(vendor, type_))
+    assert "flag_gems detected vendor 'nvidia'" in reason and f"GEMS_VENDOR={vendor}" in reason
+
+
+def test_nvidia_still_needs_ampere(monkeypatch):
+    fake_flag_gems.install(monkeypatch)
+    assert "compute capability >= 8.0" in FlagGemsAttention().availability(_device("nvidia", capability=(7, 5)))
+    assert FlagGemsAttention().availability(_device("nvidia", capability=(8, 0))) is None
+
+
+@pytest.mark.parametrize("vendor", ["kunlunxin", "hygon"])
+def test_varlen_entry_refused_where_flag_gems_skips_its_tests(manager, gems, rng, vendor):
+    q = randn(1, 40, 4, 64, dtype=torch.bfloat16, gen=rng)
+    k = randn(1, 40, 4, 64, dtype=torch.bfloat16, gen=rng)
+    for kw in (dict(softcap=5.0), dict(causal=True, window=(8, 0)), dict(alibi_slopes=torch.rand(4))):
+        call = validate_attention(q, k, k, **kw)
+        assert uses_varlen_kernel(call)
+        assert any("RESULT TODOFIX" in r for r in FlagGemsAttention().extra_reasons(call, _device(vendor)))
+    dense = validate_attention(q, k, k, causal=True)
+    assert FlagGemsAttention().extra_reasons(dense, _device(vendor)) == []
+
+
+def test_kunlunxin_dense_kernel_returns_the_output_only(manager, monkeypatch, rng):
+    fake_flag_gems.install(monkeypatch, vendor="kunlunxin")
+    q = randn(2, 20, 8, 64, dtype=torch.bfloat16, gen=rng)
+    k = randn(2, 33, 2, 64, dtype=torch.bfloat16, gen=rng)
+    v = randn(2, 33, 2, 64, dtype=torch.bfloat16, gen=rng)
+    mask = torch.rand(20, 33, generator=rng) > 0.3
+    mask[3] = False  # a row the mask blinds: zeros
+    with_lse = validate_attention(q, k, v, attn_mask=mask, return_lse=True)
+    assert any("returns the output only" in r
+               for r in FlagGemsAttention().extra_reasons(with_lse, _device("kunlunxin")))
+    call = validate_attention(q, k, v, attn_mask=mask)
+    assert FlagGemsAttention().extra_reasons(call, _device("kunlunxin")) == []
+    out = FlagGemsAttention().run(call)
+    want = _ref(manager).run(call)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert (out[:, 3] == 0).all()

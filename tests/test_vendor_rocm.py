@@ -271,16 +271,17 @@ def test_mi300x_thd_lse_and_top_left(manager):
                            max_seqlen_q=40, max_seqlen_k=40, causal=True, return_lse=True)
     assert d.chosen_id == "rocm.aiter"
     assert "return_lse with layout 'thd'" in _status(d, "rocm.aotriton")[1]
-    # causal top-left with sq != sk: no flash-style kernel aligns it that way; the oracle takes it.
+    # causal top-left with sq != sk: no ROCm flash-style kernel aligns it that way; FlagGems' dense SDPA kernel
+    # (causal top-left) takes it there since issue 35.
     d = opdispatch.explain(*_meta(sq=64), device=str(MI300X), causal=True)
-    assert d.chosen_id == "reference.math"
+    assert d.chosen_id == "flagos.triton"
     for impl_id in ("rocm.aiter", "rocm.ck", "rocm.aotriton"):
         assert "causal_alignment 'top_left'" in _status(d, impl_id)[1]
 
 
 def test_mi300x_fp32_falls_back(manager):
     d = opdispatch.explain(*_meta(dtype=torch.float32), device=str(MI300X))
-    assert d.chosen_id == "reference.math"
+    assert d.chosen_id == "torch.flex"  # fp32: flex's Triton kernel on ROCm torch 2.7.1 (issue 35)
     assert "dtype fp32 not supported" in _status(d, "rocm.aiter")[1]
 
 

@@ -410,8 +410,14 @@ def test_selection_on_simulated_devices(manager):
     # MLA absorbed decode: above the default max_head_dim, with a reason that says how to raise it
     d = _explain("h100", 4, 1, 128, 576, kv=(4, 2048, 1, 576), dv=512, causal=True)
     assert any("max_head_dim=256" in r for r in _flex_candidate(d).reasons)
-    # older torch than the one these capabilities were read from: unavailable, with the reason
-    assert "older than the required 2.11" in _flex_candidate(_explain("mi300x", 1, 64, 4, 64)).reasons[0]
+    # a vendor torch new enough for flex (2.7.1 on MI300X) with its Triton: flex runs; non-power-of-two head dims
+    # wait for the torch they were verified on, with the reason
+    assert _flex_candidate(_explain("mi300x", 1, 64, 4, 64)).status == "eligible"
+    reasons = _flex_candidate(_explain("mi300x", 1, 64, 4, 96)).reasons
+    assert any("torch 2.7.1 < 2.11: head_dim 96/96" in r for r in reasons), reasons
+    reasons = _flex_candidate(_explain("mi300x", 1, 64, 4, 64, dv=32)).reasons
+    assert any("head_dim 64/32" in r for r in reasons), reasons
+    assert not any("< 2.11" in r for r in _flex_candidate(_explain("h100", 1, 64, 4, 96)).reasons)
     # dropout and tiny head dims: declined with reasons
     reasons = _flex_candidate(_explain("h100", 1, 64, 4, 64, dropout_p=0.1)).reasons
     assert any("dropout_p=0.1 not supported" in r for r in reasons)
@@ -515,3 +521,22 @@ def test_compiled_flex_past_the_recompile_limit_runs_unfused_with_one_warning(mo
     assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before  # restored
     warnings = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
     assert len(warnings) == 1 and "run flex unfused" in warnings[0] and "torch._dynamo.reset()" in warnings[0]
+
+
+def test_flex_needs_torch_2_5_and_a_triton_backend(manager, tmp_path):
+    """The requirement is what flex needs: torch >= 2.5 (flex_attention with GQA and backward) and Triton for the
+    device — not a blanket version; each shortfall is its own explain reason."""
+    base = (DEVICES_DIR / "mi300x.yaml").read_text()
+    old = tmp_path / "old.yaml"
+    old.write_text(base.replace('torch: "2.7.1"', 'torch: "2.4.1"'))
+    reason = _flex_candidate(opdispatch.explain(*(torch.empty(1, 64, 4, 64, device="meta") for _ in range(3)),
+                                                device=old)).reasons[0]
+    assert "'torch' 2.4.1 is older than the required 2.5" in reason
+    no_triton = tmp_path / "no_triton.yaml"
+    no_triton.write_text("\n".join(line for line in base.splitlines() if "triton:" not in line) + "\n")
+    reason = _flex_candidate(opdispatch.explain(*(torch.empty(1, 64, 4, 64, device="meta") for _ in range(3)),
+                                                device=no_triton)).reasons[0]
+    assert "library 'triton' is not declared" in reason
+    # a device type without a Triton backend in torch's inductor
+    reason = _flex_candidate(_explain("ascend-910b", 1, 64, 4, 64)).reasons[0]
+    assert "not 'npu'" in reason

@@ -134,8 +134,10 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, rotary_interleaved=F
     return one(q), one(k)
 
 
-def install(monkeypatch) -> types.ModuleType:
-    """Put this fake into sys.modules as `flag_gems`, with `flag_gems.ops.attention`."""
+def install(monkeypatch, vendor: str = "nvidia") -> types.ModuleType:
+    """Put this fake into sys.modules as `flag_gems`, with `flag_gems.ops.attention`, as FlagGems imports under
+    ``GEMS_VENDOR=vendor``: `vendor_name` set, and the top-level ``scaled_dot_product_attention_forward`` being the
+    backend's (KunLunXin's returns the output only: an autograd Function's result, 5.0.2)."""
     this = sys.modules[__name__]
     ops = types.ModuleType("flag_gems.ops")
     attention = types.ModuleType("flag_gems.ops.attention")
@@ -144,6 +146,13 @@ def install(monkeypatch) -> types.ModuleType:
     fake = types.ModuleType("flag_gems")
     fake.__version__ = __version__
     fake.flash_attn_varlen_func = flash_attn_varlen_func
+    fake.vendor_name = vendor
+    if vendor == "kunlunxin":
+        def output_only(*args, **kwargs):
+            return scaled_dot_product_attention_forward(*args, **kwargs)[0]
+        fake.scaled_dot_product_attention_forward = output_only
+    else:
+        fake.scaled_dot_product_attention_forward = scaled_dot_product_attention_forward
     fake.rms_norm = rms_norm
     fake.apply_rotary_pos_emb = apply_rotary_pos_emb
     fake.ops = ops

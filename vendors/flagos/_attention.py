@@ -22,6 +22,19 @@ Forward only. Measured with flag_gems 5.0.2 on an H200 (torch 2.11, triton 3.6):
 causal gradients, ignores the forward's attn_mask, and died with a CUDA illegal memory access on every config
 tried, which leaves the CUDA context unusable; the varlen entry has no autograd at all. A call that needs
 gradients is therefore rejected, and no path of the default policy reaches that backward.
+
+Vendors (read from FlagGems 5.0.2, ``src/flag_gems/runtime``): FlagGems picks its backend by ``GEMS_VENDOR``, else a
+torch attribute (``torch.mlu``/``musa``/``corex``/``npu``), else the first vendor tool that runs (``nvidia-smi``,
+``rocm-smi``, ``ixsmi``, ``xpu-smi``, ``hy-smi``, ``mx-smi``, ``mthreads-gmi``, ``cnmon``, ``npu-smi``;
+`runtime/backend/device.py`), and `runtime.replace_customized_ops` swaps the top-level ``flag_gems.<op>`` for a
+``_<vendor>/ops`` one where that backend has its own. Cambricon, Hygon and KunLunXin carry their own
+``scaled_dot_product_attention_forward`` and ``flash_attn_varlen_func`` (same signatures); the others run the
+generic kernels through their Triton. So the entries are taken from the top-level ``flag_gems`` namespace, and on a
+real device the plugin is available only where ``flag_gems.vendor_name`` is the device's vendor. Narrowed per vendor:
+- KunLunXin: its SDPA forward is an autograd Function returning the output only (no LSE); its varlen entry and
+  Hygon's are skipped by FlagGems' own tests ("RESULT TODOFIX", tests/test_flash_attn_varlen_func.py), so calls
+  that need that entry (varlen, KV caches, windows, softcap, ALiBi, bottom-right causal) are refused there.
+- NVIDIA: compute capability >= 8.0 (FlagGems' ``_nvidia`` ARCH_MAP: ampere, hopper).
 """
 
 from __future__ import annotations
@@ -53,6 +66,19 @@ FLAG_GEMS = Requirement(module="flag_gems", distribution="flag-gems", min_versio
                         install_hint="pip install 'flag-gems>=5.0' (needs triton; imports only where a GPU is visible)")
 
 
+# opdispatch vendor name -> FlagGems' vendor name (runtime/common.py `vendors`, the `_<vendor>` backend folders).
+GEMS_VENDORS: dict[str, str] = {
+    "nvidia": "nvidia", "amd": "amd", "iluvatar": "iluvatar", "kunlunxin": "kunlunxin", "hygon": "hygon",
+    "metax": "metax", "mthreads": "mthreads", "cambricon": "cambricon", "ascend": "ascend",
+}
+# FlagGems 5.0.2 skips flash_attn_varlen_func's tests on these backends ("RESULT TODOFIX").
+VARLEN_UNVERIFIED = frozenset({"kunlunxin", "hygon"})
+# Backends whose scaled_dot_product_attention_forward returns the output only (an autograd Function's result).
+SDPA_NO_LSE = frozenset({"kunlunxin"})
+# NVIDIA: FlagGems' _nvidia ARCH_MAP covers capability 8 (ampere) and 9 (hopper).
+_NVIDIA_MIN_CAPABILITY = (8, 0)
+
+
 def uses_varlen_kernel(call: AttentionCall) -> bool:
     """Whether the call goes to flash_attn_varlen_func (else to the dense SDPA kernel)."""
     return (call.varlen or call.kv_cache or call.positional_mask or call.softcap > 0
@@ -65,10 +91,12 @@ class FlagGemsAttention(AttentionImpl):
     priority: ClassVar[int] = 25
     description: ClassVar[str] = ("FlagGems (FlagOS) Triton attention: scaled_dot_product_attention_forward and "
                                   "flash_attn_varlen_func; forward only")
-    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
-    # FlagGems has backends for other vendors too; this plugin has only been measured on NVIDIA.
-    device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
-    min_capability: ClassVar[tuple[int, int] | None] = (8, 0)
+    # The torch device types of FlagGems' backends (VendorInfoBase.device_name): cuda (NVIDIA, AMD, Hygon,
+    # Iluvatar, KunLunXin, MetaX), musa (Moore Threads), mlu (Cambricon), npu (Ascend).
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda", "musa", "mlu", "npu"})
+    # FlagGems' backend folder names; measured by this project on NVIDIA only (H100, H200), the others are read
+    # from FlagGems' source and its per-vendor test skips.
+    device_vendors: ClassVar[frozenset[str]] = frozenset(GEMS_VENDORS)
     requires = (FLAG_GEMS,)
     # Union of the two kernels' checks; extra_reasons narrows per kernel. fp16/bf16 ("FlashAttention only
     # support fp16 and bf16 data type"), head_dim <= 256 and a multiple of 8, one head dim for q/k/v, GQA,
@@ -85,11 +113,26 @@ class FlagGemsAttention(AttentionImpl):
         kv_cache_alibi=True,
     )
 
+    def device_reasons(self, device: DeviceInfo) -> list[str]:
+        reasons = super().device_reasons(device)
+        if reasons or device.vendor != "nvidia":
+            return reasons
+        if device.capability is None or device.capability < _NVIDIA_MIN_CAPABILITY:
+            have = "none" if device.capability is None else "%d.%d" % device.capability
+            reasons.append(f"needs compute capability >= 8.0 on NVIDIA (FlagGems' _nvidia backend: ampere, "
+                           f"hopper), device has {have}")
+        return reasons
+
     def extra_availability(self, device: DeviceInfo) -> str | None:
         try:
-            import flag_gems  # noqa: F401
+            import flag_gems
         except Exception as exc:  # "No device were detected on your machine !" and friends
             return f"flag_gems failed to import: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        detected = getattr(flag_gems, "vendor_name", None)
+        if detected != GEMS_VENDORS.get(device.vendor):
+            return (f"flag_gems detected vendor {detected!r}, but this device is {device.vendor!r}: its kernels and "
+                    f"configs would be the wrong backend's; set GEMS_VENDOR={GEMS_VENDORS.get(device.vendor)} "
+                    "(FlagGems' runtime/backend/device.py reads it first)")
         return None
 
     def selection_key(self, call: AttentionCall) -> Any:
@@ -101,6 +144,14 @@ class FlagGemsAttention(AttentionImpl):
         reasons = []
         if call.requires_grad:
             reasons.append(BACKWARD_REASON)
+        vendor = GEMS_VENDORS.get(getattr(device, "vendor", ""))  # some tests ask without a device
+        if uses_varlen_kernel(call) and vendor in VARLEN_UNVERIFIED:
+            reasons.append(f"varlen, KV caches, windows, softcap, ALiBi and bottom-right causal need FlagGems' "
+                           f"flash_attn_varlen_func, whose tests flag_gems 5.0.2 skips on {vendor} "
+                           "(\"RESULT TODOFIX\")")
+        elif not uses_varlen_kernel(call) and vendor in SDPA_NO_LSE and call.return_lse:
+            reasons.append(f"return_lse: FlagGems' {vendor} scaled_dot_product_attention_forward returns the output "
+                           "only")
         if uses_varlen_kernel(call):
             why = causal_alibi_lse_reason(call)
             if why:
@@ -128,8 +179,10 @@ class FlagGemsAttention(AttentionImpl):
     def run(self, call: AttentionCall) -> Any:
         if uses_varlen_kernel(call):
             return self._varlen(call)
-        from flag_gems.ops.attention import scaled_dot_product_attention_forward
+        import flag_gems
 
+        # The top-level name: flag_gems swaps in its vendor backend's own kernel there (replace_customized_ops).
+        scaled_dot_product_attention_forward = flag_gems.scaled_dot_product_attention_forward
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
         mask = blind = None
         if call.attn_mask is not None:
@@ -144,8 +197,12 @@ class FlagGemsAttention(AttentionImpl):
             blind = ~allowed.any(-1)
             blind = blind.reshape((1,) * (3 - blind.dim()) + tuple(blind.shape)).expand(
                 q.shape[0], q.shape[1], q.shape[2])
-        out, m = scaled_dot_product_attention_forward(q, k, v, mask, 0.0, call.causal, call.scale,
-                                                      call.heads_q != call.heads_kv)
+        res = scaled_dot_product_attention_forward(q, k, v, mask, 0.0, call.causal, call.scale,
+                                                   call.heads_q != call.heads_kv)
+        if isinstance(res, torch.Tensor):  # a backend returning the output only (KunLunXin); return_lse refused
+            out = res if blind is None else res.masked_fill(blind.unsqueeze(-1), 0.0)
+            return call.from_bhsd(out)
+        out, m = res
         lse = m * _LN2
         if blind is not None:
             out = out.masked_fill(blind.unsqueeze(-1), 0.0)
@@ -247,4 +304,5 @@ def unswap_lse(lse: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return lse.reshape(heads_kv, batch, heads // heads_kv).transpose(1, 2).reshape(heads, batch)
 
 
-__all__ = ["BACKWARD_REASON", "FlagGemsAttention", "SDPA_HEAD_DIMS", "gems_window", "uses_varlen_kernel"]
+__all__ = ["BACKWARD_REASON", "FlagGemsAttention", "GEMS_VENDORS", "SDPA_HEAD_DIMS", "gems_window",
+           "uses_varlen_kernel"]

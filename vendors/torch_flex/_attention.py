@@ -37,12 +37,40 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 from opdispatch.plugins.toolkit import kernel_window
 
 _MIN_HEAD_DIM = 16  # tl.dot's minimum K; flex raises NotImplementedError below it on every GPU backend
+_MIN_TORCH = "2.5"  # flex_attention public, with enable_gqa, return_lse and backward
+# The first torch whose flex this project ran with non-power-of-two head dims and a v head dim of its own (padded
+# to QK/V_HEAD_DIM_ROUNDED, pytorch#133495). torch 2.6's flex refuses them ("NYI: Currently non power of 2
+# embedding dimension are not supported", meta-pytorch/attention-gym#127); 2.7-2.10 are not verified here.
+_ANY_HEAD_DIM_TORCH = "2.11"
+
+
+def _torch_version(device: DeviceInfo) -> Version | None:
+    """The torch version of `device`: its descriptor's, else the running torch's."""
+    text = device.libraries.get("torch") or torch.__version__
+    try:
+        return Version(text.split("+")[0])
+    except InvalidVersion:
+        return None
+
+
+def old_torch_reason(call: AttentionCall, device: DeviceInfo) -> str | None:
+    """Why this device's torch is too old for the call's head dims (None when it is not)."""
+    version = _torch_version(device)
+    if version is None or version >= Version(_ANY_HEAD_DIM_TORCH):
+        return None
+    dims = {call.head_dim, call.head_dim_v}
+    if all(d & (d - 1) == 0 for d in dims) and len(dims) == 1:
+        return None
+    return (f"torch {version} < {_ANY_HEAD_DIM_TORCH}: head_dim {call.head_dim}/{call.head_dim_v} (q·k/v) needs "
+            f"flex's rounding of non-power-of-two or unequal head dims, verified from torch {_ANY_HEAD_DIM_TORCH} "
+            "(torch 2.6 raises 'NYI: Currently non power of 2 embedding dimension are not supported')")
 
 
 class FlexOptions(BaseModel):
@@ -107,24 +135,48 @@ _RECOMPILE_LIMIT = 64
 _warned_unfused = False
 
 
+def _dynamo_names() -> tuple[str, str | None, type[BaseException] | None]:
+    """(limit setting, fail-on-limit setting, its exception) under this torch's names: recompile_limit and
+    fail_on_recompile_limit_hit where they exist (2.11, 2.13; older: cache_size_limit, fail_on_cache_limit_hit,
+    or no fail switch at all — then the limit is only raised)."""
+    config, exc = torch._dynamo.config, torch._dynamo.exc
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    for name, error in (("fail_on_recompile_limit_hit", "FailOnRecompileLimitHit"),
+                        ("fail_on_cache_limit_hit", "FailOnCacheLimitHit")):
+        if hasattr(config, name) and hasattr(exc, error):
+            return limit, name, getattr(exc, error)
+    return limit, None, None
+
+
 def _call_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Any:
     config = torch._dynamo.config
-    prior = config.recompile_limit, config.fail_on_recompile_limit_hit
-    config.recompile_limit = max(prior[0], _RECOMPILE_LIMIT)
-    config.fail_on_recompile_limit_hit = True
+    limit_name, fail_name, fail_error = _dynamo_names()
+    prior_limit = getattr(config, limit_name)
+    prior_fail = getattr(config, fail_name) if fail_name else None
+    setattr(config, limit_name, max(prior_limit, _RECOMPILE_LIMIT))
+    if fail_name:
+        setattr(config, fail_name, True)
     try:
         return _compiled_flex()(q, k, v, **kwargs)
-    except torch._dynamo.exc.FailOnRecompileLimitHit:
-        _warn_unfused(config.recompile_limit)
+    except Exception as exc:
+        if fail_error is None or not isinstance(exc, fail_error):
+            raise
+        _warn_unfused(getattr(config, limit_name))
         return _flex_api().flex_attention(q, k, v, **kwargs)
     finally:
-        config.recompile_limit, config.fail_on_recompile_limit_hit = prior
+        setattr(config, limit_name, prior_limit)
+        if fail_name:
+            setattr(config, fail_name, prior_fail)
 
 
 def _no_donated_buffers() -> Any:
     """AOTAutograd config scope with donated buffers off (torch 2.13, torch/_functorch/_aot_autograd)."""
+    import contextlib
+
     import torch._functorch.config as functorch_config
 
+    if not hasattr(functorch_config, "donated_buffer"):  # a torch without donated buffers: nothing to turn off
+        return contextlib.nullcontext()
     return functorch_config.patch(donated_buffer=False)
 
 
@@ -365,10 +417,15 @@ class TorchFlexAttention(AttentionImpl):
     # (flex's Triton templates run there too; not measured by this project). The CPU is opt-in (options.cpu).
     device_types: ClassVar[frozenset[str]] = frozenset({"cuda", "xpu", "cpu"})
     options_model: ClassVar[type[BaseModel]] = FlexOptions
-    # torch >= 2.11: the versions whose flex source these capabilities were read from (2.11, 2.13) and the GPU
-    # tests ran on; older flex lacked non-power-of-two head dims and return_aux and had other LSE paths.
+    # What flex needs, not a blanket version: torch >= 2.5 has the public `torch.nn.attention.flex_attention` with
+    # score_mod/block_mask, enable_gqa (pytorch#131559), return_lse, a Triton backward, and the autograd binding
+    # `retainable` reads (`_get_current_graph_task_keep_graph`, pytorch#131038); return_aux (2.9+) and dynamo's
+    # recompile-limit names are looked up with fallbacks. Head dims that are not a power of two, or a v head dim
+    # of its own, are refused per call below torch 2.11 (see `old_torch_reason`). And a Triton backend for the
+    # device type: the triton requirement below, and device_types.
     requires = (
-        Requirement("torch", "torch", "2.11", key="torch", install_hint="pip install 'torch>=2.11'"),
+        Requirement("torch", "torch", _MIN_TORCH, key="torch",
+                    install_hint=f"pip install 'torch>={_MIN_TORCH}' (flex_attention with GQA and backward)"),
         _AcceleratorRequirement("triton", "triton", None, key="triton",
                                 install_hint="install the triton build that matches torch (CUDA/ROCm/XPU wheels "
                                              "of torch bring it)"),
@@ -414,6 +471,9 @@ class TorchFlexAttention(AttentionImpl):
                            f"{opts.max_head_dim}: flex tunes its tiles up to 256 only; raise "
                            "ops.attention.options.'torch.flex'.max_head_dim after checking the shape on this device "
                            "(tests/gpu/test_flex_gpu.py)")
+        too_old = old_torch_reason(call, device)
+        if too_old:
+            reasons.append(too_old)
         if (call.deterministic and call.requires_grad and call.attn_bias is not None
                 and call.attn_bias.requires_grad):
             reasons.append("deterministic=True with a gradient for attn_bias: flex accumulates the gradient of a "
