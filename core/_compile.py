@@ -37,6 +37,17 @@ implementation the latest forward of the same token ran (it may run outside the 
 graph under different contexts, both before their backwards, recompute with the latter's implementation (the
 same function; gradients agree within the implementations' tolerance).
 
+torch.export (strict and non-strict) records the same op; non-strict export's FakeTensors reach it through
+``opdispatch.compat.scaled_dot_product_attention`` too. An exported program must hold at every size its dynamic
+dims allow (unbacked sizes included), so under export nothing above guards on a size: predicates take only the
+outcomes the shape environment knows without a guard (`_export_outcome`), shapes are assumed consistent unless
+known not to be (the kernel validates every call), and the trace's choice is provisional — the kernel decides
+every call on its real sizes (``recheck``), in the context it runs in plus the scopes and overrides active while
+the program was exported. Its context token spells that context (`_export_token`), so a saved program
+(``torch.export.save``/``load``) runs in another process, which must ``import opdispatch._compile`` (it defines
+the op) before loading; one exported under a scope or override runs only where it was exported (a clear error
+elsewhere). Head counts and head dims stay specialised.
+
 In eager mode nothing here is on the hot path: a custom op costs ~16 µs per call, so eager calls go straight
 to the implementation. `attention_for_compile` still works eagerly (tests compare it with eager attention).
 
@@ -327,6 +338,11 @@ def _runtime_choice(token: int, impl_id: str, call: Any) -> str:
         with _entered(context.inner):
             call.module = MODULE.get()
             call.requires_grad = context.requires_grad  # compiled forwards run without autograd; the trace knew
+            if token >= _EXPORT_MARK and not call.requires_grad:
+                # An exported program traced without gradients, run (ep.module()) on tensors that need them: the
+                # kernel sees them as given, with grad mode off below autograd.
+                call.requires_grad = any(t is not None and t.requires_grad
+                                         for t in (call.q, call.k, call.v, call.attn_bias))
             chosen = opdispatch.get_manager().resolve(_OP, call, impl=context.impl).chosen_id
             assert chosen is not None  # resolve raises when nothing fits
             impl_id = chosen

@@ -266,3 +266,20 @@ def test_exported_inner_scope_unknown_to_the_process_is_refused(basic_manager, m
     monkeypatch.setattr(_compile, "_EXPORTED", {})  # as in a process that did not export it
     with pytest.raises(RuntimeError, match="scope\\(\\)/policy_override\\(\\) entered inside the exported"):
         ep.module()(q, k, v)
+
+
+@STRICT
+def test_exported_program_is_differentiable(basic_manager, strict):
+    """Exported from inputs without gradients, run on inputs that need them: exact gradients (float64 oracle)."""
+    with routed_sdpa():
+        ep = _export(Sdpa("gqa"), "gqa", strict, "dims")
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, mask = _inputs("gqa", 3, 9, gen)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ep.module()(q, k, v, mask)
+    grad_out = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(oracle(*leaves, causal=True), leaves, grad_out.double())
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)

@@ -10,9 +10,10 @@ a value head dim of its own. Invalid calls raise `SdpaError` — a ``RuntimeErro
 What opdispatch cannot represent goes to torch's own function unchanged: nested (jagged) tensors and tensor
 subclasses (``torch.nn.attention.bias.CausalBias`` masks included, which torch dispatches through their
 ``__torch_function__``; the FakeTensors non-strict ``torch.export`` traces with stand for plain tensors and
-export ``opdispatch::attention``), calls made by an implementation while the program is routed through this function (so a
-plugin that calls ``F.scaled_dot_product_attention`` never loops back into opdispatch), and TorchScript: scripted
-code (``torch.jit.script`` of ``nn.MultiheadAttention`` under `route_sdpa`) calls torch's op.
+export ``opdispatch::attention``), calls made by an implementation while the program is routed through this
+function (so a plugin that calls ``F.scaled_dot_product_attention`` never loops back into opdispatch), and
+TorchScript: scripted code (``torch.jit.script`` of ``nn.MultiheadAttention`` under `route_sdpa`) calls torch's
+op.
 
 Empty inputs give what torch gives: an empty result, zeros where there is no key, and where the query/key head dim
 is 0 the softmax of the mask alone (every score is 0). ``is_causal`` with an explicit ``attn_mask`` raises torch's
