@@ -46,7 +46,9 @@ every call on its real sizes (``recheck``), in the context it runs in plus the s
 the program was exported. Its context token spells that context (`_export_token`), so a saved program
 (``torch.export.save``/``load``) runs in another process, which must ``import opdispatch._compile`` (it defines
 the op) before loading; one exported under a scope or override runs only where it was exported (a clear error
-elsewhere). Head counts and head dims stay specialised.
+elsewhere). Head counts and head dims stay specialised: a dynamic dim that reaches them (the leading dim of
+3-D inputs to the SDPA drop-in, which torch reads as heads) is a constraint violation where torch's function
+exports.
 
 In eager mode nothing here is on the hot path: a custom op costs ~16 µs per call, so eager calls go straight
 to the implementation. `attention_for_compile` still works eagerly (tests compare it with eager attention).

@@ -283,3 +283,20 @@ def test_exported_program_is_differentiable(basic_manager, strict):
     expected = torch.autograd.grad(oracle(*leaves, causal=True), leaves, grad_out.double())
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@STRICT
+def test_override_active_while_exporting_is_kept_by_the_program(basic_manager, strict):
+    """A policy_override(pin=...) around export is part of the exported program: its calls run the pinned
+    implementation afterwards, outside the override, at every size."""
+    with opdispatch.policy_override(pin="reference.math"):
+        ep = _export(Direct("causal"), "causal", strict, "dims")
+    node = next(n for n in ep.graph.nodes if str(n.target) == "opdispatch.attention.default")
+    token = node.args[_compile._OP_ARGS.index("token")]
+    program = ep.module()
+    gen = torch.Generator().manual_seed(9)
+    for batch, seqlen in OTHER_SIZES[:2]:
+        _check_runs(program, "causal", [(batch, seqlen)], gen)
+        assert _compile._LAST_CHOICE[token] == "reference.math"
+    _check_runs(_export(Direct("causal"), "causal", strict, "dims").module(), "causal", [(3, 7)], gen)
+    assert _compile._LAST_CHOICE[token] == "reference.math"  # another export's token is another context
