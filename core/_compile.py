@@ -37,6 +37,19 @@ implementation the latest forward of the same token ran (it may run outside the 
 graph under different contexts, both before their backwards, recompute with the latter's implementation (the
 same function; gradients agree within the implementations' tolerance).
 
+torch.export (strict and non-strict) records the same op; non-strict export's FakeTensors reach it through
+``opdispatch.compat.scaled_dot_product_attention`` too. An exported program must hold at every size its dynamic
+dims allow (unbacked sizes included), so under export nothing above guards on a size: predicates take only the
+outcomes the shape environment knows without a guard (`_export_outcome`), shapes are assumed consistent unless
+known not to be (the kernel validates every call), and the trace's choice is provisional — the kernel decides
+every call on its real sizes (``recheck``), in the context it runs in plus the scopes and overrides active while
+the program was exported. Its context token spells that context (`_export_token`), so a saved program
+(``torch.export.save``/``load``) runs in another process, which must ``import opdispatch._compile`` (it defines
+the op) before loading; one exported under a scope or override runs only where it was exported (a clear error
+elsewhere). Head counts and head dims stay specialised: a dynamic dim that reaches them (the leading dim of
+3-D inputs to the SDPA drop-in, which torch reads as heads) is a constraint violation where torch's function
+exports.
+
 In eager mode nothing here is on the hot path: a custom op costs ~16 µs per call, so eager calls go straight
 to the implementation. `attention_for_compile` still works eagerly (tests compare it with eager attention).
 
@@ -49,6 +62,7 @@ differentiating a bias) has its forward recomputed by the backward.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import math
 import operator
@@ -184,10 +198,55 @@ def _token(context: _TraceContext) -> int:
     return token
 
 
+# An exported program outlives this process (torch.export.save/load), so its token cannot be an index into
+# _CONTEXTS: it spells the context itself — a marker bit, a hash of the inner scopes/overrides (0: none), whether
+# the call was pinned (the pin is then the graph's impl_id) and whether it was differentiated. Contexts without
+# inner scopes are therefore rebuilt from the token in any process; others must have been exported (or
+# registered by `_export_token`) in this one. Below 2**53: exact as a JSON number in a saved program.
+_EXPORT_MARK = 1 << 52
+_EXPORTED: dict[int, _TraceContext] = {}
+
+
+def _as_inner(overrides: tuple[Any, ...], module: Optional[str]) -> tuple[Any, ...]:
+    """The overrides and scope active while a program was exported (around or inside the exported function: non-
+    strict export sets them for real), as `_entered` enters them again, outermost first: the program keeps them."""
+    entries: list[tuple[str, Any]] = [
+        ("override", (("prefer", o.prefer or None), ("deny", o.deny or None), ("require", o.require or None),
+                      ("pin", o.pin), ("op", o.op))) for o in reversed(overrides)]
+    if module is not None:
+        entries.append(("scope", module))
+    return tuple(entries)
+
+
+def _export_token(inner: tuple[Any, ...], requires_grad: bool, impl: Optional[str]) -> int:
+    """The stable token of an exported call's context; its kernel decides every call again (``recheck``)."""
+    digest = 0
+    if inner:
+        digest = 1 + int.from_bytes(hashlib.sha256(repr(inner).encode()).digest()[:8], "big") % ((1 << 48) - 1)
+    token = _EXPORT_MARK | digest << 2 | (impl is not None) << 1 | int(requires_grad)
+    _EXPORTED[token] = _TraceContext(None, None, inner, requires_grad, impl, True)
+    return token
+
+
+def _context(token: int, impl_id: str) -> _TraceContext:
+    """The trace context a graph's token names (an exported program's rebuilt from the token where it can be)."""
+    if token < _EXPORT_MARK:
+        return _CONTEXTS[token]
+    context = _EXPORTED.get(token)
+    if context is not None:
+        return context
+    if token >> 2 & ((1 << 48) - 1):
+        raise RuntimeError(f"opdispatch::attention: this exported program was traced with scope()/policy_override() "
+                           f"entered inside the exported function (context token {token}), which this process has "
+                           "not seen, so the call cannot be decided as it was traced; export the program in this "
+                           "process, or enter the scope/override around the call to the loaded program instead")
+    return _TraceContext(None, None, (), bool(token & 1), impl_id if token & 2 else None, True)
+
+
 @constant_result
 def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad_enabled: bool,
                        impl: Optional[str], epoch: int = 0, sizes: tuple[Any, ...] = ((), ()),
-                       inner: tuple[Any, ...] = ()) -> tuple[str, int, bool]:
+                       inner: tuple[Any, ...] = (), exported: bool = False) -> tuple[str, int, bool]:
     """(implementation id, context token, save_lse) for this call; run once per trace (a graph constant).
 
     `save_lse`: the call is differentiated (and does not return its LSE) and the implementation has its own
@@ -200,8 +259,21 @@ def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any],
     outcome, so the decision is a function of exactly what Dynamo guards on. `options` are the remaining keyword
     arguments as sorted (name, value) pairs. `inner` are the scopes and overrides entered inside the traced
     function, outermost first. The call is rebuilt on the meta device (nothing is computed), validated like any
-    call in the active scope, and resolved for the tensors' real device under the active overrides.
+    call in the active scope, and resolved for the tensors' real device under the active overrides. `exported`
+    (under torch.export): the choice is provisional — the program's kernel decides every call on its real sizes,
+    in the context it then runs in, and the token survives torch.export.save/load (`_export_token`).
     """
+    if not exported:
+        return _decide(tensors, options, grad_enabled, impl, epoch, sizes, inner, exported)
+    # Non-strict export runs this as plain Python under its tracing modes: the meta tensors of the decision
+    # must not become nodes of the exported graph.
+    with _untraced():
+        return _decide(tensors, options, grad_enabled, impl, epoch, sizes, inner, exported)
+
+
+def _decide(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad_enabled: bool,
+            impl: Optional[str], epoch: int, sizes: tuple[Any, ...], inner: tuple[Any, ...],
+            exported: bool) -> tuple[str, int, bool]:
     import opdispatch
 
     symbolic, outcomes = sizes
@@ -229,10 +301,22 @@ def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any],
         decision = manager.resolve(_OP, call, device=device, impl=impl)
     assert decision.chosen_id is not None
     _unused, unlisted = size_predicates(tensors[0][2], epoch)
-    context = _TraceContext(outer[0], outer[1], tuple(inner), bool(call.requires_grad), impl, unlisted)
+    if exported:
+        token = _export_token(_as_inner(*outer) + tuple(inner), bool(call.requires_grad), impl)
+    else:
+        token = _token(_TraceContext(outer[0], outer[1], tuple(inner), bool(call.requires_grad), impl, unlisted))
     save_lse = bool(call.requires_grad and not call.return_lse and call.sinks is None
                     and _impl(decision.chosen_id).saves_for_backward)
-    return decision.chosen_id, _token(context), save_lse
+    return decision.chosen_id, token, save_lse
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """No torch-function or dispatch mode active (non-strict export's tracers): plain Python on meta tensors."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
 
 
 @contextlib.contextmanager
@@ -249,13 +333,18 @@ def _entered(inner: tuple[Any, ...]) -> Iterator[None]:
 def _runtime_choice(token: int, impl_id: str, call: Any) -> str:
     """The implementation for this run: the traced one, unless the overrides or scope now active differ from
     the trace's (or the decision may read more of the sizes than the graph guards); then decide again."""
-    context = _CONTEXTS[token]
+    context = _context(token, impl_id)
     if context.recheck or OVERRIDES.get() != context.overrides or MODULE.get() != context.module:
         import opdispatch
 
         with _entered(context.inner):
             call.module = MODULE.get()
             call.requires_grad = context.requires_grad  # compiled forwards run without autograd; the trace knew
+            if token >= _EXPORT_MARK and not call.requires_grad:
+                # An exported program traced without gradients, run (ep.module()) on tensors that need them: the
+                # kernel sees them as given, with grad mode off below autograd.
+                call.requires_grad = any(t is not None and t.requires_grad
+                                         for t in (call.q, call.k, call.v, call.attn_bias))
             chosen = opdispatch.get_manager().resolve(_OP, call, impl=context.impl).chosen_id
             assert chosen is not None  # resolve raises when nothing fits
             impl_id = chosen
@@ -564,18 +653,23 @@ def _recipe(t: Tensor, fields: dict[int, str]) -> tuple[Any, ...]:
     return tuple(fields[i] if i in fields else _static(n) for i, n in enumerate(t.shape))
 
 
-def _broadcast_recipe(t: Tensor, sizes: dict[str, Any], targets: tuple[Any, ...]) -> tuple[Any, ...] | None:
+def _broadcast_recipe(t: Tensor, sizes: dict[str, Any], targets: tuple[Any, ...],
+                      exporting: bool = False) -> tuple[Any, ...] | None:
     """A mask/bias/alibi shape right-aligned to `targets` (field names or ints): 1 or the target per dim; None
-    if a dim is neither (the exact path then raises validation's own error)."""
+    if a dim is neither (the exact path then raises validation's own error). Under export nothing is guarded (an
+    unbacked size cannot be compared; non-strict export gives each input its own symbols): a dim not known to
+    be 1 or to differ from the target is taken as the target's, which the kernel validates on every call's real
+    sizes."""
     shape = tuple(t.shape)
     if len(shape) > len(targets):
         return None
+    holds = statically_known_true if exporting else _truth
     out: list[Any] = []
     for n, target in zip(shape, targets[len(targets) - len(shape):]):
         if isinstance(target, str):
-            if n == 1:
+            if holds(n == 1):
                 out.append(1)
-            elif n == sizes[target]:
+            elif holds(n == sizes[target]) or (exporting and not statically_known_true(n != sizes[target])):
                 out.append(target)
             else:
                 return None
@@ -609,17 +703,49 @@ def _truth(predicate: Any) -> bool:
     return True if predicate else False
 
 
+_NEGATED = {">=": "<", "<=": ">", ">": "<=", "<": ">=", "==": "!=", "!=": "=="}
+
+
+def statically_known_true(predicate: Any) -> bool:
+    """torch's own (imported when used: sympy costs ~0.3 s of the import of this module otherwise)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    return bool(known(predicate))
+
+
+def _export_outcome(op: str, n: Any, left: Any, right: Any) -> Optional[bool]:
+    """A size predicate's outcome under torch.export without a guard: what the shape environment knows (the
+    exported program must hold for every size its dynamic dims allow, unbacked ones included), else the general
+    case for ``== 0``/``== 1`` (an empty or one-row call is decided again at run time), else None (no
+    constraint). The choice made on it is provisional: the kernel re-decides every call on the real sizes."""
+    if statically_known_true(_SIZE_OPS[op](left, right)):
+        return True
+    if statically_known_true(_SIZE_OPS[_NEGATED[op]](left, right)):
+        return False
+    return False if op == "==" and n in (0, 1) else None
+
+
 def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, attn_mask: Tensor | None,
                 attn_bias: Tensor | None, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                 seqused_k: Tensor | None, block_table: Tensor | None, layout: str,
-                max_seqlen_q: Any, max_seqlen_k: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], Any]:
+                max_seqlen_q: Any, max_seqlen_k: Any,
+                exporting: bool = False) -> tuple[tuple[Any, ...], tuple[Any, ...], Any]:
     """(tensor keys, sizes, (max_seqlen_q, max_seqlen_k)) for `decide_for_compile`, traced by Dynamo.
 
     Batch and sequence lengths may be symbolic: they enter the decision only through the outcomes of
     `size_predicates`, each evaluated with ``_truth()`` so that Dynamo guards on exactly that predicate. Calls
     whose sizes are inconsistent (validation would reject them) are specialised so the error names real sizes.
     KV-cache calls (seqused_k, block_table) are specialised: one graph per cache shape.
+
+    Under torch.export (`exporting`) nothing here guards on a size: the program must run at every size its
+    dynamic dims allow (unbacked sizes included), so consistency is assumed unless known false (the kernel
+    validates the real sizes), predicates take only the outcomes the shape environment knows
+    (`_export_outcome`), and the kernel decides every call again (`decide_for_compile`'s `exported`).
     """
+
+    def same(a: Any, b: Any) -> bool:
+        return not statically_known_true(a != b) if exporting else _truth(a == b)
+
     tensors = (q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     field_sizes: dict[str, Any] = {}
     recipes: list[Any] = []
@@ -629,8 +755,8 @@ def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, at
     elif layout == "thd" and cu_seqlens_q is not None and max_seqlen_q is not None and max_seqlen_k is not None \
             and q.dim() == 3 and k.dim() == 3 and v.dim() == 3:
         field_sizes = {"batch": cu_seqlens_q.shape[0] - 1, "seqlen_q": max_seqlen_q, "seqlen_k": max_seqlen_k}
-        consistent = _truth(v.shape[0] == k.shape[0]) and (cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
-                                                           or _truth(cu_seqlens_k.shape[0] == cu_seqlens_q.shape[0]))
+        consistent = same(v.shape[0], k.shape[0]) and (cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+                                                       or same(cu_seqlens_k.shape[0], cu_seqlens_q.shape[0]))
         cu_recipe = ("batch+1",)
         recipes = [_recipe(q, {0: "tokens_q"}), _recipe(k, {0: "tokens_k"}), _recipe(v, {0: "tokens_k"}),
                    None, None, None, cu_recipe, "same" if cu_seqlens_k is cu_seqlens_q else cu_recipe, None, None]
@@ -639,13 +765,12 @@ def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, at
             and cu_seqlens_k is None:
         b, s, h = _DENSE_DIMS[layout]
         field_sizes = {"batch": q.shape[b], "seqlen_q": q.shape[s], "seqlen_k": k.shape[s]}
-        consistent = _truth(k.shape[b] == q.shape[b]) and _truth(v.shape[b] == q.shape[b]) and _truth(
-            v.shape[s] == k.shape[s])
+        consistent = same(k.shape[b], q.shape[b]) and same(v.shape[b], q.shape[b]) and same(v.shape[s], k.shape[s])
         full = ("batch", _static(q.shape[h]), "seqlen_q", "seqlen_k")
         recipes = [_recipe(q, {b: "batch", s: "seqlen_q"}), _recipe(k, {b: "batch", s: "seqlen_k"}),
                    _recipe(v, {b: "batch", s: "seqlen_k"})]
         for t, targets in ((alibi_slopes, full[:2]), (attn_mask, full), (attn_bias, full)):
-            recipe = None if t is None else _broadcast_recipe(t, field_sizes, targets)
+            recipe = None if t is None else _broadcast_recipe(t, field_sizes, targets, exporting)
             consistent = consistent and (t is None or recipe is not None)
             recipes.append(recipe)
         recipes += [None, None, None, None]
@@ -667,7 +792,10 @@ def _size_class(q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Tensor | None, at
         field, op, n = atom
         if field in symbolic or n in symbolic:
             other = field_sizes[n] if isinstance(n, str) else n
-            outcomes.append((atom, _truth(_SIZE_OPS[op](field_sizes[field], other))))
+            if not exporting:
+                outcomes.append((atom, _truth(_SIZE_OPS[op](field_sizes[field], other))))
+            elif (outcome := _export_outcome(op, n, field_sizes[field], other)) is not None:
+                outcomes.append((atom, outcome))
     keys = tuple(_tensor_key(t, r if isinstance(r, tuple) else None) for t, r in zip(tensors, recipes))
     if recipes[7] == "same":
         keys = keys[:7] + ("same",) + keys[8:]
@@ -706,9 +834,10 @@ def attention_for_compile(
         raise ValueError("attention() under torch.compile does not support dropout_p > 0 with autograd: the "
                          "backward recomputes the forward, which would draw a different dropout mask; use "
                          "dropout_p=0.0 or run this call eagerly")
+    exporting = torch.compiler.is_exporting()
     keys, sizes, (static_max_q, static_max_k) = _size_class(
         q, k, v, alibi_slopes, attn_mask, attn_bias, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, layout,
-        max_seqlen_q, max_seqlen_k)
+        max_seqlen_q, max_seqlen_k, exporting)
     symbolic_max = bool(sizes[0]) and layout == "thd"
     options = (("causal", causal), ("causal_alignment", causal_alignment), ("deterministic", deterministic),
                ("dropout_p", _float_class(dropout_p)), ("layout", layout),
@@ -719,7 +848,7 @@ def attention_for_compile(
                ("window", tuple(_static(w) if isinstance(w, int) and not isinstance(w, bool) else w for w in window)
                 if isinstance(window, (tuple, list)) else window))
     impl_id, token, save_lse = decide_for_compile(keys, options, grad_enabled, impl, DECISION_EPOCH, sizes,
-                                                  tuple(_inner_scopes))
+                                                  tuple(_inner_scopes), exporting)
     head_dim = _static(q.shape[-1])
     if window is None:
         left, right = -1, -1

@@ -9,9 +9,11 @@ a value head dim of its own. Invalid calls raise `SdpaError` — a ``RuntimeErro
 
 What opdispatch cannot represent goes to torch's own function unchanged: nested (jagged) tensors and tensor
 subclasses (``torch.nn.attention.bias.CausalBias`` masks included, which torch dispatches through their
-``__torch_function__``), calls made by an implementation while the program is routed through this function (so a
-plugin that calls ``F.scaled_dot_product_attention`` never loops back into opdispatch), and TorchScript: scripted
-code (``torch.jit.script`` of ``nn.MultiheadAttention`` under `route_sdpa`) calls torch's op.
+``__torch_function__``; the FakeTensors non-strict ``torch.export`` traces with stand for plain tensors and
+export ``opdispatch::attention``), calls made by an implementation while the program is routed through this
+function (so a plugin that calls ``F.scaled_dot_product_attention`` never loops back into opdispatch), and
+TorchScript: scripted code (``torch.jit.script`` of ``nn.MultiheadAttention`` under `route_sdpa`) calls torch's
+op.
 
 Empty inputs give what torch gives: an empty result, zeros where there is no key, and where the query/key head dim
 is 0 the softmax of the mask alone (every score is 0). ``is_causal`` with an explicit ``attn_mask`` raises torch's
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import torch.jit._builtins
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.attention import SDPBackend
 
 from .. import _api, _native
@@ -53,8 +56,18 @@ class SdpaError(RuntimeError, ValueError):
     """An invalid `scaled_dot_product_attention` call: a RuntimeError where torch raises one, and a ValueError."""
 
 
+def _exported(t: Any) -> bool:
+    """A FakeTensor that non-strict torch.export runs the program on: it stands for a plain tensor, so the call is
+    opdispatch's op in the exported graph (as in strict export, where Dynamo shows plain tensors), not torch's."""
+    return type(t) is FakeTensor and torch.compiler.is_exporting()
+
+
+def _dense(t: Any) -> bool:
+    return type(t) is Tensor or _exported(t)
+
+
 def _plain(t: Any) -> bool:
-    return type(t) is Tensor or type(t) is torch.nn.Parameter
+    return type(t) is Tensor or type(t) is torch.nn.Parameter or _exported(t)
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
@@ -63,7 +76,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     """``torch.nn.functional.scaled_dot_product_attention``, computed by the implementation the policy picks."""
     if _state.active:  # an implementation calling it while the program is routed: torch's
         return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    if type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+    if not (_dense(query) and _dense(key) and _dense(value)):
         if not all(isinstance(t, Tensor) for t in (query, key, value)):  # None, a number: torch's TypeError
             return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     elif _autocasting(query):
@@ -108,12 +121,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         qs, ks, vs = query.shape, key.shape, value.shape
     except RuntimeError:  # a strided nested tensor has no sizes: torch's
         return _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and type(query) is Tensor and type(key) is Tensor
-            and type(value) is Tensor and ks[0] == qs[0] == vs[0] and ks[1] == vs[1]
+    if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and _dense(query) and _dense(key) and _dense(value)
+            and ks[0] == qs[0] == vs[0] and ks[1] == vs[1]
             and 0 not in qs and 0 not in ks and 0 not in vs  # empty inputs: the general path gives torch's result
             and (ks[1] == qs[1] or ((enable_gqa or ks[1] == 1) and qs[1] % ks[1] == 0))
             and (scale is None or 0 < scale <= _MAX_SCALE)
-            and (attn_mask is None or (not is_causal and type(attn_mask) is Tensor
+            and (attn_mask is None or (not is_causal and _dense(attn_mask)
                                        and attn_mask.dtype in (torch.bool, torch.float32, query.dtype)))):
         bool_mask = attn_mask is not None and attn_mask.dtype == torch.bool
         mask, bias = (attn_mask, None) if bool_mask else (None, attn_mask)
