@@ -209,7 +209,8 @@ def _start_reduce_scatter(grad: torch.Tensor, dim: int, group: Any) -> tuple[Cal
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
                                causal: bool = False, mode: str = "ring", sharding: str = "zigzag",
-                               layout: str = "bshd", scale: float | None = None, sinks: Any = None) -> torch.Tensor:
+                               layout: str = "bshd", scale: float | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention over a sequence sharded across the ranks of `group` (None: the default group): q, k, v are this
     rank's shards (`shard_sequence`), the result is this rank's shard of the output. Every rank of the group
     calls it with shards of the same shapes.
@@ -221,6 +222,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     Layouts ``bshd``, ``bhsd``, ``sbhd``; k/v may have fewer heads (GQA). Each local block runs on the
     implementation the policy picks (`opdispatch.attention`); gradients flow to q, k and v.
 
+    ``sinks``: one float32 logit per query head (as `opdispatch.attention(..., sinks=)`), the same on every rank.
+    The sink enters each row's softmax once, not once per block: the blocks run without it, and the shared sink
+    epilogue (`opdispatch._sinks.apply_sinks`) is applied to the merged (out, LSE). The backward's blocks read
+    that final out and LSE (FlashAttention's backward with the sink as one more key of zero value, so exact), and
+    the sink's gradient is this rank's queries' share: sinks is a replicated parameter, so its gradients summed
+    over the group (as data/context-parallel training all-reduces replicated parameters) are the unsharded call's.
+
     Before any exchange the ranks agree the call (`opdispatch._distributed.agree_call`: one all-gather of a
     fixed-size int64 record per call): q/k/v shard shapes and dtypes, device type, layout, causal, the effective
     scale, mode, sharding, whether a backward is recorded, and the call's number in the group. Ranks that differ
@@ -231,15 +239,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (see `agree_call`).
     """
     what = "opdispatch.context_parallel_attention()"
-    if sinks is not None:  # the sink must enter the merged LSE once, with its gradient through the ring's merge
-        raise ValueError(f"{what}: sinks are not supported across ranks yet; gather the sequence and call "
-                         "opdispatch.attention(..., sinks=...) instead")
     rank, world = _group_rank(group, what)
     if world == 1:  # the whole sequence is here (zigzag's two chunks are in order): one local call
         _check_call(what, q, k, v, causal, mode, sharding, layout, world)
         from ._api import attention
 
-        out1: torch.Tensor = attention(q, k, v, causal=causal, layout=layout, scale=scale)
+        out1: torch.Tensor = attention(q, k, v, causal=causal, layout=layout, scale=scale, sinks=sinks)
         return out1
     # The ranks agree the call before any exchange: shards of other shapes would abort a rank inside the
     # collective, other options would give every rank a wrong result. A call this rank's own checks reject takes
@@ -249,11 +254,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         _check_call(what, q, k, v, causal, mode, sharding, layout, world)
         # Validated as one unsharded call would be (dtypes, heads, head dims, scale), with its error messages.
         call = validate_attention(_BSHD_VIEWS[layout](q), _BSHD_VIEWS[layout](k), _BSHD_VIEWS[layout](v),
-                                  causal=causal, scale=scale)
+                                  causal=causal, scale=scale, sinks=sinks)
     except Exception as exc:
         rejected = exc
     agree_call(group, _CALL, _signature(q, k, v, causal, mode, sharding, layout,
-                                        scale if call is None else call.scale),
+                                        scale if call is None else call.scale, sinks=sinks),
                device=_agreement_device(group, q), rejected=rejected)
     if rejected is not None:
         raise rejected
@@ -263,9 +268,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q4, k4, v4 = to_bshd(q), to_bshd(k), to_bshd(v)
     if mode == "ring":
         out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
-            q4, k4, v4, group, causal, sharding == "zigzag", call.scale)
+            q4, k4, v4, group, causal, sharding == "zigzag", call.scale, call.sinks)
     else:
-        out = _allgather_attention(q4, k4, v4, group, rank, world, causal, sharding, call.scale)
+        out = _allgather_attention(q4, k4, v4, group, rank, world, causal, sharding, call.scale, call.sinks)
     return out if layout == "bshd" else to_bshd(out).contiguous()
 
 
@@ -308,6 +313,7 @@ _CALL = collective_op("opdispatch.context_parallel_attention()", (
     SignatureField("scale", "float", "pass the same scale on every rank (None: 1/sqrt(head_dim))"),
     SignatureField("mode", "text", "pass the same mode on every rank"),
     SignatureField("sharding", "text", "pass the same sharding on every rank"), _RECORDS,
+    SignatureField("sinks", "bool", "pass sinks (the same replicated parameter) on every rank or on none"),
 ))
 # The backward exchanges as well: a rank that skips it (or runs another) is named before it does.
 _SAME_GRAD = "give every rank's output a gradient of its shape and dtype"
@@ -325,7 +331,7 @@ _UNSHARD_BACKWARD = collective_op("opdispatch.unshard_sequence() backward", _BAC
 
 
 def _signature(q: Any, k: Any, v: Any, causal: Any, mode: Any, sharding: Any, layout: Any,
-               scale: Any) -> dict[str, Any]:
+               scale: Any, *, sinks: Any = None) -> dict[str, Any]:
     """This rank's values of `_CALL`'s fields (a rejected call's too, as far as they can be read)."""
     tensors = {"q": q, "k": k, "v": v}
     values: dict[str, Any] = {}
@@ -337,7 +343,8 @@ def _signature(q: Any, k: Any, v: Any, causal: Any, mode: Any, sharding: Any, la
     records = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                               for t in tensors.values())
     values.update({"layout": layout, "causal": bool(causal), "mode": mode, "sharding": sharding,
-                   "scale": scale if isinstance(scale, (int, float)) else None, "records a backward": records})
+                   "scale": scale if isinstance(scale, (int, float)) else None, "records a backward": records,
+                   "sinks": sinks is not None})
     return values
 
 
@@ -378,9 +385,9 @@ def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 
 def _allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
-                         causal: bool, sharding: str, scale: float) -> torch.Tensor:
+                         causal: bool, sharding: str, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
     out: torch.Tensor = _AllGatherAttention.apply(  # type: ignore[no-untyped-call]
-        q, k, v, group, rank, world, causal, sharding, scale)
+        q, k, v, group, rank, world, causal, sharding, scale, sinks)
     return out
 
 
@@ -426,7 +433,7 @@ class _AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, world: int,
-                causal: bool, sharding: str, scale: float) -> torch.Tensor:
+                causal: bool, sharding: str, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
         length = q.shape[1]
         if _agreeing():  # every rank decides every rank's blocks, in one order (see `_settle`); decisions read
             # shapes only, so placeholders of the gathered keys' shape let the diagonal overlap the gather below
@@ -445,16 +452,20 @@ class _AllGatherAttention(torch.autograd.Function):
         for rows, key_rows, block_causal in blocks:
             if key_rows is not None:
                 _attend(out, lse, q, rows, keys[:, key_rows], values[:, key_rows], block_causal, scale)
+        out, lse = _with_sinks(out, lse, sinks)
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, keys, values, result, lse)
+        ctx.save_for_backward(q, k, v, keys, values, result, lse, sinks)
         ctx.group, ctx.world, ctx.causal, ctx.sharding, ctx.scale = group, world, causal, sharding, scale
         ctx.blocks = blocks
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, keys, values, out, lse, sinks = ctx.saved_tensors
+        dsinks = _sinks_gradient(ctx, out, lse, grad_out, sinks, 9)
+        if not any(ctx.needs_input_grad[:3]):  # the sink's gradient alone: local, nothing to exchange
+            return None, None, None, None, None, None, None, None, None, dsinks
         _agree_backward(ctx.group, grad_out, _BACKWARD)
-        q, k, v, keys, values, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         if _agreeing():
             with torch.enable_grad():
@@ -486,7 +497,7 @@ class _AllGatherAttention(torch.autograd.Function):
         _wait([dk_work, dv_work])
         dk += dk_mine()
         dv += dv_mine()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, dsinks
 
 
 def _allgather_settle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
@@ -621,7 +632,7 @@ def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, causal: bool,
-                zigzag: bool, scale: float) -> torch.Tensor:
+                zigzag: bool, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
         ring = _Ring(group)
         length = q.shape[1]
         if _agreeing():
@@ -638,15 +649,19 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 _wait(pending[1])
                 k_cur, v_cur = pending[0]
+        out, lse = _with_sinks(out, lse, sinks)
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
         ctx.group, ctx.causal, ctx.zigzag, ctx.scale = group, causal, zigzag, scale
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dsinks = _sinks_gradient(ctx, out, lse, grad_out, sinks, 7)
+        if not any(ctx.needs_input_grad[:3]):  # the sink's gradient alone: local, nothing to exchange
+            return None, None, None, None, None, None, None, dsinks
         _agree_backward(ctx.group, grad_out, _BACKWARD)
-        q, k, v, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.group)
         length, causal, zigzag, scale = q.shape[1], ctx.causal, ctx.zigzag, ctx.scale
         grad_out = grad_out.contiguous()
@@ -685,7 +700,32 @@ class _RingAttention(torch.autograd.Function):
         assert dkv_pending is not None
         _wait(dkv_pending[1])
         dk, dv = dkv_pending[0]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor,
+                sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged (out, LSE) over every key, with the sinks' virtual key entered once (the shared epilogue); as
+    they are without sinks. The backward reads these: each block's probabilities exp(s − lse) are then those of
+    the softmax with the sink, and FlashAttention's D = rowsum(dO · out) is that softmax's too."""
+    if sinks is None:
+        return out, lse
+    from ._sinks import apply_sinks
+
+    return apply_sinks(out, lse, sinks, "bshd")
+
+
+def _sinks_gradient(ctx: Any, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                    sinks: torch.Tensor | None, index: int) -> torch.Tensor | None:
+    """This rank's share of the sinks' gradient (`index`: sinks' place among the Function's inputs), from the
+    final out and LSE: the sink is a key of zero value with probability exp(sink − lse), so its score's gradient
+    is −exp(sink − lse)·rowsum(dO · out), summed over this rank's queries (batch and rows), per head."""
+    if sinks is None or not ctx.needs_input_grad[index]:
+        return None
+    acc = lse.dtype
+    delta = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # (batch, heads, rows), as the LSE
+    share = torch.exp(sinks.to(acc).unsqueeze(-1) - lse)
+    return -(share * delta).sum((0, 2)).to(sinks.dtype)
 
 
 def _block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

@@ -232,6 +232,108 @@ def _cp_errors(group: Any, mode: str, sharding: str, causal: bool, heads: tuple[
     return errors
 
 
+def _oracle_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                       causal: bool) -> torch.Tensor:
+    """`_oracle` with one more key per query head: score `sinks[h]`, value zero (float64, bshd)."""
+    groups = q.shape[2] // k.shape[2]
+    qh = q.double().transpose(1, 2)
+    kh = k.double().transpose(1, 2).repeat_interleave(groups, dim=1)
+    vh = v.double().transpose(1, 2).repeat_interleave(groups, dim=1)
+    scores = qh @ kh.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    sink = sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probabilities = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]  # the sink's share carries no value
+    return (probabilities @ vh).transpose(1, 2)
+
+
+CP_SINK_CASES = [  # mode, sharding, causal, heads q/kv, layout, dtype
+    ("ring", "zigzag", True, (4, 2), "bshd", torch.float64),
+    ("ring", "contiguous", False, (2, 1), "bhsd", torch.float64),
+    ("ring", "contiguous", True, (4, 2), "bshd", torch.float32),
+    ("allgather", "zigzag", True, (4, 2), "sbhd", torch.float64),
+    ("allgather", "contiguous", True, (2, 2), "bshd", torch.float64),
+    ("allgather", "zigzag", False, (4, 1), "bshd", torch.float32),
+]
+
+
+def _cp_sink_errors(group: Any, mode: str, sharding: str, causal: bool, heads: tuple[int, int], layout: str,
+                    dtype: torch.dtype, seed: int, qkv_grad: bool = True) -> dict[str, float]:
+    """Max abs errors of this rank's output, input gradients and sinks gradient (its share, and the group's sum)
+    against the float64 oracle with sinks. `qkv_grad` False: only the sinks require grad."""
+    gen = torch.Generator().manual_seed(seed)
+    b, d = 2, 8
+    q = torch.randn(b, SEQ, heads[0], d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, SEQ, heads[1], d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, SEQ, heads[1], d, generator=gen, dtype=torch.float64)
+    grad = torch.randn(b, SEQ, heads[0], d, generator=gen, dtype=torch.float64)
+    # Sinks of either sign and one large (most of each row's mass on the sink), so the epilogue matters.
+    sinks = torch.randn(heads[0], generator=gen, dtype=torch.float32) * 2
+    sinks[0] = 4.0
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sinks.clone().requires_grad_()
+    expected = _oracle_with_sinks(*leaves, sink_leaf, causal)
+    expected.backward(grad)
+    assert sink_leaf.grad is not None
+    to = {"bshd": lambda t: t, "bhsd": lambda t: t.transpose(1, 2), "sbhd": lambda t: t.transpose(0, 1)}[layout]
+
+    def shard(t: torch.Tensor) -> torch.Tensor:  # the caller's layout, sharded along its sequence dim
+        return od.shard_sequence(to(t).contiguous(), group=group, sharding=sharding, layout=layout)
+
+    # This rank's share of the sinks gradient: the oracle's with the output gradient of its own rows only.
+    rows = torch.zeros(SEQ, dtype=torch.bool)
+    rows[od.shard_sequence(torch.arange(SEQ), group=group, sharding=sharding, seq_dim=0)] = True
+    share_leaf = sinks.clone().requires_grad_()
+    _oracle_with_sinks(q, k, v, share_leaf, causal).backward(grad * rows.view(1, -1, 1, 1))
+    assert share_leaf.grad is not None
+
+    mine = [shard(t).to(dtype).requires_grad_(qkv_grad) for t in (q, k, v)]
+    my_sinks = sinks.clone().requires_grad_()
+    out = od.context_parallel_attention(*mine, group=group, causal=causal, mode=mode, sharding=sharding,
+                                        layout=layout, sinks=my_sinks)
+    out.backward(shard(grad).to(dtype))
+    whole = od.unshard_sequence(out.detach(), group=group, sharding=sharding, layout=layout)
+    assert my_sinks.grad is not None
+    total = my_sinks.grad.clone()
+    dist.all_reduce(total, group=group)
+    errors = {"out": (out.double() - shard(expected.detach())).abs().max().item(),
+              "unsharded": (to(whole).double() - expected.detach()).abs().max().item(),
+              # relative: the sinks and their gradients are float32, summed over batch x sequence rows
+              "dsinks share": _relative(my_sinks.grad, share_leaf.grad),
+              "dsinks summed": _relative(total, sink_leaf.grad)}
+    for name, t, leaf in zip(("dq", "dk", "dv"), mine, leaves):
+        if qkv_grad:
+            assert t.grad is not None and leaf.grad is not None
+            errors[name] = (t.grad.double() - shard(leaf.grad)).abs().max().item()
+        else:
+            errors[name] = float(t.grad is not None)
+    return errors
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.double() - expected.double()).abs().max() / expected.double().abs().max().clamp(min=1.0)).item()
+
+
+def context_parallel_sinks(rank: int, world: int) -> dict[str, Any]:
+    _fresh()
+    pair = dist.new_group([0, 1])
+    alone = dist.new_group([0])
+    results: dict[str, Any] = {}
+    if rank == 0:
+        results["1 rank"] = _cp_sink_errors(alone, "ring", "zigzag", True, (4, 2), "bshd", torch.float64, seed=31)
+    for i, (mode, sharding, causal, heads, layout, dtype) in enumerate(CP_SINK_CASES):
+        name = f"{mode}-{sharding}-{'causal' if causal else 'full'}-{heads[0]}:{heads[1]}-{layout}-{dtype}"
+        results[f"3 ranks {name}"] = _cp_sink_errors(None, mode, sharding, causal, heads, layout, dtype, seed=40 + i)
+        if rank < 2:
+            results[f"2 ranks {name}"] = _cp_sink_errors(pair, mode, sharding, causal, heads, layout, dtype,
+                                                         seed=40 + i)
+    for mode in ("ring", "allgather"):  # only the sinks need a gradient: a local backward, no exchange
+        results[f"sinks only {mode}"] = _cp_sink_errors(None, mode, "zigzag", True, (4, 2), "bshd", torch.float64,
+                                                        seed=50, qkv_grad=False)
+    return results
+
+
 @contextlib.contextmanager
 def _block_calls() -> Iterator[list[dict[str, Any]]]:
     """Records the (causal, alignment, query length, key length) of every block call context-parallel attention
@@ -313,7 +415,8 @@ def _cp_call(rank: int, differs: int, **change: Any) -> dict[str, Any]:
     mine = change if rank == differs else {}
     shape.update({key: value for key, value in mine.items() if key in shape})
     dtype = mine.get("dtype", dtype)
-    options.update({key: value for key, value in mine.items() if key in ("causal", "mode", "sharding", "scale")})
+    options.update({key: value for key, value in mine.items()
+                    if key in ("causal", "mode", "sharding", "scale", "sinks")})
     q = torch.randn(shape["batch"], shape["length"], shape["heads"], shape["head_dim"], generator=gen, dtype=dtype)
     kv = torch.randn(shape["batch"], shape["length"], 2, shape["head_dim"], generator=gen, dtype=dtype)
     with torch.set_grad_enabled(not mine.get("no_grad", False)):
@@ -325,6 +428,7 @@ CP_MISMATCHES = {  # name: (the rank that differs, what it changes)
     "dtype": (2, {"dtype": torch.float32}), "batch": (1, {"batch": 1}), "causal": (1, {"causal": False}),
     "scale": (0, {"scale": 0.5}), "sharding": (2, {"sharding": "contiguous"}), "mode": (1, {"mode": "allgather"}),
     "grad": (2, {"no_grad": True}), "rejected": (1, {"mode": "tree"}),
+    "sinks": (2, {"sinks": torch.zeros(4)}),
 }
 
 
@@ -385,7 +489,7 @@ def timeout(rank: int, world: int) -> dict[str, Any]:
 
 
 SCENARIOS = [agreed, env_mode, override, denied, pinned, unavailable, mismatch, local_calls, tuned, context_parallel,
-             context_parallel_agreed, cp_errors, cp_mismatch, cp_twice, timeout]
+             context_parallel_sinks, context_parallel_agreed, cp_errors, cp_mismatch, cp_twice, timeout]
 
 
 def main(rank: int, world: int, port: int, out_dir: str) -> None:

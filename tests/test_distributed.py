@@ -173,6 +173,39 @@ def test_context_parallel_matches_the_float64_oracle(ranks: list[dict[str, Any]]
         assert max(errors.values()) < tol, (rank, errors)
 
 
+@pytest.mark.parametrize("world", [3, 2])
+@pytest.mark.parametrize("case", worker.CP_SINK_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'causal' if c[2] else 'full'}"
+                         f"-{c[3][0]}:{c[3][1]}-{c[4]}-{str(c[5])[6:]}")
+def test_context_parallel_with_sinks_matches_the_float64_oracle(ranks: list[dict[str, Any]], world: int,
+                                                                case: Any) -> None:
+    """The sink enters each row's merged softmax once: output, dq/dk/dv and the sinks gradient match the
+    unsharded float64 oracle with sinks. Each rank's sinks gradient is its own queries' share (the oracle's with
+    the output gradient of those rows only), and the shares summed over the group are the oracle's."""
+    mode, sharding, causal, heads, layout, dtype = case
+    name = f"{world} ranks {mode}-{sharding}-{'causal' if causal else 'full'}-{heads[0]}:{heads[1]}-{layout}-{dtype}"
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for rank in range(world):
+        errors = dict(ranks[rank]["context_parallel_sinks"][name])
+        assert set(errors) == {"out", "unsharded", "dq", "dk", "dv", "dsinks share", "dsinks summed"}
+        # The sinks' gradients are float32 (relative errors): the oracle's and this rank's alike.
+        assert max(errors.pop("dsinks share"), errors.pop("dsinks summed")) < 1e-6, (rank, name)
+        assert max(errors.values()) < tol, (rank, errors)
+
+
+def test_context_parallel_with_sinks_in_a_group_of_one_and_with_only_the_sinks_trained(
+        ranks: list[dict[str, Any]]) -> None:
+    errors = ranks[0]["context_parallel_sinks"]["1 rank"]
+    assert max(errors.pop("dsinks share"), errors.pop("dsinks summed")) < 1e-6, errors
+    assert max(errors.values()) < 1e-10, errors
+    for rank, r in enumerate(ranks):
+        for mode in ("ring", "allgather"):
+            errors = r["context_parallel_sinks"][f"sinks only {mode}"]
+            # q, k, v get no gradient (0.0: none was made), the sinks theirs, with a backward that exchanges nothing
+            assert (errors["dq"], errors["dk"], errors["dv"]) == (0.0, 0.0, 0.0), (rank, mode, errors)
+            assert max(errors.pop("dsinks share"), errors.pop("dsinks summed")) < 1e-6, (rank, mode, errors)
+            assert max(errors.values()) < 1e-10, (rank, mode, errors)
+
+
 def test_context_parallel_blocks_are_causal_with_equal_lengths_or_not_causal(ranks: list[dict[str, Any]]) -> None:
     """Both modes compute the kinds of block cuDNN takes: a causal block with seqlen_q != seqlen_k (bottom-right
     over a key prefix) would go to a slower kernel on H100."""
@@ -236,6 +269,7 @@ CP_MISMATCH_LINES = {
     "sharding": ["  sharding: 'zigzag' on ranks 0, 1; 'contiguous' on rank 2"],
     "mode": ["  mode: 'ring' on ranks 0, 2; 'allgather' on rank 1"],
     "grad": ["  records a backward: True on ranks 0, 1; False on rank 2"],
+    "sinks": ["  sinks: False on ranks 0, 1; True on rank 2"],
 }
 
 
@@ -258,7 +292,7 @@ def test_context_parallel_ranks_that_disagree_raise_one_clear_error_everywhere(r
            "dtype": "cast q, k and v to one dtype", "causal": "pass the same causal on every rank",
            "scale": "pass the same scale", "sharding": "pass the same sharding", "mode": "pass the same mode",
            "grad": "enable gradients on every rank or on none", "batch": "equal batch",
-           "head_dim": "pass the same scale"}[kind]
+           "head_dim": "pass the same scale", "sinks": "pass sinks (the same replicated parameter) on every rank"}[kind]
     assert fix in lines[-1]
 
 
