@@ -92,12 +92,30 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.op is not None and args.op not in known_ops():
         raise ValueError(f"--op {args.op!r} is not an op; known ops: {', '.join(known_ops())}")
     device = _device_arg(args)
-    from ._table import format_table, terminal_width
+    from ._table import format_fields, format_table, terminal_width
+    from .policies._plan import standing_plan
 
-    print(f"device: {device.describe()}")
+    width = terminal_width(args.wide)
+    policy = manager.policy
+    for line in format_fields([("device", device.describe()), ("policy", f"{policy.source} (hash {policy.hash})"),
+                               ("rank", "each op's implementations in the order its policy ranks them before any "
+                                        "`when:` rule applies (`opdispatch explain` shows a call's); denied last")],
+                              width=width):
+        print(line)
     for op in sorted({r.impl.op for r in manager.registry} if args.op is None else {args.op}):
-        rows = [(f"{op}:", "priority", "origin", "available")]
-        for registered in manager.registry.for_op(op):
+        by_id = {r.impl.id: r for r in manager.registry.for_op(op)}
+        plan = standing_plan(policy, op, list(by_id))
+        # (id, rank cell, what the policy says of it): a pin first, then the order, the denied ones last.
+        pinned = plan.pin[0] if plan.pin is not None and plan.pin[0] in by_id else None
+        ranked = [] if pinned is None or plan.pin is None else [
+            (pinned, "pin", f"pinned by {plan.pin[1].source}; ")]
+        ranked += [(impl_id, str(n), "") for n, (impl_id, _) in
+                   enumerate((entry for entry in plan.order if entry[0] != pinned), 1)]
+        ranked += [(impl_id, "-", f"denied by {prov.short(impl_id)}; ") for impl_id, prov in plan.denied.items()
+                   if impl_id != pinned]  # a pin outranks a deny, as in dispatch
+        rows = [(f"{op}:", "rank", "priority", "origin", "available")]
+        for impl_id, rank, said in ranked:
+            registered = by_id[impl_id]
             impl = registered.impl
             reason = manager.availability(impl, device)
             if reason is not None:
@@ -107,9 +125,10 @@ def cmd_list(args: argparse.Namespace) -> int:
                 if extra:
                     reason = "; ".join([reason, *extra])
             origin = str(registered.origin) if args.wide else registered.origin.plugin
-            rows.append((f"  {impl.id}", str(impl.priority), origin, "yes" if reason is None else f"no: {reason}"))
+            rows.append((f"  {impl.id}", rank, str(impl.priority), origin,
+                         said + ("yes" if reason is None else f"no: {reason}")))
         print()
-        for line in format_table(rows, width=terminal_width(args.wide)):
+        for line in format_table(rows, width=width):
             print(line)
     if args.verbose:
         for registered in manager.registry:
@@ -524,39 +543,72 @@ def build_parser() -> argparse.ArgumentParser:
                                      "definitions (core/__init__.pyi: `opdispatch stubs > core/__init__.pyi`)")
     p.set_defaults(func=cmd_stubs)
 
-    p = sub.add_parser("explain", help="which implementation a call would use, and why")
+    p = sub.add_parser("explain", help="which implementation a call would use, and why",
+                       description="Which implementation a call would use, and why: every registered candidate "
+                                   "with its status and what decided it. The call is built from the flags below "
+                                   "(empty tensors: nothing runs); each op reads the flags that apply to it. "
+                                   "Exit status 0 when an implementation is chosen, 1 when none can take the "
+                                   "call, 2 for a bad argument.")
     p.add_argument("--op", default="attention", choices=sorted(_EXPLAIN_CALLS),
-                   help="the op (default: attention); each reads the flags that apply to it")
-    p.add_argument("--shape", required=True, help="B,S,H,D of q (S = seqlen_q, H = q heads); for rms_norm "
-                                                  "TOKENS,HIDDEN of x")
-    p.add_argument("--kv-heads", type=_positive, default=None)
-    p.add_argument("--seqlen-k", type=_positive, default=None)
-    p.add_argument("--head-dim-v", type=_positive, default=None)
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--layout", default="bshd", choices=["bshd", "bhsd", "sbhd"])
-    p.add_argument("--varlen", action="store_true", help="pack as thd with B sequences of S tokens")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--causal-alignment", default="top_left", choices=["top_left", "bottom_right"])
-    p.add_argument("--window", default=None, help="LEFT,RIGHT (-1 = unbounded)")
-    p.add_argument("--softcap", type=float, default=0.0)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--alibi", action="store_true")
-    p.add_argument("--mask", action="store_true", help="a boolean (S, S_k) mask")
-    p.add_argument("--bias", action="store_true", help="an additive (S, S_k) bias")
-    p.add_argument("--lse", action="store_true")
-    p.add_argument("--grad", action="store_true", help="inputs require grad (training)")
-    p.add_argument("--deterministic", action="store_true")
-    p.add_argument("--residual", action="store_true", help="rms_norm: with the fused residual add")
-    p.add_argument("--no-weight", action="store_true", help="rms_norm: without a weight")
-    p.add_argument("--rotary-dim", type=_positive, default=None, help="rotary_embedding: rotated channels (default D)")
-    p.add_argument("--interleaved", action="store_true", help="rotary_embedding: GPT-J pairs")
-    p.add_argument("--positions", action="store_true", help="rotary_embedding: explicit per-token positions")
-    p.add_argument("--max-positions", type=_positive, default=4096,
-                   help="rotary_embedding: rows of the cos/sin caches")
-    p.add_argument("--impl", default=None, help="pin an implementation id")
-    p.add_argument("--device", help="simulate a device from a YAML descriptor (configs/devices/*.yaml)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--wide", action="store_true", help="one line per candidate, provenance in full (no wrapping)")
+                   help="the op: %(choices)s (default: %(default)s); each reads the flags that apply to it")
+    p.add_argument("--shape", required=True, metavar="B,S,H,D",
+                   help="required. attention and rotary_embedding: B,S,H,D of q (batch, seqlen_q, q heads, head "
+                        "dim); rms_norm: TOKENS,HIDDEN of x. Every value at least 1")
+    p.add_argument("--kv-heads", type=_positive, default=None, metavar="N",
+                   help="heads of k and v, dividing H (GQA/MQA); default: H")
+    p.add_argument("--seqlen-k", type=_positive, default=None, metavar="N",
+                   help="attention: keys per sequence (seqlen_k); default: S")
+    p.add_argument("--head-dim-v", type=_positive, default=None, metavar="N",
+                   help="attention: head dim of v; default: D")
+    p.add_argument("--dtype", default="bf16", metavar="DTYPE",
+                   help="the inputs' dtype: fp16, bf16, fp32, fp64 (also half, float, double; fp8_e4m3fn, "
+                        "fp8_e5m2 where torch has them); default: %(default)s")
+    p.add_argument("--layout", default="bshd", choices=["bshd", "bhsd", "sbhd"],
+                   help="attention: the dimension order of q, k, v: %(choices)s (default: %(default)s); "
+                        "--varlen packs as thd instead")
+    p.add_argument("--varlen", action="store_true",
+                   help="attention and rotary_embedding: pack as thd, B sequences of S tokens with cu_seqlens "
+                        "(default: off)")
+    p.add_argument("--causal", action="store_true", help="attention: causal masking (default: off)")
+    p.add_argument("--causal-alignment", default="top_left", choices=["top_left", "bottom_right"],
+                   help="attention, with --causal and S != S_k: where the causal diagonal sits: %(choices)s "
+                        "(default: %(default)s; bottom_right for decode over a cache)")
+    p.add_argument("--window", default=None, metavar="LEFT,RIGHT",
+                   help="attention: a sliding window of LEFT keys before and RIGHT after each query, -1 = "
+                        "unbounded on that side (e.g. --window 64,0); default: no window")
+    p.add_argument("--softcap", type=float, default=0.0, metavar="X",
+                   help="attention: tanh soft cap of the scores, X >= 0 (e.g. 30); default: %(default)s, no cap")
+    p.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="attention: dropout probability in [0, 1); default: %(default)s")
+    p.add_argument("--alibi", action="store_true", help="attention: with ALiBi slopes, one per q head "
+                                                        "(default: off)")
+    p.add_argument("--mask", action="store_true", help="attention: with a boolean (S, S_k) mask (default: off)")
+    p.add_argument("--bias", action="store_true", help="attention: with an additive (S, S_k) bias in --dtype "
+                                                       "(default: off)")
+    p.add_argument("--lse", action="store_true", help="attention: also return the log-sum-exp (default: off)")
+    p.add_argument("--grad", action="store_true", help="inputs require grad: a training call, which needs the "
+                                                       "backward too (default: off, inference)")
+    p.add_argument("--deterministic", action="store_true", help="attention: require a deterministic backward "
+                                                                "(default: off)")
+    p.add_argument("--residual", action="store_true", help="rms_norm: with the fused residual add (default: off)")
+    p.add_argument("--no-weight", action="store_true", help="rms_norm: without a weight (default: with one)")
+    p.add_argument("--rotary-dim", type=_positive, default=None, metavar="N",
+                   help="rotary_embedding: rotated channels, even, at most D (default: D)")
+    p.add_argument("--interleaved", action="store_true", help="rotary_embedding: GPT-J pairs (0,1),(2,3)... "
+                                                              "(default: off, GPT-NeoX halves)")
+    p.add_argument("--positions", action="store_true", help="rotary_embedding: explicit per-token positions "
+                                                            "(default: off, positions 0..S-1)")
+    p.add_argument("--max-positions", type=_positive, default=4096, metavar="N",
+                   help="rotary_embedding: rows of the cos/sin caches (default: %(default)s; at least S is used)")
+    p.add_argument("--impl", default=None, metavar="ID",
+                   help="pin an implementation id, as impl= would (e.g. cpu.flash; `opdispatch list` names "
+                        "them); default: the policy decides")
+    p.add_argument("--device", metavar="DESCRIPTOR",
+                   help="simulate a device from a YAML descriptor: a path, or a name of configs/devices/*.yaml "
+                        "such as h100 or mi300x (default: this machine's device)")
+    p.add_argument("--json", action="store_true", help="print the decision as JSON (default: a table)")
+    p.add_argument("--wide", action="store_true", help="one line per candidate, provenance in full (default: wrap "
+                                                       "to the terminal's width)")
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("doctor", help="device, plugins (with load errors), policy")

@@ -136,16 +136,17 @@ class Decision:
     def format(self, width: int | None = None) -> str:
         """The decision as text. `width`: wrap the table's reasons to fit that many columns, and show each
         candidate's provenance in short (`Provenance.short`); None: one line per candidate, all of it."""
-        from ._table import format_table
+        from ._table import format_fields, format_table
 
-        head = [f"op:      {self.op}", f"call:    {self.call}", f"device:  {self.device.describe()}",
-                f"policy:  {self.policy_source} (hash {self.policy_hash})"]
+        fields = [("op", self.op), ("call", str(self.call)), ("device", self.device.describe()),
+                  ("policy", f"{self.policy_source} (hash {self.policy_hash})")]
         if self.chosen is not None:
-            head.append(f"chosen:  {self.chosen_id}  (decided by {self.decided_by})")
+            fields.append(("chosen", f"{self.chosen_id}  (decided by {self.decided_by})"))
         else:
-            head.append("chosen:  none — no implementation can take this call")
+            fields.append(("chosen", "none — no implementation can take this call"))
         if self.agreement is not None:
-            head.append(f"group:   {self.agreement}")
+            fields.append(("group", str(self.agreement)))
+        head = format_fields(fields, width=width)
         rows = [("#", "implementation", "status", "decided by", "reasons")]
         for i, c in enumerate(self.candidates, 1):
             reasons = "; ".join(c.reasons) if c.reasons else "-"

@@ -42,11 +42,13 @@ class PolicyError(OpDispatchError, ValueError):
     """A policy file is malformed: the message names the file, the line and the field."""
 
     def __init__(self, message: str, *, path: str | None = None, line: int | None = None,
-                 field: str | None = None) -> None:
+                 field: str | None = None, problems: tuple[PolicyError, ...] = ()) -> None:
         super().__init__(message)
         self.path = path
         self.line = line
         self.field = field
+        # Every problem found in the file (this error names the first): `opdispatch policy lint` reports them all.
+        self.problems = problems or (self,)
 
 
 class DeviceDescriptorError(OpDispatchError, ValueError):

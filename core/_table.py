@@ -48,3 +48,16 @@ def format_table(rows: Sequence[Sequence[str]], *, width: int | None = None, rul
         if not stacked:
             lines.extend(" " * indent + part for part in parts[1:])
     return lines
+
+
+def format_fields(fields: Sequence[tuple[str, str]], *, width: int | None = None) -> list[str]:
+    """Header lines `label:  value`, the values aligned and wrapped like a table's last column (continuation lines
+    indented to the values; never narrower than `MIN_WRAPPED`). None: one line per field, all of it."""
+    indent = max((len(label) for label, _ in fields), default=0) + 3  # the colon and two spaces
+    room = None if width is None else max(width - indent, MIN_WRAPPED)
+    lines = []
+    for label, value in fields:
+        parts = textwrap.wrap(value, room, break_on_hyphens=False) if room and len(value) > room else [value]
+        lines.append(f"{label}:".ljust(indent) + parts[0])
+        lines.extend(" " * indent + part for part in parts[1:])
+    return lines

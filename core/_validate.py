@@ -37,11 +37,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from ._tolerance import RELATIVE_NORM
+
 __all__ = ["FACTORS", "TOLERANCE", "Case", "CaseResult", "attention_cases", "covering_rows", "merge_quarantine",
            "quarantine_rules", "quarantine_yaml", "run_case", "run_validation"]
 
 # ‖out − ref‖ / ‖ref‖ per dtype: forward, gradients. LSE: max |Δ| over finite rows.
-TOLERANCE = {"fp16": (4e-3, 1.5e-2), "bf16": (2.5e-2, 5e-2), "fp32": (2e-3, 5e-3), "fp64": (1e-9, 1e-8)}
+TOLERANCE = RELATIVE_NORM  # (forward, gradient) per dtype: the one table, `opdispatch._tolerance`
 LSE_ATOL = 2e-2
 STARTUP_S = 120.0  # a worker's start (imports, plugin loading) before its first case, beyond --timeout
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -163,9 +164,11 @@ def lint_layer(layer: PolicyLayer, impl_ids: dict[str, list[str]], device: Any =
 
         def check(pattern: str, what: str, *path: Any) -> None:
             if not _matching(pattern, known):
+                close = difflib.get_close_matches(pattern, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
                 findings.append(Finding(layer.where(*path), "warning",
                                         f"{what} {pattern!r} matches no registered implementation of {op!r} "
-                                        f"(registered: {', '.join(known) or 'none'})"))
+                                        f"(registered: {', '.join(known) or 'none'}){hint}"))
 
         for i, p in enumerate(spec.order or ()):
             check(p, "order", "ops", op, "order", i)
@@ -220,13 +223,18 @@ def lint_layer(layer: PolicyLayer, impl_ids: dict[str, list[str]], device: Any =
 
 def lint_policy_file(path: str | Path, impl_ids: dict[str, list[str]], device: Any = None,
                      impls: dict[str, dict[str, Any]] | None = None) -> list[Finding]:
-    """Lint one policy file. A schema error is returned as the single finding (level error)."""
+    """Lint one policy file. A file that does not load is reported as its errors, every one the schema found
+    (level error, each with its file:line), and nothing else: the other checks need the loaded policy."""
     try:
         layer = read_policy_file(path)
     except PolicyError as exc:
-        where = f"{exc.path}:{exc.line}" if exc.line else str(exc.path or path)
-        message = str(exc)
-        if message.startswith(where + ": "):
-            message = message[len(where) + 2:]
-        return [Finding(where, "error", message)]
+        return [_error_finding(problem, path) for problem in sorted(exc.problems, key=lambda p: p.line or 0)]
     return lint_layer(layer, impl_ids, device, impls)
+
+
+def _error_finding(exc: PolicyError, path: str | Path) -> Finding:
+    where = f"{exc.path}:{exc.line}" if exc.line else str(exc.path or path)
+    message = str(exc)
+    if message.startswith(where + ": "):
+        message = message[len(where) + 2:]
+    return Finding(where, "error", message)

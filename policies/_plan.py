@@ -149,9 +149,22 @@ def build_plan(policy: Policy, op: str, impl_ids: Sequence[str], call: Any = Non
     return plan
 
 
+def standing_plan(policy: Policy, op: str, impl_ids: Sequence[str]) -> PolicyPlan:
+    """The order the policy gives `op` before any `when:` rule (rules depend on the call): the env pin, prefer and
+    deny, each YAML layer's deny list and the highest `order`, then priority — what `opdispatch list` shows."""
+    collected = collect_actions(policy, op, None, None, (), None, rules=False)
+    plan = PolicyPlan(actions=collected.actions)
+    pins = collected.of("pin")
+    if pins:
+        plan.pin = (pins[0].patterns[0], pins[0].provenance)
+    plan.denied = deny_and_require(impl_ids, collected)
+    plan.order = rank(op, impl_ids, plan.denied, collected)
+    return plan
+
+
 def collect_actions(policy: Policy, op: str, call: Any, device: Any, overrides: Sequence[Override],
-                    impl: str | None) -> _Collected:
-    """Every layer's actions for this call, highest layer first."""
+                    impl: str | None, rules: bool = True) -> _Collected:
+    """Every layer's actions for this call, highest layer first (`rules=False`: leave the `when:` rules out)."""
     out = _Collected()
     if impl is not None:
         out.actions.append(Action(ARGUMENT.name, "pin", (impl,),
@@ -161,7 +174,7 @@ def collect_actions(policy: Policy, op: str, call: Any, device: Any, overrides: 
             out.add(SCOPE, ov, Provenance(SCOPE.provenance, ov.where))
     _env_actions(policy, op, out)
     for layer, policy_layer in policy.yaml_layers:
-        _yaml_actions(layer, policy_layer, op, call, device, out)
+        _yaml_actions(layer, policy_layer, op, call, device, out, rules)
     return out
 
 
@@ -178,7 +191,7 @@ def _env_actions(policy: Policy, op: str, out: _Collected) -> None:
 
 
 def _yaml_actions(layer: Layer, policy_layer: PolicyLayer, op: str, call: Any, device: Any,
-                  out: _Collected) -> None:
+                  out: _Collected, rules: bool = True) -> None:
     """One YAML layer's `order`, top-level `deny` entries and matching rules (file order)."""
     spec = policy_layer.op(op)
     if spec is None:
@@ -188,7 +201,7 @@ def _yaml_actions(layer: Layer, policy_layer: PolicyLayer, op: str, call: Any, d
     for i, pattern in enumerate(spec.deny):
         out.actions.append(Action(layer.name, "deny", (pattern,), Provenance(
             layer.provenance, policy_layer.where("ops", op, "deny", i), note=f"deny {pattern!r}")))
-    for r_i, rule in enumerate(spec.rules):
+    for r_i, rule in enumerate(spec.rules if rules else ()):
         if call is not None and not rule_matches(rule.when, call, device, op):
             continue
         out.matched_rules.append(rule.name)

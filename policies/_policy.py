@@ -4,6 +4,7 @@ overrides, read once. The verdict for one call — the precedence of every layer
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import logging
 import os
@@ -220,51 +221,79 @@ def parse_policy_layer(text: str, source: str) -> PolicyLayer:
     try:
         model = PolicyFile.model_validate(data)
     except ValidationError as exc:
-        errors = exc.errors()
-        err = errors[0]
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        raise _all_of([_schema_problem(err, lines, source) for err in exc.errors()]) from exc
+    problems = _rule_name_and_op_problems(model, lines, source)
+    if problems:
+        raise _all_of(problems)
+    return PolicyLayer(model, source, lines, text)
+
+
+def _all_of(problems: list[PolicyError]) -> PolicyError:
+    """One error for every problem of a file: its message is the first problem's (loading stops there), with a
+    count of the rest; `problems` holds each, deduplicated, for `opdispatch policy lint`."""
+    unique = list({(p.line, p.field, str(p)): p for p in problems}.values())
+    first = unique[0]
+    more = (f" (and {len(unique) - 1} more problem(s); `opdispatch policy lint {first.path}` lists them all)"
+            if len(unique) > 1 else "")
+    return PolicyError(f"{first}{more}", path=first.path, line=first.line, field=first.field, problems=tuple(unique))
+
+
+def _schema_problem(err: Any, lines: LineMap, source: str) -> PolicyError:
+    """One pydantic error as a PolicyError naming source:line and the field, said the YAML way."""
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+    line = lines.line(loc)
+    value = err.get("input")
+    shown = "" if isinstance(value, (dict, list)) or err["type"] == "missing" else f"; got {value!r}"
+    msg = _STRICT_TYPE_HINTS.get(err["type"], err["msg"].removeprefix("Value error, "))
+    if err["type"] == "list_type" and isinstance(err.get("input"), (set, frozenset)):
+        msg += " (a !!set has no order: it would depend on PYTHONHASHSEED)"
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, ConditionError):  # a `when:` key: point at that key's line
+        loc = (*loc, cause.key)
         line = lines.line(loc)
-        more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-        value = err.get("input")
-        shown = "" if isinstance(value, (dict, list)) or err["type"] == "missing" else f"; got {value!r}"
-        msg = _STRICT_TYPE_HINTS.get(err["type"], err["msg"].removeprefix("Value error, "))
-        if err["type"] == "list_type" and isinstance(err.get("input"), (set, frozenset)):
-            msg += " (a !!set has no order: it would depend on PYTHONHASHSEED)"
-        cause = (err.get("ctx") or {}).get("error")
-        if isinstance(cause, ConditionError):  # a `when:` key: point at that key's line
-            loc = (*loc, cause.key)
-            line = lines.line(loc)
-            shown = "" if isinstance(cause.value, (dict, list)) else f"; got {cause.value!r}"
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown key {loc[-1]!r}; allowed keys here: {_allowed_keys(loc)}"
-        raise PolicyError(f"{source}:{line}: field {_format_loc(loc)}: {msg}{shown}{more}", path=source, line=line,
-                          field=_format_loc(loc)) from exc
+        shown = "" if isinstance(cause.value, (dict, list)) else f"; got {cause.value!r}"
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc)
+        close = difflib.get_close_matches(str(loc[-1]), allowed.split(", "), n=1)
+        # The value of a misspelt key is not what is wrong: say the key, and the one probably meant.
+        shown = f"; did you mean {close[0]!r}?" if close else ""
+        msg = f"unknown key {loc[-1]!r}; allowed keys here: {allowed}"
+    return PolicyError(f"{source}:{line}: field {_format_loc(loc)}: {msg}{shown}", path=source, line=line,
+                       field=_format_loc(loc))
+
+
+def _rule_name_and_op_problems(model: PolicyFile, lines: LineMap, source: str) -> list[PolicyError]:
+    """What the schema cannot see: a rule name used twice in an op, an unknown op, a `when:` key the op lacks."""
+    problems = []
     for op, spec in model.ops.items():
         seen: dict[str, int] = {}
         for i, rule in enumerate(spec.rules):
             if rule.name in seen:
                 line = lines.line(("ops", op, "rules", i, "name"))
                 field = f"ops.{op}.rules.{i}.name"
-                raise PolicyError(f"{source}:{line}: field {field}: rule name {rule.name!r} is used twice (first as "
-                                  f"rule {seen[rule.name]}); rule names must be unique per op", path=source, line=line,
-                                  field=field)
-            seen[rule.name] = i
+                problems.append(PolicyError(
+                    f"{source}:{line}: field {field}: rule name {rule.name!r} is used twice (first as rule "
+                    f"{seen[rule.name]}); rule names must be unique per op", path=source, line=line, field=field))
+            else:
+                seen[rule.name] = i
         if op not in known_ops():
             line = lines.line(("ops", op))
-            raise PolicyError(f"{source}:{line}: field ops.{op}: unknown op {op!r}; known ops: "
-                              f"{', '.join(known_ops())}",
-                              path=source, line=line, field=f"ops.{op}")
+            close = difflib.get_close_matches(op, known_ops(), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(PolicyError(f"{source}:{line}: field ops.{op}: unknown op {op!r}; known ops: "
+                                        f"{', '.join(known_ops())}{hint}", path=source, line=line, field=f"ops.{op}"))
+            continue
         features = op_spec(op).features
         for i, rule in enumerate(spec.rules):
             for key in rule.when.feature_keys():
                 if key not in features:
                     loc = ("ops", op, "rules", i, "when", key)
                     line = lines.line(loc)
-                    raise PolicyError(
+                    problems.append(PolicyError(
                         f"{source}:{line}: field {_format_loc(loc)}: {key!r} is not a feature of op {op!r}; its "
                         f"call features: {', '.join(sorted(features))} (device keys and module apply to every op)",
-                        path=source, line=line, field=_format_loc(loc))
-    return PolicyLayer(model, source, lines, text)
+                        path=source, line=line, field=_format_loc(loc)))
+    return problems
 
 
 # Pydantic's words for a strict type mismatch, said the YAML way (with what a user probably wrote instead).

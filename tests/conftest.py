@@ -11,7 +11,9 @@ import torch
 
 import opdispatch
 from opdispatch import _native
+from opdispatch._attention import dtype_from_name
 from opdispatch._errors import OpDispatchError
+from opdispatch._tolerance import ELEMENTWISE
 
 
 def _build_the_compiled_fast_path() -> str | None:
@@ -34,13 +36,9 @@ NATIVE_BUILD_ERROR = _build_the_compiled_fast_path()
 REPO = Path(__file__).resolve().parents[1]
 DEVICES_DIR = REPO / "configs" / "devices"
 
-# Tolerances of an implementation against reference.math (which computes in fp32 for low precision).
-TOLERANCES = {
-    torch.float64: dict(atol=1e-10, rtol=1e-10),
-    torch.float32: dict(atol=2e-5, rtol=2e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
-}
+# Elementwise tolerances of an implementation against reference.math, by torch dtype: the library's one table
+# (`opdispatch._tolerance`, beside the relative-norm bounds `opdispatch validate` applies).
+TOLERANCES = {dtype_from_name(name): dict(tol) for name, tol in ELEMENTWISE.items()}
 
 
 @pytest.fixture(autouse=True)

@@ -76,6 +76,80 @@ def test_lint_schema_error_is_one_error_finding(tmp_path):
     assert "field ops.attention.order" in finding.message
 
 
+SCHEMA_ERRORS = """\
+ops:
+  attention:
+    order: nope
+    deni: [cpu.flash]
+    rules:
+      - name: a
+        when: {layout: bsdh}
+        pinn: cpu.flash
+      - name: b
+        when: {causal: yes-please}
+        prefer: 3
+settings:
+  strictt: true
+"""
+
+
+def test_lint_reports_every_schema_error_at_once_each_with_its_line(tmp_path, capsys, basic_manager):
+    path = tmp_path / "bad.yaml"
+    path.write_text(SCHEMA_ERRORS)
+    findings = lint_policy_file(path, {})
+    expected = [  # in line order, one per problem, each with the line of its key
+        (3, "field ops.attention.order: must be a YAML list"),
+        (4, "field ops.attention.deni: unknown key 'deni'; allowed keys here: order, deny, rules, options, "
+            "autotune; did you mean 'deny'?"),
+        (7, "field ops.attention.rules.0.when.layout: layout 'bsdh' is not one of"),
+        (8, "field ops.attention.rules.0.pinn: unknown key 'pinn'"),
+        (10, "field ops.attention.rules.1.when.causal"),
+        (11, "field ops.attention.rules.1.prefer: must be a YAML list"),
+        (13, "field settings.strictt: unknown key 'strictt'"),
+    ]
+    assert [f.level for f in findings] == ["error"] * len(expected)
+    assert [f.where for f in findings] == [f"{path}:{line}" for line, _ in expected]
+    for finding, (_, text) in zip(findings, expected):
+        assert finding.message.startswith(text), (text, finding.message)
+    assert "did you mean 'pin'?" in findings[3].message
+    assert main(["policy", "lint", str(path)]) == 1
+    assert capsys.readouterr().out.count(": error: ") == len(expected)
+    # Loading stops at the first, and says how many more there are and how to see them.
+    from opdispatch.policies._policy import read_policy_file
+
+    with pytest.raises(opdispatch.PolicyError, match=rf"\(and {len(expected) - 1} more problem\(s\); `opdispatch "
+                                                     rf"policy lint {path}` lists them all\)") as info:
+        read_policy_file(path)
+    assert len(info.value.problems) == len(expected)
+
+
+def test_lint_reports_every_problem_the_schema_cannot_see(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("ops:\n  attention:\n    rules:\n      - {name: a, when: {residual: true}, deny: [cpu.flash]}\n"
+                    "      - {name: a, deny: [cpu.flash]}\n  rms_nrom:\n    order: [reference.rms_norm]\n")
+    findings = [str(f) for f in lint_policy_file(path, {})]
+    assert len(findings) == 3, findings
+    assert findings[0].startswith(f"{path}:4: error: field ops.attention.rules.0.when.residual: 'residual' is not a "
+                                  "feature of op 'attention'")
+    assert findings[1].startswith(f"{path}:5: error: field ops.attention.rules.1.name: rule name 'a' is used twice")
+    assert findings[2].startswith(f"{path}:6: error: field ops.rms_nrom: unknown op 'rms_nrom'")
+    assert findings[2].endswith("did you mean 'rms_norm'?")
+
+
+def test_lint_suggests_the_registered_id_a_misspelt_one_meant(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("ops:\n  attention:\n    order: [cpu.flsh, nvidia.*]\n    deny: [refrence.math]\n")
+    findings = [str(f) for f in lint_policy_file(path, {"attention": ["cpu.flash", "reference.math"]})]
+    assert findings == [
+        f"{path}:3: warning: order 'cpu.flsh' matches no registered implementation of 'attention' (registered: "
+        "cpu.flash, reference.math); did you mean 'cpu.flash'?",
+        f"{path}:3: warning: order 'nvidia.*' matches no registered implementation of 'attention' (registered: "
+        "cpu.flash, reference.math)",  # nothing close: no guess
+        f"{path}:4: warning: deny 'refrence.math' matches no registered implementation of 'attention' "
+        "(registered: cpu.flash, reference.math); did you mean 'reference.math'?",
+    ]
+
+
 def test_lint_cli_exit_codes(tmp_path, capsys, basic_manager):
     bad = tmp_path / "bad.yaml"
     bad.write_text(LINTME)
@@ -98,6 +172,63 @@ def test_list_shows_availability_and_origin(capsys, basic_manager):
     assert main(["list", "--device", str(device_descriptor("cpu")), "--verbose"]) == 0
     out = capsys.readouterr().out
     assert "simulated from" in out and "causal_alignments" in out
+
+
+def _list_rows(out: str, op: str) -> list[tuple[str, str, str]]:
+    """(id, rank, available) of each row of `op`'s table in `opdispatch list` output (COLUMNS wide: unwrapped)."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{op}:"))
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.startswith("  "):
+            break
+        impl_id, rank, _priority, _origin, available = line.split(None, 4)
+        rows.append((impl_id, rank, available))
+    return rows
+
+
+def test_list_shows_each_op_in_the_order_its_policy_ranks_it(tmp_path, capsys, monkeypatch, basic_manager):
+    # The shipped order puts torch.flex before cpu.flash; a user policy reverses the registry's priority order.
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["list", "--op", "attention"]) == 0
+    rows = _list_rows(capsys.readouterr().out, "attention")
+    assert [r[0] for r in rows] == ["torch.flex", "cpu.flash", "reference.math"] or \
+        [r[0] for r in rows] == ["cpu.flash", "reference.math"]  # torch.flex only where its plugin is loaded
+    assert [r[1] for r in rows] == [str(n) for n in range(1, len(rows) + 1)]
+    policy = tmp_path / "p.yaml"
+    policy.write_text("ops:\n  attention:\n    order: [reference.math, '*']\n    rules:\n"
+                      "      - {name: long, when: {seqlen_q: '>=1024'}, prefer: [cpu.flash]}\n")
+    monkeypatch.setenv("OPDISPATCH_POLICY", str(policy))
+    monkeypatch.setenv("OPDISPATCH_DENY", "cpu.*")
+    basic_manager.reload()
+    assert main(["list", "--op", "attention"]) == 0
+    rows = _list_rows(capsys.readouterr().out, "attention")
+    # reference.math first (the user's order), cpu.flash last and denied by the env; the rule (a `when:`) is not
+    # applied to a list without a call.
+    assert rows[0][:2] == ("reference.math", "1") and rows[-1][:2] == ("cpu.flash", "-")
+    assert rows[-1][2].startswith("denied by OPDISPATCH_DENY; yes")
+    monkeypatch.setenv("OPDISPATCH_IMPL_ATTENTION", "cpu.flash")
+    basic_manager.reload()
+    assert main(["list", "--op", "attention"]) == 0
+    rows = _list_rows(capsys.readouterr().out, "attention")
+    assert rows[0][:2] == ("cpu.flash", "pin") and rows[0][2].startswith("pinned by OPDISPATCH_IMPL_ATTENTION")
+    assert rows[1][:2] == ("reference.math", "1") and len({r[0] for r in rows}) == len(rows)
+
+
+def test_explain_help_explains_every_flag_with_its_values_and_default(capsys):
+    parser = __import__("opdispatch._cli", fromlist=["build_parser"]).build_parser()
+    explain = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "explain")[1]
+    for action in explain._actions:
+        if action.dest == "help":
+            continue
+        text = action.help or ""
+        assert "default" in text or action.required, (action.option_strings, text)
+        if action.choices:
+            assert "%(choices)s" in text, action.option_strings
+    with pytest.raises(SystemExit):
+        main(["explain", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal
+    assert "fp16, bf16, fp32, fp64" in out and "top_left, bottom_right (default: top_left" in out
 
 
 def test_explain_cli_on_a_simulated_device(capsys, basic_manager):
@@ -278,15 +409,15 @@ def test_tables_fit_the_terminal_unless_wide(argv, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
     main(argv)
     narrow = capsys.readouterr().out.splitlines()
-    table = narrow[narrow.index("") + 1:]  # the header lines (device, call) are not the table
-    assert table and max(map(len, table)) <= 100, max(table, key=len)
+    assert narrow and max(map(len, narrow)) <= 100, max(narrow, key=len)  # the header lines wrap like the table
     main([*argv, "--wide"])
     wide = capsys.readouterr().out.splitlines()
     assert max(map(len, wide)) > 100  # nothing wrapped
     if argv[0] == "explain":
         row = next(line for line in narrow if " nvidia.cudnn " in line)
         assert "default.yaml:" in row and "rule 'decode-on-flash'" not in row  # short provenance, not the reason
-        chosen = next(line for line in narrow if line.startswith("chosen:"))
+        at = next(i for i, line in enumerate(narrow) if line.startswith("chosen:"))
+        chosen = " ".join([narrow[at], *(line.strip() for line in narrow[at + 1:] if line.startswith(" " * 9))][:3])
         assert "rule 'decode-on-flash'" in chosen and "configs/default.yaml:" in chosen  # the why, in full
 
 
