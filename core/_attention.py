@@ -27,6 +27,28 @@ LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")
 # |q·k| > 3.4, i.e. almost always, giving NaN where the math is finite).
 MAX_SCALE = 2**20
 DENSE_LAYOUTS = ("bshd", "bhsd", "sbhd")
+# Where (batch, seq, heads, dim) sit in each dense layout: the one table every layout switch reads (views into
+# bhsd/bshd and back here, the compiled op's size fields, context parallel's sequence dim, the sinks epilogue).
+LAYOUT_DIMS: dict[str, tuple[int, int, int, int]] = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3),
+                                                     "sbhd": (1, 0, 2, 3)}
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(order)), key=order.__getitem__))
+
+
+_TO_BHSD = {layout: (b, h, s, d) for layout, (b, s, h, d) in LAYOUT_DIMS.items()}
+_FROM_BHSD = {layout: _inverse(order) for layout, order in _TO_BHSD.items()}
+_TO_BSHD = dict(LAYOUT_DIMS)
+_FROM_BSHD = {layout: _inverse(order) for layout, order in _TO_BSHD.items()}
+_IDENTITY = (0, 1, 2, 3)
+
+
+def _permuted(t: torch.Tensor, orders: dict[str, tuple[int, ...]], layout: str, what: str) -> torch.Tensor:
+    order = orders.get(layout)
+    if order is None:
+        raise ValueError(f"{what}() needs a dense layout, call has layout {layout!r}")
+    return t if order == _IDENTITY else t.permute(order)
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 _DTYPE_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -210,40 +232,19 @@ class AttentionCall:
 
     def bhsd(self, t: torch.Tensor) -> torch.Tensor:
         """View a dense q/k/v/out tensor of this call's layout as (batch, heads, seq, dim)."""
-        layout = self.layout
-        if layout == "bhsd":
-            return t
-        if layout == "bshd":
-            return t.transpose(1, 2)
-        if layout == "sbhd":
-            return t.permute(1, 2, 0, 3)
-        raise ValueError(f"bhsd() needs a dense layout, call has layout {layout!r}")
+        return _permuted(t, _TO_BHSD, self.layout, "bhsd")
 
     def from_bhsd(self, t: torch.Tensor) -> torch.Tensor:
         """Inverse of `bhsd()`: a (batch, heads, seq, dim) result back into this call's layout."""
-        layout = self.layout
-        if layout == "bhsd":
-            return t
-        if layout == "bshd":
-            return t.transpose(1, 2)
-        if layout == "sbhd":
-            return t.permute(2, 0, 1, 3)
-        raise ValueError(f"from_bhsd() needs a dense layout, call has layout {layout!r}")
+        return _permuted(t, _FROM_BHSD, self.layout, "from_bhsd")
 
     def bshd(self, t: torch.Tensor) -> torch.Tensor:
         """View a dense q/k/v/out tensor of this call's layout as (batch, seq, heads, dim) — flash-attn's layout."""
-        layout = self.layout
-        if layout == "bshd":
-            return t
-        if layout == "bhsd":
-            return t.transpose(1, 2)
-        if layout == "sbhd":
-            return t.transpose(0, 1)
-        raise ValueError(f"bshd() needs a dense layout, call has layout {layout!r}")
+        return _permuted(t, _TO_BSHD, self.layout, "bshd")
 
     def from_bshd(self, t: torch.Tensor) -> torch.Tensor:
-        """Inverse of `bshd()` (each of those transposes is its own inverse)."""
-        return self.bshd(t)
+        """Inverse of `bshd()`."""
+        return _permuted(t, _FROM_BSHD, self.layout, "from_bshd")
 
     def with_tensors(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache: torch.Tensor | None
                      ) -> AttentionCall:
@@ -984,28 +985,13 @@ def _contiguous(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache: Any) 
     return q.contiguous(), k.contiguous(), v.contiguous(), *cache  # no copy for a contiguous tensor
 
 
-def _bshd_to_bhsd(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(1, 2)
-
-
-def _sbhd_to_bhsd(t: torch.Tensor) -> torch.Tensor:
-    return t.permute(1, 2, 0, 3)
-
-
-def _bhsd_to_sbhd(t: torch.Tensor) -> torch.Tensor:
-    return t.permute(2, 0, 1, 3)
-
-
-_LAYOUT_VIEWS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
-    "bshd": (_bshd_to_bhsd, _bshd_to_bhsd), "sbhd": (_sbhd_to_bhsd, _bhsd_to_sbhd)}
-
-
 def layout_views(layout: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
     """(to_bhsd, from_bhsd) view functions of a dense layout that hold nothing of a call — for bound functions,
     which must not keep a call (and its tensors) alive."""
-    if layout == "bhsd":
+    to, back = _TO_BHSD[layout], _FROM_BHSD[layout]
+    if to == _IDENTITY:
         return (lambda t: t), (lambda t: t)
-    return _LAYOUT_VIEWS[layout]
+    return (lambda t: t.permute(to)), (lambda t: t.permute(back))
 
 
 # -- capability declarations -------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ._attention import LAYOUT_DIMS
 from ._compile_ops import constant_result
 from .policies._overrides import MODULE, OVERRIDES
 
@@ -640,7 +641,7 @@ def traced_policy_override(*, prefer: Any = None, deny: Any = None, require: Any
 # -- the entry point ---------------------------------------------------------------------------------------
 
 # Where batch, sequence and heads sit in each dense layout; every dim but batch and sequence is specialised.
-_DENSE_DIMS = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "sbhd": (1, 0, 2)}
+_DENSE_DIMS = {layout: dims[:3] for layout, dims in LAYOUT_DIMS.items()}  # (batch, seq, heads)
 
 
 def _static(n: Any) -> Any:

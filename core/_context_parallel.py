@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from ._attention import AttentionImpl, validate_attention
+from ._attention import LAYOUT_DIMS, AttentionImpl, validate_attention
 from ._distributed import SignatureField, agree_call, collective_op
 
 __all__ = ["MODES", "SHARDINGS", "context_parallel_attention", "shard_sequence", "unshard_sequence"]
 
 MODES = ("ring", "allgather")
 SHARDINGS = ("zigzag", "contiguous")
-_SEQ_DIM = {"bshd": 1, "bhsd": 2, "sbhd": 0}
+_SEQ_DIM = {layout: dims[1] for layout, dims in LAYOUT_DIMS.items()}
 
 
 def _bshd(t: torch.Tensor) -> torch.Tensor:

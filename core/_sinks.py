@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ._attention import AttentionCall
+from ._attention import AttentionCall, layout_views
 
 __all__ = ["apply_sinks", "exact_lse", "lse_gradient_fix", "out_rows"]
 
@@ -37,13 +37,9 @@ __all__ = ["apply_sinks", "exact_lse", "lse_gradient_fix", "out_rows"]
 def out_rows(per_row: torch.Tensor, layout: str) -> torch.Tensor:
     """A per-row value shaped like the LSE ((batch, heads, seq), or (heads, tokens) for thd) as a tensor that
     broadcasts over the output of `layout` (a trailing unit head dim)."""
-    if layout == "bhsd":
-        return per_row.unsqueeze(-1)
-    if layout == "bshd":
-        return per_row.transpose(1, 2).unsqueeze(-1)
-    if layout == "sbhd":
-        return per_row.permute(2, 0, 1).unsqueeze(-1)
-    return per_row.transpose(0, 1).unsqueeze(-1)  # thd: (heads, tokens) -> (tokens, heads, 1)
+    if layout == "thd":
+        return per_row.transpose(0, 1).unsqueeze(-1)  # (heads, tokens) -> (tokens, heads, 1)
+    return layout_views(layout)[1](per_row.unsqueeze(-1))  # (batch, heads, seq, 1) in the layout's order
 
 
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
