@@ -31,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("policy_override", "scope"), ".policies._overrides"),
     **dict.fromkeys(("context_parallel_attention", "shard_sequence", "unshard_sequence"), "._context_parallel"),
     "AgreementError": "._distributed",
+    "stats": "._stats",
+    **dict.fromkeys(("diff_decisions", "export_decisions"), "._decisions_lock"),
 }
 _SUBMODULES = ("distributed",)  # `opdispatch.distributed.consistent()` after a plain `import opdispatch`
 
@@ -67,8 +69,9 @@ __all__ = [
     "Origin", "PACKED_LAYOUTS", "PinnedImplementationError", "PluginLoadError", "PolicyError", "Provenance",
     "RegistrationError", "Registry", "Requirement", "RmsNormCall", "RmsNormCaps", "RmsNormImpl", "RotaryCall",
     "RotaryCaps", "RotaryImpl", "__version__", "attention", "attention_packed", "context_parallel_attention",
-    "define_explain", "define_front_door", "distributed", "explain", "explain_rms_norm", "explain_rotary_embedding",
-    "get_manager", "hookimpl", "known_ops", "load_device_descriptor", "op_spec", "packed_views", "plan", "plan_op",
-    "policy_override", "register_op", "rms_norm", "rotary_embedding", "scope", "set_manager", "shard_sequence",
-    "unshard_sequence", "validate_attention", "validate_rms_norm", "validate_rotary_embedding",
+    "define_explain", "define_front_door", "diff_decisions", "distributed", "explain", "explain_rms_norm",
+    "explain_rotary_embedding", "export_decisions", "get_manager", "hookimpl", "known_ops", "load_device_descriptor",
+    "op_spec", "packed_views", "plan", "plan_op", "policy_override", "register_op", "rms_norm", "rotary_embedding",
+    "scope", "set_manager", "shard_sequence", "stats", "unshard_sequence", "validate_attention", "validate_rms_norm",
+    "validate_rotary_embedding",
 ]

@@ -86,6 +86,13 @@ from ._context_parallel import (
 from ._distributed import (
     AgreementError as AgreementError,
 )
+from ._stats import (
+    stats as stats,
+)
+from ._decisions_lock import (
+    diff_decisions as diff_decisions,
+    export_decisions as export_decisions,
+)
 
 __version__: str
 __all__ = [
@@ -124,10 +131,12 @@ __all__ = [
     'context_parallel_attention',
     'define_explain',
     'define_front_door',
+    'diff_decisions',
     'distributed',
     'explain',
     'explain_rms_norm',
     'explain_rotary_embedding',
+    'export_decisions',
     'get_manager',
     'hookimpl',
     'known_ops',
@@ -143,6 +152,7 @@ __all__ = [
     'scope',
     'set_manager',
     'shard_sequence',
+    'stats',
     'unshard_sequence',
     'validate_attention',
     'validate_rms_norm',

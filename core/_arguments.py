@@ -185,6 +185,10 @@ class OpArguments:
           `context` and key helpers (``_grad_enabled``, ``_index_key``).
         manager: the expression that finds the manager (the default reads the defining module's global).
         """
+        from ._stats import python_hit_counter
+
+        # The hit counter of `opdispatch.stats()` (one C call per hit: see opdispatch._stats).
+        namespace[_hit_counter_name(self.op)] = python_hit_counter(self.op)
         source = self.front_door_source(compiled=compiled, slow=slow, failed=failed,
                                         return_annotation=return_annotation, manager=manager)
         fn: Callable[..., Any] = _exec_source(source, f"<opdispatch front door {self.op}>", namespace)[self.op]
@@ -224,6 +228,7 @@ class OpArguments:
             "except (AttributeError, TypeError, IndexError, RuntimeError):",
             "    key = None  # not tensors, an unhashable value, a CPU index tensor: the slow path checks all",
             "else:",
+            f"    {_hit_counter_name(self.op)}()",
             "    try:",
         ]
         if self.bound_optional:
@@ -309,6 +314,10 @@ class OpArguments:
             else:
                 kinds.append("value")
         return kinds
+
+
+def _hit_counter_name(op: str) -> str:
+    return f"_opdispatch_{op}_hits"
 
 
 def _exec_source(source: str, filename: str, namespace: dict[str, Any]) -> dict[str, Any]:

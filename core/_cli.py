@@ -662,6 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_validate)
 
     add_perf_commands(sub)
+    from ._observe_cli import add_observe_commands  # stats, decisions (opdispatch._observe_cli)
+
+    add_observe_commands(sub)
     return parser
 
 

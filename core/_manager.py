@@ -30,6 +30,8 @@ from ._errors import NoImplementationError, OpDispatchError, PinnedImplementatio
 from ._impl import Impl, _template
 from ._registry import Origin, Registry
 from ._state import CACHE_LIMIT, DispatchState, bounded_put
+from ._stats import UsageCounters, register_exit_summary
+from ._decisions_lock import DecisionLock, lock_from_environ
 
 log = logging.getLogger("opdispatch")
 
@@ -88,6 +90,10 @@ class OpManager:
         # Implementations demoted per call signature, then per call class, after raising at run time
         # (settings.fallback_on_error); its `clock` is the time every demotion and retry is measured in.
         self.breaker = Breaker()
+        # Usage counters (`opdispatch.stats()`) and the replayed decision lockfile (OPDISPATCH_DECISIONS, read
+        # when plugins load), both touched only where a decision or a slow-path call happens.
+        self.usage = UsageCounters()
+        self.lock: DecisionLock | None = None
         self._check_values: bool | None = None  # OPDISPATCH_CHECK_OUTPUTS, read on first use
         self._devices: dict[Any, DeviceInfo] = {}
         self._policy_object: Any = policy if isinstance(policy, Policy) else None
@@ -111,6 +117,8 @@ class OpManager:
             if self._initialized:
                 return
             _configure_logging()
+            register_exit_summary(self.environ)
+            self.lock = lock_from_environ(self.environ)
             if self._load_entry_points:
                 records = load_entry_point_plugins(self._pm, self._entry_points, self.environ)
                 self.plugins.extend(records)
@@ -344,6 +352,7 @@ class OpManager:
         self.decisions_made += 1
         if decision.chosen is None:
             raise _no_impl_error(decision, self.plugins)
+        self.usage.decided(decision)
         if use_cache:
             bounded_put(cache, lookup, decision)
         log.info("%s: chose %s for [%s] on %s (decided by %s)", op, decision.chosen_id, decision.call,
@@ -500,6 +509,10 @@ class OpManager:
                       else f"denied by {prov}")
             candidates.append(Candidate(impl_id, DENIED, [reason], prov, origins[impl_id]))
         candidates.extend(self._failed_candidates())
+        if self.lock is not None:  # OPDISPATCH_DECISIONS: the recorded choice, where it can take the call
+            class_key = key if key is not None else self._cache_key(op, call, device, impl, overrides, state)
+            chosen, decided_by = self.lock.steer(self, state, op, class_key, device, candidates, impls, chosen,
+                                                 decided_by)
         # A decision that honours a demotion of this signature alone stands for this signature only.
         own = signature if any(c.status == DEMOTED for c in candidates) and signature is not None and \
             self.breaker.holds_for_signature(key, signature, now) else None
@@ -609,6 +622,7 @@ class OpManager:
                     result = chosen.run(chosen.conform(call))
                 _raise_for_structure(op, chosen.id, call, result)
                 fix = _result_fix(op, chosen, call)
+                self.usage.called(decision)
                 return result if fix is None else fix(result, call)
             except Exception as exc:
                 if not self.may_fail_over(decision, impl, exc, call.device):
@@ -632,6 +646,7 @@ class OpManager:
                 continue
             if remember is not None:
                 remember(fn)
+            self.usage.called(decision)
             return out
 
     def _next_decision(self, op: str, call: Any, impl: str | None, failed: Decision, exc: Exception) -> Decision:
@@ -665,6 +680,7 @@ class OpManager:
             signature, described = None, decision.call  # demoted for the class
         key = decision.cache_key
         demotion, loud = self.breaker.record(key, signature, impl_id, exc, described)
+        self.usage.demoted(decision, demotion.scope)
         state = self.state
 
         def invalidated(d: Any, d_signature: Any) -> bool:
@@ -776,6 +792,7 @@ def _after_fork_in_child() -> None:
         manager._lock = threading.RLock()
         manager.registry._lock = threading.Lock()
         manager.breaker._lock = threading.Lock()
+        manager.usage._lock = threading.Lock()
         manager._devices = {}
         if manager._state is not None:
             manager._use(manager._state.fresh())
