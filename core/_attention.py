@@ -7,7 +7,7 @@ own limits (via `AttentionCaps` and `extra_reasons`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -44,7 +44,7 @@ _FROM_BSHD = {layout: _inverse(order) for layout, order in _TO_BSHD.items()}
 _IDENTITY = (0, 1, 2, 3)
 
 
-def _permuted(t: torch.Tensor, orders: dict[str, tuple[int, ...]], layout: str, what: str) -> torch.Tensor:
+def _permuted(t: torch.Tensor, orders: Mapping[str, tuple[int, ...]], layout: str, what: str) -> torch.Tensor:
     order = orders.get(layout)
     if order is None:
         raise ValueError(f"{what}() needs a dense layout, call has layout {layout!r}")
