@@ -115,7 +115,7 @@ class Unique:
     def bad(self) -> torch.Tensor:
         keys, _ = self.keys.flatten().long().sort()
         dup = keys[1:] == keys[:-1]
-        return torch.cat([dup.new_zeros(1), dup])  # aligned with the sorted keys: True at a repeat
+        return torch.cat([dup.new_zeros(min(1, keys.numel())), dup])  # aligned with the sorted keys: True at a repeat
 
     def reported(self) -> torch.Tensor:
         keys, _ = self.keys.flatten().long().sort()
@@ -147,7 +147,7 @@ def device_verdict(fn: str, rules: list[Rule], device: torch.device) -> tuple[to
     for rule in rules:
         flat = rule.bad().flatten()
         source = (rule.reported() if isinstance(rule, Unique) else rule.values.flatten().long())
-        if flat.numel() == 0:
+        if flat.numel() == 0 or source.numel() == 0:  # nothing to check (a batch of 0)
             rows.append(torch.zeros(3, dtype=torch.long, device=device))
             continue
         # The first True (argmax of a 0/1 vector returns the first); gather/index_select, not t[0-d tensor],
@@ -179,6 +179,15 @@ _pending: dict[torch.device, list[_Pending]] = {}
 _lock = threading.Lock()
 
 
+def _device_key(device: torch.device | str) -> torch.device:
+    """One key per device: ``cuda`` is the current CUDA device (``torch.device("cuda") != torch.device("cuda:0")``,
+    so a check recorded under cuda:0 would be missed by a look-up under cuda)."""
+    device = torch.device(device)
+    if device.index is None and device.type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _record(fn: str, rules: list[Rule], report: torch.Tensor, device: torch.device) -> None:
     event = None
     if device.type == "cuda":
@@ -191,7 +200,7 @@ def _record(fn: str, rules: list[Rule], report: torch.Tensor, device: torch.devi
     # Only what the message needs is kept: the rules' names and texts, not their (possibly large) tensors.
     kept = [_described(rule) for rule in rules]
     with _lock:
-        _pending.setdefault(device, []).append(_Pending(fn, kept, host, event))
+        _pending.setdefault(_device_key(device), []).append(_Pending(fn, kept, host, event))
 
 
 def _described(rule: Rule) -> Rule:
@@ -231,7 +240,7 @@ def raise_pending(device: torch.device) -> None:
     """Raise the error of an earlier call on `device` whose device-side check has finished and failed (no sync:
     checks still running stay pending). Called at the start of every KV-cache call."""
     if _pending:
-        error = _take_flagged(device, wait=False)
+        error = _take_flagged(_device_key(device), wait=False)
         if error is not None:
             raise error
 
@@ -240,7 +249,7 @@ def check_pending_errors(device: torch.device | str | None = None) -> None:
     """Wait for every pending device-side KV-cache index check (on `device`, or all) and raise the first failure
     as `KvCacheIndexError`; returns None when every checked call was valid."""
     if _pending:
-        error = _take_flagged(torch.device(device) if device is not None else None, wait=True)
+        error = _take_flagged(_device_key(device) if device is not None else None, wait=True)
         if error is not None:
             raise error
 

@@ -239,3 +239,21 @@ def test_op_kv_cache_arguments_refused(basic_manager, change, error, match):
     kw.update(change)
     with pytest.raises(error, match=match):
         opdispatch.attention(q, pool, pool, **kw)
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("paged", [False, True], ids=["cache_batch_idx", "block_table"])
+def test_a_batch_of_zero_is_refused_clearly_on_both_paths(basic_manager, monkeypatch, path, paged):
+    """A batch of 0 sequences: the device-side verdict gathered from an empty table (an out-of-bounds index: on a
+    GPU a device-side assert); now the op's own clear error, on either path, with the caches untouched."""
+    if path == "device":
+        monkeypatch.setenv("OPDISPATCH_KV_CHECKS", "device")
+    z = torch.zeros
+    k_cache, v_cache = torch.randn(4, 16, 4, 64), torch.randn(4, 16, 4, 64)
+    before = k_cache.clone()
+    index = dict(block_table=z(0, 2, dtype=torch.int32)) if paged else dict(cache_batch_idx=z(0, dtype=torch.int32))
+    with pytest.raises(ValueError, match="empty dimension"):
+        fa.flash_attn_with_kvcache(torch.randn(0, 1, 4, 64), k_cache, v_cache, torch.randn(0, 1, 4, 64),
+                                   torch.randn(0, 1, 4, 64), cache_seqlens=z(0, dtype=torch.int32), **index)
+    assert torch.equal(k_cache, before)
+    fa.check_pending_errors()

@@ -67,6 +67,20 @@ def test_masks_in_every_dtype_with_rows_they_blind(manager, gems, rng, dtype, ma
     _check(manager, call)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_mask_and_the_causal_pattern_that_together_blind_a_row(manager, gems, rng, dtype):
+    """Row 0 of a causal call may see key 0 only; a mask that allows every key but 0 leaves it none, though the
+    mask alone blinds nothing: zeros and an LSE of -inf, as the reference."""
+    q, k, v = (randn(1, 6, 2, 64, dtype=dtype, gen=rng) for _ in range(3))
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    mask[..., 0, 0] = False
+    call = validate_attention(q, k, v, causal=True, attn_mask=mask, return_lse=True)
+    assert not uses_varlen_kernel(call)
+    out, lse = FlagGemsAttention().run(call)
+    assert (out[:, 0] == 0).all() and (lse[:, :, 0] == -math.inf).all()
+    _check(manager, call)
+
+
 def test_varlen_path_mapping(manager, gems, rng):
     lens_q, lens_k = [5, 17, 1], [9, 17, 30]
     q = randn(sum(lens_q), 8, 64, dtype=torch.float16, gen=rng)
