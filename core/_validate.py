@@ -152,6 +152,9 @@ def make_case(index: int, feature: str, factors: dict[str, Any], extra: dict[str
         d -= d % multiple
     elif head_max is not None and d > head_max:
         d = head_max - head_max % multiple
+    elif d < getattr(caps, "head_dim_min", 1):  # an implementation of large head dims only: its smallest one
+        d = getattr(caps, "head_dim_min", 1)
+        d += -d % multiple
     options = {k: v for k, v in factors.items() if k != "dtype"}
     if factors["kv_cache"] == "paged":
         options["page_size"] = max(16, getattr(caps, "page_size_multiple", 1))
@@ -215,6 +218,8 @@ def attention_cases(impl: Any, device: str, dtypes: Sequence[str], quick: bool,
     """`impl`'s attention matrix: seeded pairwise covering arrays over `FACTORS` (and the dtypes) restricted to
     calls the op accepts and `impl` declares, then the edge rows it declares. `--quick`: one covering array with
     the dtypes taking turns; the full matrix: dtype a factor, `SEEDS_FULL` arrays."""
+    if not dtypes:  # none of its dtypes has a tolerance here: nothing to run (run_validation says so)
+        return []
     caps = getattr(impl, "caps", None)
     checker = _Declared(impl, device, device_info)
     cases: list[Case] = []
@@ -1015,6 +1020,12 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             futures = {impl.id: pool.submit(one, impl, tmp) for impl in chosen}
         all_results = {impl_id: future.result() for impl_id, future in futures.items()}
+    empty = sorted(impl_id for impl_id, results in all_results.items()
+                   if not any(r.status != "not declared" for r in results))
+    if empty:
+        stream.write(f"validate: {', '.join(empty)} declared none of the matrix's cases on {device} (dtypes with a "
+                     f"tolerance here: {', '.join(TOLERANCE)}): nothing of {'them' if len(empty) > 1 else 'it'} "
+                     "was checked\n")
     failures = {impl_id: [r for r in results if r.status in FAILED and r.case.feature != "isolate"]
                 for impl_id, results in all_results.items()}
     failures = {k: v for k, v in failures.items() if v}
@@ -1053,13 +1064,19 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
     if report_md is not None:
         report_md.write_text(text)
     stream.write(text)
-    return 1 if failures else 0
+    if failures:
+        return 1
+    return 2 if len(empty) == len(all_results) else 0  # validated nothing at all: as when nothing was available
 
 
 def _summary(results: list[CaseResult]) -> dict[str, Any]:
     counts: dict[str, Any] = {s: 0 for s in ("pass", "fail", "crashed", "timeout", "not declared", NOT_RUN)}
+    counts["isolation runs"] = 0
     worst: dict[str, float] = {}
     for r in results:
+        if r.case.feature == "isolate":  # the second round re-runs a failure's suspects: not cases of the matrix
+            counts["isolation runs"] += 1
+            continue
         counts[r.status] = counts.get(r.status, 0) + 1
         if r.error is not None and r.status in ("pass", "fail"):
             worst[r.case.dtype] = max(worst.get(r.case.dtype, 0.0), r.error)
