@@ -161,8 +161,9 @@ def _plan_with_sinks(manager: OpManager, call: Any, impl: str | None) -> Callabl
     sinks tensor — a parameter — and no q/k/v)."""
     template = call.stripped()
 
-    def with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-        return run_with_sinks(manager, template.with_tensors(q, k, v), impl)
+    def with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache: torch.Tensor | None) -> Any:
+        # `cache`: a KV-cache plan's seqused_k/block_table of this step, as every bound function takes them
+        return run_with_sinks(manager, template.with_tensors(q, k, v, *cache), impl)
 
     with_sinks.decision = manager.resolve("attention", call, impl=impl)  # type: ignore[attr-defined]
     return with_sinks

@@ -724,7 +724,7 @@ def _check_sinks(sinks: Any, heads: int, device: torch.device) -> torch.Tensor:
         raise ValueError(f"attention(): sinks has shape {_shape_of(sinks)}; allowed: ({heads},) — one sink logit "
                          "per query head")
     if sinks.device != device:
-        raise ValueError(f"attention(): sinks is on {sinks.device} but q is on {device}")
+        raise ValueError(f"attention(): sinks is on {sinks.device} but q is on {device}; pass sinks.to(q.device)")
     return sinks  # type: ignore[no-any-return]  # checked to be a tensor above
 
 

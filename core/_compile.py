@@ -551,11 +551,12 @@ def _attention_backward(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         grad_outputs = [grad_out]
         if return_lse and grad_lse is not None and grad_lse.numel():
             lse = result[1]
-            if not lse.requires_grad and call.softcap == 0 and not bias_grad:
-                # A kernel's side output: the LSE's gradient from the shared sink epilogue's correction.
+            if not getattr(impl.caps, "lse_grad", False) and call.softcap == 0 and not bias_grad:
+                # A kernel's side output (it may require grad and still give none, as in eager mode): the LSE's
+                # exact gradient, as OpSpec.result_fix gives it eagerly.
                 from ._sinks import exact_lse
 
-                lse = exact_lse(impl, call, lse)
+                lse = exact_lse(impl, call, lse, replace=True)
             if lse.requires_grad:
                 outputs.append(lse)
                 grad_outputs.append(grad_lse.to(lse.dtype))

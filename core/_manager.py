@@ -621,13 +621,14 @@ class OpManager:
                 else:
                     result = chosen.run(chosen.conform(call))
                 _raise_for_structure(op, chosen.id, call, result)
-                fix = _result_fix(op, chosen, call)
-                self.usage.called(decision)
-                return result if fix is None else fix(result, call)
             except Exception as exc:
                 if not self.may_fail_over(decision, impl, exc, call.device):
                     raise
                 decision = self._next_decision(op, call, impl, decision, exc)
+                continue
+            fix = _result_fix(op, chosen, call)  # after the kernel's own outcome: never a reason to demote it
+            self.usage.called(decision)
+            return result if fix is None else fix(result, call)
 
     def run_bound(self, op: str, call: Any, impl: str | None, tensors: tuple[Any, ...],
                   remember: Any = None) -> Any:

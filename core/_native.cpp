@@ -491,7 +491,7 @@ struct Door {
   }
 
   // The context's words: torch's determinism flag, ContextVars' values, callables' results (by identity); the
-  // "autocast" marker keys nothing and hands the call to Python while autocast is on.
+  // "autocast" marker keys nothing and hands the call to Python while autocast is on for any device type.
   bool context_words(Key& key) const {
     for (PyObject* c : context) {
       PyObject* value = nullptr;
@@ -500,7 +500,10 @@ struct Door {
         continue;
       }
       if (PyUnicode_CheckExact(c)) {  // "autocast": while torch.autocast is on, the Python door casts as torch does
-        if (at::autocast::is_autocast_enabled(at::kCPU) || at::autocast::is_autocast_enabled(at::kCUDA)) return false;
+        // Every device type torch's autocast serves that opdispatch may meet (each is one thread-local read).
+        for (c10::DeviceType type : {at::kCPU, at::kCUDA, at::kXPU, at::kHPU, at::kMPS, at::kPrivateUse1}) {
+          if (at::autocast::is_autocast_enabled(type)) return false;
+        }
         continue;
       }
       if (PyContextVar_CheckExact(c)) {

@@ -257,8 +257,8 @@ def compiled_front_door(python: Callable[..., Any], *, name: str, names: Sequenc
     (`KIND_CODES`); key_of(*arguments): the key the Python path keeps the bound function under, or None;
     failed(manager, key, fn, exc, *arguments): what a hit does when the kernel raises; bound/bound_optional: the
     arguments the bound function takes; context: what joins the key besides the arguments — ContextVars (read
-    directly), None (torch's determinism flag, read in C), `AUTOCAST` (no hit while torch.autocast is on for the
-    CPU or CUDA: the Python door applies it) or zero-argument callables; exact: tensors that must
+    directly), None (torch's determinism flag, read in C), `AUTOCAST` (no hit while torch.autocast is on for any
+    device type: the Python door applies it) or zero-argument callables; exact: tensors that must
     be ``torch.Tensor`` itself (not a Parameter); grad: the tensors whose requires_grad makes the grad field
     (default: every tensor); result(out, arguments[result_arg]) shapes the output when that argument is true;
     flag: a `thread_flag()` set while the kernel runs (calls made meanwhile go to Python).

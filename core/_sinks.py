@@ -116,8 +116,8 @@ def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
     chosen = decision.chosen
     inner = call.without_sinks()
     # Pinned to the decision's choice: the inner call must not be decided again without its sinks.
-    out, lse = manager.call("attention", inner, impl=chosen.id)
-    out, lse = apply_sinks(out, exact_lse(chosen, inner, lse), call.sinks, call.layout)
+    out, lse = manager.call("attention", inner, impl=chosen.id)  # its LSE exact through OpSpec.result_fix
+    out, lse = apply_sinks(out, lse, call.sinks, call.layout)
     return (out, lse) if call.return_lse else out
 
 
@@ -125,7 +125,7 @@ def lse_gradient_fix(impl: Any, call: AttentionCall) -> Callable[[Any, Any], Any
     """attention's `OpSpec.result_fix`: for a call that returns its LSE under autograd, on an implementation whose
     LSE has no gradient of its own (`caps.lse_grad` False), the returned LSE gets its exact gradient (`exact_lse`).
     Without it a loss that reads the LSE (a merged context-parallel block, a user's own logsumexp term) would get
-    gradients silently missing that term. Calls with sinks apply it inside their epilogue."""
+    gradients silently missing that term. A call with sinks gets it on its inner call (without sinks, with LSE)."""
     if not (call.return_lse and call.requires_grad) or call.sinks is not None:
         return None
     if getattr(getattr(impl, "caps", None), "lse_grad", True):

@@ -270,3 +270,19 @@ def test_torch_compile_fullgraph_matches_eager(basic_manager, impl):
     torch.testing.assert_close(compiled, eager)
     for a, b in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(a, b)
+
+
+def test_a_kv_cache_plan_with_sinks_takes_each_steps_lengths():
+    """A plan is called as fn(q, k, v, seqused_k, block_table): with sinks it took three tensors only (a TypeError
+    with the cache's lengths, or the first call's lengths reused silently)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 4, 16, generator=gen)
+    cache = torch.randn(2, 32, 4, 16, generator=gen)
+    sinks = torch.randn(4, generator=gen)
+    first, later = torch.tensor([5, 9], dtype=torch.int32), torch.tensor([17, 3], dtype=torch.int32)
+    run = opdispatch.plan(q, cache, cache, seqused_k=first, sinks=sinks)
+    for lengths in (first, later):
+        got = run(q, cache, cache, lengths, None)
+        want = opdispatch.attention(q, cache, cache, seqused_k=lengths, sinks=sinks)
+        torch.testing.assert_close(got, want)
+    assert not torch.allclose(run(q, cache, cache, first, None), run(q, cache, cache, later, None))
