@@ -301,3 +301,40 @@ def test_packed_sequences_without_a_mask_run_as_varlen(basic_manager):
         torch.testing.assert_close(out[:, start:end], part.transpose(1, 2), atol=2e-6, rtol=2e-6)
     with pytest.raises(ValueError, match="cu_seq_lens_k"):
         opdispatch.compat.hf.attention_forward(module, q, k, v, None, cu_seq_lens_q=cu)
+
+
+def test_an_attention_path_name_modules_does_not_recognise_is_named_once():
+    """BERT-style `encoder.layer.0.attention.self`: name_modules does not name it, so the stack walk used to run
+    (and rename the whole model) on every call; the module now takes its own path on first sight."""
+    import torch
+
+    from opdispatch.compat import hf
+
+    class SelfAttention(torch.nn.Module):
+        def forward(self, x):
+            return hf.attention_forward(self, x, x, x, None)[0]
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = torch.nn.Module()
+            self.attention.self = SelfAttention()
+
+        def forward(self, x):
+            return self.attention.self(x)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.ModuleList([Layer(), Layer()])
+
+        def forward(self, x):
+            for layer in self.layer:
+                x = layer(x)
+            return x
+
+    model = Model()
+    x = torch.randn(1, 2, 5, 8)
+    model(x)
+    assert [layer.attention.self._opdispatch_name for layer in model.layer] == [
+        "layer.0.attention.self", "layer.1.attention.self"]

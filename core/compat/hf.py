@@ -72,6 +72,9 @@ def _name_on_first_sight(module: torch.nn.Module) -> None:
         frame = frame.f_back  # type: ignore[assignment]
     if root is not None:
         name_modules(root)
+        if getattr(module, "_opdispatch_name", None) is None:  # a path name_modules does not recognise (BERT's
+            # `...attention.self`): this module's own path, so the walk happens once, not on every call
+            module._opdispatch_name = next(n for n, m in root.named_modules() if m is module)
 
 
 def _refuse(module: torch.nn.Module, argument: str, value: Any, why: str) -> ValueError:
