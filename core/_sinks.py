@@ -113,10 +113,17 @@ def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
     without sinks and with the LSE, and apply the epilogue. Returns what `opdispatch.attention` returns."""
     assert call.sinks is not None
     decision = manager.resolve("attention", call, impl=impl)
-    chosen = decision.chosen
     inner = call.without_sinks()
-    # Pinned to the decision's choice: the inner call must not be decided again without its sinks.
-    out, lse = manager.call("attention", inner, impl=chosen.id)  # its LSE exact through OpSpec.result_fix
+    while True:
+        # Pinned to the decision's choice: the inner call must not be decided again without its sinks. A kernel
+        # that raises fails over at the outer call's level, as a call without sinks does.
+        try:
+            out, lse = manager.call("attention", inner, impl=decision.chosen.id)  # LSE exact via OpSpec.result_fix
+            break
+        except Exception as exc:
+            if not manager.may_fail_over(decision, impl, exc, call.device):
+                raise
+            decision = manager._next_decision("attention", call, impl, decision, exc)
     out, lse = apply_sinks(out, lse, call.sinks, call.layout)
     return (out, lse) if call.return_lse else out
 

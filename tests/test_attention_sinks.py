@@ -286,3 +286,21 @@ def test_a_kv_cache_plan_with_sinks_takes_each_steps_lengths():
         want = opdispatch.attention(q, cache, cache, seqused_k=lengths, sinks=sinks)
         torch.testing.assert_close(got, want)
     assert not torch.allclose(run(q, cache, cache, first, None), run(q, cache, cache, later, None))
+
+
+def test_a_kernel_that_raises_fails_over_with_sinks_too(manager, monkeypatch):
+    """A call with sinks runs its implementation pinned (the inner call must not be decided again without its
+    sinks): a kernel that raised there never fell back although fallback_on_error is on."""
+    from opdispatch.vendors.cpu._attention import CpuFlashAttention
+
+    def broken(self, call):
+        raise RuntimeError("injected kernel fault")
+
+    monkeypatch.setattr(CpuFlashAttention, "run", broken)
+    monkeypatch.setattr(CpuFlashAttention, "bind", lambda self, call: (lambda *t: broken(self, call)))
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 6, 2, 8, generator=gen) for _ in range(3))
+    sinks = torch.randn(2, generator=gen)
+    got = opdispatch.attention(q, k, v, causal=True, sinks=sinks)
+    want = opdispatch.attention(q, k, v, causal=True, sinks=sinks, impl="reference.math")
+    torch.testing.assert_close(got, want)
