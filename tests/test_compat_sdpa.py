@@ -569,3 +569,14 @@ def test_autocast_output_dtype_and_values_as_torch(dtype, inputs):
                 assert got.dtype == want.dtype
                 torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
     assert scaled_dot_product_attention(q, k, v).dtype == in_dtype
+
+
+def test_autocast_casts_parameters_too():
+    """nn.Parameter inputs (a module's learned query, say) under autocast: torch casts them as any tensor; the
+    drop-in skipped its cast for anything not exactly a Tensor and returned float32."""
+    q = torch.nn.Parameter(rand(1, 2, 4, 8, gen=torch.Generator().manual_seed(3)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch_sdpa(q, q, q, is_causal=True)
+        got = scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)

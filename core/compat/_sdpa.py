@@ -76,10 +76,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
     """``torch.nn.functional.scaled_dot_product_attention``, computed by the implementation the policy picks."""
     if _state.active:  # an implementation calling it while the program is routed: torch's
         return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    if not (_dense(query) and _dense(key) and _dense(value)):
-        if not all(isinstance(t, Tensor) for t in (query, key, value)):  # None, a number: torch's TypeError
-            return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    elif _autocasting(query):
+    if not (_dense(query) and _dense(key) and _dense(value)) and not all(
+            isinstance(t, Tensor) for t in (query, key, value)):  # None, a number: torch's TypeError
+        return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if _autocasting(query):  # plain tensors, Parameters and subclasses alike, as torch's autocast casts them all
         return _autocast(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if (scale is not None and not math.isfinite(scale)) or (isinstance(attn_mask, Tensor) and attn_mask.dim() < 2):
         # A NaN or infinite scale, a 0-D or 1-D mask: what torch gives depends on the backend it picks (NaN, an
