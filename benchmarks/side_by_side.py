@@ -48,11 +48,17 @@ FULL: dict[str, dict[str, Any]] = {
     "head_dim 96": dict(b=2, sq=4096, sk=4096, hq=16, hkv=16, d=96, kw=dict(causal=True)),
     "head_dim 100": dict(b=2, sq=4096, sk=4096, hq=16, hkv=16, d=100, kw=dict(causal=True)),
     "MLA decode 576/512": dict(b=4, sq=1, sk=4096, hq=128, hkv=1, d=576, dv=512, kw={}, modes=("fwd",)),
+    # GPT-OSS's attention (64 query heads over 8, head dim 64, a learned sink per head; every other layer windowed
+    # to 128 tokens). The row also times opdispatch on the same call without sinks: the epilogue's cost.
+    "GPT-OSS sinks": dict(b=1, sq=4096, sk=4096, hq=64, hkv=8, d=64, kw=dict(causal=True), sinks=True),
+    "GPT-OSS sinks + window 128": dict(b=1, sq=4096, sk=4096, hq=64, hkv=8, d=64,
+                                       kw=dict(causal=True, window=(127, 0)), sinks=True),
 }
 KEYS = {"dense": "dense causal GQA 4:1", "window": "sliding window 1024", "softcap": "softcap 30",
         "alibi": "ALiBi MHA", "alibi_gqa": "ALiBi GQA 4:1", "varlen": "varlen causal", "decode": "decode GQA 4:1",
-        "deterministic": "deterministic", "hd64": "head_dim 64 MHA", "hd72": "head_dim 72", "hd96": "head_dim 96", "hd100": "head_dim 100",
-        "mla": "MLA decode 576/512"}
+        "deterministic": "deterministic", "hd64": "head_dim 64 MHA",
+        "hd72": "head_dim 72", "hd96": "head_dim 96", "hd100": "head_dim 100",
+        "mla": "MLA decode 576/512", "sinks": "GPT-OSS sinks", "sinks_window": "GPT-OSS sinks + window 128"}
 
 
 def tiny(cell: dict[str, Any]) -> dict[str, Any]:
@@ -122,6 +128,9 @@ def make_inputs(cell: dict[str, Any], device: torch.device, dtype: torch.dtype, 
     kw = dict(cell["kw"])
     if cell.get("alibi"):
         kw["alibi_slopes"] = alibi_slopes(cell["hq"], device)
+    if cell.get("sinks"):  # trained sinks are O(1) logits, some positive: they change every row
+        sinks = torch.randn(cell["hq"], generator=gen, device=device, dtype=torch.float32) * 2
+        kw["sinks"] = sinks.requires_grad_(grad)
     return dict(q=t(cell["b"], cell["sq"], cell["hq"], d), k=t(cell["b"], cell["sk"], cell["hkv"], d),
                 v=t(cell["b"], cell["sk"], cell["hkv"], dv), kw=kw)
 
@@ -172,6 +181,8 @@ def torch_ways(inputs: dict[str, Any], device: torch.device, compile_flex: bool)
     sq, sk = qt.shape[2], kt.shape[2]
     gqa = qt.shape[1] != kt.shape[1]
     scale = kw.get("scale")
+    if kw.get("sinks") is not None:
+        return _sink_ways(qt, kt, vt, kw["sinks"], causal, window, gqa, device, compile_flex)
     plain = window is None and slopes is None and not softcap
     if plain:
         ways["SDPA"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
@@ -195,6 +206,55 @@ def torch_ways(inputs: dict[str, Any], device: torch.device, compile_flex: bool)
         ways["flex_attention"] = _flex_way(qt, kt, vt, causal, window, softcap, slopes, gqa, scale, device,
                                            compile_flex)
     return ways
+
+
+def _sink_ways(qt, kt, vt, sinks, causal, window, gqa, device, compile_flex):  # noqa: ANN001
+    """torch's ways to give each row's softmax a virtual key scored by its head's sink, with a zero value: SDPA over
+    the keys plus a zero key whose additive bias is the sink; flex_attention's LSE and the rescale
+    out * sigmoid(lse - sink); and what transformers' eager GPT-OSS does (the sink as a logit column, softmax, drop)."""
+    b, hk, sk, d = kt.shape
+    sq, hq = qt.shape[2], qt.shape[1]
+    i, j = _positions(sq, sk, device)
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        keep &= j <= i + (sk - sq)
+    if window is not None:
+        keep &= j >= i + (sk - sq) - window[0]
+    blocked = torch.zeros(sq, sk, device=device, dtype=qt.dtype).masked_fill(~keep, float("-inf"))
+    zero_kv = kt.new_zeros(b, hk, 1, d)
+
+    def sdpa_sink_column() -> torch.Tensor:
+        column = sinks.to(qt.dtype)[None, :, None, None].expand(1, hq, sq, 1)
+        bias = torch.cat([blocked[None, None].expand(1, hq, sq, sk), column], dim=-1)
+        return F.scaled_dot_product_attention(qt, torch.cat([kt, zero_kv], 2), torch.cat([vt, zero_kv], 2),
+                                              attn_mask=bias, enable_gqa=gqa)
+
+    def eager() -> torch.Tensor:
+        kr, vr = (t.repeat_interleave(hq // hk, dim=1) for t in (kt, vt))
+        logits = (qt @ kr.transpose(-1, -2)) * d ** -0.5 + blocked
+        logits = torch.cat([logits, sinks.to(logits.dtype)[None, :, None, None].expand(b, hq, sq, 1)], dim=-1)
+        probs = torch.softmax(logits.float(), dim=-1)[..., :-1].to(vr.dtype)
+        return probs @ vr
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention) if compile_flex else flex_attention
+    offset = sk - sq
+
+    def mask_mod(b, h, i, j):  # noqa: ANN001
+        ok = j <= i + offset if causal else j >= 0
+        if window is not None:
+            ok = ok & (j >= i + offset - window[0])
+        return ok
+
+    block_mask = create_block_mask(mask_mod, None, None, sq, sk, device=device, _compile=compile_flex)
+
+    def flex_lse_rescale() -> torch.Tensor:
+        out, lse = flex(qt, kt, vt, block_mask=block_mask, enable_gqa=gqa, return_lse=True)
+        return out * torch.sigmoid(lse - sinks[None, :, None]).unsqueeze(-1).to(out.dtype)
+
+    return {"SDPA + sink column": sdpa_sink_column, "flex_attention + LSE rescale": flex_lse_rescale,
+            "eager (transformers GPT-OSS)": eager}
 
 
 def _flex_way(qt, kt, vt, causal, window, softcap, slopes, gqa, scale, device, compile_flex):  # noqa: ANN001
@@ -254,6 +314,12 @@ def run_cell(name: str, cell: dict[str, Any], mode: str, device: torch.device, d
     else:
         timed_ours, timed_ways = ours, ways
     row["opdispatch_ms"] = timed(timed_ours, device, warmup, reps)  # deterministic=True is an argument here
+    if kw.get("sinks") is not None:  # what the sinks cost opdispatch: the same call without them
+        plain = {n: a for n, a in kw.items() if n != "sinks"}
+        row["pick_without_sinks"] = opdispatch.explain(q, k, v, **plain).chosen_id
+        without = lambda: opdispatch.attention(q, k, v, **plain)  # noqa: E731
+        row["opdispatch_without_sinks_ms"] = timed(with_backward(without, True) if grad else without, device,
+                                                   warmup, reps)
     if kw.get("deterministic"):
         # torch's way to ask for determinism is the global flag (it changes kernels and inductor's choices).
         previous = torch.are_deterministic_algorithms_enabled()
@@ -310,6 +376,9 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], dtype: str) -> str
             continue
         others = "; ".join(f"{w} {t:.3f}" if isinstance(t, float) else f"{w}: {t}" for w, t in r["torch_ms"].items()
                            if w != r.get("torch_best"))
+        if "opdispatch_without_sinks_ms" in r:
+            others += (f"; opdispatch without sinks {r['opdispatch_without_sinks_ms']:.3f} "
+                       f"({r['pick_without_sinks']})")
         speed = r.get("speedup")
         flag = "" if speed is None or speed >= 0.97 else " **slower**"
         errs = " / ".join(f"{r['errors'].get(n, float('nan')):.3g}" for n in ("opdispatch", "torch"))

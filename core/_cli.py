@@ -504,7 +504,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     code = run_validation(impls, device, timeout=args.timeout, quick=args.quick, quarantine_path=quarantine,
                           report_md=Path(args.report) if args.report else None,
                           report_json=Path(args.json) if args.json else None, stream=sys.stdout, jobs=args.jobs,
-                          replace=args.replace, budget=args.budget)
+                          replace=args.replace, budget=args.budget, split=args.split)
     if quarantine is not None and code != 2:
         print(f"policies read {quarantine} from now on (`opdispatch explain` shows what it denies)")
     return code
@@ -653,6 +653,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-quarantine", action="store_true", help="write no quarantine file")
     p.add_argument("--jobs", type=_positive, default=1, help="implementations validated at once, each in its own "
                                                            "worker (default 1; on a GPU they share its memory)")
+    p.add_argument("--split", type=_positive, default=1, help="worker processes per implementation, each running "
+                                                            "a share of its cases (default 1): kernels that compile "
+                                                            "per new shape (Triton, torch.flex) spend a cold run "
+                                                            "compiling, one CPU core per worker")
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run (default: no limit); when "
                                                              "they run out the cases left are reported 'not run' "
                                                              "and the reports and quarantine are written with what "

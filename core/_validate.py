@@ -615,15 +615,16 @@ def validate_impl(impl_id: str, device: str, cases: list[Case], timeout: float,
     stopped and the case in flight and those left are `NOT_RUN`."""
     cases_path = workdir / f"cases-{impl_id}.json"
     cases_path.write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
-    results: dict[int, CaseResult] = {}
+    results: dict[int, CaseResult] = {}  # by position in `cases` (a share of a split run: not case.index)
+    position = {c.index: i for i, c in enumerate(cases)}
     start = 0
 
     def out_of_budget(first: int) -> list[CaseResult]:
-        for case in cases[first:]:
-            if case.index not in results:
-                results[case.index] = CaseResult(case, NOT_RUN, "the run's --budget ran out before it")
+        for i in range(first, len(cases)):
+            if i not in results:
+                results[i] = CaseResult(cases[i], NOT_RUN, "the run's --budget ran out before it")
                 progress(impl_id, len(results), len(cases), NOT_RUN)
-        return [results[c.index] for c in cases if c.index in results]
+        return [results[i] for i in range(len(cases)) if i in results]
 
     while start < len(cases):
         if stop_at is not None and time.monotonic() >= stop_at:
@@ -674,13 +675,38 @@ def validate_impl(impl_id: str, device: str, cases: list[Case], timeout: float,
                 break
             message = json.loads(line)
             if "start" in message:
-                current = message["start"]
+                current = position[message["start"]]
                 deadline = time.monotonic() + timeout
                 continue
-            index = message["index"]
+            index = position[message["index"]]
             results[index] = CaseResult(cases[index], message["status"], message["detail"], message["error"])
             progress(impl_id, len(results), len(cases), message["status"])
-    return [results[c.index] for c in cases if c.index in results]
+    return [results[i] for i in range(len(cases)) if i in results]
+
+
+def validate_split(label: str, device: str, cases: list[Case], timeout: float,
+                   progress: Callable[[str, int, int, str], None], workdir: Path, run_as: str,
+                   stop_at: float | None, split: int) -> list[CaseResult]:
+    """`validate_impl` over `split` shares of `cases` at once (every split-th case each, so the slow first
+    calls of each kind spread over the workers); progress is counted as one run of `label`."""
+    shares = [cases[k::split] for k in range(min(split, len(cases)))]
+    if len(shares) <= 1:
+        return validate_impl(label, device, cases, timeout, progress, workdir, run_as=run_as, stop_at=stop_at)
+    lock = threading.Lock()
+    done = [0]
+
+    def counted(_share: str, _done: int, _total: int, status: str) -> None:
+        with lock:
+            done[0] += 1
+            progress(label, done[0], len(cases), status)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+        futures = [pool.submit(validate_impl, f"{label}.{k}", device, share, timeout, counted, workdir,
+                               run_as, stop_at) for k, share in enumerate(shares)]
+        by_index = {r.case.index: r for f in futures for r in f.result()}
+    return [by_index[c.index] for c in cases if c.index in by_index]
 
 
 # -- from failures to quarantine rules ----------------------------------------------------------------------------
@@ -939,9 +965,13 @@ def in_process(impl_id: str, device: str) -> Runner:
 
 def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: float, quick: bool,
                    quarantine_path: Path | None, report_md: Path | None, report_json: Path | None,
-                   stream: TextIO, jobs: int = 1, replace: bool = False, budget: float | None = None) -> int:
+                   stream: TextIO, jobs: int = 1, replace: bool = False, budget: float | None = None,
+                   split: int = 1) -> int:
     """The `opdispatch validate` command; returns its exit code (1 when an implementation failed a case, 2 when
     nothing could be validated).
+
+    `split`: worker processes per implementation, each running a share of its cases (kernels that compile per
+    new shape — Triton, torch.flex — spend most of a cold run compiling, one CPU core per worker).
 
     `budget`: seconds for the whole run. When they run out, the cases not yet run are reported as `NOT_RUN` and the
     reports are written with what ran: an implementation not validated to the end gets its new failures'
@@ -1004,8 +1034,7 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
 
     def one(impl: Any, tmp: str) -> list[CaseResult]:
         def runner(cases: list[Case], label: str) -> list[CaseResult]:
-            results = validate_impl(label, device, cases, timeout, progress, Path(tmp), run_as=impl.id,
-                                    stop_at=stop_at)
+            results = validate_split(label, device, cases, timeout, progress, Path(tmp), impl.id, stop_at, split)
             if tty and jobs == 1:
                 stream.write("\n")
             return results
