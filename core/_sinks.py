@@ -108,6 +108,95 @@ def exact_lse(impl: Any, call: AttentionCall, lse: torch.Tensor, *, replace: boo
     return out
 
 
+def _per_row(in_layout: torch.Tensor, layout: str) -> torch.Tensor:
+    """The inverse of `out_rows`: a tensor shaped like the output less its head dim, as per-row values shaped
+    like the LSE."""
+    if layout == "thd":
+        return in_layout.transpose(0, 1)  # (tokens, heads) -> (heads, tokens)
+    return layout_views(layout)[0](in_layout.unsqueeze(-1)).squeeze(-1)
+
+
+def _sink_weight_and_out(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
+                         layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight, out * weight, logaddexp(lse, sink)) without autograd: the product in float32, rounded once."""
+    weight = torch.sigmoid(lse - sinks.to(lse.dtype).unsqueeze(-1))
+    scaled = torch.mul(out, out_rows(weight, layout), out=torch.empty_like(out))
+    return weight, scaled, torch.logaddexp(lse, sinks.to(lse.dtype).unsqueeze(-1))
+
+
+class _SinksFromSaved(torch.autograd.Function):
+    """The sinks epilogue over a kernel's (out, LSE), differentiated through the kernel's own backward from its
+    saved results (`impl.backward`) instead of autograd over the epilogue.
+
+    With s = sigmoid(lse - sink) and the output o' = o * s, the attention with the sink as a virtual key of zero
+    value has dS_ij = P_ij s_i (g_i.v_j - g_i.o'_i): exactly what a FlashAttention-style backward computes from
+    dO = g * s when handed o' as the output (its D_i = dO_i.o'_i). No extra attention pass, where autograd over
+    the epilogue needs the LSE's gradient (one more forward and backward: `exact_lse`). The sink's gradient:
+    d sink_h = -sum over rows of head h of (1 - s_i) g_i.o'_i.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                out: torch.Tensor, lse: torch.Tensor, impl: Any, call: AttentionCall,
+                recompute: Callable[..., tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        weight, scaled, _ = _sink_weight_and_out(out, lse, sinks, call.layout)
+        ctx.save_for_backward(q, k, v, sinks, scaled, lse, weight)
+        ctx.impl, ctx.call, ctx.recompute = impl, call, recompute
+        return scaled
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, sinks, scaled, lse, weight = ctx.saved_tensors
+        layout = ctx.call.layout
+        grad = grad.contiguous()
+        grad_plain = torch.mul(grad, out_rows(weight, layout), out=torch.empty_like(grad))
+        grads = ctx.impl.backward(ctx.call, scaled, lse, grad_plain)
+        if grads is None:  # a call its backward does not cover: autograd over a recomputed forward, exact
+            return (*ctx.recompute(q, k, v, sinks, grad), None, None, None, None, None)
+        dq, dk, dv = grads
+        dot = _per_row(torch.linalg.vecdot(grad.float(), scaled.float()), layout)
+        rows = (1.0 - weight) * dot.to(weight.dtype)
+        d_sinks = -(rows.sum(dim=1) if layout == "thd" else rows.sum(dim=(0, 2)))
+        need = ctx.needs_input_grad
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+                d_sinks.to(sinks.dtype) if need[3] else None, None, None, None, None, None)
+
+
+def _from_saved(call: AttentionCall, impl: Any) -> bool:
+    """Whether a sinks call takes `_SinksFromSaved`: gradients wanted of the output only (no LSE returned, no bias
+    gradient, no dropout: its mask is not saved), from an implementation with a backward of its own."""
+    return (torch.is_grad_enabled() and not call.return_lse and call.dropout_p == 0
+            and any(t.requires_grad for t in (call.q, call.k, call.v, call.sinks) if t is not None)
+            and not (call.attn_bias is not None and call.attn_bias.requires_grad)
+            and getattr(impl, "saves_for_backward", False))
+
+
+def _run_from_saved(manager: Any, call: AttentionCall, impl: Any) -> torch.Tensor:
+    assert call.sinks is not None
+    detached = call.with_tensors(call.q.detach(), call.k.detach(), call.v.detach())
+    detached.sinks = call.sinks.detach()
+    inner = detached.without_sinks()  # requires_grad False: run without autograd, differentiated from saved
+    with torch.no_grad():
+        out, lse = manager.call("attention", inner, impl=impl.id)
+
+    def recompute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                  grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+            again = call.with_tensors(*leaves[:3])
+            again.sinks = leaves[3]
+            plain = again.without_sinks()
+            out_, lse_ = manager.call("attention", plain, impl=impl.id)  # LSE exact via OpSpec.result_fix
+            scaled, _ = apply_sinks(out_, lse_, leaves[3], call.layout)
+            found = torch.autograd.grad(scaled, leaves, grad, allow_unused=True)
+        return tuple(found)
+
+    bwd_call = impl.conform(inner)
+    result: torch.Tensor = _SinksFromSaved.apply(  # type: ignore[no-untyped-call]
+        call.q, call.k, call.v, call.sinks, out, lse, impl, bwd_call, recompute)
+    return result
+
+
 def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
     """Decide `call` (sinks and all: capability reasons, `when: sinks` rules), run its implementation on the call
     without sinks and with the LSE, and apply the epilogue. Returns what `opdispatch.attention` returns."""
@@ -118,6 +207,13 @@ def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
         # Pinned to the decision's choice: the inner call must not be decided again without its sinks. A kernel
         # that raises fails over at the outer call's level, as a call without sinks does.
         try:
+            if _from_saved(call, decision.chosen):
+                return _run_from_saved(manager, call, decision.chosen)
+            if not torch.is_grad_enabled() or not inner.requires_grad and not call.sinks.requires_grad:
+                with torch.no_grad():  # no autograd over the epilogue: one pass, rounded once
+                    out, lse = manager.call("attention", inner, impl=decision.chosen.id)
+                    _, out, lse = _sink_weight_and_out(out, lse, call.sinks, call.layout)
+                return (out, lse) if call.return_lse else out
             out, lse = manager.call("attention", inner, impl=decision.chosen.id)  # LSE exact via OpSpec.result_fix
             break
         except Exception as exc:
