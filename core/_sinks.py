@@ -68,9 +68,11 @@ class _LseGradient(torch.autograd.Function):
         q, k = ctx.saved_tensors
         weight = out_rows(grad_lse * ctx.scale, ctx.layout)
         with torch.enable_grad():
-            k_as_v = k.detach().requires_grad_()
+            # A copy of k as v: kernels given aliased k and v, or a dO whose strides differ from O's (cuDNN: its
+            # backward reads dO with O's strides), may compute wrong gradients.
+            k_as_v = k.detach().clone().requires_grad_()
             pk = ctx.probabilities_times(q.detach(), k.detach(), k_as_v)  # sum_j P_ij k_j, in q's layout
-            grad_pk = (weight * q.detach()).to(pk.dtype)
+            grad_pk = torch.empty_like(pk).copy_(weight * q.detach())
             (dk,) = torch.autograd.grad(pk, k_as_v, grad_pk)
         dq = (weight * pk.detach()).to(q.dtype)
         return grad_lse, dq if ctx.needs_input_grad[1] else None, dk if ctx.needs_input_grad[2] else None, \
