@@ -331,7 +331,7 @@ def case_verdict(times_ms: dict[str, float], pick: str | None, errors: dict[str,
         return {**out, "verdict": "UNMEASURED", "why": f"the pick {pick} was not timed (run cut short)"}
     regret = times_ms[pick] / times_ms[out["best"]] - 1
     out.update(pick_ms=times_ms[pick], regret=regret)
-    if regret > tolerance:
+    if times_ms[pick] > out["best_ms"] * (1 + tolerance):  # not `regret > tolerance`: 1.03 / 1.0 - 1 > 0.03
         return {**out, "verdict": "FAIL", "why": f"{pick} {times_ms[pick]:.4g} ms loses to {out['best']} "
                                                  f"{out['best_ms']:.4g} ms by {regret:.1%} (> {tolerance:.0%})"}
     return {**out, "verdict": "PASS", "why": ""}
@@ -517,7 +517,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"Cases: {len(result['cases'])} of {result['selected']} measured; "
              + ", ".join(f"{v} {n}" for v, n in summary["counts"].items()) + ".",
              f"**Geomean regret: {_pct(summary['geomean_regret'])}; worst: {_pct(summary['worst_regret'])}"
-             + (f" ({summary['worst_case']})" if summary["worst_case"] else "") + f".** Verdict: **{result['verdict']}**.",
+             + (f" ({summary['worst_case']})" if summary["worst_case"] else "")
+             + f".** Verdict: **{result['verdict']}**.",
              "", "## Rules", "", "| rule | where | verdict | cases decided | worst regret | failing |",
              "|---|---|---|---|---|---|"]
     for rule in summary["rules"]:
