@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import fnmatch
 import json
+import logging
 import math
 import os
 import platform
@@ -371,6 +372,18 @@ def exit_status(records: list[dict[str, Any]], selected: int) -> int:
 
 # -- one case ------------------------------------------------------------------------------------------------
 
+class WarningLog(logging.Handler):
+    """opdispatch's warnings during a case (a demotion, torch.flex falling back to unfused past dynamo's recompile
+    limit): recorded with the case, since they change what its timings mean."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:400])
+
+
 class Runner:
     def __init__(self, args: argparse.Namespace, device: torch.device, rules: list[dict[str, Any]]) -> None:
         self.args, self.device, self.rules = args, device, rules
@@ -383,6 +396,26 @@ class Runner:
         return self.args.budget - (time.monotonic() - self.start) if self.args.budget > 0 else math.inf
 
     def run_case(self, case: Case, tags: list[str]) -> dict[str, Any]:
+        log, logger = WarningLog(), logging.getLogger("opdispatch")
+        logger.addHandler(log)
+        try:
+            record = self._run_case(case, tags)
+        finally:
+            logger.removeHandler(log)
+        record["warnings"] = log.messages
+        if any("recompile limit" in m for m in log.messages):
+            # torch.flex ran unfused from some call on (it warns once per process): its times here, and from now
+            # on, are not the compiled kernel's.
+            why = "torch.flex fell back to unfused flex at dynamo's recompile limit; measure it with --resume in a " \
+                  "fresh process"
+            if record["times_ms"].pop("torch.flex", None) is not None:
+                record["errors"]["torch.flex"] = why
+                record.update(case_verdict(record["times_ms"], record["pick"], record["errors"], self.args.tolerance))
+                record["complete"] = False  # left for a --resume run
+            self.skipped["torch.flex"] = f"skipped: {why}"
+        return record
+
+    def _run_case(self, case: Case, tags: list[str]) -> dict[str, Any]:
         device = self.device
         q, k, v = case.inputs(device)
         kw = case.kwargs(device)
@@ -455,7 +488,9 @@ class Runner:
         # The pick after the run: the breaker may have demoted it for this call class meanwhile.
         record["pick_after"] = opdispatch.explain(q, k, v, **kw).chosen_id
         record.update(case_verdict(record["times_ms"], pick, record["errors"], self.args.tolerance))
-        record["complete"] = not any(e.startswith("not run: --budget") for e in record["errors"].values())
+        # Cut short by the budget, or missing an implementation only a fresh process can time: left for --resume.
+        record["complete"] = not any(e.startswith("not run: --budget") or "fresh process" in e
+                                     for e in record["errors"].values())
         del q, k, v, kw, fns
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -109,6 +109,24 @@ def test_time_limit_interrupts_a_long_first_call():
     assert not alarm["fired"]
 
 
+def test_flex_past_the_recompile_limit_is_not_timed_as_flex(basic_manager, monkeypatch):
+    # torch.flex warns once when dynamo's recompile limit sends it unfused: that case's flex time is dropped, the
+    # case left for a fresh process (--resume), and flex skipped for the rest of the run.
+    runner = proof.Runner(proof.parse_args(["--tiny", "--out", "x"]), proof.torch.device("cpu"), [])
+
+    def measured(case, tags):
+        proof.logging.getLogger("opdispatch").warning("torch.flex: ... reached dynamo's recompile limit (64 graphs)")
+        times = {"torch.flex": 1.0, "cpu.flash": 2.0}
+        return {"name": case.name, "pick": "cpu.flash", "times_ms": times, "errors": {}, "complete": True,
+                **proof.case_verdict(times, "cpu.flash", {})}
+
+    monkeypatch.setattr(runner, "_run_case", measured)
+    record = runner.run_case(proof._c("dense", **proof.GQA), [])
+    assert record["times_ms"] == {"cpu.flash": 2.0} and "recompile limit" in record["errors"]["torch.flex"]
+    assert record["verdict"] == "PASS" and record["regret"] == 0 and not record["complete"]
+    assert "recompile limit" in record["warnings"][0] and "torch.flex" in runner.skipped
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tiny"], "--out DIR is required"),
     (["--tiny", "--out", "x", "--policy", "/nonexistent/policy.yaml"], "no such file"),
@@ -181,3 +199,9 @@ def test_tiny_run_reports_every_timing_and_its_regret(tmp_path):
     assert result["verdict"] == ("FAIL" if fails else "PASS") and run.returncode == (1 if fails else 0)
     report = (out / "policy_proof.md").read_text()
     assert "test-math-for-alibi" in report and f"| {ALIBI} | fwd | fp32 | test-math-for-alibi |" in report
+
+    # --resume keeps the complete cases of the report as they are, and measures only what is left
+    again = subprocess.run(run.args + ["--resume"], capture_output=True, text=True, env=env, timeout=120, check=False)
+    resumed = json.loads((out / "policy_proof.json").read_text())
+    assert again.returncode == run.returncode, again.stderr
+    assert [c["times_ms"] for c in resumed["cases"]] == [c["times_ms"] for c in result["cases"]]
