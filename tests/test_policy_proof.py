@@ -97,6 +97,11 @@ def test_case_selection_by_name_and_rule_tag():
     assert sorted({max(c.lens) for c in varlen}) == [256, 1024, 1025] and {c.mode for c in varlen} == {"fwd", "train"}
     with pytest.raises(SystemExit, match="matches no case"):
         proof.select(cases, tags, "nope*")
+    # A rule the policy no longer has keeps its shapes measured, tagged as a former rule.
+    now, now_tags = proof.build_cases(["decode-on-flash"], quick=True, tiny=False)
+    former = proof.select(now, now_tags, "former rule:flagos-for-short-varlen-inference")
+    assert sorted({max(c.lens) for c in former}) == [256, 1024, 1025]
+    assert not any(t.startswith("rule:flagos") for n in now_tags.values() for t in n)
 
 
 def test_time_limit_interrupts_a_long_first_call():

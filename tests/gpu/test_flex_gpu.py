@@ -240,17 +240,17 @@ def test_long_call_stays_fused():
     assert extra < 512 * 2**20, f"peak extra memory {extra / 2**20:.0f} MiB: not fused?"
 
 
-def test_dispatch_picks_flex_for_softcap_and_alibi_training():
+def test_dispatch_picks_flex_for_softcap_and_cudnn_for_alibi_training():
     gen = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = (torch.randn(2, 1024, 16, 128, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
                for _ in range(3))
     assert opdispatch.explain(q, k, v, causal=True, softcap=30.0).chosen_id == "torch.flex"
     kv = torch.randn(2, 1024, 4, 128, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
     slopes = torch.rand(16, device="cuda")
-    # GQA ALiBi training goes to cuDNN with a prepared bias (rule cudnn-for-alibi-gqa-training: flex's GQA
-    # backward measured 28x slower), and without cuDNN to flex.
+    # ALiBi goes to cuDNN with a prepared bias by the order (the H100 policy proof: faster than flex forward and
+    # training, MHA and GQA), and without cuDNN to flex.
     gqa = opdispatch.explain(q, kv, kv, causal=True, alibi_slopes=slopes)
-    assert gqa.chosen_id == "nvidia.cudnn" and gqa.decided_by.rule == "cudnn-for-alibi-gqa-training"
+    assert gqa.chosen_id == "nvidia.cudnn" and gqa.decided_by.rule is None
     with opdispatch.policy_override(deny=["nvidia.cudnn"]):
         assert opdispatch.explain(q, kv, kv, causal=True, alibi_slopes=slopes).chosen_id == "torch.flex"
     out = opdispatch.attention(q, k, v, causal=True, softcap=30.0)
