@@ -1,0 +1,126 @@
+"""transformers' generate(): tokens per second with attn_implementation="opdispatch" against "sdpa".
+
+The same Llama-shaped model (built from a config, random weights, eval mode) generates greedily with each attention
+implementation, batch 1 and a padded batch (left padding, prompts of unequal lengths), with the model's dynamic KV
+cache; the generated tokens are compared (they must be equal), and the time of each generate() call is measured
+after a warm-up generate of the same shape. Reps alternate between the two implementations so both see the same
+machine state. tokens/s counts the new tokens of every sequence in the batch.
+
+    python benchmarks/generate_bench.py --size tiny --out benchmarks/results/generate-cpu.md          # CPU
+    python benchmarks/generate_bench.py --size 100m --batches 1,8,32 --out generate-h100.md           # GPU, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_loop import environment  # noqa: E402  (one environment block for every benchmark)
+
+SIZES = {
+    # hidden, layers, heads, kv heads, intermediate, vocab
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                 intermediate_size=688, vocab_size=4096),
+    # ~100M parameters, Llama-shaped (GQA 4:1, head dim 64)
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048, vocab_size=32000),
+}
+
+
+def build(size: str, attn: str, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SIZES[size], max_position_embeddings=4096, pad_token_id=0)
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def prompts(batch: int, prompt_len: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts: in a batch of more than one, every other prompt is a quarter shorter."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (batch, prompt_len), generator=gen)
+    mask = torch.ones(batch, prompt_len, dtype=torch.long)
+    if batch > 1:
+        mask[1::2, : prompt_len // 4] = 0
+        ids[mask == 0] = 0
+    return ids.to(device), mask.to(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--batches", default="1,4", help="comma-separated batch sizes (default 1,4)")
+    p.add_argument("--prompt", type=int, default=64, help="prompt length (default 64)")
+    p.add_argument("--new", type=int, default=64, help="new tokens per sequence (default 64)")
+    p.add_argument("--reps", type=int, default=5, help="timed generate() calls per implementation (default 5)")
+    p.add_argument("--out", type=Path, help="markdown here, JSON beside it")
+    args = p.parse_args(argv)
+    import opdispatch.compat.hf  # noqa: F401  (registers attn_implementation="opdispatch")
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    env = environment(device)
+    import transformers
+
+    env["transformers"] = transformers.__version__
+    models = {attn: build(args.size, attn, device, dtype) for attn in ("sdpa", "opdispatch")}
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ids, mask = prompts(batch, args.prompt, SIZES[args.size]["vocab_size"], device)
+        kwargs = dict(attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
+        outputs, times = {}, {attn: [] for attn in models}
+        with torch.no_grad():
+            for attn, model in models.items():  # warm-up: the first generate of a shape (plans, kernels)
+                outputs[attn] = model.generate(ids, **kwargs)
+            for _ in range(args.reps):
+                for attn, model in models.items():
+                    sync(device)
+                    start = time.perf_counter()
+                    model.generate(ids, **kwargs)
+                    sync(device)
+                    times[attn].append(time.perf_counter() - start)
+        same = torch.equal(outputs["sdpa"], outputs["opdispatch"])
+        row: dict[str, Any] = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new, "same_tokens": same}
+        for attn in models:
+            median = statistics.median(times[attn])
+            row[f"{attn}_s"] = median
+            row[f"{attn}_tokens_per_s"] = batch * args.new / median
+        row["ratio"] = row["opdispatch_tokens_per_s"] / row["sdpa_tokens_per_s"]
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    lines = [f"# generate(): opdispatch vs sdpa ({args.size} Llama-shaped model, greedy, {str(dtype)[6:]})", "",
+             f"{env['device']}; torch {env['torch']}" + (f", CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}"
+                                                         if "cuda" in env else "")
+             + f"; transformers {env['transformers']}; commit {env.get('commit')}", "",
+             f"Prompt {args.prompt} tokens (in a batch, every other prompt left-padded by a quarter), {args.new} new "
+             f"tokens per sequence, median of {args.reps} generate() calls after a warm-up one, reps alternating.",
+             "", "| batch | sdpa tokens/s | opdispatch tokens/s | opdispatch / sdpa | same tokens |",
+             "|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['sdpa_tokens_per_s']:.1f} | {r['opdispatch_tokens_per_s']:.1f} | "
+                     f"{r['ratio']:.2f}x | {'yes' if r['same_tokens'] else '**no**'} |")
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    if args.out:
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    return 0 if all(r["same_tokens"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
