@@ -62,8 +62,9 @@ class OpArguments:
     bound: the tensors the bound function of a decided signature takes (``Impl.bind``'s function and the call
       record's ``with_tensors``), in that order.
     bound_optional: optional tensors whose values change from call to call of one signature (a KV cache's
-      lengths and pages): when any is given, the bound function takes them too, after `bound`; calls without
-      them call it with `bound` alone. Their key kind is ``index`` (shape, dtype and device in the key).
+      lengths and pages, a mask): when any is given, the bound function takes them all too, after `bound`
+      (None for those not given); calls without them call it with `bound` alone. Their key kind is ``index``
+      or ``tensor?`` (shape, dtype and device in the key).
     context: names of zero-argument functions (looked up in the front door's namespace) whose results join the
       key: the active overrides, the module scope, torch's determinism flag…
     return_forms: the front door's return by one argument's value, for type checkers (the generated stub's
@@ -103,8 +104,9 @@ class OpArguments:
             problems.append(f"bound names {missing} are not arguments")
         by_name = {a.name: a for a in self.args}
         for n in self.bound_optional:
-            if n not in by_name or by_name[n].key != "index" or n in self.bound:
-                problems.append(f"bound_optional name {n!r} must be an argument of key kind 'index', not in bound")
+            if n not in by_name or by_name[n].key not in ("index", "tensor?") or n in self.bound:
+                problems.append(f"bound_optional name {n!r} must be an argument of key kind 'index' or 'tensor?', "
+                                "not in bound")
         for form in self.return_forms:
             if len(form) != 3 or form[0] not in by_name:
                 problems.append(f"return form {form!r} must be (argument name, its annotation, return annotation)")

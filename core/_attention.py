@@ -86,7 +86,7 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("dropout_p", "float", 0.0, doc="attention dropout probability, 0 <= p < 1"),
     Arg("softcap", "float", 0.0, doc="`softcap * tanh(scores / softcap)`; 0 disables it"),
     Arg("alibi_slopes", "torch.Tensor | None", None, key="bypass", doc="(heads,) or (batch, heads) ALiBi slopes"),
-    Arg("attn_mask", "torch.Tensor | None", None, key="bypass", doc="bool, True = attend; broadcast to scores"),
+    Arg("attn_mask", "torch.Tensor | None", None, key="tensor?", doc="bool, True = attend; broadcast to scores"),
     Arg("attn_bias", "torch.Tensor | None", None, key="bypass", doc="float bias added to the scores"),
     Arg("sinks", "torch.Tensor | None", None, key="bypass",
         doc="float32 (heads_q,) attention-sink logits: each row's softmax gains a virtual key of that score and a "
@@ -105,7 +105,7 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("deterministic", "bool", False, doc="only implementations with a deterministic backward"),
     Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
 ), bound=("q", "k", "v"), context=("_overrides", "_module", "_deterministic"),
-   bound_optional=("seqused_k", "block_table"),
+   bound_optional=("seqused_k", "block_table", "attn_mask"),
    return_forms=(("return_lse", "Literal[False]", "torch.Tensor"),
                  ("return_lse", "Literal[True]", "tuple[torch.Tensor, torch.Tensor]")))
 
@@ -248,14 +248,17 @@ class AttentionCall:
 
     def with_tensors(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache: torch.Tensor | None
                      ) -> AttentionCall:
-        """A copy of this call with other q/k/v of the same signature (used by bound plans) and, for a KV-cache
-        call, its `seqused_k` and `block_table` of this step."""
+        """A copy of this call with other q/k/v of the same signature (used by bound plans) and, when given (the
+        front door's `bound_optional`), this call's `seqused_k`, `block_table` and `attn_mask`: a KV cache's
+        lengths and pages, or a mask whose values change from call to call (a padded batch's decode)."""
         new = AttentionCall.__new__(AttentionCall)
         for name in _CALL_SLOTS:
             setattr(new, name, getattr(self, name))
         new.q, new.k, new.v = q, k, v
         if cache:
-            new.seqused_k, new.block_table = cache
+            new.seqused_k, new.block_table = cache[0], cache[1]
+            if len(cache) > 2:
+                new.attn_mask = cache[2]
         return new
 
     def without_sinks(self) -> AttentionCall:
@@ -1155,12 +1158,31 @@ class AttentionImpl(Impl):
             return None
         return _unit_strides
 
+    def bound_function(self, call: AttentionCall) -> Callable[..., Any]:
+        # The front door passes a call's optional tensors as ``fn(q, k, v, seqused_k, block_table, attn_mask)``.
+        # An overridden bind is written for (q, k, v) and, for a KV cache, (q, k, v, seqused_k, block_table)
+        # (plugin API 2): a masked call takes the default, which reads them all; a KV-cache call drops the mask's
+        # slot (None there: validation refuses masks with a KV cache).
+        if type(self).bind is AttentionImpl.bind:
+            return self.bind(call)
+        if call.attn_mask is not None:
+            return AttentionImpl.bind(self, call)
+        fn = self.bind(call)
+        if not call.kv_cache:
+            return fn
+
+        def without_mask_slot(*tensors: Any) -> Any:
+            return fn(*tensors[:5])
+
+        return without_mask_slot
+
     def bind(self, call: AttentionCall) -> Callable[..., Any]:
         """A function `(q, k, v) -> result` for calls of exactly `call`'s signature (same shapes, dtype, device,
         options), used on the per-call fast path and by `opdispatch.plan`; for a KV-cache call it also takes
         that step's `seqused_k, block_table` (``fn(q, k, v, seqused_k, block_table)``; a plan called with q/k/v
-        alone reads the planned call's). Override to bind the kernel directly; this default re-enters `run` with
-        a copy of the call."""
+        alone reads the planned call's). Masked calls take their mask per call through this default
+        (``fn(q, k, v, None, None, attn_mask)``; `bound_function`), whatever an override does. Override to bind
+        the kernel directly; this default re-enters `run` with a copy of the call."""
         run, rebuild = self.run, call.stripped().with_tensors  # never the first call's tensors
 
         def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache: torch.Tensor | None) -> Any:

@@ -255,6 +255,11 @@ class Impl:
         capabilities declare such needs override it, as attention does with `AttentionCaps.strided_inputs`)."""
         return None
 
+    def bound_function(self, call: Any) -> Callable[..., Any]:
+        """What the fast path and plans call for `call`'s signature: `bind(call)`, unless the op's call record
+        says the call passes tensors an overridden `bind` was not written for (attention's masks)."""
+        return self.bind(call)
+
     def bind(self, call: Any) -> Callable[..., Any]:
         """A function taking the tensors of calls of exactly `call`'s signature (the op's call record says which:
         its `with_tensors`) — the per-call fast path and bound plans use it. Override to bind a kernel directly;

@@ -566,7 +566,7 @@ class OpManager:
         raises RetryDue once the demoted kernel's retry is due. Raises what the implementation's `bind` raises."""
         chosen = decision.chosen
         assert chosen is not None
-        fn = chosen.bind(chosen.conform(call))
+        fn = chosen.bound_function(chosen.conform(call))
         conformer = chosen.input_conformer(call)
         if conformer is not None:  # inputs the kernel cannot read as they are (e.g. strides): conformed per call
             bound_kernel = fn

@@ -214,13 +214,14 @@ def test_malformed_definitions_are_refused(args, bound, problem):
         OpArguments("toy", args, bound=bound)
 
 
-@pytest.mark.parametrize("optional", [("n",), ("x",), ("z",)])
+@pytest.mark.parametrize("optional", [("w",), ("x",), ("z",)])
 def test_bound_optional_names_must_be_index_arguments_outside_bound(optional):
     args = (Arg("x", "T", key="tensor", positional=True), Arg("n", "T", None, key="tensor?"),
-            Arg("i", "T", None, key="index"))
+            Arg("i", "T", None, key="index"), Arg("w", "int", 0))
     with pytest.raises(ValueError, match=f"bound_optional name '{optional[0]}' must be an argument of key kind "
-                                         "'index', not in bound"):
+                                         "'index' or 'tensor[?]', not in bound"):
         OpArguments("toy", args, bound=("x",), bound_optional=optional)
+    OpArguments("toy", args, bound=("x",), bound_optional=("i", "n"))  # an index and an optional tensor: fine
 
 
 def test_bound_optional_tensors_reach_the_bound_function_only_when_given():

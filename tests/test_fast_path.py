@@ -117,3 +117,84 @@ def test_attention_module_revalidates_when_k_or_v_change_dtype_or_grad(basic_man
     vg = v.clone().requires_grad_(True)
     out = module(q, k, vg)
     assert out.grad_fn is not None and module._fn.decision.call.endswith("requires_grad")
+
+
+def _oracle_masked(q, k, v, mask):
+    """float64 attention over bhsd with a bool mask (True = attend, broadcast); a row that sees no key: zeros."""
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)
+    return probs @ v
+
+
+@pytest.mark.parametrize("impl", [None, "reference.math"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_masked_calls_take_the_fast_path_with_their_values_per_call(basic_manager, impl, grad):
+    """A padded batch's decode: the mask's shape stays, its values change every step (and some rows see no key).
+    Keyed by shape, dtype and device, the mask is passed to the bound function per call: each result is that
+    call's mask's, against a float64 oracle, and only the first call of the signature takes the slow path."""
+    gen = torch.Generator().manual_seed(0)
+    b, hq, hk, sk, d = 4, 8, 2, 12, 16
+    slow_before = opdispatch.stats().ops.get("attention")
+    slow_before = 0 if slow_before is None else slow_before.slow_calls
+    for step in range(5):
+        q = torch.randn(b, hq, 1, d, generator=gen).requires_grad_(grad)
+        k, v = (torch.randn(b, hk, sk, d, generator=gen).requires_grad_(grad) for _ in range(2))
+        mask = torch.ones(b, 1, 1, sk, dtype=torch.bool)
+        mask[1::2, ..., : step + 1] = False  # left padding that differs per step
+        if step == 3:
+            mask[0] = False  # a row that sees no key
+        out = opdispatch.attention(q, k, v, layout="bhsd", attn_mask=mask, impl=impl)
+        torch.testing.assert_close(out.double(), _oracle_masked(q, k, v, mask), atol=1e-5, rtol=1e-5)
+        if grad:
+            out.sum().backward()
+            assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    slow = opdispatch.stats().ops["attention"].slow_calls - slow_before
+    assert slow == 1, f"{slow} slow-path calls for one masked signature"
+
+
+def test_a_plugin_bind_override_still_gets_the_arguments_it_was_written_for(basic_manager):
+    """Plugin API 2: an overridden bind takes (q, k, v) and, for a KV cache, (q, k, v, seqused_k, block_table).
+    A masked call is served by the default bind (the mask passed per call); a KV-cache call's function gets its
+    five tensors, never the mask's slot."""
+    from opdispatch._attention import AttentionImpl
+
+    got: list[int] = []
+    reference = [i for i in basic_manager.implementations("attention") if i.id == "reference.math"][0]
+
+    class Strict(type(reference)):  # type: ignore[misc]
+        def bind(self, call):
+            run, rebuild = self.run, call.stripped().with_tensors
+            if call.kv_cache:
+                def five(q, k, v, seqused_k, block_table):
+                    got.append(5)
+                    return run(rebuild(q, k, v, seqused_k, block_table))
+                return five
+
+            def three(q, k, v):
+                got.append(3)
+                return run(rebuild(q, k, v))
+            return three
+
+    strict = Strict()
+    assert type(strict).bind is not AttentionImpl.bind
+    mask = torch.rand(6, 6, generator=torch.Generator().manual_seed(1)) > 0.3
+    q, k, v = (torch.randn(1, 6, 2, 16) for _ in range(3))
+    for _ in range(2):
+        fn = strict.bound_function(strict.conform(opdispatch.validate_attention(q, k, v, attn_mask=mask)))
+        out = fn(q, k, v, None, None, mask)
+        torch.testing.assert_close(out, opdispatch.attention(q, k, v, attn_mask=mask, impl="reference.math"))
+    assert got == []  # the default bind served the masked call
+    cache_k, cache_v = (torch.randn(2, 10, 2, 16) for _ in range(2))
+    used = torch.tensor([4, 7], dtype=torch.int32)
+    qd = torch.randn(2, 1, 2, 16)
+    call = opdispatch.validate_attention(qd, cache_k, cache_v, seqused_k=used, causal=True,
+                                         causal_alignment="bottom_right")
+    fn = strict.bound_function(strict.conform(call))
+    out = fn(qd, cache_k, cache_v, used, None, None)  # the door's six tensors
+    assert got == [5]
+    torch.testing.assert_close(out, opdispatch.attention(qd, cache_k, cache_v, seqused_k=used, causal=True,
+                                                         causal_alignment="bottom_right", impl="reference.math"))

@@ -119,7 +119,7 @@ ATTENTION_CASES: dict[str, Callable[[int], tuple[tuple[Any, ...], dict[str, Any]
     "strided views": lambda r: (tuple(t[..., ::2] for t in _qkv((1, 6, 2, 16), (1, 6, 2, 16), r)), {}),
     "transposed views": lambda r: (tuple(t.transpose(1, 2) for t in _qkv((1, 2, 6, 8), (1, 2, 6, 8), r)), {}),
     "pinned": lambda r: (_qkv((1, 4, 2, 8), (1, 4, 2, 8), r), {"impl": "reference.math"}),
-    "a mask (validated each call)": lambda r: (_qkv((1, 4, 2, 8), (1, 6, 2, 8), r), {
+    "a mask (its values passed per call)": lambda r: (_qkv((1, 4, 2, 8), (1, 6, 2, 8), r), {
         "attn_mask": torch.rand(4, 6, generator=_gen(r)) > 0.3}),
     "a Parameter": lambda r: ((torch.nn.Parameter(_rand(1, 4, 2, 8, seed=r)), *_qkv((1, 4, 2, 8), (1, 4, 2, 8), r)[1:]),
                               {}),
@@ -152,8 +152,9 @@ def test_attention_compiled_hits_run_in_c_and_match_gradients(loaded, basic_mana
     compiled = _differential(opdispatch.attention, make)
     stats = compiled.__self__.stats()
     assert (stats["misses"], stats["hits"], stats["passes"]) == (2, 2, 0)
-    compiled = _differential(opdispatch.attention, ATTENTION_CASES["a mask (validated each call)"])
-    assert compiled.__self__.stats()["passes"] == 4 and compiled.__self__.stats()["hits"] == 0
+    compiled = _differential(opdispatch.attention, ATTENTION_CASES["a mask (its values passed per call)"])
+    stats = compiled.__self__.stats()  # a mask is keyed by shape, dtype and device; its values change per call
+    assert (stats["misses"], stats["hits"], stats["passes"]) == (2, 2, 0), stats  # as an unmasked call
 
 
 def test_attention_compiled_keys_grad_mode_contexts_and_determinism(loaded, basic_manager):
