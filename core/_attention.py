@@ -1032,6 +1032,10 @@ class AttentionCaps:
     # Whether autograd flows through the returned LSE (torch ops computing it); False for a kernel's side output,
     # whose LSE gradient the sink epilogue then supplies itself (`opdispatch._sinks`).
     lse_grad: bool = False
+    # Whether `run` takes `call.sinks` itself (a kernel with a learnable sink, e.g. FlashAttention-4): the call
+    # with sinks goes to `run` as it is, not through the shared sink epilogue; with `backward`, autograd through
+    # `run`'s result gives the sinks' gradient too. False: sinks come from the epilogue over the LSE.
+    native_sinks: bool = False
     backward: bool = False
     # Bitwise-reproducible backward / forward for every shape (some kernels split the key axis by shape and reduce
     # in launch order, or accumulate gradients with atomics); declare them from measurement.
@@ -1313,8 +1317,9 @@ def _returned_lse_gradient(caps: AttentionCaps, call: AttentionCall, reasons: li
 
 
 def _sinks(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
-    """Attention sinks: computed by the shared epilogue from the implementation's LSE (`opdispatch._sinks`)."""
-    if call.sinks is None:
+    """Attention sinks: taken by the kernel itself (`caps.native_sinks`: its own limits are its extra_reasons), or
+    computed by the shared epilogue from the implementation's LSE (`opdispatch._sinks`)."""
+    if call.sinks is None or caps.native_sinks:
         return
     if not caps.lse:
         reasons.append("attention sinks need the implementation's LSE (caps.lse) for the shared sink epilogue")

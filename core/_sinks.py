@@ -8,7 +8,10 @@ FA3's and vLLM's `s_aux`). Each row's softmax over [scores, sink] gives
 where `out_plain`, `lse` are the attention without the sink (lse over the scaled scores, natural log). A row
 that sees no key has lse = -inf: out 0, lse_with_sink = sink. So the chosen implementation runs the call
 without sinks and with its LSE (`AttentionCall.without_sinks`), and the epilogue — torch ops, differentiated by
-autograd (the sink's gradient included) — combines the two. Implementations need nothing sink-specific.
+autograd (the sink's gradient included) — combines the two. Implementations need nothing sink-specific, except
+those whose kernel has the sink itself (`caps.native_sinks`, e.g. FlashAttention-4's `learnable_sink`): the call
+goes to them with its sinks, and their own forward and backward (the sink's gradient included) replace the
+epilogue. (The compiled op, `_compile.py`, always runs the epilogue around the op: exact either way.)
 
 The backward needs the LSE's gradient with respect to q and k. Where the implementation's LSE is a kernel's
 side output without one (`caps.lse_grad` False), `exact_lse` supplies it: with P the attention probabilities,
@@ -201,7 +204,8 @@ def _run_from_saved(manager: Any, call: AttentionCall, impl: Any) -> torch.Tenso
 
 def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
     """Decide `call` (sinks and all: capability reasons, `when: sinks` rules), run its implementation on the call
-    without sinks and with the LSE, and apply the epilogue. Returns what `opdispatch.attention` returns."""
+    without sinks and with the LSE, and apply the epilogue — or, for an implementation that takes sinks natively
+    (`caps.native_sinks`), run it on the call as it is. Returns what `opdispatch.attention` returns."""
     assert call.sinks is not None
     decision = manager.resolve("attention", call, impl=impl)
     inner = call.without_sinks()
@@ -209,6 +213,8 @@ def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
         # Pinned to the decision's choice: the inner call must not be decided again without its sinks. A kernel
         # that raises fails over at the outer call's level, as a call without sinks does.
         try:
+            if decision.chosen.caps.native_sinks:  # the kernel's own sink, forward and backward: no epilogue
+                return manager.call("attention", call, impl=decision.chosen.id)
             if _from_saved(call, decision.chosen):
                 return _run_from_saved(manager, call, decision.chosen)
             if not torch.is_grad_enabled() or not inner.requires_grad and not call.sinks.requires_grad:
