@@ -210,7 +210,7 @@ def test_cudnn_varlen_opt_in_takes_forward_gqa(manager, cudnn_varlen):
     q2, k2, v2, kw2 = _thd(lens_q=(100, 300), lens_k=(400, 500))
     assert chosen("h100", q2, k2, v2, causal=True, **kw2).chosen_id == "nvidia.cudnn"
     d, cudnn, _ = _cudnn_reasons(manager, "h100", q2, k2, v2, causal=True, causal_alignment="bottom_right", **kw2)
-    assert d.chosen_id == "flagos.triton"  # short varlen inference: the default policy's flagos rule
+    assert d.chosen_id == "nvidia.flash"  # torch's FA2: the H100 policy proof removed the short-varlen flagos rule
     assert any("top-left per sequence" in r for r in cudnn.reasons)
 
 
@@ -254,10 +254,11 @@ def test_packed_lse_conversions():
     assert torch.equal(_packed_lse(padded, call), want)
 
 
-def test_d64_sliding_window_inference_prefers_flagos(manager):
+def test_sliding_window_goes_to_torch_flash_at_every_head_dim(manager):
+    # The H100 policy proof contradicted flagos-for-d64-sliding-window-inference (FA2 0.487 vs 0.555 ms): gone.
     q, k, v = qkv(b=1, sq=8192, hq=32, hkv=8, d=64)
     d = chosen("h200", q, k, v, causal=True, window=(1024, 0))
-    assert d.chosen_id == "flagos.triton"
+    assert d.chosen_id == "nvidia.flash"
     q, k, v = qkv(b=1, sq=8192, hq=32, hkv=8, d=128)
     assert chosen("h200", q, k, v, causal=True, window=(1024, 0)).chosen_id == "nvidia.flash"
     q, k, v = qkv(b=1, sq=8192, hq=32, hkv=8, d=64, grad=True)
@@ -599,9 +600,11 @@ def test_nvidia_backward_declines_what_it_does_not_cover(rng):
     assert not nv.MemEfficientAttention().saves_for_backward
 
 
-def test_alibi_routes_to_flex_except_gqa_training_which_takes_cudnn(manager):
+def test_alibi_routes_to_cudnn_forward_and_training(manager):
+    # The H100 policy proof: cuDNN with the prepared bias beats torch.flex on ALiBi MHA and GQA, forward and
+    # training (benchmarks/results/policy-proof-h100/policy_proof.md); the flex rules are gone.
     slopes = torch.empty(16, device="meta", dtype=torch.float32)
-    for grad, hkv, want in ((False, 16, "torch.flex"), (True, 16, "torch.flex"), (False, 4, "torch.flex"),
+    for grad, hkv, want in ((False, 16, "nvidia.cudnn"), (True, 16, "nvidia.cudnn"), (False, 4, "nvidia.cudnn"),
                             (True, 4, "nvidia.cudnn")):
         q, k, v = qkv(sq=4096, hq=16, hkv=hkv, grad=grad)
         d = chosen("h100", q, k, v, causal=True, alibi_slopes=slopes)
