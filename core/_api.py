@@ -83,7 +83,9 @@ attention = ATTENTION_ARGS.front_door(
     The fast path (generated from the op's argument definition, `opdispatch._attention.ATTENTION_ARGS`): a key
     of everything validation and selection read (shapes, dtypes, devices, grad mode, flags, the active
     `scope()`/`policy_override()`, torch's determinism flag) finds the function bound to a kernel for this
-    signature; masks, biases, ALiBi and varlen offsets take the slow path (validated every call).
+    signature; a boolean mask is keyed by its shape, dtype and device and handed to that function per call (its
+    values change: a padded batch's decode); biases, ALiBi, sinks and varlen offsets take the slow path
+    (validated every call).
     """)
 
 

@@ -65,7 +65,10 @@ class Requirement:
         else:
             version = device.libraries.get(self.library_key)
             if version is None:
-                spec = importlib.util.find_spec(self.module)
+                try:  # a dotted module imports its parent package to be found (never the module itself)
+                    spec = importlib.util.find_spec(self.module)
+                except (ImportError, ValueError):  # that parent is missing or broken (FA4's flash_attn.cute)
+                    spec = None
                 if spec is None:
                     return f"library {self.module!r} is not installed; install it with: {self.hint()}"
                 try:

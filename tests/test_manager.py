@@ -356,3 +356,13 @@ def test_an_importable_module_without_its_distribution_is_not_the_vendor_library
     from opdispatch.vendors.nvidia._attention import FLASH_ATTN
 
     assert "not the vendor library" in FLASH_ATTN.unmet_reason(local)
+
+
+def test_a_dotted_vendor_module_whose_package_is_missing_is_a_reason_not_a_crash():
+    """FA4 is `flash_attn.cute`: without flash_attn installed, finding it raises ModuleNotFoundError (its parent
+    is imported to look); that is the library missing, named with its install hint — `opdispatch list` and every
+    explain once crashed on it."""
+    local = opdispatch.get_manager().device_info(torch.device("cpu"))
+    req = opdispatch.Requirement("ghost_pkg_xyz.cute", "ghost-pkg", "4.0")
+    assert req.unmet_reason(local) == ("library 'ghost_pkg_xyz.cute' is not installed; install it with: "
+                                       "pip install 'ghost-pkg>=4.0'")
