@@ -49,7 +49,9 @@ def test_side_by_side_reports_every_cell_with_torchs_best_way(basic_manager, tmp
         assert row["opdispatch_ms"] > 0 and row["torch_best_ms"] > 0 and row["pick"]
         # both answers agree with reference.math on the first batch row
         assert row["errors"]["opdispatch"] < 1e-5 and row["errors"]["torch"] < 1e-5, row
-    assert rows[0]["torch_best"] == "SDPA + boolean mask" and rows[4]["torch_best"].startswith("SDPA")
+    # Every way torch offers was timed (which one wins on this CPU is timing, not behaviour: not asserted).
+    assert {"SDPA + boolean mask", "flex_attention"} <= set(rows[0]["torch_ms"])
+    assert all(w.startswith("SDPA") for w in rows[4]["torch_ms"])
     assert "| sliding window 1024 | fwd |" in capsys.readouterr().out
 
 
