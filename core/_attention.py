@@ -1036,6 +1036,11 @@ class AttentionCaps:
     # with sinks goes to `run` as it is, not through the shared sink epilogue; with `backward`, autograd through
     # `run`'s result gives the sinks' gradient too. False: sinks come from the epilogue over the LSE.
     native_sinks: bool = False
+    # With `native_sinks`: whether the kernel's backward is exact for calls with sinks, the sinks' gradient
+    # included. False (a kernel whose sink is forward-only, e.g. aiter's `sink_ptr`): calls under autograd (any of
+    # q, k, v, attn_bias, sinks requiring grad) take the shared epilogue instead. An implementation may narrow
+    # native sinks further per call with `native_sinks_limit` (then it must declare `lse` for the epilogue).
+    native_sinks_backward: bool = False
     backward: bool = False
     # Bitwise-reproducible backward / forward for every shape (some kernels split the key axis by shape and reduce
     # in launch order, or accumulate gradients with atomics); declare them from measurement.
@@ -1124,7 +1129,15 @@ class AttentionImpl(Impl):
                             f"the alignments run() honours when seqlen_q != seqlen_k, e.g. "
                             f"causal_alignments=frozenset({{'top_left'}}) (allowed: {list(CAUSAL_ALIGNMENTS)}; "
                             f"frozenset() for equal lengths only)")
+        if caps.native_sinks_backward and not caps.native_sinks:
+            problems.append("caps.native_sinks_backward needs caps.native_sinks (the kernel's sink forward)")
         return problems
+
+    def native_sinks_limit(self, call: AttentionCall) -> str | None:
+        """Override where `caps.native_sinks` holds for some calls only: why this call's sinks (which the caps would
+        give the kernel) go through the shared epilogue instead, or None to take them natively. The call must still
+        be one the implementation runs (the epilogue needs `caps.lse`): not a refusal, a route."""
+        return None
 
     def not_supported_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = capability_reasons(self.caps, call)
@@ -1316,10 +1329,24 @@ def _returned_lse_gradient(caps: AttentionCaps, call: AttentionCall, reasons: li
         reasons.append("return_lse=True with a gradient for attn_bias needs a differentiable LSE (caps.lse_grad)")
 
 
+def native_sinks_declared(caps: AttentionCaps, call: AttentionCall) -> bool:
+    """Whether `caps` take `call`'s sinks in the kernel: `native_sinks`, and under autograd `native_sinks_backward`."""
+    return caps.native_sinks and (caps.native_sinks_backward or not call.requires_grad)
+
+
+def takes_sinks_natively(impl: Any, call: AttentionCall) -> bool:
+    """Whether `impl` runs `call` (which has sinks) with its sinks in the kernel rather than through the shared
+    epilogue: declared by its caps (`native_sinks_declared`) and not narrowed by its `native_sinks_limit(call)`."""
+    if not native_sinks_declared(impl.caps, call):
+        return False
+    limit = getattr(impl, "native_sinks_limit", None)  # a plain Impl-like object without the method: none
+    return limit is None or limit(call) is None
+
+
 def _sinks(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
     """Attention sinks: taken by the kernel itself (`caps.native_sinks`: its own limits are its extra_reasons), or
     computed by the shared epilogue from the implementation's LSE (`opdispatch._sinks`)."""
-    if call.sinks is None or caps.native_sinks:
+    if call.sinks is None or native_sinks_declared(caps, call):
         return
     if not caps.lse:
         reasons.append("attention sinks need the implementation's LSE (caps.lse) for the shared sink epilogue")

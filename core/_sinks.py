@@ -11,7 +11,9 @@ without sinks and with its LSE (`AttentionCall.without_sinks`), and the epilogue
 autograd (the sink's gradient included) — combines the two. Implementations need nothing sink-specific, except
 those whose kernel has the sink itself (`caps.native_sinks`, e.g. FlashAttention-4's `learnable_sink`): the call
 goes to them with its sinks, and their own forward and backward (the sink's gradient included) replace the
-epilogue. (The compiled op, `_compile.py`, always runs the epilogue around the op: exact either way.)
+epilogue — under autograd only with `caps.native_sinks_backward` (aiter's `sink_ptr` is forward-only), and not
+where the implementation's `native_sinks_limit(call)` gives a reason (`_attention.takes_sinks_natively`).
+(The compiled op, `_compile.py`, always runs the epilogue around the op: exact either way.)
 
 The backward needs the LSE's gradient with respect to q and k. Where the implementation's LSE is a kernel's
 side output without one (`caps.lse_grad` False), `exact_lse` supplies it: with P the attention probabilities,
@@ -32,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ._attention import AttentionCall, layout_views
+from ._attention import AttentionCall, layout_views, takes_sinks_natively
 
 __all__ = ["apply_sinks", "exact_lse", "lse_gradient_fix", "out_rows"]
 
@@ -213,7 +215,7 @@ def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
         # Pinned to the decision's choice: the inner call must not be decided again without its sinks. A kernel
         # that raises fails over at the outer call's level, as a call without sinks does.
         try:
-            if decision.chosen.caps.native_sinks:  # the kernel's own sink, forward and backward: no epilogue
+            if takes_sinks_natively(decision.chosen, call):  # the kernel's own sink: no epilogue
                 return manager.call("attention", call, impl=decision.chosen.id)
             if _from_saved(call, decision.chosen):
                 return _run_from_saved(manager, call, decision.chosen)

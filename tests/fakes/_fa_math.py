@@ -8,9 +8,10 @@ import torch
 
 
 def attend(q, k, v, scale, causal, window, softcap, alibi, offset, additive=None, log2_lse=False,
-           blind_lse=math.inf, literal_window=False):
+           blind_lse=math.inf, literal_window=False, sink=None):
     """q (b, sq, h, d), k/v (b, sk, hk, d) → out (b, sq, h, d), lse (b, h, sq) the way FA2-like kernels report.
-    `literal_window`: both window bounds are applied as given, a negative one included (FlagGems' local mask)."""
+    `literal_window`: both window bounds are applied as given, a negative one included (FlagGems' local mask).
+    `sink` (h,): one more logit per row, in the scaled scores' units, with no value (the LSE includes it)."""
     qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
     g = qf.shape[1] // kf.shape[1]
     kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
@@ -35,9 +36,11 @@ def attend(q, k, v, scale, causal, window, softcap, alibi, offset, additive=None
     if additive is not None:
         s = s + additive.double()
     s = s.masked_fill(~allowed, -math.inf)
+    if sink is not None:
+        s = torch.cat([s, sink.double().view(1, -1, 1, 1).expand(s.shape[0], -1, sq, 1)], dim=-1)
     lse = torch.logsumexp(s, -1)
     blind = ~torch.isfinite(lse)
-    p = torch.exp(s - torch.where(blind, 0.0, lse).unsqueeze(-1))
+    p = torch.exp(s - torch.where(blind, 0.0, lse).unsqueeze(-1))[..., :sk]
     out = (p @ vf).transpose(1, 2).to(q.dtype)
     lse = lse.masked_fill(blind, blind_lse).float()
     if log2_lse:

@@ -10,11 +10,11 @@ import torch
 from ._fa_math import attend
 
 
-def bshd_attention(q, k, v, *, scale, causal, window, alignment, softcap=0.0, alibi=None):
+def bshd_attention(q, k, v, *, scale, causal, window, alignment, softcap=0.0, alibi=None, sink=None):
     """(b, s, h, d) inputs → (out (b, sq, h, dv) in q's dtype, lse (b, h, sq) fp32, -inf where a query sees no
-    key), vendor window convention ((-1, -1): none)."""
+    key), vendor window convention ((-1, -1): none); `sink` (h,) a per-head logit without a value."""
     offset = k.shape[1] - q.shape[1] if alignment == "bottom_right" else 0
-    return attend(q, k, v, scale, causal, tuple(window), softcap, alibi, offset, blind_lse=-math.inf)
+    return attend(q, k, v, scale, causal, tuple(window), softcap, alibi, offset, blind_lse=-math.inf, sink=sink)
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, **kw):

@@ -4,6 +4,14 @@ Signatures copied from `flash_attn_func` (L2654) and `flash_attn_varlen_func` (L
 (FlashAttnFunc.forward): `result = [out]; + lse if return_lse; + S_dmask if return_attn_probs`, returned as `out`
 alone or a tuple. Bottom-right causal/window; lse (b, h, sq) dense, (h, total_q) varlen; softcap only on varlen
 (`logits_soft_cap`); the autograd functions `assert return_lse` when a backward will run.
+
+`sink_ptr` (nhead_q,), converted to float32 (`_flash_attn_forward` asserts its device and shape): one more logit
+per row in the scaled scores' units, without a value, the LSE including it (aiter/test_mha_common.py
+`attention_ref(sink=)`). Forward only: FlashAttnFunc/FlashAttnVarlenFunc.backward return None for it (their
+`_flash_attn_*backward(..., sink=None, d_sink=None)`), so the fake detaches it. And, as the real dispatch does, the
+sink is dropped where gfx942/gfx950's ASM "fmha v3" forward takes the call (`can_impl_fmha_v3_fwd` does not look
+at sink_ptr, `fmha_v3_fwd`/`fmha_v3_varlen_fwd` have no sink argument): bf16, (d, dv) (128, 128) or (192, 128), no
+sliding window, alibi or dropout; dense with seqlen_q > 128, varlen without softcap.
 """
 
 from __future__ import annotations
@@ -26,6 +34,21 @@ def _assemble(out, lse, return_lse, return_attn_probs):
     return result[0] if len(result) == 1 else tuple(result)
 
 
+def _sink(sink_ptr, q, nhead_q):
+    if sink_ptr is None:
+        return None
+    assert sink_ptr.device == q.device, "sink_ptr must be on the same device as q"
+    assert sink_ptr.shape[0] == nhead_q, "sink_ptr has incorrect shape"
+    return sink_ptr.detach().to(torch.float32)  # no gradient: aiter's backward returns None for sink_ptr
+
+
+def _v3_asm_drops_sink(q, v, window_size, seqlen_k, alibi_slopes, dropout_p):
+    """Whether aiter's dispatch runs the gfx942/gfx950 ASM v3 forward, which has no sink (see the docstring)."""
+    left, right = (-1 if w >= seqlen_k else w for w in window_size[:2])
+    return (q.dtype == torch.bfloat16 and (q.shape[-1], v.shape[-1]) in ((128, 128), (192, 128))
+            and not (left > 0 or right > 0) and alibi_slopes is None and dropout_p == 0.0)
+
+
 def make(calls: list) -> types.ModuleType:
     mod = types.ModuleType("aiter")
     mod.__version__ = __version__
@@ -36,12 +59,15 @@ def make(calls: list) -> types.ModuleType:
         calls.append(("flash_attn_func", (q, k, v), dict(
             dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=window_size, bias=bias,
             alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse,
-            return_attn_probs=return_attn_probs, how_v3_bf16_cvt=how_v3_bf16_cvt)))
+            return_attn_probs=return_attn_probs, how_v3_bf16_cvt=how_v3_bf16_cvt, sink_ptr=sink_ptr)))
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             assert return_lse
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        sink = _sink(sink_ptr, q, q.shape[2])
+        if q.shape[1] > 128 and _v3_asm_drops_sink(q, v, window_size, k.shape[1], alibi_slopes, dropout_p):
+            sink = None
         out, lse = _math.bshd_attention(q, k, v, scale=scale, causal=causal, window=tuple(window_size[:2]),
-                                        alignment="bottom_right", alibi=alibi_slopes)
+                                        alignment="bottom_right", alibi=alibi_slopes, sink=sink)
         return _assemble(out, lse, return_lse, return_attn_probs)
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, min_seqlen_q=0,
@@ -53,9 +79,13 @@ def make(calls: list) -> types.ModuleType:
                       dict(min_seqlen_q=min_seqlen_q, dropout_p=dropout_p, softmax_scale=softmax_scale,
                            logits_soft_cap=logits_soft_cap, causal=causal, window_size=window_size,
                            alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse,
-                           return_attn_probs=return_attn_probs, how_v3_bf16_cvt=how_v3_bf16_cvt)))
+                           return_attn_probs=return_attn_probs, how_v3_bf16_cvt=how_v3_bf16_cvt,
+                           sink_ptr=sink_ptr)))
         assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_k.dtype == torch.int32
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        sink = _sink(sink_ptr, q, q.shape[1])
+        if logits_soft_cap == 0.0 and _v3_asm_drops_sink(q, v, window_size, max_seqlen_k, alibi_slopes, dropout_p):
+            sink = None
         if block_table is not None:  # flash-attn's paged convention: page pools, cu_seqlens_k = the keys' offsets
             assert block_table.dtype == torch.int32 and k.dim() == 4 and v.dim() == 4
             assert not return_attn_probs and dropout_p == 0.0
@@ -64,7 +94,7 @@ def make(calls: list) -> types.ModuleType:
             v = torch.cat([_fa_math.sequence_keys(v, i, n, block_table) for i, n in enumerate(lengths)])
         o, lse = _math.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal,
                                         window=tuple(window_size[:2]), alignment="bottom_right",
-                                        softcap=logits_soft_cap, alibi=alibi_slopes)
+                                        softcap=logits_soft_cap, alibi=alibi_slopes, sink=sink)
         return _assemble(o, lse, return_lse, return_attn_probs)
 
     # aiter/ops/rmsnorm.py (HEAD 0bc300f): fp16/bf16/fp32, weight of the input's dtype, contiguous buffers.

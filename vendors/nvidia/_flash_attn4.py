@@ -76,7 +76,7 @@ class FlashAttn4(AttentionImpl):
         dtypes=frozenset({torch.float16, torch.bfloat16}), head_dim_min=8, head_dim_max=256, head_dim_multiple=8,
         layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}), causal=True,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, lse=True,
-        lse_grad=True, backward=True, native_sinks=True,
+        lse_grad=True, backward=True, native_sinks=True, native_sinks_backward=True,
         # Not measured: FA4 is not installed on the GPU machine, so neither determinism is claimed.
         deterministic_forward=False, deterministic_backward=False,
     )

@@ -9,7 +9,31 @@ this code; see docs/vendors.md):
   bottom-right, varlen lse (heads, total_q)); snapshot tag v2.8.0-cktile.
 - `rocm.aiter`: ROCm/aiter, `aiter/ops/mha.py` (`flash_attn_func`, `flash_attn_varlen_func`: keyword names stable
   from v0.1.3 to HEAD; return value `out` or a tuple `out, lse[, S_dmask]`; backward asserts `return_lse`),
-  README "Supported Hardware" (gfx942, gfx950).
+  README "Supported Hardware" (gfx942, gfx950). Attention sinks (`caps.native_sinks`, forward only), read at
+  ROCm/aiter e4048607a535ace3a2b51ded31b1c8c2d45c0879 (2026-08-22), aiter/ops/mha.py:
+      flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1, 0), bias=None,
+                      alibi_slopes=None, deterministic=True, return_lse=False, return_attn_probs=False,
+                      how_v3_bf16_cvt=1, cu_seqlens_q=None, cu_seqlens_kv=None, sink_ptr=None, num_splits=0)
+      flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, min_seqlen_q=0,
+                             dropout_p=0.0, softmax_scale=None, logits_soft_cap=0.0, causal=False,
+                             window_size=(-1, -1, 0), bias=None, alibi_slopes=None, deterministic=False,
+                             return_lse=False, return_attn_probs=False, how_v3_bf16_cvt=1, block_table=None,
+                             out=None, cu_seqlens_q_padded=None, cu_seqlens_k_padded=None, sink_ptr=None)
+  `sink_ptr` (nhead_q,), cast to float32 (added by "Enable gptoss_sink", #1753): a logit per head in the scaled
+  scores' units with no value (aiter/test_mha_common.py `attention_ref(sink=)`; window_size[2] is a different
+  thing, StreamingLLM sink tokens). Three limits, so sinks go to the kernel only for calls without autograd, not
+  returning the LSE, and not bf16 with head dims (128, 128) or (192, 128) (`native_sinks_limit`); every other call
+  takes the shared epilogue, exact:
+  1. Forward only: FlashAttnFunc/FlashAttnVarlenFunc.backward call `_flash_attn_*backward(..., sink=None,
+     d_sink=None)` and return None for sink_ptr — the sink's gradient would be silently dropped (mha_bwd's own
+     `sink`/`d_sink`, #2321, is not wired into autograd).
+  2. gfx942/gfx950's ASM "fmha v3" forward ignores the sink: `can_impl_fmha_v3_fwd` does not look at sink_ptr and
+     `fmha_v3_fwd`/`fmha_v3_varlen_fwd` take none; it runs bf16 (128, 128)/(192, 128) with no sliding window,
+     alibi or dropout (dense: seqlen_q > 128). Routed away by dtype and head dims, a superset that does not
+     depend on the window or the length heuristic.
+  3. Whether the CK kernel's returned LSE includes the sink is not established from the sources read here, so a
+     call returning the LSE takes the epilogue.
+  No AMD machine ran this; tests/fakes/aiter.py mirrors the three.
 - `rocm.aotriton`: pytorch/pytorch `aten/src/ATen/native/transformers/hip/flash_attn/flash_api.h` (`mha_fwd`
   dispatching to `mha_fwd_aot` or `mha_fwd_ck` on `getROCmFAPreferredBackend()`), `sdp_utils.cpp` (fp16/bf16,
   causal with seqlen_q != seqlen_k refused, `TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL`), `torch/backends/cuda/
@@ -32,6 +56,7 @@ from opdispatch.plugins.toolkit import (alibi_alignment_reason, cache_as_pages, 
                                         unpack_kv_out, unpack_lse, unpack_out)
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
+_AITER_V3_HEAD_DIMS = ((128, 128), (192, 128))  # (d, dv) of aiter's ASM fmha v3 bf16 forward, which has no sink
 _AITER_PAGE = 256  # keys a page of rocm.aiter's KV caches holds a multiple of (see RocmAiter.caps)
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
 
@@ -175,8 +200,24 @@ class RocmAiter(AttentionImpl):
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, alibi=True,
         dropout=True, lse=True, backward=True, deterministic_backward=True,
         causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, page_size_multiple=_AITER_PAGE,
+        # sink_ptr is forward-only (module docstring): training calls with sinks take the shared epilogue.
+        native_sinks=True, native_sinks_backward=False,
     )
     options_model: ClassVar[type[BaseModel]] = AiterOptions
+
+    def native_sinks_limit(self, call: AttentionCall) -> str | None:
+        if call.kv_cache:
+            return "aiter's paged KV-cache entry is not read for sink_ptr here: the shared epilogue"
+        if call.return_lse:
+            return "whether aiter's returned LSE includes sink_ptr is not established: the shared epilogue"
+        if call.dtype == torch.bfloat16 and (call.head_dim, call.head_dim_v) in _AITER_V3_HEAD_DIMS:
+            return (f"aiter's ASM fmha v3 forward (bf16, head dims {call.head_dim}/{call.head_dim_v}) ignores "
+                    f"sink_ptr: the shared epilogue")
+        entry = "flash_attn_varlen_func" if call.varlen or call.softcap > 0 else "flash_attn_func"
+        fn = getattr(sys.modules.get("aiter"), entry, None)  # availability imported it, if here
+        if fn is None or unaccepted_keywords(fn, ("sink_ptr",)):
+            return f"this aiter's {entry} takes no sink_ptr (aiter >= the gptoss_sink change, #1753): the epilogue"
+        return None
 
     def selection_key(self, call: AttentionCall) -> Any:
         # Class features, and for a dense KV cache whether its length makes whole pages.
@@ -212,6 +253,8 @@ class RocmAiter(AttentionImpl):
             return_attn_probs=False)
         if opts.how_v3_bf16_cvt is not None:
             kwargs["how_v3_bf16_cvt"] = opts.how_v3_bf16_cvt
+        if call.sinks is not None:  # only calls takes_sinks_natively sends here (native_sinks_limit)
+            kwargs["sink_ptr"] = call.sinks
         packed = not call.varlen and call.softcap > 0
         if call.varlen or packed:
             if packed:
@@ -263,6 +306,8 @@ def _aiter_kv_cache_reasons(call: AttentionCall) -> list[str]:
 def _aiter_kv_cache(aiter: Any, call: AttentionCall) -> Any:
     """A KV-cache call through aiter.flash_attn_varlen_func(block_table=): queries packed, the cache's pages (a
     dense cache one page per sequence), cu_seqlens_k from seqused_k."""
+    if call.sinks is not None:  # native_sinks_limit routes KV-cache calls with sinks to the epilogue
+        raise RuntimeError("rocm.aiter: a KV-cache call with sinks reached the kernel; report it")
     queries = packed_queries(call)
     k, v, table = cache_as_pages(call)
     kwargs: dict[str, Any] = dict(softmax_scale=call.scale, causal=call.causal, window_size=kernel_window(call),
