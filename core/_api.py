@@ -83,9 +83,9 @@ attention = ATTENTION_ARGS.front_door(
     The fast path (generated from the op's argument definition, `opdispatch._attention.ATTENTION_ARGS`): a key
     of everything validation and selection read (shapes, dtypes, devices, grad mode, flags, the active
     `scope()`/`policy_override()`, torch's determinism flag) finds the function bound to a kernel for this
-    signature; a boolean mask is keyed by its shape, dtype and device and handed to that function per call (its
-    values change: a padded batch's decode); biases, ALiBi, sinks and varlen offsets take the slow path
-    (validated every call).
+    signature; a boolean mask and sinks are keyed by their shape, dtype and device and handed to that function per
+    call (their values change: a padded batch's decode, trained sinks); biases, ALiBi and varlen offsets take the
+    slow path (validated every call).
     """)
 
 
@@ -105,11 +105,33 @@ def _attention_slow(manager: OpManager, key: Any, *args: Any) -> Any:
                               varlen_same=known_same)
     if varlen_key is not None and known_same is None:
         bounded_put(checked, varlen_key, call.cu_seqlens_k is call.cu_seqlens_q)
-    if call.sinks is not None:  # never a fast-path key (sinks bypass it): the shared epilogue over the choice
-        return run_with_sinks(manager, call, impl)
+    if call.sinks is not None:  # the shared epilogue (or a native sink) over the choice
+        result = run_with_sinks(manager, call, impl)
+        if key is not None:
+            _remember_sinks(manager, key, call, impl)
+        return result
     if key is None:
         return manager.call("attention", call, impl=impl)
     return _run_and_remember(manager, "attention", key, call, impl, ATTENTION_ARGS.bound_tensors(arguments))
+
+
+def _remember_sinks(manager: OpManager, key: Any, call: Any, impl: str | None) -> None:
+    """Remember, under the fast-path `key`, a function that runs later calls of this signature with sinks without
+    validating them again: the front door passes (q, k, v, seqused_k, block_table, attn_mask, sinks) of each call.
+    `run_with_sinks` decides its class (a cached decision) and fails over itself; the function carries what the
+    breaker and invalidation read (`decision`, `signature`, `described`)."""
+    decision = manager.resolve("attention", call, impl=impl)
+    if decision.policy_hash != manager.policy.hash:
+        return
+    template = call.stripped()
+
+    def with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *optional: torch.Tensor | None) -> Any:
+        return run_with_sinks(manager, template.with_tensors(q, k, v, *optional), impl)
+
+    with_sinks.decision = decision  # type: ignore[attr-defined]
+    with_sinks.signature = call.signature()  # type: ignore[attr-defined]
+    with_sinks.described = call.describe()  # type: ignore[attr-defined]
+    bounded_put(manager.fast, key, with_sinks)
 
 
 def _fast_path_failed(manager: OpManager, key: Any, fn: Any, exc: Exception, slow: Callable[..., Any],

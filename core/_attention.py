@@ -88,7 +88,7 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("alibi_slopes", "torch.Tensor | None", None, key="bypass", doc="(heads,) or (batch, heads) ALiBi slopes"),
     Arg("attn_mask", "torch.Tensor | None", None, key="tensor?", doc="bool, True = attend; broadcast to scores"),
     Arg("attn_bias", "torch.Tensor | None", None, key="bypass", doc="float bias added to the scores"),
-    Arg("sinks", "torch.Tensor | None", None, key="bypass",
+    Arg("sinks", "torch.Tensor | None", None, key="tensor?",
         doc="float32 (heads_q,) attention-sink logits: each row's softmax gains a virtual key of that score and a "
             "zero value (`out * sigmoid(lse - sink)`; the LSE includes it); differentiable"),
     Arg("cu_seqlens_q", "torch.Tensor | None", None, key="bypass", doc="int32 (batch + 1,) offsets for `thd`"),
@@ -105,7 +105,7 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("deterministic", "bool", False, doc="only implementations with a deterministic backward"),
     Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
 ), bound=("q", "k", "v"), context=("_overrides", "_module", "_deterministic"),
-   bound_optional=("seqused_k", "block_table", "attn_mask"),
+   bound_optional=("seqused_k", "block_table", "attn_mask", "sinks"),
    return_forms=(("return_lse", "Literal[False]", "torch.Tensor"),
                  ("return_lse", "Literal[True]", "tuple[torch.Tensor, torch.Tensor]")))
 
@@ -249,8 +249,8 @@ class AttentionCall:
     def with_tensors(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *cache: torch.Tensor | None
                      ) -> AttentionCall:
         """A copy of this call with other q/k/v of the same signature (used by bound plans) and, when given (the
-        front door's `bound_optional`), this call's `seqused_k`, `block_table` and `attn_mask`: a KV cache's
-        lengths and pages, or a mask whose values change from call to call (a padded batch's decode)."""
+        front door's `bound_optional`), this call's `seqused_k`, `block_table`, `attn_mask` and `sinks`: a KV
+        cache's lengths and pages, a mask or sinks whose values change from call to call."""
         new = AttentionCall.__new__(AttentionCall)
         for name in _CALL_SLOTS:
             setattr(new, name, getattr(self, name))
@@ -259,6 +259,8 @@ class AttentionCall:
             new.seqused_k, new.block_table = cache[0], cache[1]
             if len(cache) > 2:
                 new.attn_mask = cache[2]
+            if len(cache) > 3:
+                new.sinks = cache[3]
         return new
 
     def without_sinks(self) -> AttentionCall:

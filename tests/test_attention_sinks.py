@@ -332,3 +332,54 @@ def test_a_kernel_that_raises_fails_over_with_sinks_too(manager, monkeypatch):
     got = opdispatch.attention(q, k, v, causal=True, sinks=sinks)
     want = opdispatch.attention(q, k, v, causal=True, sinks=sinks, impl="reference.math")
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_sinks_calls_take_the_fast_path_with_their_values_per_call(basic_manager, grad, monkeypatch):
+    """Sinks are keyed by shape, dtype and device: a decode or training loop validates its signature once, and
+    each later call's sinks (a trained parameter whose values change) reach the result and get their gradient."""
+    from opdispatch import _api
+
+    validations = []
+    validate = _api.validate_attention
+    monkeypatch.setattr(_api, "validate_attention", lambda *a, **kw: validations.append(1) or validate(*a, **kw))
+    gen = torch.Generator().manual_seed(8)
+    for step in range(4):
+        q0, k0, v0 = (torch.randn(2, 5, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+        s0 = torch.randn(4, generator=gen, dtype=torch.float64) * 2
+        q, k, v = leaves(q0, k0, v0, dtype=torch.float32) if grad else (t.float() for t in (q0, k0, v0))
+        sinks = s0.float().requires_grad_(grad)
+        out = opdispatch.attention(q, k, v, causal=True, sinks=sinks, scale=0.4)
+        qr, kr, vr, sr = leaves(q0, k0, v0, s0, dtype=torch.float64)
+        want, _ = oracle(qr, kr, vr, sr, scale=0.4, causal=True)
+        torch.testing.assert_close(out.double(), want, **TOLERANCE[torch.float32])
+        if grad:
+            g = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+            (out.double() * g).sum().backward()
+            (want * g).sum().backward()
+            torch.testing.assert_close(sinks.grad.double(), sr.grad, **TOLERANCE[torch.float32])
+            torch.testing.assert_close(q.grad.double(), qr.grad, **TOLERANCE[torch.float32])
+    assert len(validations) == 1, f"{len(validations)} validations for one signature with sinks"
+
+
+def test_a_sinks_fast_path_function_is_forgotten_when_its_kernel_is_demoted(manager, monkeypatch):
+    """The remembered function of a sinks signature carries its decision: a kernel failing on a later call fails
+    over (the next implementation computes the same math) and the stale function is not used again."""
+    from opdispatch.vendors.cpu._attention import CpuFlashAttention
+
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 6, 2, 8, generator=gen) for _ in range(3))
+    sinks = torch.randn(2, generator=gen)
+    first = opdispatch.attention(q, k, v, causal=True, sinks=sinks)  # remembered on cpu.flash
+    assert opdispatch.explain(q, k, v, causal=True, sinks=sinks).chosen_id == "cpu.flash"
+
+    def broken(self, call):
+        raise RuntimeError("injected kernel fault")
+
+    monkeypatch.setattr(CpuFlashAttention, "run", broken)
+    sinks2 = torch.randn(2, generator=gen)
+    got = opdispatch.attention(q, k, v, causal=True, sinks=sinks2)  # a fast-path hit whose kernel raises
+    want = opdispatch.attention(q, k, v, causal=True, sinks=sinks2, impl="reference.math")
+    torch.testing.assert_close(got, want)
+    assert not torch.equal(got, first)
+    assert opdispatch.explain(q, k, v, causal=True, sinks=sinks).chosen_id != "cpu.flash"
