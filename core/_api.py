@@ -19,6 +19,7 @@ from ._graphs import is_capturing, raise_if_capturing
 from ._manager import OpManager
 from . import _native
 from ._ops import op_spec
+from ._profiling import profiling
 from ._sinks import run_with_sinks
 from ._state import bounded_put
 from .policies._overrides import MODULE, OVERRIDES
@@ -57,6 +58,7 @@ _grad_enabled = torch.is_grad_enabled
 _overrides = OVERRIDES.get
 _module = MODULE.get
 _deterministic = torch.are_deterministic_algorithms_enabled
+_profiling = profiling
 
 
 def _attention_for_compile(*args: Any, **kwargs: Any) -> Any:
@@ -324,7 +326,8 @@ def define_front_door(op: str, *, doc: str = "", compiled: Callable[..., Any] | 
     failed = _failed_path(slow)
     namespace = {"_is_compiling": _is_compiling, "get_manager": get_manager, "_grad_enabled": _grad_enabled,
                  "_index_key": _index_key, "_overrides": _overrides, "_module": _module,
-                 "_deterministic": _deterministic, "_compiled": compiled, "_slow": slow, "_failed": failed}
+                 "_deterministic": _deterministic, "_profiling": _profiling, "_compiled": compiled, "_slow": slow,
+                 "_failed": failed}
     python_front_door = arguments.front_door(doc=doc, namespace=namespace, compiled="_compiled", slow="_slow",
                                              failed="_failed", return_annotation=return_annotation,
                                              manager="get_manager()")

@@ -76,7 +76,7 @@ class OpArguments:
     op: str
     args: tuple[Arg, ...]
     bound: tuple[str, ...]
-    context: tuple[str, ...] = ("_overrides", "_module")
+    context: tuple[str, ...] = ("_overrides", "_module", "_profiling")
     bound_optional: tuple[str, ...] = ()
     return_forms: tuple[tuple[str, str, str], ...] = ()
 

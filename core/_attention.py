@@ -104,7 +104,7 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("return_lse", "bool", False, doc="also return the log-sum-exp of the scores"),
     Arg("deterministic", "bool", False, doc="only implementations with a deterministic backward"),
     Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
-), bound=("q", "k", "v"), context=("_overrides", "_module", "_deterministic"),
+), bound=("q", "k", "v"), context=("_overrides", "_module", "_deterministic", "_profiling"),
    bound_optional=("seqused_k", "block_table", "attn_mask", "sinks"),
    return_forms=(("return_lse", "Literal[False]", "torch.Tensor"),
                  ("return_lse", "Literal[True]", "tuple[torch.Tensor, torch.Tensor]")))

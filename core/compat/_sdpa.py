@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend
 
 from .. import _api, _native
 from .._arguments import REQUIRED
-from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, \
+from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, _profiling, \
     _run_and_remember, attention
 from .._attention import validate_attention
 
@@ -97,7 +97,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
                         key.device, key.stride(-1), value.shape, value.dtype, value.device, value.stride(-1),
                         is_causal, is_causal.__class__, scale, scale.__class__, enable_gqa, dropout_p.__class__,
                         _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
-                        _overrides(), _module(), _deterministic())
+                        _overrides(), _module(), _deterministic(), _profiling())
             fn = manager.fast[fast_key]
         except KeyError:
             pass  # the first call of this signature: remembered below if it takes the common path
@@ -356,7 +356,7 @@ def _fast_key(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, 
                 key.stride(-1), value.shape, value.dtype, value.device, value.stride(-1), is_causal,
                 is_causal.__class__, scale, scale.__class__, enable_gqa, dropout_p.__class__,
                 _grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad), _overrides(),
-                _module(), _deterministic())
+                _module(), _deterministic(), _profiling())
     except (TypeError, RuntimeError, IndexError):
         return None
 
@@ -376,7 +376,7 @@ scaled_dot_product_attention = _native.compiled_front_door(
     defaults=(REQUIRED, REQUIRED, REQUIRED, None, 0.0, False, None, False),
     kinds=("strided", "strided", "strided", "bypass", "zero", "value", "value", "value"), key_of=_fast_key,
     failed=_failed_hit, bound=("query", "key", "value"),
-    context=_native.context_sources(_overrides, _module, _deterministic, _native.AUTOCAST),
+    context=_native.context_sources(_overrides, _module, _deterministic, _profiling, _native.AUTOCAST),
     exact=("query", "key", "value"), flag=_state)
 
 

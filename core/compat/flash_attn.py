@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .. import _api, _native
 from .._arguments import REQUIRED
-from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, \
+from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, _profiling, \
     _run_and_remember, attention
 from .._attention import validate_attention
 from .._kv_checks import Bound, KvCacheIndexError, Rule, Unique, check_index_tensor, check_pending_errors, \
@@ -134,7 +134,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
                         deterministic, deterministic.__class__, return_attn_probs,
                         dropout_p.__class__,
                         _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-                        _overrides(), _module(), _deterministic())
+                        _overrides(), _module(), _deterministic(), _profiling())
             fn = manager.fast[fast_key]
         except KeyError:
             pass  # the first call of this signature: remembered below
@@ -174,7 +174,7 @@ def _fast_key(q: Any, k: Any, v: Any, dropout_p: Any, softmax_scale: Any, causal
                 causal.__class__, window_size, softcap, softcap.__class__, deterministic, deterministic.__class__,
                 return_attn_probs, dropout_p.__class__,
                 _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), _overrides(), _module(),
-                _deterministic())
+                _deterministic(), _profiling())
     except (TypeError, RuntimeError):
         return None
 
@@ -197,8 +197,8 @@ flash_attn_func = _native.compiled_front_door(
     kinds=("strided", "strided", "strided", "zero", "value", "value", "int_tuple", "value", "bypass", "value",
            "value"),
     key_of=_fast_key, failed=_failed_hit, bound=("q", "k", "v"),
-    context=_native.context_sources(_overrides, _module, _deterministic), exact=("q", "k", "v"), flag=_inside,
-    result=_result, result_arg="return_attn_probs")
+    context=_native.context_sources(_overrides, _module, _deterministic, _profiling), exact=("q", "k", "v"),
+    flag=_inside, result=_result, result_arg="return_attn_probs")
 
 
 def _remembered(manager: Any, fast_key: Any, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None,
