@@ -5,6 +5,7 @@ checked against the float64 oracle of tests/test_attention_sinks.py."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import ClassVar
 
@@ -240,3 +241,22 @@ def test_the_fake_refuses_what_the_real_function_refuses():
         fake_vllm.flash_attn_varlen_func(q, q, q, 6, cu.long(), 6, cu.long(), fa_version=3)
     out, lse = fake_vllm.flash_attn_varlen_func(q, q, q, 6, cu, 6, cu, fa_version=3, return_softmax_lse=True)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (2, 6)
+
+
+def test_a_build_without_s_aux_takes_the_epilogue(vllm_fa, monkeypatch):
+    # vLLM builds from before the GPT-OSS change have fa_version but no s_aux: sinks never reach them.
+    real = fake_vllm.flash_attn_varlen_func
+    params = [p for name, p in inspect.signature(real).parameters.items() if not name.startswith(("s_aux", "cp_"))]
+
+    def older(*args, **kwargs):
+        return real(*args, **kwargs)
+
+    older.__signature__ = inspect.Signature(params)
+    monkeypatch.setattr(fake_vllm, "flash_attn_varlen_func", older)
+    gen = torch.Generator().manual_seed(19)
+    q, k, v = _inputs(gen, 1, 6, 9, 4, 2, 16, torch.float16)
+    sinks = _bf16_sinks(gen, 4)
+    out = opdispatch.attention(q, k, v, causal=True, causal_alignment="bottom_right", sinks=sinks)
+    assert len(fake_vllm.calls) == 1 and fake_vllm.calls[0]["s_aux"] is None
+    ref_out, _ = oracle(q, k, v, sinks, scale=0.25, causal=True, alignment="bottom_right")
+    torch.testing.assert_close(out.double(), ref_out, **TOL[torch.float16])

@@ -33,9 +33,11 @@ It returns `out` (total_q, h, dv) in q's dtype, or `(out, softmax_lse)` with ret
 What this adapter therefore does with sinks (`native_sinks_limit`; every other call with sinks goes through the
 shared epilogue over this kernel's LSE, which is exact):
 - natively only where the float32 sinks are exactly bfloat16 values (GPT-OSS's bf16 `sinks`, widened), since
-  s_aux is read as bf16 and any other value would be rounded; checking it reads the sinks (one device sync);
+  s_aux is read as bf16 and any other value would be rounded; checking it reads the sinks (one device sync per
+  call; while a CUDA graph is captured it cannot, so those calls take the epilogue);
 - not where the LSE is returned: a tile of rows that sees no key is written by `store_zero` with LSE -inf (the
-  sink left out), and a sink more than ~88 above a row's largest score overflows that row's sum to an LSE of +inf;
+  sink left out), and a sink more than ~88 above a row's largest scaled score overflows that row's sum to an LSE
+  of +inf (its output is then 0, where the exact one is below e^-88 of the values: within float32's underflow);
 - not with more than 64 query heads; not on a build whose flash_attn_varlen_func has no `s_aux` (older vLLM).
 
 Not offered: the paged KV cache (block_table with seqused_k) and seqused_k over a dense cache, fp8, q_v, context
@@ -45,7 +47,6 @@ holds the contract tests' fake; nothing here is measured.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, ClassVar
 
 import torch
@@ -91,11 +92,16 @@ class VllmFlashAttn(AttentionImpl):
                     "a sink overflows a row's sum: the shared epilogue")
         if call.heads_q > _S_AUX_MAX_HEADS:
             return f"vLLM's FA3 takes s_aux with at most {_S_AUX_MAX_HEADS} query heads, not {call.heads_q}"
-        fn = getattr(sys.modules.get("vllm.vllm_flash_attn"), "flash_attn_varlen_func", None)
-        if fn is None or unaccepted_keywords(fn, ("s_aux", "fa_version")):
+        # Imported here, not read from sys.modules: availability never imports it, and the call runs on it next.
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        if unaccepted_keywords(flash_attn_varlen_func, ("s_aux", "fa_version")):
             return "this vllm.vllm_flash_attn's flash_attn_varlen_func takes no s_aux: the shared epilogue"
         sinks = call.sinks
         assert sinks is not None  # only asked for calls with sinks
+        if sinks.is_cuda and torch.cuda.is_current_stream_capturing():
+            return ("whether the sinks are bfloat16 values (what s_aux holds) cannot be read while a CUDA graph is "
+                    "captured: the shared epilogue")
         if not torch.equal(sinks, sinks.to(torch.bfloat16).to(sinks.dtype)):
             return "vLLM's FA3 reads s_aux as bfloat16 and these float32 sinks are not bfloat16 values: the epilogue"
         return None
