@@ -1,5 +1,6 @@
 """Built-in plugin `nvidia`: torch's CUDA attention kernels (cuDNN, FlashAttention-2, memory-efficient), the
-flash-attn package (FA2, FA3 on Hopper, FA4 `flash_attn.cute` on Hopper/Blackwell), and the NVIDIA device probe."""
+flash-attn package (FA2, FA3 on Hopper, FA4 `flash_attn.cute` on Hopper/Blackwell), vLLM's FlashAttention fork
+(`vllm.vllm_flash_attn`, FA3 on Hopper, inference), and the NVIDIA device probe."""
 
 from __future__ import annotations
 
@@ -9,19 +10,20 @@ from opdispatch import DeviceInfo, Impl, hookimpl
 
 from ._attention import CudnnAttention, FlashAttn2, FlashAttn3, MemEfficientAttention, TorchFlashAttention
 from ._flash_attn4 import FlashAttn4
+from ._vllm_flash_attn import VllmFlashAttn
 from ._rms_norm import ApexRmsNorm
 from ._probe import probe_nvidia
 from ._rotary import FlashRotary
 
 __all__ = ["ApexRmsNorm", "CudnnAttention", "FlashAttn2", "FlashAttn3", "FlashAttn4", "FlashRotary",
            "MemEfficientAttention",
-           "TorchFlashAttention", "probe_nvidia"]
+           "TorchFlashAttention", "VllmFlashAttn", "probe_nvidia"]
 
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
     return [CudnnAttention(), TorchFlashAttention(), MemEfficientAttention(), FlashAttn2(), FlashAttn3(), FlashAttn4(),
-            FlashRotary(),
+            VllmFlashAttn(), FlashRotary(),
             ApexRmsNorm()]
 
 
