@@ -522,7 +522,8 @@ class DotProductAttention(torch.nn.Module):
         for argument, value, tensor in (("max_seqlen_q", max_seqlen_q, q), ("max_seqlen_kv", max_seqlen_kv, k)):
             if value is not None and value != tensor.shape[s_axis]:
                 raise _refuse(argument, value, f"differs from the tensor's sequence dimension "
-                                               f"({tensor.shape[s_axis]}) in qkv_format={fmt!r}; TE requires them equal")
+                                               f"({tensor.shape[s_axis]}) in qkv_format={fmt!r}; TE requires them "
+                                               "equal")
         if padding:
             return self._plan_padded(q, k, v, fmt, options, attention_mask, cu_seqlens_q, cu_seqlens_kv)
         return _Plan(_dense_run(fmt, options), (q, k, v), lambda: ((q, k, v), {"layout": fmt, **options}))
@@ -542,7 +543,8 @@ class DotProductAttention(torch.nn.Module):
         heads_q = self.num_attention_heads // self.tp_size
         if q.shape[-2] != heads_q:
             raise _refuse("query_layer", q, f"has {q.shape[-2]} heads but the module was built for {heads_q} "
-                                            f"(num_attention_heads={self.num_attention_heads} / tp_size={self.tp_size})")
+                                            f"(num_attention_heads={self.num_attention_heads} / "
+                                            f"tp_size={self.tp_size})")
         if k.shape[-2] != self.num_gqa_groups_per_partition:
             raise _refuse("key_layer", k, f"has {k.shape[-2]} heads but num_gqa_groups gives "
                                           f"{self.num_gqa_groups_per_partition}")
@@ -564,7 +566,7 @@ class DotProductAttention(torch.nn.Module):
                                                "qkv_format='thd'")
         if cu_q.shape != cu_kv.shape:
             raise _refuse("cu_seqlens_kv", cu_kv, f"must have cu_seqlens_q's shape {tuple(cu_q.shape)}")
-        gathers = []
+        gathers: list[Tensor | None] = []
         for name, cu, padded, t in (("cu_seqlens_q_padded", cu_q, cu_q_padded, q),
                                     ("cu_seqlens_kv_padded", cu_kv, cu_kv_padded, k)):
             if padded is None or padded is cu:
@@ -576,7 +578,8 @@ class DotProductAttention(torch.nn.Module):
                                                                 "cu_seqlens_q_padded/cu_seqlens_kv_padded locate them")
         same = cu_q is cu_kv and gathers[0] is None and gathers[1] is None
         varlen = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_q if same else cu_kv,
-                  "max_seqlen_q": _maybe_int(max_q, "max_seqlen_q"), "max_seqlen_k": _maybe_int(max_kv, "max_seqlen_kv")}
+                  "max_seqlen_q": _maybe_int(max_q, "max_seqlen_q"),
+                  "max_seqlen_k": _maybe_int(max_kv, "max_seqlen_kv")}
         index_q, index_kv = gathers
         opts = {"layout": "thd", **options, **varlen}
         tokens_q = q.shape[0]
@@ -627,7 +630,9 @@ class DotProductAttention(torch.nn.Module):
                                                                 "attention_type='cross'")
             keep_q = _padding_keep(attention_mask[0], "attention_mask[0]", batch, sq, q.device)
             keep_kv = _padding_keep(attention_mask[1], "attention_mask[1]", batch, skv, q.device)
-        to_bshd = (lambda t: t.transpose(0, 1)) if fmt == "sbhd" else (lambda t: t)
+        def to_bshd(t: Tensor) -> Tensor:
+            return t.transpose(0, 1) if fmt == "sbhd" else t
+
         opts = {"layout": "thd", **options}
 
         def pack(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor, dict[str, Any]]:
@@ -643,7 +648,7 @@ class DotProductAttention(torch.nn.Module):
             packed, index_q, varlen = pack(q, k, v)
             out = pad_input(attention(*packed, **opts, **varlen), index_q, batch, sq)  # zeros where padded
             out = out.transpose(0, 1) if fmt == "sbhd" else out
-            return out.reshape(*out.shape[:2], -1)  # type: ignore[no-any-return]
+            return out.reshape(*out.shape[:2], -1)
 
         def describe() -> tuple[tuple[Tensor, ...], dict[str, Any]]:
             packed, _, varlen = pack(q, k, v)
