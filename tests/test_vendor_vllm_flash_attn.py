@@ -260,3 +260,25 @@ def test_a_build_without_s_aux_takes_the_epilogue(vllm_fa, monkeypatch):
     assert len(fake_vllm.calls) == 1 and fake_vllm.calls[0]["s_aux"] is None
     ref_out, _ = oracle(q, k, v, sinks, scale=0.25, causal=True, alignment="bottom_right")
     torch.testing.assert_close(out.double(), ref_out, **TOL[torch.float16])
+
+
+def test_the_bfloat16_check_reads_a_sinks_tensor_once_per_version(vllm_fa, monkeypatch):
+    """Reading the sinks is a device sync: a decode loop passing the same parameter reads it once; writing it in
+    place (a new version) reads it again, and a value that stops being bfloat16 goes to the epilogue."""
+    from opdispatch.vendors.nvidia import _vllm_flash_attn as adapter
+
+    reads = []
+    equal = torch.equal
+    monkeypatch.setattr(adapter.torch, "equal", lambda a, b: reads.append(1) or equal(a, b))
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = _inputs(gen, 1, 1, 9, 4, 2, 16, torch.bfloat16)
+    sinks = _bf16_sinks(gen, 4)
+    for _ in range(3):
+        opdispatch.attention(q, k, v, sinks=sinks)
+    assert len(reads) == 1 and all(c["s_aux"] is not None for c in fake_vllm.calls)
+    with torch.no_grad():
+        sinks.add_(0.001)  # no longer bfloat16 values
+    fake_vllm.calls.clear()
+    out = opdispatch.attention(q, k, v, sinks=sinks)
+    assert len(reads) == 2 and fake_vllm.calls[0]["s_aux"] is None
+    torch.testing.assert_close(out.double(), oracle(q, k, v, sinks, scale=0.25)[0], **TOL[torch.bfloat16])

@@ -34,7 +34,8 @@ What this adapter therefore does with sinks (`native_sinks_limit`; every other c
 shared epilogue over this kernel's LSE, which is exact):
 - natively only where the float32 sinks are exactly bfloat16 values (GPT-OSS's bf16 `sinks`, widened), since
   s_aux is read as bf16 and any other value would be rounded; checking it reads the sinks (one device sync per
-  call; while a CUDA graph is captured it cannot, so those calls take the epilogue);
+  sinks tensor and version — a decode loop's parameter is read once; while a CUDA graph is captured it cannot,
+  so those calls take the epilogue);
 - not where the LSE is returned: a tile of rows that sees no key is written by `store_zero` with LSE -inf (the
   sink left out), and a sink more than ~88 above a row's largest scaled score overflows that row's sum to an LSE
   of +inf (its output is then 0, where the exact one is below e^-88 of the values: within float32's underflow);
@@ -47,6 +48,7 @@ holds the contract tests' fake; nothing here is measured.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, ClassVar
 
 import torch
@@ -102,7 +104,7 @@ class VllmFlashAttn(AttentionImpl):
         if sinks.is_cuda and torch.cuda.is_current_stream_capturing():
             return ("whether the sinks are bfloat16 values (what s_aux holds) cannot be read while a CUDA graph is "
                     "captured: the shared epilogue")
-        if not torch.equal(sinks, sinks.to(torch.bfloat16).to(sinks.dtype)):
+        if not _bf16_valued(sinks):
             return "vLLM's FA3 reads s_aux as bfloat16 and these float32 sinks are not bfloat16 values: the epilogue"
         return None
 
@@ -128,3 +130,20 @@ class VllmFlashAttn(AttentionImpl):
             return out
         lse = empty_rows_to_neg_inf(lse)
         return out, (lse if call.varlen else unpack_lse(call, lse))
+
+
+# Whether a sinks tensor holds bfloat16 values, per live tensor object and its version: reading it is a device
+# sync, and a decode loop passes the same parameter every step (its version moves only when it is written). Keyed by
+# id() with a finalizer dropping the entry when the tensor dies, so a reused id never answers for another tensor.
+_BF16_VALUED: dict[int, tuple[int, bool]] = {}
+
+
+def _bf16_valued(sinks: torch.Tensor) -> bool:
+    known = _BF16_VALUED.get(id(sinks))
+    if known is not None and known[0] == sinks._version:
+        return known[1]
+    answer = bool(torch.equal(sinks, sinks.to(torch.bfloat16).to(sinks.dtype)))
+    if known is None:
+        weakref.finalize(sinks, _BF16_VALUED.pop, id(sinks), None)
+    _BF16_VALUED[id(sinks)] = (sinks._version, answer)
+    return answer
