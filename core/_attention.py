@@ -1178,7 +1178,8 @@ class AttentionImpl(Impl):
         return _unit_strides
 
     def bound_function(self, call: AttentionCall) -> Callable[..., Any]:
-        # The front door passes a call's optional tensors as ``fn(q, k, v, seqused_k, block_table, attn_mask)``.
+        # The front door passes a call's optional tensors as ``fn(q, k, v, seqused_k, block_table, attn_mask,
+        # sinks)`` (a call with sinks never reaches an implementation's bound function: opdispatch._api binds it).
         # An overridden bind is written for (q, k, v) and, for a KV cache, (q, k, v, seqused_k, block_table)
         # (plugin API 2): a masked call takes the default, which reads them all; a KV-cache call drops the mask's
         # slot (None there: validation refuses masks with a KV cache).
