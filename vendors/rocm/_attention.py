@@ -214,7 +214,11 @@ class RocmAiter(AttentionImpl):
             return (f"aiter's ASM fmha v3 forward (bf16, head dims {call.head_dim}/{call.head_dim_v}) ignores "
                     f"sink_ptr: the shared epilogue")
         entry = "flash_attn_varlen_func" if call.varlen or call.softcap > 0 else "flash_attn_func"
-        fn = getattr(sys.modules.get("aiter"), entry, None)  # availability imported it, if here
+        try:  # imported here, not read from sys.modules: availability never imports it, and the call runs on it
+            import aiter
+        except ImportError:
+            aiter = None
+        fn = getattr(aiter, entry, None)
         if fn is None or unaccepted_keywords(fn, ("sink_ptr",)):
             return f"this aiter's {entry} takes no sink_ptr (aiter >= the gptoss_sink change, #1753): the epilogue"
         return None
