@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("context_parallel_attention", "shard_sequence", "unshard_sequence"), "._context_parallel"),
     "AgreementError": "._distributed",
     "stats": "._stats",
+    "shadow_flush": "._shadow",
     **dict.fromkeys(("diff_decisions", "export_decisions"), "._decisions_lock"),
 }
 _SUBMODULES = ("distributed",)  # `opdispatch.distributed.consistent()` after a plain `import opdispatch`
@@ -72,6 +73,6 @@ __all__ = [
     "define_explain", "define_front_door", "diff_decisions", "distributed", "explain", "explain_rms_norm",
     "explain_rotary_embedding", "export_decisions", "get_manager", "hookimpl", "known_ops", "load_device_descriptor",
     "op_spec", "packed_views", "plan", "plan_op", "policy_override", "register_op", "rms_norm", "rotary_embedding",
-    "scope", "set_manager", "shard_sequence", "stats", "unshard_sequence", "validate_attention", "validate_rms_norm",
-    "validate_rotary_embedding",
+    "scope", "set_manager", "shadow_flush", "shard_sequence", "stats", "unshard_sequence", "validate_attention",
+    "validate_rms_norm", "validate_rotary_embedding",
 ]

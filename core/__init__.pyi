@@ -89,6 +89,9 @@ from ._distributed import (
 from ._stats import (
     stats as stats,
 )
+from ._shadow import (
+    shadow_flush as shadow_flush,
+)
 from ._decisions_lock import (
     diff_decisions as diff_decisions,
     export_decisions as export_decisions,
@@ -151,6 +154,7 @@ __all__ = [
     'rotary_embedding',
     'scope',
     'set_manager',
+    'shadow_flush',
     'shard_sequence',
     'stats',
     'unshard_sequence',

@@ -24,6 +24,7 @@ from . import _native
 from ._breaker import CLASS, Breaker, RetryDue, may_fail_over
 from ._output_guard import ImplementationOutputError, check_values_enabled, guarded, structure_problems
 from ._profiling import profiling, ranged
+from ._shadow import Shadow, shadow_from_environ
 from ._classes import DecisionClasses
 from ._device import DeviceInfo, probe_cpu, probe_generic
 from ._graphs import is_capturing, raise_if_capturing
@@ -96,6 +97,11 @@ class OpManager:
         self.usage = UsageCounters()
         self.lock: DecisionLock | None = None
         self._check_values: bool | None = None  # OPDISPATCH_CHECK_OUTPUTS, read on first use
+        # OPDISPATCH_SHADOW (`_shadow`), read on first use: None while unread or off.
+        self._shadow: Shadow | None = None
+        self._shadow_read = False
+        # Quarantine files added to every policy this manager installs (`add_quarantine`: a shadow check's).
+        self._added_quarantines: list[str] = []
         self._devices: dict[Any, DeviceInfo] = {}
         self._policy_object: Any = policy if isinstance(policy, Policy) else None
         self._policy_path: Any = None if isinstance(policy, Policy) else policy
@@ -119,6 +125,7 @@ class OpManager:
                 return
             _configure_logging()
             register_exit_summary(self.environ)
+            self.shadow  # OPDISPATCH_SHADOW checked here: a bad value is a setting's error, not a kernel's
             self.lock = lock_from_environ(self.environ)
             if self._load_entry_points:
                 records = load_entry_point_plugins(self._pm, self._entry_points, self.environ)
@@ -215,8 +222,37 @@ class OpManager:
         from opdispatch.policies._policy import EnvOverrides
 
         if self._policy_object is not None:
-            return self._policy_object.with_env(EnvOverrides.from_environ(self.environ))
-        return load_policy(self._policy_path, environ=self.environ)
+            policy = self._policy_object.with_env(EnvOverrides.from_environ(self.environ))
+        else:
+            policy = load_policy(self._policy_path, environ=self.environ)
+        return self._with_added_quarantines(policy)
+
+    def _with_added_quarantines(self, policy: Any) -> Any:
+        """`policy` with the quarantine files of `add_quarantine` read anew, each replacing a layer read from the
+        same file (e.g. OPDISPATCH_QUARANTINE's)."""
+        if not self._added_quarantines:
+            return policy
+        from opdispatch.policies import Policy
+        from opdispatch.policies._policy import read_quarantine_file
+
+        from ._errors import PolicyError
+
+        layers = [layer for layer in policy.layers if layer.source not in self._added_quarantines]
+        for path in self._added_quarantines:
+            try:
+                layers.append(read_quarantine_file(path))
+            except (PolicyError, OSError) as exc:  # like any quarantine: a broken one is reported and skipped
+                log.warning("quarantine file skipped: %s", exc)
+        return Policy(layers, policy.env)
+
+    def add_quarantine(self, path: Any) -> None:
+        """Read the quarantine file `path` into the installed policy, now and at every later `reload` or
+        `set_policy` of this manager (a shadow check that quarantined a class: `_shadow`). Decisions are made
+        afresh, as after a reload."""
+        with self._lock:
+            if str(path) not in self._added_quarantines:
+                self._added_quarantines.append(str(path))
+            self._install(self._with_added_quarantines(self.state.policy))
 
     def _install(self, policy: Any) -> None:
         """Build the state for `policy` (validating its options and ids: an error leaves the old state in place),
@@ -586,6 +622,9 @@ class OpManager:
             fn = fixed
         if self.check_values:
             fn = guarded(decision.op, chosen.id, fn, _template(call).with_tensors, _bound_names(decision.op))
+        shadow = self.shadow
+        if shadow is not None and not getattr(chosen, "reference_fallback", False):  # bound only while it is on
+            fn = shadow.wrap(fn, decision, _template(call).with_tensors)
         retry_at = decision.retry_at
         if retry_at is not None:
             kernel, clock = fn, self.breaker.clock
@@ -611,6 +650,15 @@ class OpManager:
             self._check_values = check_values_enabled(self.environ)
         return self._check_values
 
+    @property
+    def shadow(self) -> Shadow | None:
+        """OPDISPATCH_SHADOW's checker (see `_shadow`), or None when off; the env vars are read on first use (a
+        bad value raises then)."""
+        if not self._shadow_read:
+            self._shadow = shadow_from_environ(self, self.environ)
+            self._shadow_read = True
+        return self._shadow
+
     def call(self, op: str, call: Any, *, impl: str | None = None) -> Any:
         """Decide and run `call`, checking the result's structure (failing over as `run_bound` does)."""
         decision = self.resolve(op, call, impl=impl)
@@ -634,7 +682,12 @@ class OpManager:
                 continue
             fix = _result_fix(op, chosen, call)  # after the kernel's own outcome: never a reason to demote it
             self.usage.called(decision)
-            return result if fix is None else fix(result, call)
+            if fix is not None:
+                result = fix(result, call)
+            shadow = self.shadow
+            if shadow is not None and not getattr(chosen, "reference_fallback", False):
+                shadow.offer(decision, call, None, result)
+            return result
 
     def run_bound(self, op: str, call: Any, impl: str | None, tensors: tuple[Any, ...],
                   remember: Any = None) -> Any:
@@ -800,6 +853,7 @@ def _after_fork_in_child() -> None:
         manager.registry._lock = threading.Lock()
         manager.breaker._lock = threading.Lock()
         manager.usage._lock = threading.Lock()
+        manager._shadow, manager._shadow_read = None, False  # its worker thread is not in the child: read anew
         manager._devices = {}
         if manager._state is not None:
             manager._use(manager._state.fresh())

@@ -16,6 +16,9 @@ What is counted, and where (the hit path stays as it was):
   **quarantine denials** (decisions in which a quarantine rule of ``opdispatch validate`` denied the
   implementation) and **reference on accelerator** (slow-path calls of a ``reference_fallback`` implementation on
   a device that is not the CPU), each per op x implementation x class.
+- **shadow checks** (``OPDISPATCH_SHADOW``, `opdispatch._shadow`): calls recomputed on the reference, those whose
+  result drifted past the op's tolerance, and those dropped because the check queue was full, per op x
+  implementation x class (counted by the check's worker thread when it finishes a check).
 
 Calls of a plan (``opdispatch.plan(...)``'s bound function) run no opdispatch code and are not counted.
 Counters are updated under a lock (the slow path only) or by an atomic C step (the Python hit), so threads
@@ -101,12 +104,16 @@ class ClassUsage:
     demotions: dict[str, int] = field(default_factory=dict)  # scope ("signature" | "class") -> count
     quarantine_denials: int = 0
     reference_on_accelerator: int = 0
+    shadow_checks: int = 0
+    shadow_drifts: int = 0
+    shadow_dropped: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"op": self.op, "implementation": self.implementation, "class": self.decision_class,
                 "slow_calls": self.slow_calls, "decisions": self.decisions, "demotions": dict(self.demotions),
                 "quarantine_denials": self.quarantine_denials,
-                "reference_on_accelerator": self.reference_on_accelerator}
+                "reference_on_accelerator": self.reference_on_accelerator, "shadow_checks": self.shadow_checks,
+                "shadow_drifts": self.shadow_drifts, "shadow_dropped": self.shadow_dropped}
 
 
 @dataclass
@@ -148,6 +155,9 @@ class UsageSnapshot:
             total.decisions += r.decisions
             total.quarantine_denials += r.quarantine_denials
             total.reference_on_accelerator += r.reference_on_accelerator
+            total.shadow_checks += r.shadow_checks
+            total.shadow_drifts += r.shadow_drifts
+            total.shadow_dropped += r.shadow_dropped
             for scope, n in r.demotions.items():
                 total.demotions[scope] = total.demotions.get(scope, 0) + n
         return total
@@ -164,11 +174,12 @@ class UsageSnapshot:
         op_rows += [(u.op, str(u.calls), str(u.fast_path_hits), str(u.compiled_hits), str(u.python_hits),
                      str(u.slow_calls)) for u in self.ops.values()]
         class_rows = [("op", "implementation", "slow calls", "decisions", "demoted (sig/class)", "quarantined",
-                       "reference on accel.", "class")]
+                       "reference on accel.", "shadow (checked/drift/dropped)", "class")]
         for c in self.classes:
             class_rows.append((c.op, c.implementation, str(c.slow_calls), str(c.decisions),
                                f"{c.demotions.get('signature', 0)}/{c.demotions.get('class', 0)}",
-                               str(c.quarantine_denials), str(c.reference_on_accelerator), c.decision_class))
+                               str(c.quarantine_denials), str(c.reference_on_accelerator),
+                               f"{c.shadow_checks}/{c.shadow_drifts}/{c.shadow_dropped}", c.decision_class))
         return ("\n".join(format_table(op_rows, width=width, rule=True)) + "\n\n"
                 + "\n".join(format_table(class_rows, width=width, rule=True)))
 
@@ -217,6 +228,19 @@ class UsageCounters:
             demotions = self._row(decision.op, decision.chosen_id, decision.cache_key).demotions
             demotions[scope] = demotions.get(scope, 0) + 1
 
+    def shadow_checked(self, decision: Any, drifted: bool) -> None:
+        """A shadow check of a call that `decision.chosen` ran has finished (`drifted`: past the op's tolerance)."""
+        with self._lock:
+            row = self._row(decision.op, decision.chosen_id, decision.cache_key)
+            row.shadow_checks += 1
+            if drifted:
+                row.shadow_drifts += 1
+
+    def shadow_dropped(self, decision: Any) -> None:
+        """A sampled call was not checked: the shadow queue was full."""
+        with self._lock:
+            self._row(decision.op, decision.chosen_id, decision.cache_key).shadow_dropped += 1
+
     def snapshot(self, reset: bool = False) -> tuple[dict[str, int], list[ClassUsage]]:
         with self._lock:
             rows, slow = self._rows, self._slow
@@ -228,7 +252,8 @@ class UsageCounters:
             for (_, _, cache_key), row in rows.items():
                 copy = ClassUsage(row.op, row.implementation, decision_class_text(cache_key) if cache_key else "-",
                                   row.slow_calls, row.decisions, dict(row.demotions), row.quarantine_denials,
-                                  row.reference_on_accelerator)
+                                  row.reference_on_accelerator, row.shadow_checks, row.shadow_drifts,
+                                  row.shadow_dropped)
                 out.append(copy)
         return slow, sorted(out, key=lambda r: (r.op, r.implementation, r.decision_class))
 

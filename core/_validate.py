@@ -844,6 +844,21 @@ def env_conditions(device: Any, libraries: dict[str, str]) -> dict[str, Any]:
     return when
 
 
+def rule_libraries(impl: Any, device: Any) -> dict[str, str]:
+    """The library versions a quarantine rule of `impl` is scoped to: torch and the libraries it requires."""
+    keys = {"torch"} | {r.library_key for r in getattr(impl, "requires", ())}
+    return {k: f"=={v}" for k, v in sorted(device.libraries.items()) if k in keys}
+
+
+def write_quarantine(path: Path, text: str) -> None:
+    """Write a quarantine file whole: readers (other processes loading their policy) see the old file or the new
+    one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def merge_quarantine(existing: dict[str, Any] | None, new_rules: dict[str, dict[str, list[dict[str, Any]]]],
                      validated: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The quarantine file's content after a run: `existing`'s rules kept but those of an implementation validated
@@ -1060,9 +1075,7 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
     failures = {k: v for k, v in failures.items() if v}
 
     def libraries(impl_id: str) -> dict[str, str]:
-        impl = next(i for i in everything if i.id == impl_id)
-        keys = {"torch"} | {r.library_key for r in getattr(impl, "requires", ())}
-        return {k: f"=={v}" for k, v in sorted(info.libraries.items()) if k in keys}
+        return rule_libraries(next(i for i in everything if i.id == impl_id), info)
 
     command = "opdispatch validate" + (f" --impl {','.join(impl_ids)}" if impl_ids else "")
     unfinished = sorted(impl_id for impl_id, results in all_results.items()
@@ -1076,10 +1089,7 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
                for impl_id, results in all_results.items()}
         replaced = {impl_id: env for impl_id, env in envs.items() if impl_id not in unfinished}
         body = merge_quarantine(existing, new, replaced)
-        quarantine_path.parent.mkdir(parents=True, exist_ok=True)
-        partial = quarantine_path.with_name(quarantine_path.name + ".partial")
-        partial.write_text(quarantine_text(body, info, command))
-        os.replace(partial, quarantine_path)  # readers see the old file or the new one, never half of one
+        write_quarantine(quarantine_path, quarantine_text(body, info, command))
         written = sum(len(rules) for impl_rules in new.values() for rules in impl_rules.values())
         stream.write(f"quarantine: {quarantine_path} ({written} rule(s) for {len(failures)} implementation(s) "
                      f"validated here; rules of other implementations and hosts kept)\n")
