@@ -300,3 +300,35 @@ def test_override_active_while_exporting_is_kept_by_the_program(basic_manager, s
         assert _compile._LAST_CHOICE[token] == "reference.math"
     _check_runs(_export(Direct("causal"), "causal", strict, "dims").module(), "causal", [(3, 7)], gen)
     assert _compile._LAST_CHOICE[token] == "reference.math"  # another export's token is another context
+
+
+class _Heads(torch.nn.Module):
+    """torch's SDPA over (..., heads, seq, dim) inputs whose head count (or 3-D leading dim) is exported dynamic."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("strict", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, reason="under Dynamo a symbolic size reads as an int: the heads specialise (strict export only)"))],
+    ids=["nonstrict", "strict"])
+@pytest.mark.parametrize("rank", [3, 4])
+def test_a_dynamic_head_count_exports_as_torchs_function_does(basic_manager, strict, rank):
+    """The compiled op specialises heads (selection reads them); a model exported with dynamic heads — or 3-D
+    inputs, whose leading dim is the head dim — folds them into the batch (no GQA, no mask: every head is
+    independent) instead of failing where torch's function exports. The program runs other head counts exactly."""
+    gen = torch.Generator().manual_seed(4)
+    heads, seq = Dim("heads", min=2, max=64), Dim("seq", min=2, max=64)
+    shape = (4, 9, DIM) if rank == 3 else (2, 4, 9, DIM)
+    dims = {0: heads, 1: seq} if rank == 3 else {1: heads, 2: seq}
+    example = tuple(torch.randn(shape, generator=gen) for _ in range(3))
+    with routed_sdpa():
+        ep = torch.export.export(_Heads(), example, strict=strict, dynamic_shapes=({**dims}, {**dims}, {**dims}))
+    _assert_opdispatch_op(ep)
+    for h, s in ((3, 7), (6, 12)):
+        size = (h, s, DIM) if rank == 3 else (2, h, s, DIM)
+        q, k, v = (torch.randn(size, generator=gen) for _ in range(3))
+        out = ep.module()(q, k, v)
+        as4 = (lambda t: t.unsqueeze(0)) if rank == 3 else (lambda t: t)
+        want = oracle(as4(q), as4(k), as4(v), causal=True)
+        torch.testing.assert_close(as4(out).double(), want, atol=2e-5, rtol=2e-5)

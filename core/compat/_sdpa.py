@@ -123,6 +123,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         return _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and _dense(query) and _dense(key) and _dense(value)
             and ks[0] == qs[0] == vs[0] and ks[1] == vs[1]
+            and not isinstance(qs[1], torch.SymInt)  # symbolic heads: the general path folds them into the batch
             and 0 not in qs and 0 not in ks and 0 not in vs  # empty inputs: the general path gives torch's result
             and (ks[1] == qs[1] or ((enable_gqa or ks[1] == 1) and qs[1] % ks[1] == 0))
             and (scale is None or 0 < scale <= _MAX_SCALE)
@@ -313,6 +314,11 @@ def _as_bhsd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None
     q = shaped(query, lead_q, heads_q, seq_q, dim)
     k = shaped(key, lead_k, heads_kv, seq_k, dim)
     v = shaped(value, lead_v, heads_kv, seq_k, dim_v)
+    if attn_mask is None and _symbolic_same(heads_q, heads_kv):
+        # A symbolic head count (exported with dynamic heads, or 3-D inputs whose leading dim is dynamic): without
+        # GQA or a mask every head is independent, so the heads join the batch — opdispatch's compiled op
+        # specialises heads (selection reads them) but not batch. Eager calls never have symbolic sizes.
+        q, k, v = (t.reshape(-1, 1, t.shape[2], t.shape[3]) for t in (q, k, v))
     # torch's result: the broadcast leading dims, q's heads, L, Ev — as many dims as the widest input.
     out_shape = (*batch, heads_q, seq_q, dim_v)[-max(query.dim(), key.dim(), value.dim()):]
     mask = bias = None
@@ -359,6 +365,17 @@ def _fast_key(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, 
                 _module(), _deterministic(), _profiling())
     except (TypeError, RuntimeError, IndexError):
         return None
+
+
+def _symbolic_same(heads_q: Any, heads_kv: Any) -> bool:
+    """Whether the head count is a symbolic size known to be the same for q and k/v without adding a guard: a
+    non-strict export (torch's default) with dynamic heads. Under Dynamo (strict export, torch.compile) a size is
+    seen as an int, so the heads specialise there."""
+    if not isinstance(heads_q, torch.SymInt):
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(heads_q == heads_kv))
 
 
 def _failed_hit(manager: Any, fast_key: Any, fn: Any, exc: Exception, query: Tensor, key: Tensor, value: Tensor,
