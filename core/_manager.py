@@ -635,6 +635,15 @@ class OpManager:
                 return kernel(*tensors)
 
             fn = until_retry
+        if getattr(chosen, "reference_fallback", False) and decision.device.type != "cpu":
+            uncounted, usage = fn, self.usage
+
+            def reference_counted(*tensors: Any) -> Any:  # every reference call on an accelerator is counted
+                out = uncounted(*tensors)
+                usage.reference_hit(decision)
+                return out
+
+            fn = reference_counted
         described = call.describe()
         if profiling():  # bound while a profiler records: the fast-path key says so, so only used then
             fn = ranged(fn, decision.op, chosen.id, described)
@@ -706,7 +715,7 @@ class OpManager:
                 continue
             if remember is not None:
                 remember(fn)
-            self.usage.called(decision)
+            self.usage.called(decision, reference_counted=True)  # the bound function counted a reference call
             return out
 
     def _next_decision(self, op: str, call: Any, impl: str | None, failed: Decision, exc: Exception) -> Decision:

@@ -203,15 +203,23 @@ class UsageCounters:
             row = self._rows[key] = ClassUsage(op, impl_id, "")
         return row
 
-    def called(self, decision: Any) -> None:
-        """A slow-path call ran on `decision.chosen` and returned."""
-        reference = getattr(decision.chosen, "reference_fallback", False) and decision.device.type != "cpu"
+    def called(self, decision: Any, *, reference_counted: bool = False) -> None:
+        """A slow-path call ran on `decision.chosen` and returned (`reference_counted`: its bound function already
+        counted it as a reference call on an accelerator, `reference_hit`)."""
+        reference = (getattr(decision.chosen, "reference_fallback", False) and decision.device.type != "cpu"
+                     and not reference_counted)
         with self._lock:
             row = self._row(decision.op, decision.chosen_id, decision.cache_key)
             row.slow_calls += 1
             if reference:
                 row.reference_on_accelerator += 1
             self._slow[decision.op] = self._slow.get(decision.op, 0) + 1
+
+    def reference_hit(self, decision: Any) -> None:
+        """A call of a function bound to the reference on an accelerator returned (the per-call fast path included:
+        every such call is counted, the performance cliff it is)."""
+        with self._lock:
+            self._row(decision.op, decision.chosen_id, decision.cache_key).reference_on_accelerator += 1
 
     def decided(self, decision: Any) -> None:
         """A decision was made (a cache miss); the quarantine's denials in it are counted with it."""

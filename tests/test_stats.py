@@ -154,6 +154,14 @@ def test_reference_on_an_accelerator_and_quarantine_denials(basic_manager, tmp_p
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     row = opdispatch.stats().row("attention", "reference.math")
     assert (row.slow_calls, row.decisions, row.reference_on_accelerator) == (3, 1, 3)
+    # Masked calls take the per-call fast path after their first: each reference call is still counted.
+    basic_manager.clear_cache()
+    opdispatch.stats(reset=True)
+    for _ in range(4):
+        opdispatch.attention(q, k, v, attn_mask=mask)
+    row = opdispatch.stats().row("attention", "reference.math")
+    assert (row.slow_calls, row.decisions, row.reference_on_accelerator) == (1, 1, 4)
+    assert opdispatch.stats().ops["attention"].fast_path_hits == 3
 
 
 def test_counters_lose_nothing_across_threads(fake):
