@@ -44,10 +44,8 @@ import json
 import logging
 import math
 import os
-import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -58,6 +56,9 @@ from typing import Any
 import torch
 
 import opdispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_loop import environment as _base_environment  # noqa: E402  (one environment block for every benchmark)
 from opdispatch._decision import _short_path
 from opdispatch.policies._plan import rule_matches
 
@@ -522,28 +523,16 @@ class Runner:
 # -- environment and reports -----------------------------------------------------------------------------------
 
 def environment(device: torch.device) -> dict[str, Any]:
+    """decode_loop's environment block (device, versions, commit), plus opdispatch's and the vendor packages'."""
     import importlib.metadata as md
 
-    env: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
-                           else platform.processor() or platform.machine(),
-                           "python": platform.python_version(), "torch": torch.__version__,
-                           "opdispatch": opdispatch.__version__}
-    if device.type == "cuda":
-        env["cuda"] = torch.version.cuda
-        env["cudnn"] = torch.backends.cudnn.version()
-    for dist in ("triton", "flag-gems", "flash-attn", "flash-attn-3"):
+    env = _base_environment(device)
+    env["opdispatch"] = opdispatch.__version__
+    for dist in ("flag-gems", "flash-attn", "flash-attn-3"):
         try:
             env[dist] = md.version(dist)
         except md.PackageNotFoundError:
             pass
-    # The GPU machine's copy of the repo may carry a stale .git: the caller can name the commit it sent.
-    env["commit"] = os.environ.get("BENCH_COMMIT")
-    if not env["commit"]:
-        try:
-            env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                           cwd=Path(__file__).resolve().parent, check=False).stdout.strip() or None
-        except OSError:
-            env["commit"] = None
     return env
 
 
