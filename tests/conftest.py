@@ -41,6 +41,17 @@ DEVICES_DIR = REPO / "configs" / "devices"
 TOLERANCES = {dtype_from_name(name): dict(tol) for name, tol in ELEMENTWISE.items()}
 
 
+@pytest.fixture(params=["compiled", "python"])
+def door(request):
+    """opdispatch.attention through the compiled front door, and through the Python one
+    (OPDISPATCH_FAST_PATH=python runs the latter everywhere)."""
+    if request.param == "python":
+        return _native.python_of(opdispatch.attention)
+    if _native.native_module() is None:
+        pytest.skip(f"the compiled fast path is not loaded: {NATIVE_BUILD_ERROR or _native.status().reason}")
+    return _native.twin(opdispatch.attention)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # Tests start from the shipped default policy and every plugin, whatever the developer's shell says.

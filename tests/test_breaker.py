@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch import AttentionCaps, AttentionImpl, NoImplementationError, _native
+from opdispatch import AttentionCaps, AttentionImpl, NoImplementationError
 from opdispatch._breaker import CLASS, RETRY_AFTER_S, SIGNATURE, Breaker
 from opdispatch.policies import parse_policy
-from tests.conftest import NATIVE_BUILD_ERROR, randn
+from tests.conftest import randn
 
 
 class FakeClock:
@@ -69,17 +69,6 @@ def flaky(basic_manager, clock, monkeypatch):
     basic_manager.set_policy(parse_policy("ops: {attention: {order: [flaky.kernel, cpu.flash, reference.math]}}",
                                           "<p>"))
     return basic_manager
-
-
-@pytest.fixture(params=["compiled", "python"])
-def door(request):
-    """opdispatch.attention through the compiled front door, and through the Python one
-    (OPDISPATCH_FAST_PATH=python runs the latter everywhere)."""
-    if request.param == "python":
-        return _native.python_of(opdispatch.attention)
-    if _native.native_module() is None:
-        pytest.skip(f"the compiled fast path is not loaded: {NATIVE_BUILD_ERROR or _native.status().reason}")
-    return _native.twin(opdispatch.attention)
 
 
 def oracle(q, k, v):

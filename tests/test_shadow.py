@@ -13,11 +13,11 @@ import torch
 import yaml
 
 import opdispatch
-from opdispatch import AttentionCaps, AttentionImpl, _native
+from opdispatch import AttentionCaps, AttentionImpl
 from opdispatch._shadow import QUEUE_SIZE, Sampler, Shadow
 from opdispatch.policies import parse_policy
 from opdispatch.policies._policy import read_quarantine_file
-from tests.conftest import NATIVE_BUILD_ERROR, randn
+from tests.conftest import randn
 
 OFFSET = 0.05  # the drift: far past fp32's forward tolerance (2e-3 relative), far below any real output's scale
 
@@ -56,15 +56,6 @@ def use_drifting():
     fresh.register_impl(Drifting())
     fresh.set_policy(parse_policy("ops: {attention: {order: [drift.kernel, cpu.flash, reference.math]}}", "<p>"))
     return fresh
-
-
-@pytest.fixture(params=["compiled", "python"])
-def door(request):
-    if request.param == "python":
-        return _native.python_of(opdispatch.attention)
-    if _native.native_module() is None:
-        pytest.skip(f"the compiled fast path is not loaded: {NATIVE_BUILD_ERROR or _native.status().reason}")
-    return _native.twin(opdispatch.attention)
 
 
 def rows(implementation):

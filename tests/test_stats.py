@@ -52,15 +52,6 @@ def fake(basic_manager, monkeypatch):
     return basic_manager
 
 
-@pytest.fixture(params=["compiled", "python"])
-def door(request):
-    if request.param == "python":
-        return _native.python_of(opdispatch.attention)
-    if _native.native_module() is None:
-        pytest.skip(f"the compiled fast path is not loaded: {NATIVE_BUILD_ERROR or _native.status().reason}")
-    return _native.twin(opdispatch.attention)
-
-
 def qkv(seqlen, gen, batch=1, heads=2, dim=8):
     return [torch.randn(batch, seqlen, heads, dim, generator=gen) for _ in range(3)]
 
