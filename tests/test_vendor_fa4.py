@@ -15,11 +15,8 @@ from opdispatch.vendors.nvidia import FlashAttn4
 
 from tests.conftest import device_descriptor
 from tests.fakes import flash_attn_cute as fake_fa4
-from tests.fakes import install
+from tests._adapters_on_cpu import TOL, device_with_library, meta_qkv, run_on_cpu
 from tests.test_attention_sinks import oracle
-
-TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
-
 
 class CpuFlashAttn4(FlashAttn4):
     """The adapter itself, unbound from CUDA so the fake runs it on CPU (device checks are the simulated tests')."""
@@ -35,56 +32,38 @@ class CpuFlashAttn4(FlashAttn4):
 
 @pytest.fixture
 def fa4(monkeypatch, basic_manager, tmp_path):
-    install(monkeypatch, fake_fa4.fake_modules())
     fake_fa4.calls.clear()
-    basic_manager.register_impl(CpuFlashAttn4())
-    path = tmp_path / "order.yaml"
-    path.write_text("version: 1\nops:\n  attention:\n    order: ['test.*', cpu.flash, reference.math]\n")
-    basic_manager.set_policy(path)
-    return basic_manager
-
-
-def _h100_with_fa4(tmp_path):
-    text = device_descriptor("h100").read_text().replace("libraries:\n", "libraries:\n  flash_attn_4: \"4.0.0\"\n")
-    path = tmp_path / "h100-fa4.yaml"
-    path.write_text(text)
-    return str(path)
-
-
-def _meta(b=2, sq=256, sk=256, hq=16, hkv=4, d=128, grad=False):
-    meta = dict(device="meta", dtype=torch.bfloat16, requires_grad=grad)
-    return (torch.empty(b, sq, hq, d, **meta), torch.empty(b, sk, hkv, d, **meta),
-            torch.empty(b, sk, hkv, d, **meta))
+    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake_fa4.fake_modules(), CpuFlashAttn4())
 
 
 def test_selected_on_an_h100_that_has_it_and_explained_otherwise(manager, tmp_path):
     sinks = torch.empty(16, device="meta", dtype=torch.float32, requires_grad=True)
-    with_fa4 = _h100_with_fa4(tmp_path)
+    with_fa4 = device_with_library(tmp_path, "h100", "flash_attn_4", "4.0.0")
     for grad in (False, True):
-        d = opdispatch.explain(*_meta(grad=grad), causal=True, sinks=sinks, device=with_fa4)
+        d = opdispatch.explain(*meta_qkv(grad=grad), causal=True, sinks=sinks, device=with_fa4)
         assert d.chosen_id == "nvidia.flash_attn4"
-    d = opdispatch.explain(*_meta(), causal=True, window=(128, 0), device=with_fa4)
+    d = opdispatch.explain(*meta_qkv(), causal=True, window=(128, 0), device=with_fa4)
     assert d.chosen_id == "nvidia.flash_attn4"
     # Without it installed: not chosen, and explain names the library and how to install it.
-    d = opdispatch.explain(*_meta(), causal=True, sinks=sinks, device=str(device_descriptor("h100")))
+    d = opdispatch.explain(*meta_qkv(), causal=True, sinks=sinks, device=str(device_descriptor("h100")))
     assert d.chosen_id != "nvidia.flash_attn4"
     fa4 = next(c for c in d.candidates if c.impl_id == "nvidia.flash_attn4")
     assert any("flash_attn_4" in r for r in fa4.reasons)
     # Head dims it does not take on Hopper: another implementation, with the reason.
-    d = opdispatch.explain(*_meta(d=264), device=with_fa4)
+    d = opdispatch.explain(*meta_qkv(d=264), device=with_fa4)
     assert d.chosen_id != "nvidia.flash_attn4"
 
 
 def test_blackwell_head_dim_256_kernel_refuses_what_it_lacks(tmp_path):
     caps_device = opdispatch.DeviceInfo(vendor="nvidia", type="cuda", arch="sm100", name="B200", index=0,
                                         capability=(10, 0))
-    q, k, v = _meta(d=256, grad=True)
+    q, k, v = meta_qkv(d=256, grad=True)
     sinks = torch.zeros(16, device="meta", dtype=torch.float32)
     call = opdispatch.validate_attention(q, k, v, sinks=sinks, return_lse=True, softcap=5.0)
     reasons = FlashAttn4().extra_reasons(call, caps_device)
     assert len(reasons) == 3 and "learnable_sink" in reasons[0] and "softcap" in reasons[1]
-    assert FlashAttn4().extra_reasons(opdispatch.validate_attention(*_meta(d=192)), caps_device)
-    assert not FlashAttn4().extra_reasons(opdispatch.validate_attention(*_meta(d=192)),
+    assert FlashAttn4().extra_reasons(opdispatch.validate_attention(*meta_qkv(d=192)), caps_device)
+    assert not FlashAttn4().extra_reasons(opdispatch.validate_attention(*meta_qkv(d=192)),
                                           opdispatch.DeviceInfo(vendor="nvidia", type="cuda", arch="sm90",
                                                                 name="H100", index=0, capability=(9, 0)))
 

@@ -18,10 +18,8 @@ from opdispatch.vendors.rocm import RocmAiter
 from tests.conftest import device_descriptor
 from tests.fakes import aiter as fake_aiter
 from tests.fakes import install
+from tests._adapters_on_cpu import TOL, run_on_cpu
 from tests.test_attention_sinks import oracle
-
-TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
-
 
 class CpuAiter(RocmAiter):
     """The adapter itself, unbound from ROCm so the fake runs it on CPU (device checks are the simulated tests')."""
@@ -37,11 +35,7 @@ class CpuAiter(RocmAiter):
 @pytest.fixture
 def aiter(monkeypatch, basic_manager, tmp_path):
     calls: list = []
-    install(monkeypatch, {"aiter": fake_aiter.make(calls)})
-    basic_manager.register_impl(CpuAiter())
-    path = tmp_path / "order.yaml"
-    path.write_text("version: 1\nops:\n  attention:\n    order: ['test.*', cpu.flash, reference.math]\n")
-    basic_manager.set_policy(path)
+    run_on_cpu(monkeypatch, basic_manager, tmp_path, {"aiter": fake_aiter.make(calls)}, CpuAiter())
     return calls
 
 

@@ -16,12 +16,9 @@ import opdispatch
 from opdispatch.vendors.nvidia import VllmFlashAttn
 
 from tests.conftest import device_descriptor
-from tests.fakes import install
+from tests._adapters_on_cpu import TOL, device_with_library, meta_qkv, run_on_cpu
 from tests.fakes import vllm_flash_attn as fake_vllm
 from tests.test_attention_sinks import oracle
-
-TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
-
 
 class CpuVllmFlashAttn(VllmFlashAttn):
     """The adapter itself, unbound from CUDA so the fake runs it on CPU (device checks are the simulated tests')."""
@@ -37,54 +34,36 @@ class CpuVllmFlashAttn(VllmFlashAttn):
 
 @pytest.fixture
 def vllm_fa(monkeypatch, basic_manager, tmp_path):
-    install(monkeypatch, fake_vllm.fake_modules())
     fake_vllm.calls.clear()
-    basic_manager.register_impl(CpuVllmFlashAttn())
-    path = tmp_path / "order.yaml"
-    path.write_text("version: 1\nops:\n  attention:\n    order: ['test.*', cpu.flash, reference.math]\n")
-    basic_manager.set_policy(path)
-    return basic_manager
-
-
-def _h100_with_vllm(tmp_path):
-    text = device_descriptor("h100").read_text().replace("libraries:\n", "libraries:\n  vllm_flash_attn: \"0.11\"\n")
-    path = tmp_path / "h100-vllm.yaml"
-    path.write_text(text)
-    return str(path)
-
-
-def _meta(b=2, sq=256, sk=256, hq=16, hkv=4, d=128, grad=False):
-    meta = dict(device="meta", dtype=torch.bfloat16, requires_grad=grad)
-    return (torch.empty(b, sq, hq, d, **meta), torch.empty(b, sk, hkv, d, **meta),
-            torch.empty(b, sk, hkv, d, **meta))
+    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake_vllm.fake_modules(), CpuVllmFlashAttn())
 
 
 def test_selected_for_inference_on_an_h100_that_has_it_and_explained_otherwise(manager, tmp_path):
     sinks = torch.empty(16, device="meta", dtype=torch.float32)
-    with_vllm = _h100_with_vllm(tmp_path)
-    d = opdispatch.explain(*_meta(), causal=True, window=(128, 0), sinks=sinks, device=with_vllm)
+    with_vllm = device_with_library(tmp_path, "h100", "vllm_flash_attn", "0.11")
+    d = opdispatch.explain(*meta_qkv(), causal=True, window=(128, 0), sinks=sinks, device=with_vllm)
     assert d.chosen_id == "nvidia.vllm_flash_attn"
     # Training (q/k/v or the sinks requiring grad): forward only, so never this one, and explain says why.
     for q_grad, sinks_grad in ((True, False), (False, True)):
-        d = opdispatch.explain(*_meta(grad=q_grad), causal=True,
+        d = opdispatch.explain(*meta_qkv(grad=q_grad), causal=True,
                                sinks=sinks.detach().requires_grad_(sinks_grad), device=with_vllm)
         assert d.chosen_id != "nvidia.vllm_flash_attn"
         ours = next(c for c in d.candidates if c.impl_id == "nvidia.vllm_flash_attn")
         assert any("forward-only" in r for r in ours.reasons)
     # Without it installed: not chosen, and explain names the library and how to install it.
-    d = opdispatch.explain(*_meta(), causal=True, sinks=sinks, device=str(device_descriptor("h100")))
+    d = opdispatch.explain(*meta_qkv(), causal=True, sinks=sinks, device=str(device_descriptor("h100")))
     ours = next(c for c in d.candidates if c.impl_id == "nvidia.vllm_flash_attn")
     assert d.chosen_id != "nvidia.vllm_flash_attn" and any("vllm_flash_attn" in r for r in ours.reasons)
     # What FA3 does not take: ALiBi, top-left causal over unequal lengths, head dims above 256; and not on A100.
     slopes = torch.empty(16, device="meta", dtype=torch.float32)
     for kwargs in (dict(alibi_slopes=slopes), dict(causal=True, causal_alignment="top_left")):
-        q, k, v = _meta(sk=512)
+        q, k, v = meta_qkv(sk=512)
         assert opdispatch.explain(q, k, v, device=with_vllm, **kwargs).chosen_id != "nvidia.vllm_flash_attn"
-    assert opdispatch.explain(*_meta(d=264), device=with_vllm).chosen_id != "nvidia.vllm_flash_attn"
+    assert opdispatch.explain(*meta_qkv(d=264), device=with_vllm).chosen_id != "nvidia.vllm_flash_attn"
     text = device_descriptor("a100").read_text().replace("libraries:\n", "libraries:\n  vllm_flash_attn: \"0.11\"\n")
     path = tmp_path / "a100-vllm.yaml"
     path.write_text(text)
-    d = opdispatch.explain(*_meta(), device=str(path))
+    d = opdispatch.explain(*meta_qkv(), device=str(path))
     ours = next(c for c in d.candidates if c.impl_id == "nvidia.vllm_flash_attn")
     assert d.chosen_id != "nvidia.vllm_flash_attn" and ours.reasons
 
