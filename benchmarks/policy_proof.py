@@ -59,6 +59,7 @@ import opdispatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_loop import environment as _base_environment  # noqa: E402  (one environment block for every benchmark)
+from side_by_side import samples_ms  # noqa: E402  (one timing loop for every benchmark)
 from opdispatch._decision import _short_path
 from opdispatch.policies._plan import rule_matches
 
@@ -284,24 +285,6 @@ def time_limit(seconds: float) -> Iterator[dict[str, bool]]:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def samples_ms(fn: Callable[[], Any], device: torch.device, n: int) -> list[float]:
-    """`n` per-call times in milliseconds (CUDA events on a GPU, perf_counter elsewhere)."""
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return times
 
 
 def step_fn(case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict[str, Any],

@@ -82,26 +82,31 @@ def tiny(cell: dict[str, Any]) -> dict[str, Any]:
 
 # -- timing -------------------------------------------------------------------------------------------------
 
-def timed(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
-    """Median milliseconds per call."""
-    for _ in range(warmup):
-        fn()
+def samples_ms(fn: Callable[[], Any], device: torch.device, n: int) -> list[float]:
+    """`n` per-call times in milliseconds (CUDA events on a GPU, perf_counter elsewhere)."""
     times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(reps):
+    for _ in range(n):
+        if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-    else:
-        for _ in range(reps):
+        else:
             t = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def timed(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
+    """Median milliseconds per call."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(samples_ms(fn, device, reps))
 
 
 # -- inputs and torch's ways --------------------------------------------------------------------------------
