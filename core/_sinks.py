@@ -210,7 +210,7 @@ def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
     (`caps.native_sinks`), run it on the call as it is. Returns what `opdispatch.attention` returns."""
     assert call.sinks is not None
     decision = manager.resolve("attention", call, impl=impl)
-    inner = call.without_sinks()
+    inner = None  # the call without sinks, with the LSE: only the epilogue paths below run it
     while True:
         # Pinned to the decision's choice: the inner call must not be decided again without its sinks. A kernel
         # that raises fails over at the outer call's level, as a call without sinks does.
@@ -219,6 +219,8 @@ def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
                 return manager.call("attention", call, impl=decision.chosen.id)
             if _from_saved(call, decision.chosen):
                 return _run_from_saved(manager, call, decision.chosen)
+            if inner is None:
+                inner = call.without_sinks()
             if not torch.is_grad_enabled() or not inner.requires_grad and not call.sinks.requires_grad:
                 with torch.no_grad():  # no autograd over the epilogue: one pass, rounded once
                     out, lse = manager.call("attention", inner, impl=decision.chosen.id)
