@@ -309,9 +309,7 @@ class _Heads(torch.nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-@pytest.mark.parametrize("strict", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason="under Dynamo a symbolic size reads as an int: the heads specialise (strict export only)"))],
-    ids=["nonstrict", "strict"])
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
 @pytest.mark.parametrize("rank", [3, 4])
 def test_a_dynamic_head_count_exports_as_torchs_function_does(basic_manager, strict, rank):
     """The compiled op specialises heads (selection reads them); a model exported with dynamic heads — or 3-D

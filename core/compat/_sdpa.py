@@ -34,6 +34,7 @@ import torch
 import torch.jit._builtins
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import has_static_value, statically_known_true
 from torch.nn.attention import SDPBackend
 
 from .. import _api, _native
@@ -123,7 +124,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         return _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and _dense(query) and _dense(key) and _dense(value)
             and ks[0] == qs[0] == vs[0] and ks[1] == vs[1]
-            and not isinstance(qs[1], torch.SymInt)  # symbolic heads: the general path folds them into the batch
+            and has_static_value(qs[1])  # symbolic heads (export): the general path folds them into the batch
             and 0 not in qs and 0 not in ks and 0 not in vs  # empty inputs: the general path gives torch's result
             and (ks[1] == qs[1] or ((enable_gqa or ks[1] == 1) and qs[1] % ks[1] == 0))
             and (scale is None or 0 < scale <= _MAX_SCALE)
@@ -368,13 +369,11 @@ def _fast_key(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, 
 
 
 def _symbolic_same(heads_q: Any, heads_kv: Any) -> bool:
-    """Whether the head count is a symbolic size known to be the same for q and k/v without adding a guard: a
-    non-strict export (torch's default) with dynamic heads. Under Dynamo (strict export, torch.compile) a size is
-    seen as an int, so the heads specialise there."""
-    if not isinstance(heads_q, torch.SymInt):
+    """Whether the head count is a symbolic size known to be the same for q and k/v without adding a guard: an
+    export with dynamic heads. (Dynamo sees a symbolic size as an int to ``isinstance``; `has_static_value` and
+    `statically_known_true` are what it traces without guarding.)"""
+    if has_static_value(heads_q):
         return False
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     return bool(statically_known_true(heads_q == heads_kv))
 
 
