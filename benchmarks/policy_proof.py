@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import functools
 import json
 import logging
 import math
@@ -118,18 +119,24 @@ class Case:
                       max_seqlen_k=max(self.lens))
         return kw
 
-    def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        gen = torch.Generator(device=device).manual_seed(0)
-        grad = self.mode == "train"
-
-        def t(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=gen, device=device, dtype=DTYPES[self.dtype]).requires_grad_(grad)
-
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """q, k and v's shapes as timed."""
         if self.lens:
             total = sum(self.lens)
-            return t(total, self.hq, self.d), t(total, self.hkv, self.d), t(total, self.hkv, self.d)
+            return (total, self.hq, self.d), (total, self.hkv, self.d), (total, self.hkv, self.d)
         sk = self.sk + (KV_GROWTH if self.grows else 0)  # room for a new kv length every call
-        return t(self.b, self.sq, self.hq, self.d), t(self.b, sk, self.hkv, self.d), t(self.b, sk, self.hkv, self.d)
+        return (self.b, self.sq, self.hq, self.d), (self.b, sk, self.hkv, self.d), (self.b, sk, self.hkv, self.d)
+
+    def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Random q, k, v on `device` (empty ones on "meta", where a decision needs only their metadata)."""
+        gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(0)
+
+        def t(shape: tuple[int, ...]) -> torch.Tensor:
+            make = torch.empty if gen is None else functools.partial(torch.randn, generator=gen)
+            return make(shape, device=device, dtype=DTYPES[self.dtype]).requires_grad_(self.mode == "train")
+
+        q, k, v = self.shapes()
+        return t(q), t(k), t(v)
 
     @property
     def grows(self) -> bool:

@@ -14,7 +14,11 @@ import time
 
 import pytest
 
-from .conftest import REPO
+import torch
+
+import opdispatch
+
+from .conftest import DEVICES_DIR, REPO
 
 
 def load():
@@ -210,3 +214,30 @@ def test_tiny_run_reports_every_timing_and_its_regret(tmp_path):
     resumed = json.loads((out / "policy_proof.json").read_text())
     assert again.returncode == run.returncode, again.stderr
     assert [c["times_ms"] for c in resumed["cases"]] == [c["times_ms"] for c in result["cases"]]
+
+
+# -- the committed H100 proof still describes the policy in this checkout ------------------------------------
+
+H100_PROOF = REPO / "benchmarks" / "results" / "policy-proof-h100" / "policy_proof.json"
+
+
+def _proof_records() -> list[dict]:
+    return json.loads(H100_PROOF.read_text())["cases"]
+
+
+@pytest.mark.parametrize("record", _proof_records(), ids=lambda r: r["name"])
+def test_the_committed_h100_proof_picks_are_the_current_policys(manager, record):
+    """The proof timed every case under the policy of its day; a policy edit since (a rule, the order, a
+    capability) that changes any pick on the H100 makes that report stale. Each case is re-decided here on the
+    simulated H100 (configs/devices/h100.yaml: the libraries the GPU machine had) and must land on the pick, and
+    the rule, the report measured — else re-run benchmarks/gpu_policy_proof.sh."""
+    fields = dict(record["case"])
+    fields["lens"] = tuple(fields["lens"]) if fields["lens"] else None
+    case = proof.Case(**fields)
+    meta = torch.device("meta")
+    q, k, v = case.inputs(meta)
+    decision = opdispatch.explain(q, k, v, device=DEVICES_DIR / "h100.yaml", **case.kwargs(meta))
+    by = decision.decided_by
+    assert (decision.chosen_id, by.rule if by else None) == (record["pick"], record["decided_by_rule"]), (
+        f"{record['name']}: the H100 proof measured {record['pick']} ({record['decided_by']}); the policy now picks "
+        f"{decision.chosen_id} ({by.short(decision.chosen_id) if by else None}): re-run benchmarks/gpu_policy_proof.sh")
