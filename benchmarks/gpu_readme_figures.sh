@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The README's performance figures on the lent GPU machine, in one run per part (run from the repo root; results
+# under $OUT or ./gpu-readme-figures-out). Parts (arguments; default: all):
+#   side     benchmarks/side_by_side.py, every cell, forward and forward+backward (issue 29: each cell >= 1.0x of
+#            torch's best way, or explained)
+#   serving  per-call overhead (benchmarks/dispatch_overhead.py), a growing-cache decode loop
+#            (benchmarks/decode_loop.py: first pass and later passes) and transformers' generate() of a ~100M
+#            Llama-shaped model, bf16, batch 1/8/32 (benchmarks/generate_bench.py) (issues 29 and 31)
+# BENCH_COMMIT names the commit the copy was made from (the machine's .git may be stale).
+set -u
+source "$(dirname "$0")/_gpu_setup.sh" gpu-readme-figures-out
+parts=${*:-side serving}
+for part in $parts; do
+  case $part in
+    side)
+      timeout "${SIDE_TIMEOUT:-420}" python3 "$repo/benchmarks/side_by_side.py" ${CELLS:+--cells "$CELLS"} \
+        --out "$out/side_by_side-h100.json" > "$out/side_by_side-h100.log" 2>&1
+      echo "side_by_side exit $?" | tee -a "$out/side_by_side-h100.log"
+      cat "$out/side_by_side-h100.md" ;;
+    serving)
+      timeout 120 python3 "$repo/benchmarks/dispatch_overhead.py" --device cuda \
+        --out "$out/dispatch_overhead-h100.md" > "$out/dispatch_overhead-h100.log" 2>&1
+      echo "dispatch_overhead exit $?"; tail -20 "$out/dispatch_overhead-h100.md"
+      timeout 150 python3 "$repo/benchmarks/decode_loop.py" --device cuda --dtype bf16 \
+        --out "$out/decode_loop-h100.json" > "$out/decode_loop-h100.log" 2>&1
+      echo "decode_loop exit $?"; tail -16 "$out/decode_loop-h100.log"
+      timeout "${GENERATE_TIMEOUT:-240}" python3 "$repo/benchmarks/generate_bench.py" --size 100m \
+        --batches "${GENERATE_BATCHES:-1,8,32}" --out "$out/generate-h100.md" > "$out/generate-h100.log" 2>&1
+      echo "generate_bench exit $?"; tail -20 "$out/generate-h100.log" ;;
+    *) echo "unknown part $part (side, serving)"; exit 2 ;;
+  esac
+done
