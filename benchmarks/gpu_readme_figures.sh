@@ -6,6 +6,8 @@
 #   serving  per-call overhead (benchmarks/dispatch_overhead.py), a growing-cache decode loop
 #            (benchmarks/decode_loop.py: first pass and later passes) and transformers' generate() of a ~100M
 #            Llama-shaped model, bf16, batch 1/8/32 (benchmarks/generate_bench.py) (issues 29 and 31)
+#   flex     torch.flex against torch's own compiled flex_attention, softcap spellings (benchmarks/flex_variants.py)
+#   determinism  the GPU tests of deterministic backwards under torch's flag (tests/gpu/test_issue10_gpu.py)
 # BENCH_COMMIT names the commit the copy was made from (the machine's .git may be stale).
 set -u
 source "$(dirname "$0")/_gpu_setup.sh" gpu-readme-figures-out
@@ -27,6 +29,14 @@ for part in $parts; do
       timeout "${GENERATE_TIMEOUT:-240}" python3 "$repo/benchmarks/generate_bench.py" --size 100m \
         --batches "${GENERATE_BATCHES:-1,8,32}" --out "$out/generate-h100.md" > "$out/generate-h100.log" 2>&1
       echo "generate_bench exit $?"; tail -20 "$out/generate-h100.log" ;;
-    *) echo "unknown part $part (side, serving)"; exit 2 ;;
+    flex)
+      timeout 300 python3 "$repo/benchmarks/flex_variants.py" --out "$out/flex_variants-h100.json" \
+        > "$out/flex_variants-h100.log" 2>&1
+      echo "flex_variants exit $?"; tail -14 "$out/flex_variants-h100.log" ;;
+    determinism)
+      timeout 200 python3 -m pytest -q -rxXsf -p no:cacheprovider --rootdir "$repo" \
+        "$repo/tests/gpu/test_issue10_gpu.py" -k "deterministic" > "$out/gpu-tests-determinism-h100.txt" 2>&1
+      tail -8 "$out/gpu-tests-determinism-h100.txt" ;;
+    *) echo "unknown part $part (side, serving, flex, determinism)"; exit 2 ;;
   esac
 done

@@ -14,13 +14,14 @@ each output against reference.math (fp32 compute) on the first batch row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,58 @@ def samples_ms(fn: Callable[[], Any], device: torch.device, n: int) -> list[floa
             fn()
             times.append((time.perf_counter() - t) * 1e3)
     return times
+
+
+OURS, WITHOUT_SINKS = "opdispatch", "opdispatch without sinks"
+ROUNDS = 5  # interleaved rounds: every callable is timed in each, in turn, so none sees only a cold or hot GPU
+
+
+def interleaved_ms(fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int, reps: int
+                   ) -> dict[str, float | str]:
+    """Median milliseconds per call of each callable, timed round-robin: `ROUNDS` rounds of `reps` calls each
+    (rounded up), in a rotating order — a GPU's clock and cache state drift over a cell, and timing one callable
+    after another biased the comparison by up to ~10% on the same kernel. A callable that raises is reported by
+    its error (not fatal: a way torch cannot run here)."""
+    result: dict[str, float | str] = {}
+    live: dict[str, Callable[[], Any]] = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+            live[name] = fn
+        except Exception as exc:
+            result[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    samples: dict[str, list[float]] = {name: [] for name in live}
+    per_round = max(1, -(-reps // ROUNDS))
+    names = list(live)
+    for r in range(ROUNDS):
+        for name in names[r % len(names):] + names[:r % len(names)] if names else []:
+            samples[name] += samples_ms(live[name], device, per_round)
+    result.update({name: statistics.median(values) for name, values in samples.items()})
+    return {name: result[name] for name in fns}  # the callers' order
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def sdpa_backend(inputs: dict[str, Any]) -> str:
+    """The backend torch's SDPA picks for the plain call (`torch._fused_sdp_choice`): which kernel "SDPA" is."""
+    qt, kt, vt = (inputs[name].transpose(1, 2) for name in ("q", "k", "v"))
+    try:
+        choice = torch._fused_sdp_choice(qt, kt, vt, None, 0.0, inputs["kw"].get("causal", False),
+                                         enable_gqa=qt.shape[1] != kt.shape[1])
+        return str(torch.nn.attention.SDPBackend(choice).name)
+    except Exception as exc:  # a private torch function: its absence is reported, not fatal
+        return f"unknown ({type(exc).__name__})"
 
 
 def timed(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
@@ -318,27 +371,27 @@ def run_cell(name: str, cell: dict[str, Any], mode: str, device: torch.device, d
         timed_ways = {n: with_backward(f, False) for n, f in ways.items()}
     else:
         timed_ours, timed_ways = ours, ways
-    row["opdispatch_ms"] = timed(timed_ours, device, warmup, reps)  # deterministic=True is an argument here
+    candidates: dict[str, Callable[[], Any]] = {OURS: timed_ours}
     if kw.get("sinks") is not None:  # what the sinks cost opdispatch: the same call without them
         plain = {n: a for n, a in kw.items() if n != "sinks"}
         row["pick_without_sinks"] = opdispatch.explain(q, k, v, **plain).chosen_id
         without = lambda: opdispatch.attention(q, k, v, **plain)  # noqa: E731
-        row["opdispatch_without_sinks_ms"] = timed(with_backward(without, True) if grad else without, device,
-                                                   warmup, reps)
-    if kw.get("deterministic"):
-        # torch's way to ask for determinism is the global flag (it changes kernels and inductor's choices).
-        previous = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-    try:
-        row["torch_ms"] = {}
-        for way, fn in timed_ways.items():
-            try:
-                row["torch_ms"][way] = timed(fn, device, warmup, reps)
-            except Exception as exc:  # a way torch cannot run here: named in the row, not fatal
-                row["torch_ms"][way] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    finally:
+        candidates[WITHOUT_SINKS] = with_backward(without, True) if grad else without
+    candidates.update(timed_ways)
+    row["torch_sdpa_backend"] = sdpa_backend(inputs) if "SDPA" in ways else None
+    # torch's way to ask for determinism is the global flag (it changes kernels and inductor's choices); a user
+    # who sets it gets it for opdispatch too, so both sides run under it (opdispatch also gets deterministic=True).
+    flag = contextlib.nullcontext() if not kw.get("deterministic") else deterministic_algorithms()
+    with flag:
         if kw.get("deterministic"):
-            torch.use_deterministic_algorithms(previous)
+            row["pick"] = opdispatch.explain(q, k, v, **kw).chosen_id
+        times = interleaved_ms(candidates, device, warmup, reps)
+    row["opdispatch_ms"] = times.pop(OURS)
+    if isinstance(row["opdispatch_ms"], str):
+        raise RuntimeError(f"opdispatch: {row['opdispatch_ms']}")  # the row reports the cell as failed
+    if WITHOUT_SINKS in times:
+        row["opdispatch_without_sinks_ms"] = times.pop(WITHOUT_SINKS)
+    row["torch_ms"] = times
     measured = {w: t for w, t in row["torch_ms"].items() if isinstance(t, float)}
     if measured:
         best = min(measured, key=measured.get)
@@ -386,9 +439,11 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], dtype: str) -> str
                        f"({r['pick_without_sinks']})")
         speed = r.get("speedup")
         flag = "" if speed is None or speed >= 0.97 else " **slower**"
+        backend = f" ({r['torch_sdpa_backend']})" if r.get("torch_best") == "SDPA" and r.get(
+            "torch_sdpa_backend") else ""
         errs = " / ".join(f"{r['errors'].get(n, float('nan')):.3g}" for n in ("opdispatch", "torch"))
         lines.append(f"| {r['cell']} | {r['mode']} | {r['pick']} | {r['opdispatch_ms']:.3f} | "
-                     f"{r.get('torch_best', '-')} | {r.get('torch_best_ms', math.nan):.3f} | "
+                     f"{r.get('torch_best', '-')}{backend} | {r.get('torch_best_ms', math.nan):.3f} | "
                      f"{'-' if speed is None else f'{speed:.2f}x'}{flag} | {errs} | {others} |")
     return "\n".join(lines) + "\n"
 

@@ -435,18 +435,30 @@ def test_head_dim_100_reaches_cudnn_not_a_fallback(manager):
     assert chosen("h100", *qkv(d=100, grad=True), causal=True).chosen_id == "nvidia.cudnn"
 
 
-def test_deterministic_training_takes_mem_efficient_only_under_torchs_flag(manager):
+def test_deterministic_training_takes_torchs_fused_kernels_only_under_torchs_flag(manager):
+    """torch's FA2 and memory-efficient backwards are deterministic only while torch's global flag is set: without
+    it, deterministic=True training refuses both (saying to set it) and takes torch.flex; with it, FA2 takes it
+    (the order's next after cuDNN, whose backward is never deterministic). A window with it too."""
     q, k, v = qkv(b=2, sq=2048, hq=16, hkv=16, grad=True)
-    plain = chosen("h100", q, k, v, causal=True, deterministic=True)
-    assert plain.chosen_id == "torch.flex"
-    assert "torch.use_deterministic_algorithms(True)" in "; ".join(
-        plain.candidate("nvidia.mem_efficient").reasons)
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert chosen("h100", q, k, v, causal=True).chosen_id == "nvidia.mem_efficient"
-    finally:
-        torch.use_deterministic_algorithms(previous)
+    for kw in (dict(causal=True), dict(causal=True, window=(256, 0))):
+        plain = chosen("h100", q, k, v, deterministic=True, **kw)
+        assert plain.chosen_id == "torch.flex"
+        for impl in ("nvidia.flash", "nvidia.mem_efficient"):
+            assert "torch.use_deterministic_algorithms(True)" in "; ".join(plain.candidate(impl).reasons)
+        assert plain.candidate("nvidia.cudnn").status == "rejected"
+        previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            flagged = chosen("h100", q, k, v, **kw)
+            assert flagged.chosen_id == "nvidia.flash"
+            assert flagged.candidate("nvidia.mem_efficient").status == "eligible"
+            assert flagged.candidate("nvidia.cudnn").status == "rejected"
+        finally:
+            torch.use_deterministic_algorithms(previous)
+    # Inference needs no flag: FA2's forward is deterministic as it is (cuDNN's split-KV plans are not).
+    inference = chosen("h100", q.detach(), k.detach(), v.detach(), causal=True, deterministic=True)
+    assert inference.chosen_id == "nvidia.flash"
+    assert inference.candidate("nvidia.cudnn").status == "rejected"
 
 
 # -- backward() from the saved out and LSE (the compiled path), against fake aten backward ops ----------------

@@ -293,6 +293,12 @@ def _packed_lse(lse: torch.Tensor, call: AttentionCall) -> torch.Tensor:
     raise RuntimeError(f"unexpected cuDNN varlen LSE shape {tuple(lse.shape)} for total_q={total_q}, heads={hq}")
 
 
+# torch's FA2 and memory-efficient backwards are deterministic only while torch's global flag is set (aten reads
+# it when the backward runs); a call asking deterministic=True without it is refused with this reason.
+_DETERMINISTIC_NEEDS_TORCHS_FLAG = ("deterministic=True training: its backward is deterministic only under "
+                                    "torch.use_deterministic_algorithms(True) (read when the backward runs); set it")
+
+
 # -- torch: FlashAttention-2 built into torch ----------------------------------------------------------------
 
 class TorchFlashAttention(AttentionImpl):
@@ -315,20 +321,26 @@ class TorchFlashAttention(AttentionImpl):
         # head dims: multiples of 8 up to 256 in the kernel; others are zero-padded up to one (_run_padded).
         dtypes=_LOW, head_dim_max=256, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, dropout=True,
-        lse=True, backward=True, deterministic_backward=False,
+        # Deterministic only under torch.use_deterministic_algorithms(True): aten's _flash_attention_backward
+        # reads the flag when it runs and then accumulates dq in a fixed order (FA2's deterministic backward);
+        # extra_reasons asks for that flag, as for nvidia.mem_efficient.
+        lse=True, backward=True, deterministic_backward=True,
         # KV caches through _flash_attention_forward's seqused_k/block_table (torch.nn.attention.varlen's path;
         # forward only: "Inference-only (not supported in backward)"), queries packed.
         causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, page_size_multiple=_TORCH_PAGE,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
-        return ()  # extra_reasons reads head dims, flags, alignment and the device: no sizes
+        # No sizes; torch's global determinism flag, which extra_reasons reads for deterministic training.
+        return (call.deterministic and call.requires_grad and torch.are_deterministic_algorithms_enabled(),)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
         why = _sm86_89_or_120_training_head_dim(call, device)
         if why:
             reasons.append(why)
+        if call.deterministic and call.requires_grad and not torch.are_deterministic_algorithms_enabled():
+            reasons.append(_DETERMINISTIC_NEEDS_TORCHS_FLAG)
         if call.window is not None and "window_size_left" not in _FLASH_FORWARD_ARGS:
             reasons.append("this torch's _flash_attention_forward has no window_size_left argument")
         if call.kv_cache:
@@ -535,8 +547,7 @@ class MemEfficientAttention(AttentionImpl):
             if d % align:
                 reasons.append(f"{what} {d} is not a multiple of {align} ({call.dtype} on {device.arch})")
         if call.deterministic and call.requires_grad and not torch.are_deterministic_algorithms_enabled():
-            reasons.append("deterministic=True training: its backward is deterministic only under "
-                           "torch.use_deterministic_algorithms(True) (read when the backward runs); set it")
+            reasons.append(_DETERMINISTIC_NEEDS_TORCHS_FLAG)
         return reasons
 
     def __init__(self) -> None:

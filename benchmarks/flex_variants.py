@@ -1,0 +1,104 @@
+"""opdispatch's torch.flex against torch's own compiled flex_attention on the same call, and what the difference
+is made of: the softcap written as a Python float (a constant inductor folds), as a captured tensor divided by
+(how torch.flex captures it, so a new softcap value does not recompile), or as a captured reciprocal multiplied
+by. One cell (GQA softcap, causal, bf16 by default), forward and forward+backward, interleaved CUDA-event timing
+(side_by_side.interleaved_ms).
+
+    python benchmarks/flex_variants.py --out flex_variants.json        # GPU
+    python benchmarks/flex_variants.py --tiny                          # CPU smoke run (eager flex, fp32)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import opdispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_loop import environment  # noqa: E402
+from side_by_side import interleaved_ms  # noqa: E402
+
+SOFTCAP = 30.0
+
+
+def variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compile_flex: bool) -> dict[str, Callable[[], Any]]:
+    """torch's own flex_attention over bhsd views of the bshd inputs, one softcap spelling each."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    flex = torch.compile(flex_attention) if compile_flex else flex_attention
+    block_mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, qt.shape[2], kt.shape[2],
+                                   device=q.device, _compile=compile_flex)
+    cap = torch.tensor(SOFTCAP, device=q.device)
+    inverse = torch.tensor(1.0 / SOFTCAP, device=q.device)
+    mods = {
+        "flex, softcap a Python float": lambda s, b, h, i, j: SOFTCAP * torch.tanh(s / SOFTCAP),
+        "flex, softcap a tensor (divide)": lambda s, b, h, i, j: cap * torch.tanh(s / cap),
+        "flex, softcap a tensor (reciprocal)": lambda s, b, h, i, j: cap * torch.tanh(s * inverse),
+    }
+    gqa = qt.shape[1] != kt.shape[1]
+
+    def bound(mod: Callable[..., Any]) -> Callable[[], Any]:
+        return lambda: flex(qt, kt, vt, score_mod=mod, block_mask=block_mask, enable_gqa=gqa).transpose(1, 2)
+
+    return {name: bound(mod) for name, mod in mods.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (eager flex, fp32)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", type=Path, help="JSON here, markdown beside it")
+    args = p.parse_args(argv)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    b, s, hq, hkv, d = (1, 64, 4, 2, 16) if device.type == "cpu" else (2, 4096, 16, 8, 128)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for mode in ("fwd", "fwd+bwd"):
+        grad = mode == "fwd+bwd"
+        if grad and device.type == "cpu":
+            continue  # flex has no CPU backward
+        q = torch.randn(b, s, hq, d, generator=gen, device=device, dtype=dtype).requires_grad_(grad)
+        k, v = (torch.randn(b, s, hkv, d, generator=gen, device=device, dtype=dtype).requires_grad_(grad)
+                for _ in range(2))
+        fns = {"opdispatch torch.flex": lambda: opdispatch.attention(q, k, v, causal=True, softcap=SOFTCAP,
+                                                                     impl="torch.flex")}
+        fns.update(variants(q, k, v, compile_flex=device.type == "cuda"))
+        if grad:
+            g = torch.randn(b, s, hq, d, generator=gen, device=device, dtype=dtype)
+            fns = {name: (lambda fn=fn: fn().backward(g)) for name, fn in fns.items()}
+        times = interleaved_ms(fns, device, args.warmup, args.reps)
+        rows.append({"mode": mode, "ms": times})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    env = environment(device)
+    lines = ["# torch.flex vs torch's own compiled flex_attention (softcap 30, causal)", "",
+             f"{env['device']}; torch {env['torch']}, triton {env.get('triton')}; {str(dtype)[6:]}; "
+             f"b{b} s{s} heads {hq}/{hkv} d{d}; commit {env.get('commit')}", "",
+             "| mode | variant | ms | vs Python-float flex |", "|---|---|---:|---:|"]
+    for row in rows:
+        base = row["ms"].get("flex, softcap a Python float")
+        for name, ms in row["ms"].items():
+            if isinstance(ms, float):
+                ratio = f"{ms / base:.2f}x" if isinstance(base, float) else "-"
+                lines.append(f"| {row['mode']} | {name} | {ms:.3f} | {ratio} |")
+            else:
+                lines.append(f"| {row['mode']} | {name} | {ms} | - |")
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    if args.out:
+        args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+        args.out.with_suffix(".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
