@@ -58,7 +58,9 @@ _MASKED = -1.0e6
 
 BACKWARD_REASON = ("flagos.triton is forward-only: flag_gems 5.0.2's SDPA backward computes only causal "
                    "gradients, drops attn_mask, and died with a CUDA illegal memory access (killing the CUDA "
-                   "context) on every config measured on an H200; its varlen kernel has no backward")
+                   "context) on every config measured on an H200; its varlen kernel has no backward. The "
+                   "_cambricon backend's own scaled_dot_product_attention_backward (5.0.2) takes is_causal and "
+                   "attn_mask without using them either; _ascend has attention ops only after 5.0.2")
 
 
 # What every FlagGems implementation needs (attention and rms_norm).
