@@ -75,6 +75,20 @@ def paged_call(mla: bool) -> dict:
                 block_table=torch.empty(batch, pages_per_seq, dtype=torch.int32, device="meta"))
 
 
+# Measured with this script before issue 35 (flagos.triton NVIDIA-only, torch.flex requiring torch >= 2.11).
+BEFORE = ("Before issue 35 (same devices and calls): 80 of 140 training, 71 of 140 forward and 25 of 28 paged cells "
+          "went to reference.math.")
+
+# What a fused paged MLA decode would take, read from FlagGems 5.0.2 (src/flag_gems/fused/flash_mla.py; the
+# _cambricon, _kunlunxin and _metax backends carry their own). No opdispatch adapter wraps it yet.
+PAGED_MLA_NOTE = (
+    "paged16 MLA everywhere: FlagGems ships `flag_gems.fused.flash_mla(q, block_table, blocked_k, max_seqlen_pad, "
+    "block_size, b, s_q, cache_seqlens, h_q, h_kv, d, dv, causal)` (any page size). An adapter would have to "
+    "require what it assumes: v is the first dv columns of the k cache (it reads V from blocked_k: absorbed MLA, "
+    "v = k[..., :512]), scale exactly 1/sqrt(d) (it ignores any other), one query per sequence, causal=True, no "
+    "LSE returned; the generic kernel picks its tiles by compute capability major 9 or 8, 7 on Iluvatar, 3 on Moore "
+    "Threads and raises `error.backend_not_support` otherwise; the _ascend backend has no flash_mla in 5.0.2.")
+
 FEATURES = ["dense", "causal", "gqa", "window", "softcap", "alibi", "bias", "mask", "varlen", "mla"]
 COLUMNS = ([(f"{f} fwd", f, False) for f in FEATURES] + [(f"{f} train", f, True) for f in FEATURES]
            + [("paged16 decode", "paged", False), ("paged16 MLA", "paged_mla", False)])
@@ -112,15 +126,17 @@ def main() -> None:
                         if c.impl_id != "reference.math" and c.reasons
                         and not c.reasons[0].startswith("runs on device type")
                         and "hardware, not vendor" not in c.reasons[0]]
-                notes.append(f"- {device.stem} · {label}: " + ("; ".join(said) or "no fused implementation "
-                                                                "supports this device"))
+                text = "; ".join(said).replace(str(DEVICES.parent.parent) + "/", "")  # repo-relative descriptor paths
+                notes.append(f"- {device.stem} · {label}: " + (text or "no fused implementation supports this "
+                                                                "device"))
             else:
                 row.append(decision.chosen_id)
         lines.append(f"| {device.stem} | " + " | ".join(row) + " |")
     lines += ["", f"reference.math: {count['train']} of {total['train']} training cells, {count['fwd']} of "
-              f"{total['fwd']} forward cells, {count['paged']} of {total['paged']} paged cells.", "",
+              f"{total['fwd']} forward cells, {count['paged']} of {total['paged']} paged cells.", "", BEFORE, "",
               "## Why each reference.math cell has no fused implementation", "",
-              "(each fused candidate that runs on the device, with its first reason)", ""] + notes
+              "(each fused candidate that runs on the device, with its first reason)", ""] + notes + [
+                 "", "## Fused kernels that exist but have no adapter", "", f"- {PAGED_MLA_NOTE}"]
     text = "\n".join(lines) + "\n"
     if args.out:
         args.out.write_text(text)

@@ -12,7 +12,7 @@ from tests.conftest import randn
 from tests.fakes import flag_gems as fake_flag_gems
 from opdispatch import validate_attention
 from opdispatch.vendors.flagos import FlagGemsAttention
-from opdispatch.vendors.flagos._attention import BACKWARD_REASON, uses_varlen_kernel
+from opdispatch.vendors.flagos._attention import BACKWARD_REASON, capacity_pools, uses_varlen_kernel
 
 
 @pytest.fixture
@@ -234,3 +234,145 @@ def test_kunlunxin_dense_kernel_returns_the_output_only(manager, monkeypatch, rn
     want = _ref(manager).run(call)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert (out[:, 3] == 0).all()
+
+
+# -- a growing KV cache sliced per step: one compiled kernel, not one per length -----------------------------
+
+def _compile_keys(kernel):
+    return {key for name, key in fake_flag_gems.compile_keys if name == kernel}
+
+
+def _buffers(rng, batch, capacity, heads_kv, dim, dtype):
+    """k and v buffers of `capacity` rows per sequence (the tests write NaN past each slice: a read would show)."""
+    k = randn(batch, capacity, heads_kv, dim, dtype=dtype, gen=rng)
+    v = randn(batch, capacity, heads_kv, dim, dtype=dtype, gen=rng)
+    return k, v
+
+
+def test_a_200_step_growing_decode_compiles_once_and_matches_the_oracle(manager, gems, rng):
+    """The policy proof's decode shape in small (GQA 4:1, one query, causal bottom-right, k/v sliced from a
+    fixed buffer): every step goes to the varlen kernel with the length as data (seqused_k) — one compile key over
+    200 lengths, where 5.0.2's SDPA kernel would tune and compile once per length — and rows past the slice
+    (NaN here) are never read."""
+    batch, capacity, start, steps = 2, 260, 40, 200
+    k_buf, v_buf = _buffers(rng, batch, capacity, 2, 64, torch.bfloat16)
+    q = randn(batch, 1, 8, 64, dtype=torch.bfloat16, gen=rng)
+    for n in range(start, start + steps):
+        k_buf[:, n:] = math.nan
+        v_buf[:, n:] = math.nan
+        call = validate_attention(q, k_buf[:, :n], v_buf[:, :n], causal=True, causal_alignment="bottom_right",
+                                  return_lse=True)
+        if n % 40 == 0 or n == start + steps - 1:
+            _check(manager, call)  # against reference.math, which reads only the slice
+        else:
+            out, lse = FlagGemsAttention().run(call)
+            assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        k_buf[:, n:] = randn(batch, capacity - n, 2, 64, dtype=torch.bfloat16, gen=rng)
+        v_buf[:, n:] = randn(batch, capacity - n, 2, 64, dtype=torch.bfloat16, gen=rng)
+    assert not _compile_keys("_attn_fwd")
+    keys = _compile_keys("flash_varlen_fwd_kernel")
+    assert len(keys) == 1 and dict(next(iter(keys)))["block_size"] == capacity
+
+
+def test_a_contiguous_growing_k_still_goes_to_the_sdpa_kernel(manager, gems, rng):
+    """A k that is not a slice of a longer buffer (reallocated each step) has nothing to widen: the SDPA kernel
+    takes it, tuned per length — the limit this route leaves (documented in `capacity_pools`)."""
+    q = randn(1, 1, 4, 64, dtype=torch.float16, gen=rng)
+    for n in (30, 31, 32):
+        k, v = (randn(1, n, 4, 64, dtype=torch.float16, gen=rng) for _ in range(2))
+        _check(manager, validate_attention(q, k, v, causal=True, causal_alignment="bottom_right", return_lse=True))
+    assert {dict(key)["KV_CTX"] for key in _compile_keys("_attn_fwd")} == {30, 31, 32}
+    assert not _compile_keys("flash_varlen_fwd_kernel")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("seqlen_q,causal", [(1, True), (1, False), (5, True), (5, False), (37, True)])
+@pytest.mark.parametrize("return_lse", [True, False])
+def test_sliced_cache_combinations_against_the_oracle(manager, gems, rng, dtype, heads, seqlen_q, causal,
+                                                      return_lse):
+    """Chunked prefill and decode over a slice, MHA and GQA (the swapped one-query LSE put back in order),
+    causal bottom-right or none, with and without the LSE, both half dtypes: the oracle's answer, one key."""
+    hq, hkv = heads
+    k_buf, v_buf = _buffers(rng, 3, 96, hkv, 32, dtype)
+    q = randn(3, seqlen_q, hq, 32, dtype=dtype, gen=rng)
+    for n in (40, 41, 64):
+        k_buf[:, n:] = math.nan
+        v_buf[:, n:] = math.nan
+        call = validate_attention(q, k_buf[:, :n], v_buf[:, :n], causal=causal, causal_alignment="bottom_right",
+                                  return_lse=return_lse, scale=0.3)
+        if return_lse:
+            _check(manager, call)
+        else:
+            out = FlagGemsAttention().run(call)
+            ref_out, _ = _ref(manager).run(validate_attention(q, k_buf[:, :n], v_buf[:, :n], causal=causal,
+                                                              causal_alignment="bottom_right", return_lse=True,
+                                                              scale=0.3))
+            torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+        k_buf[:, n:] = 0.5
+        v_buf[:, n:] = 0.5
+    assert not _compile_keys("_attn_fwd") and len(_compile_keys("flash_varlen_fwd_kernel")) == 1
+
+
+def test_calls_the_capacity_route_must_leave_to_the_sdpa_kernel(manager, gems, rng):
+    """Each condition of `capacity_pools` on its edge: a mask (the varlen entry takes none), top-left causal with
+    fewer queries than keys (the varlen kernel aligns bottom-right), more queries than keys, k and v from buffers
+    of different capacity (one row stride addresses both), a bhsd slice (rows not adjacent), and a slice whose
+    last sequence's capacity runs past the storage (widening would point outside it). All still exact."""
+    k_buf, v_buf = _buffers(rng, 2, 80, 2, 64, torch.bfloat16)
+    q = randn(2, 3, 4, 64, dtype=torch.bfloat16, gen=rng)
+    k, v = k_buf[:, :50], v_buf[:, :50]
+    mask = torch.rand(2, 1, 3, 50, generator=rng) > 0.3
+    mask[..., 0] = True
+    other_v = randn(2, 90, 2, 64, dtype=torch.bfloat16, gen=rng)[:, :50]
+    k_bhsd = randn(2, 2, 80, 64, dtype=torch.bfloat16, gen=rng)[:, :, :50]
+    v_bhsd = randn(2, 2, 80, 64, dtype=torch.bfloat16, gen=rng)[:, :, :50]
+    flat_k = randn(80 * 128 + 50 * 128, dtype=torch.bfloat16, gen=rng)
+    flat_v = randn(80 * 128 + 50 * 128, dtype=torch.bfloat16, gen=rng)
+    short_k = flat_k.as_strided((2, 50, 2, 64), (80 * 128, 128, 64, 1))
+    short_v = flat_v.as_strided((2, 50, 2, 64), (80 * 128, 128, 64, 1))
+    q_long = randn(2, 60, 4, 64, dtype=torch.bfloat16, gen=rng)
+    cases = [
+        validate_attention(q, k, v, attn_mask=mask, return_lse=True),
+        validate_attention(q, k, v, causal=True, causal_alignment="top_left", return_lse=True),
+        validate_attention(q_long, k, v, causal=False, return_lse=True),
+        validate_attention(q, k, other_v, causal=True, causal_alignment="bottom_right", return_lse=True),
+        validate_attention(q.transpose(1, 2), k_bhsd, v_bhsd, layout="bhsd", causal=True,
+                           causal_alignment="bottom_right", return_lse=True),
+        validate_attention(q, short_k, short_v, causal=True, causal_alignment="bottom_right", return_lse=True),
+    ]
+    for call in cases:
+        assert capacity_pools(call) is None
+        _check(manager, call)
+    # none of them went to the kernel as a cache over the buffer (bottom-right ones went packed)
+    assert all(not dict(key)["is_paged"] for key in _compile_keys("flash_varlen_fwd_kernel"))
+    fake_flag_gems.compile_keys.clear()
+    # the same slice, bottom-right and maskless, does take the route
+    routed = validate_attention(q, k, v, causal=True, causal_alignment="bottom_right", return_lse=True)
+    assert capacity_pools(routed) is not None
+    _check(manager, routed)
+    assert len(_compile_keys("flash_varlen_fwd_kernel")) == 1
+
+
+@pytest.mark.parametrize("features", [dict(window=(7, 0), causal=True), dict(window=(7, 3)), dict(window=(500, 0)),
+                                      dict(softcap=5.0, causal=True),
+                                      dict(alibi=True, causal=True), dict(alibi=True)])
+def test_sliced_cache_with_window_softcap_alibi(manager, gems, rng, features):
+    """Windows (a non-causal one whose right bound must survive, and a left bound beyond the buffer, which the
+    kernel would drop together with the right bound), softcap and ALiBi over a slice: the oracle's answer at every
+    length, one compile key (the window is stated against the buffer's capacity, not the length)."""
+    kw = dict(features)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.rand(4, generator=rng) * 0.3
+    k_buf, v_buf = _buffers(rng, 2, 120, 2, 64, torch.bfloat16)
+    q = randn(2, 3, 4, 64, dtype=torch.bfloat16, gen=rng)
+    for n in (20, 57, 100):
+        k_buf[:, n:] = math.nan
+        v_buf[:, n:] = math.nan
+        call = validate_attention(q, k_buf[:, :n], v_buf[:, :n], causal_alignment="bottom_right", return_lse=True,
+                                  **kw)
+        assert capacity_pools(call) is not None
+        _check(manager, call)
+        k_buf[:, n:] = 0.25
+        v_buf[:, n:] = 0.25
+    assert not _compile_keys("_attn_fwd") and len(_compile_keys("flash_varlen_fwd_kernel")) == 1

@@ -537,6 +537,11 @@ def test_flex_needs_torch_2_5_and_a_triton_backend(manager, tmp_path):
     reason = _flex_candidate(opdispatch.explain(*(torch.empty(1, 64, 4, 64, device="meta") for _ in range(3)),
                                                 device=no_triton)).reasons[0]
     assert "library 'triton' is not declared" in reason
-    # a device type without a Triton backend in torch's inductor
-    reason = _flex_candidate(_explain("ascend-910b", 1, 64, 4, 64)).reasons[0]
-    assert "not 'npu'" in reason
+    # PrivateUse1 device types: flex_attention's own device check refuses them whatever their torch and Triton
+    # (the descriptors declare triton-ascend, triton-mlu, triton-musa builds), and the reason says so
+    for device, type_, vendor_word in [("ascend-910b", "npu", "npu_fusion_attention"),
+                                       ("cambricon-mlu590", "mlu", "torch_mlu"), ("mthreads-s4000", "musa", "torch_musa")]:
+        decision = _explain(device, 1, 64, 4, 64)
+        reason = _flex_candidate(decision).reasons[0]
+        assert f"refuses '{type_}' tensors" in reason and "_validate_device" in reason and vendor_word in reason
+        assert decision.chosen_id != "torch.flex"

@@ -1,6 +1,11 @@
 """Fake `flag_gems` 5.0.2: `flash_attn_varlen_func` (vLLM order: max_seqlen_q before cu_seqlens_q) and
 `flag_gems.ops.attention.scaled_dot_product_attention_forward` (BHSD, head dims {16,32,64,128,256}, base-2 M,
-bool masks inverted as the real one does: True becomes -1e6)."""
+bool masks inverted as the real one does: True becomes -1e6).
+
+`compile_keys` records, per kernel launch, what the real kernel is compiled (and tuned) for: `_attn_fwd` is
+autotuned on ``key=["KV_CTX", "HEAD_DIM"]`` (KV_CTX = the key length) besides its constexprs; the varlen kernel
+(`flash_varlen_fwd_kernel`) leaves seqlen_q/seqlen_k/total_q/batch unspecialized, so its key is its constexprs —
+head counts, head dim, flags, the window after mha_varlan_fwd's rewrites, page size and block-table row stride."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from ._fa_math import attend, kv_cache, varlen
 
 __version__ = "5.0.2"
 calls: list = []
+compile_keys: list = []
 
 
 def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
@@ -44,6 +50,14 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     # `lse.reshape(hk, b, groups).reshape(hk * groups, b)`, which scrambles heads and sequences.
     swapped = (max_seqlen_q == 1 and alibi_slopes is None and q.shape[1] > k.shape[-2] and left < 0 and right < 0
                and dropout_p == 0)
+
+    paged = block_table is not None
+    compile_keys.append(("flash_varlen_fwd_kernel", (
+        ("h", k.shape[-2] if swapped else q.shape[1]), ("hk", k.shape[-2]), ("d", q.shape[-1]),
+        ("is_causal", is_causal), ("is_local", is_local), ("window", (left, right)), ("swapped", swapped),
+        ("is_paged", paged), ("block_size", k.shape[1] if paged else 1),
+        ("page_table_batch_stride", block_table.stride(0) if paged else 0), ("softcap", softcap), ("scale", scale),
+        ("is_alibi", alibi_slopes is not None), ("return_softmax_lse", return_softmax_lse))))
 
     def one(qi, ki, vi, i):
         sl = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[i]
@@ -77,6 +91,9 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
     assert dropout_p == 0.0, "Currenty only support dropout_p=0.0"
     assert enable_gqa or query.shape[1] == key.shape[1]
     calls.append(("scaled_dot_product_attention_forward", dict(is_causal=is_causal, enable_gqa=enable_gqa)))
+    compile_keys.append(("_attn_fwd", (("KV_CTX", key.shape[2]), ("HEAD_DIM", key.shape[-1]),
+                                       ("STAGE", 3 if is_causal else 1), ("HAS_ATTN_MASK", attn_mask is not None),
+                                       ("GROUP_HEAD", query.shape[1] // key.shape[1]))))
     if attn_mask is not None:
         assert attn_mask.dim() == 4
         if attn_mask.dtype == torch.bool:
@@ -160,6 +177,7 @@ def install(monkeypatch, vendor: str = "nvidia") -> types.ModuleType:
     monkeypatch.setitem(sys.modules, "flag_gems.ops", ops)
     monkeypatch.setitem(sys.modules, "flag_gems.ops.attention", attention)
     this.calls.clear()
+    this.compile_keys.clear()
     return fake
 
 

@@ -58,7 +58,9 @@ _MASKED = -1.0e6
 
 BACKWARD_REASON = ("flagos.triton is forward-only: flag_gems 5.0.2's SDPA backward computes only causal "
                    "gradients, drops attn_mask, and died with a CUDA illegal memory access (killing the CUDA "
-                   "context) on every config measured on an H200; its varlen kernel has no backward")
+                   "context) on every config measured on an H200; its varlen kernel has no backward. The "
+                   "_cambricon backend's own scaled_dot_product_attention_backward (5.0.2) takes is_causal and "
+                   "attn_mask without using them either; _ascend has attention ops only after 5.0.2")
 
 
 # What every FlagGems implementation needs (attention and rms_norm).
@@ -177,6 +179,9 @@ class FlagGemsAttention(AttentionImpl):
         return reasons
 
     def run(self, call: AttentionCall) -> Any:
+        pools = capacity_pools(call)
+        if pools is not None:
+            return self._dense_over_capacity(call, *pools)
         if uses_varlen_kernel(call):
             return self._varlen(call)
         import flag_gems
@@ -215,6 +220,35 @@ class FlagGemsAttention(AttentionImpl):
         if not call.return_lse:
             return out
         return out, lse
+
+    def _dense_over_capacity(self, call: AttentionCall, k_pool: torch.Tensor, v_pool: torch.Tensor) -> Any:
+        """A dense call whose k/v are the first seqlen_k rows of a longer buffer (a growing KV cache sliced per
+        step), run as a KV-cache call over the whole buffer: one page per sequence of `capacity` keys, seqused_k =
+        seqlen_k (bottom-right, the alignment of every call that gets here). The SDPA kernel autotunes and
+        compiles per key length (5.0.2's ``_attn_fwd`` is tuned on ``key=["KV_CTX", "HEAD_DIM"]``): ~4 s per
+        decode step on an H100; the packed varlen path copied the slice every step. The varlen kernel's
+        constexprs here (page size = capacity, block-table stride 1, heads, head dim, flags, the window as
+        `gems_window` states it against the capacity) stay fixed while the length grows, and its loads past
+        seqused_k are masked (``load_from_kvcache``), so the rows beyond the slice are never read."""
+        import flag_gems
+
+        queries = packed_queries(call)
+        batch, capacity = k_pool.shape[0], k_pool.shape[1]
+        device = queries.q.device
+        used = torch.full((batch,), call.seqlen_k, dtype=torch.int32, device=device)
+        table = torch.arange(batch, dtype=torch.int32, device=device).unsqueeze(1)
+        res = flag_gems.flash_attn_varlen_func(
+            queries.q, k_pool, v_pool, queries.max_seqlen_q, queries.cu_seqlens_q, capacity, None,
+            softmax_scale=call.scale, causal=call.causal, window_size=gems_window(call, queries.max_seqlen_q, capacity),
+            softcap=call.softcap, alibi_slopes=call.alibi_slopes, return_softmax_lse=call.return_lse, seqused_k=used,
+            block_table=table)
+        if not call.return_lse:
+            return unpack_out(call, res)
+        lse = res[1]
+        if lse_swapped(call, queries.max_seqlen_q, capacity):
+            lse = unswap_lse(lse, call.heads_kv)
+        return unpack_out(call, res[0]), dense_lse_fix(unpack_lse(call, lse), call.seqlen_q, call.seqlen_k,
+                                                       call.causal, call.window, call.alibi_slopes)
 
     def _varlen(self, call: AttentionCall) -> Any:
         import flag_gems
@@ -255,6 +289,38 @@ class FlagGemsAttention(AttentionImpl):
                                   call.alibi_slopes)
 
 
+def capacity_pools(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """k and v widened to the buffer they are slices of, (batch, capacity, heads_kv, dim) views, when a dense call
+    can run as a KV-cache call over them (else None): no mask (the varlen entry takes none),
+    causal aligned bottom-right where alignment matters (the varlen kernel's), k and v with the same bshd strides
+    (one row stride addresses both), each sequence's rows adjacent, the buffer longer than seqlen_k (a contiguous
+    k gains nothing: the page size would still follow the length), seqlen_q <= seqlen_k, and the widened views
+    inside their storage."""
+    if call.varlen or call.kv_cache or call.attn_mask is not None or call.attn_bias is not None:
+        return None
+    if call.alignment_matters and call.causal_alignment != "bottom_right":
+        return None
+    if call.seqlen_q > call.seqlen_k:  # decode and chunked prefill only: no query left without a key
+        return None
+    if call.alibi_slopes is not None and call.causal_alignment != "bottom_right" and call.seqlen_q != call.seqlen_k:
+        return None  # the kernel's ALiBi distance is bottom-right aligned
+    k, v = call.bshd(call.k), call.bshd(call.v)
+    batch, length, heads, dim = k.shape
+    row = heads * dim
+    if (k.stride() != v.stride() or k.shape != v.shape or k.stride(3) != 1 or k.stride(2) != dim
+            or k.stride(1) != row or k.stride(0) % row):
+        return None
+    capacity = k.stride(0) // row
+    if capacity <= length:
+        return None
+    for t in (k, v):
+        end = t.storage_offset() + (batch - 1) * t.stride(0) + capacity * row
+        if end > t.untyped_storage().nbytes() // t.element_size():
+            return None
+    shape = (batch, capacity, heads, dim)
+    return k.as_strided(shape, k.stride()), v.as_strided(shape, v.stride())
+
+
 def varlen_lengths(call: AttentionCall) -> tuple[int, int]:
     """(max_seqlen_q, max_seqlen_k) the adapter hands flash_attn_varlen_func for `call` (a KV cache: its
     capacity; packed dense calls: their own lengths)."""
@@ -269,14 +335,16 @@ def gems_window(call: AttentionCall, max_q: int, max_k: int) -> tuple[int, int]:
     """The call's window as flag_gems 5.0.2 must be told it. Its mha_varlan_fwd applies a window only when the
     left bound is set (``is_local = window_size_left >= 0``) and then takes BOTH bounds literally: an unbounded
     right side (-1) hides the diagonal key (measured on an H100: windowed decode off by up to 3.0, because a causal
-    decode's canonical window is (left, -1)), and a right bound alone is ignored. Bounds of max_seqlen_k or more
-    are dropped to -1 first, so an unbounded side becomes max_k - 1: a left bound that far reaches key 0 for every
-    query; a right bound that far reaches each sequence's last key when max_q <= max_k (else refused, see
+    decode's canonical window is (left, -1)), and a right bound alone is ignored. It drops bounds of max_seqlen_k or
+    more to -1 first, so an unbounded or longer side becomes max_k - 1 here: a left bound that far reaches key 0
+    for every query; a right bound that far reaches each sequence's last key when max_q <= max_k (else refused, see
     `window_reason`)."""
     left, right = kernel_window(call)
     if left < 0 and right < 0:
         return left, right
-    return (left if left >= 0 else max_k - 1), (right if right >= 0 else max_k - 1)
+    # A bound of max_k or more would be dropped by the kernel, un-setting is_local with it (a non-causal (w, 0)
+    # window would lose its right bound): max_k - 1 reaches as far.
+    return (left if 0 <= left < max_k else max_k - 1), (right if 0 <= right < max_k else max_k - 1)
 
 
 def window_reason(call: AttentionCall) -> str | None:
@@ -308,5 +376,5 @@ def unswap_lse(lse: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return lse.reshape(heads_kv, batch, heads // heads_kv).transpose(1, 2).reshape(heads, batch)
 
 
-__all__ = ["BACKWARD_REASON", "FlagGemsAttention", "GEMS_VENDORS", "SDPA_HEAD_DIMS", "gems_window",
+__all__ = ["BACKWARD_REASON", "FlagGemsAttention", "GEMS_VENDORS", "SDPA_HEAD_DIMS", "capacity_pools", "gems_window",
            "uses_varlen_kernel"]

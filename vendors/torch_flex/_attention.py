@@ -73,6 +73,17 @@ def old_torch_reason(call: AttentionCall, device: DeviceInfo) -> str | None:
             "(torch 2.6 raises 'NYI: Currently non power of 2 embedding dimension are not supported')")
 
 
+# Device types of vendor torch builds (all PrivateUse1) that flex_attention refuses before building any kernel,
+# whatever the torch version or Triton build: its device check names no PrivateUse1 type (pytorch#148656 added hpu
+# and left PrivateUse1 open). What each vendor publishes about it (read 2026-11):
+_FLEX_REFUSED_DEVICE_TYPES = {
+    "npu": ("Ascend's torch_npu does not lift it (Ascend/pytorch#147, open: 'torch_npu不支持flex_attention'); "
+            "training there needs an adapter for torch_npu.npu_fusion_attention"),
+    "mlu": "torch_mlu publishes no flex support; training there needs an adapter for torch_mlu's own flash attention",
+    "musa": "torch_musa publishes no flex support",
+}
+
+
 class FlexOptions(BaseModel):
     """Policy knobs of `torch.flex` (`ops.attention.options."torch.flex"` in the policy YAML)."""
 
@@ -447,6 +458,15 @@ class TorchFlexAttention(AttentionImpl):
         deterministic_forward=True, deterministic_backward=True,
         causal=True,
     )
+
+    def device_reasons(self, device: DeviceInfo) -> list[str]:
+        if device.type in _FLEX_REFUSED_DEVICE_TYPES:
+            # Stated as what flex needs rather than "wrong device type": the vendor's torch build is not the gate.
+            return [f"torch's flex_attention refuses {device.type!r} tensors: its _validate_device accepts cuda and "
+                    "cpu (torch 2.5), then also hpu, xpu and mps (2.13), never a PrivateUse1 device type "
+                    "(torch/nn/attention/flex_attention.py); "
+                    f"{_FLEX_REFUSED_DEVICE_TYPES[device.type]}"]
+        return super().device_reasons(device)
 
     def __init__(self) -> None:
         self._masks = _BlockMaskCache()
