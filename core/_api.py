@@ -12,11 +12,11 @@ import torch
 
 from ._arguments import OpArguments
 from ._breaker import RetryDue
-from ._attention import ATTENTION_ARGS, validate_attention
+from ._attention import ATTENTION_ARGS, AttentionCall, revalidate_sizes, validate_attention
 from ._decision import Decision
 from ._device import DeviceInfo, load_device_descriptor
 from ._graphs import is_capturing, raise_if_capturing
-from ._manager import OpManager
+from ._manager import OpManager, _raise_for_structure
 from . import _native
 from ._ops import op_spec
 from ._profiling import profiling
@@ -91,10 +91,24 @@ attention = ATTENTION_ARGS.front_door(
     """)
 
 
+_NAMES = ATTENTION_ARGS.names
+_Q, _K, _V, _CAUSAL, _ALIGNMENT, _WINDOW, _MASK, _MAX_K, _SEQUSED, _TABLE, _SINKS, _IMPL = (
+    _NAMES.index(n) for n in ("q", "k", "v", "causal", "causal_alignment", "window", "attn_mask", "max_seqlen_k",
+                              "seqused_k", "block_table", "sinks", "impl"))
+
+
 def _attention_slow(manager: OpManager, key: Any, *args: Any) -> Any:
     """Validate, decide, and (for a fast-path `key`) remember the bound function for the next call. `args` are
-    the front door's, in the order of the op's argument definition."""
-    arguments = dict(zip(ATTENTION_ARGS.names, args))
+    the front door's, in the order of the op's argument definition. A call that differs from a remembered one
+    only in sizes takes its size-generic template (`_sized_reuse`)."""
+    if key is not None and manager.size_generic:
+        template = manager.size_generic.get(size_generic_key(key))
+        if template is not None:
+            out = _sized_reuse(manager, key, template, args[_IMPL], args[_Q], args[_K], args[_V], args[_SEQUSED],
+                               args[_TABLE], args[_MAX_K], args[_MASK])
+            if out is not _NOT_REUSED:
+                return out
+    arguments = dict(zip(_NAMES, args))
     impl = arguments.pop("impl")
     q, k, cu_seqlens_q = arguments["q"], arguments["k"], arguments["cu_seqlens_q"]
     varlen_key = _varlen_signature(q, k, cu_seqlens_q, arguments["cu_seqlens_k"], arguments["max_seqlen_q"],
@@ -114,7 +128,77 @@ def _attention_slow(manager: OpManager, key: Any, *args: Any) -> Any:
         return result
     if key is None:
         return manager.call("attention", call, impl=impl)
-    return _run_and_remember(manager, "attention", key, call, impl, ATTENTION_ARGS.bound_tensors(arguments))
+    generic = None if call.varlen else (arguments["causal"], arguments["causal_alignment"], arguments["window"])
+    return _run_and_remember(manager, "attention", key, call, impl, ATTENTION_ARGS.bound_tensors(arguments),
+                             generic)
+
+
+# -- size-generic reuse ------------------------------------------------------------------------------------------
+#
+# The per-call fast path is keyed by exact shapes, so a decode loop over a growing cache, or a new batch size, is
+# a new signature at every step. Such a call differs from one already run only in its sizes: the fast-path key
+# with every shape reduced to its rank and last dim (`size_generic_key`) finds that call's template, and
+# `_sized_reuse` re-derives what sizes change (`revalidate_sizes`: the steps of validation that read sizes), asks
+# the decision cache for the call's class (its policy thresholds, caps limits and selection keys: `resolve`) and,
+# where that is the template's very decision and its bound function is declared size-generic (`size_generic`),
+# runs that function; else it binds afresh. Either way the exact key is remembered, so the next call of this
+# signature hits. Dense calls only (no sinks, varlen, ALiBi or bias: those never key or keep a template).
+
+_SIZE = torch.Size
+_NOT_REUSED: Any = object()
+
+
+def size_generic_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`key` (a front door's fast-path key) with each shape in it reduced: a tensor's to its rank and last dim
+    (the head dim: the default scale reads it), an optional tensor's (a mask) to its rank and broadcast pattern."""
+    return tuple(
+        (len(x), x[-1]) if type(x) is _SIZE
+        else ((len(x[0]), tuple(n == 1 for n in x[0])), *x[1:]) if type(x) is tuple and x and type(x[0]) is _SIZE
+        else x
+        for x in key)
+
+
+class SizeTemplate:
+    """A validated dense call (without its tensors) as given (`causal`, `causal_alignment`, `window`, which
+    validation canonicalizes by sizes), with its decision and the function bound to it."""
+
+    __slots__ = ("call", "causal", "causal_alignment", "window", "decision", "fn", "signature")
+
+    def __init__(self, call: AttentionCall, given: tuple[Any, Any, Any], fn: Any) -> None:
+        self.call = call.stripped()
+        self.causal, self.causal_alignment, self.window = given
+        self.decision, self.fn, self.signature = fn.decision, fn, fn.signature
+
+
+def _sized_reuse(manager: OpManager, key: Any, template: SizeTemplate, impl: Any, q: Any, k: Any, v: Any,
+                 seqused_k: Any, block_table: Any, max_seqlen_k: Any, attn_mask: Any) -> Any:
+    """Run a call that differs from `template`'s only in sizes, remembering it under `key`; `_NOT_REUSED` where
+    the sizes do not validate (the full path then raises validation's own error)."""
+    try:
+        call = revalidate_sizes(template.call, template.causal, template.causal_alignment, template.window, q, k, v,
+                                seqused_k, block_table, max_seqlen_k, attn_mask)
+    except Exception:
+        return _NOT_REUSED
+    tensors: tuple[Any, ...] = (q, k, v)
+    if seqused_k is not None or block_table is not None or attn_mask is not None:
+        tensors += (seqused_k, block_table, attn_mask, None)
+    given = (template.causal, template.causal_alignment, template.window)
+    decision = manager.resolve("attention", call, impl=impl)  # the class's decision: thresholds, limits, demotions
+    fn = template.fn
+    if decision is not template.decision or not fn.size_generic:
+        return _run_and_remember(manager, "attention", key, call, impl, tensors, given)
+    raise_if_capturing("attention", call)
+    try:
+        out = fn(*tensors)
+        _raise_for_structure("attention", decision.chosen_id, call, out)
+    except Exception:
+        # What a failure means (fail over, demote for this signature, or raise) is the reference path's to say: it
+        # binds afresh and runs the call again.
+        return _run_and_remember(manager, "attention", key, call, impl, tensors, given)
+    if decision.policy_hash == manager.policy.hash:
+        bounded_put(manager.fast, key, fn)
+    manager.usage.called(decision, reference_counted=True)
+    return out
 
 
 def _remember_sinks(manager: OpManager, key: Any, call: Any, impl: str | None) -> None:
@@ -141,13 +225,16 @@ def _fast_path_failed(manager: OpManager, key: Any, fn: Any, exc: Exception, slo
     """The kernel bound to a fast-path hit raised `exc`. With settings.fallback_on_error (and no pin), demote it
     for its signature (or its class: see opdispatch._breaker) and run the call again through `slow`, which
     decides it again (the next implementation takes it); a due retry (RetryDue) only decides again. Otherwise
-    `exc` goes to the caller."""
+    `exc` goes to the caller. A size-generic function serves signatures of several sizes, its `signature` being
+    the first one's: the slow path runs the call again and demotes for the call's own signature."""
     if isinstance(exc, RetryDue):
         manager.fast.pop(key, None)
-    elif manager.may_fail_over(fn.decision, None, exc, args[0].device):
-        manager.fail_over(fn.decision, exc, bound=fn)  # the failing signature: see opdispatch._breaker
-    else:
+    elif not manager.may_fail_over(fn.decision, None, exc, args[0].device):
         raise exc
+    elif getattr(fn, "size_generic", False):
+        manager.fast.pop(key, None)
+    else:
+        manager.fail_over(fn.decision, exc, bound=fn)  # the failing signature: see opdispatch._breaker
     return slow(manager, key, *args)
 
 
@@ -373,9 +460,11 @@ def define_explain(op: str) -> Callable[..., Decision]:
 
 
 def _run_and_remember(manager: OpManager, op: str, key: Any, call: Any, impl: str | None,
-                      tensors: tuple[Any, ...]) -> Any:
+                      tensors: tuple[Any, ...], generic: tuple[Any, Any, Any] | None = None) -> Any:
     """Run `call` on its bound kernel and remember the function under the fast-path `key` once it returned
-    (unless a policy swap happened meanwhile: the swap replaced `fast`, the hash tells)."""
+    (unless a policy swap happened meanwhile: the swap replaced `fast`, the hash tells). `generic`: a dense
+    attention call's (causal, causal_alignment, window) as given, to remember it as a size-generic template too
+    (`_sized_reuse`)."""
     # A dense signature first seen inside CUDA graph capture: its class may be decided, but a kernel's first call
     # at a new shape may build a plan (cuDNN builds a graph per shape), which must not happen inside capture.
     raise_if_capturing(op, call)
@@ -383,6 +472,8 @@ def _run_and_remember(manager: OpManager, op: str, key: Any, call: Any, impl: st
     def remember(fn: Any) -> None:
         if fn.decision.policy_hash == manager.policy.hash:
             bounded_put(manager.fast, key, fn)
+            if generic is not None and call.sinks is None and call.alibi_slopes is None and call.attn_bias is None:
+                bounded_put(manager.size_generic, size_generic_key(key), SizeTemplate(call, generic, fn))
 
     return manager.run_bound(op, call, impl, tensors, remember)
 

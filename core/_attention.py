@@ -461,6 +461,50 @@ def validate_attention(
     return call
 
 
+def revalidate_sizes(template: AttentionCall, causal: bool, causal_alignment: str, window: Any, q: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, seqused_k: Any, block_table: Any, max_seqlen_k: Any,
+                     attn_mask: Any) -> AttentionCall:
+    """`validate_attention` of a dense call (no sinks, ALiBi, bias or varlen offsets) whose every argument but
+    the tensors' sizes equals those of the call `template` was validated from — tensor ranks, last dims, dtypes,
+    devices, strides and grad, every flag, the scope: what the fast path's size-generic key holds. `causal`,
+    `causal_alignment` and `window` are the arguments as given (validation canonicalizes them by sizes).
+
+    The steps of validation that read sizes run again, in its order; the rest is the template's (validated from
+    the same values). Raises what those steps raise; the caller hands any error to `validate_attention` itself,
+    the reference, so that what the user sees is its error."""
+    call = template.with_tensors(q, k, v)
+    for t in (q, k, v):
+        if 0 in t.shape:
+            raise ValueError("an empty dimension")  # validate_attention words it
+    paged = block_table is not None
+    batch, seqlen_q, seqlen_k = _read_heads_and_dims(call, paged=paged)
+    call.causal, call.causal_alignment = causal, causal_alignment  # as _read_flags sets them (checked there)
+    call.window = _check_window(window, causal)
+    call.batch, call.seqlen_q, call.seqlen_k = batch, seqlen_q, seqlen_k
+    if seqused_k is None and block_table is None:
+        call.seqused_k = call.block_table = None
+    else:
+        _read_kv_cache(call, seqused_k, block_table, max_seqlen_k, True)
+    if attn_mask is None:
+        call.attn_mask = None
+    else:
+        _read_alibi_mask_and_bias(call, None, attn_mask, None)
+    call.requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    call.rewrites = ()
+    canonicalize(call)
+    return call
+
+
+def size_generic(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare that a bound function (what `Impl.bind` returns) reads every size from the tensors it is given:
+    the per-call fast path then reuses it for calls that differ from the bound call only in sizes (batch,
+    sequence lengths, head counts) and that the policy decides alike — same decision class, so same layout,
+    dtype, head dims and flags. A function that keeps anything sized from the bound call (a call record, a
+    mask or bias built for its lengths, `max_seqlen`s) must not be declared: it is bound per signature."""
+    fn.size_generic = True  # type: ignore[attr-defined]
+    return fn
+
+
 # The steps of `validate_attention`, in the order it takes them (the first problem found is the one raised).
 
 def _checked_qkv(q: Any, k: Any, v: Any, layout: Any,

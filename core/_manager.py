@@ -87,6 +87,9 @@ class OpManager:
         # front doors reach them with one attribute read; `_install` replaces them together with the state.
         self.fast: dict[Any, Any] = {}
         self.checked_varlen: dict[Any, bool] = {}
+        # Size-generic templates (opdispatch._api): a fast-path key with its sizes left out -> a validated call, its
+        # decision and bound function, for calls that differ from it only in sizes.
+        self.size_generic: dict[Any, Any] = {}
         # How many decisions were made (cache misses of `resolve`): a decode loop should make one.
         self.decisions_made = 0
         # Implementations demoted per call signature, then per call class, after raising at run time
@@ -270,6 +273,7 @@ class OpManager:
         self._state = state
         self.fast = state.fast
         self.checked_varlen = state.checked_varlen
+        self.size_generic = state.size_generic
         _native.forget()  # the compiled front doors' entries point into the old state's cache
 
     def set_policy(self, policy: Any) -> None:
@@ -604,6 +608,9 @@ class OpManager:
         chosen = decision.chosen
         assert chosen is not None
         fn = chosen.bound_function(chosen.conform(call))
+        # Whether the function may serve calls of other sizes of this decision (`_attention.size_generic`): the
+        # implementation's declaration, kept only through the wrappers below that hold nothing of `call`.
+        generic = getattr(fn, "size_generic", False) is True
         conformer = chosen.input_conformer(call)
         if conformer is not None:  # inputs the kernel cannot read as they are (e.g. strides): conformed per call
             bound_kernel = fn
@@ -619,12 +626,13 @@ class OpManager:
             def fixed(*tensors: Any) -> Any:
                 return fix(unfixed(*tensors), rebuild(*tensors))
 
-            fn = fixed
+            fn, generic = fixed, False
         if self.check_values:
             fn = guarded(decision.op, chosen.id, fn, _template(call).with_tensors, _bound_names(decision.op))
+            generic = False
         shadow = self.shadow
         if shadow is not None and not getattr(chosen, "reference_fallback", False):  # bound only while it is on
-            fn = shadow.wrap(fn, decision, _template(call).with_tensors)
+            fn, generic = shadow.wrap(fn, decision, _template(call).with_tensors), False
         retry_at = decision.retry_at
         if retry_at is not None:
             kernel, clock = fn, self.breaker.clock
@@ -646,7 +654,8 @@ class OpManager:
             fn = reference_counted
         described = call.describe()
         if profiling():  # bound while a profiler records: the fast-path key says so, so only used then
-            fn = ranged(fn, decision.op, chosen.id, described)
+            fn, generic = ranged(fn, decision.op, chosen.id, described), False
+        fn.size_generic = generic  # type: ignore[attr-defined]
         fn.decision = decision  # type: ignore[attr-defined]
         fn.signature = call.signature()  # type: ignore[attr-defined]
         fn.described = described  # type: ignore[attr-defined]
@@ -764,6 +773,9 @@ class OpManager:
         for k, fn in list(state.fast.items()):
             if invalidated(getattr(fn, "decision", None), getattr(fn, "signature", None)):
                 state.fast.pop(k, None)
+        for k, template in list(state.size_generic.items()):  # each holds a decision and the function bound to it
+            if invalidated(template.decision, template.signature):
+                state.size_generic.pop(k, None)
         log.log(logging.WARNING if loud else logging.INFO,
                 "%s: %s raised %s on [%s]; the call goes to the next implementation (settings.fallback_on_error); "
                 "%s is %s.%s", decision.op, impl_id, demotion.error, described, impl_id,

@@ -71,6 +71,9 @@ class DispatchState:
         # Varlen signatures whose cu_seqlens values were checked once (accelerators only; see _api), each with
         # whether cu_seqlens_k held the values of cu_seqlens_q.
         self.checked_varlen: dict[Any, bool] = {}
+        # Size-generic templates of the front doors (opdispatch._api): a fast-path key without its sizes -> the
+        # validated call, decision and bound function that calls differing only in sizes reuse.
+        self.size_generic: dict[Any, Any] = {}
         self.warned_reference: dict[Any, None] = {}
 
     @classmethod

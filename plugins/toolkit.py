@@ -73,7 +73,8 @@ Library versions (device probes, version checks):
 
 from __future__ import annotations
 
-from opdispatch._attention import additive_bias, alibi_bias, allowed_positions, bind_dense, layout_views, shift_rows
+from opdispatch._attention import (additive_bias, alibi_bias, allowed_positions, bind_dense, layout_views, shift_rows,
+                                   size_generic)
 from opdispatch._native import kernel_call
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
@@ -90,5 +91,6 @@ __all__ = ["KvQueries", "PackedCall", "additive_bias", "alibi_alignment_reason",
            "causal_alibi_lse_reason", "cumulative_lengths", "dense_lse_fix", "empty_rows_to_neg_inf",
            "flash_attn_kv_cache", "installed_versions", "kernel_call", "kernel_window", "kv_cache_allowed",
            "kv_cache_as_mask", "kv_cache_reasons", "kv_lse_fix", "layout_views", "pack_dense", "pack_padded_lse",
-           "packed_queries", "shift_rows", "unaccepted_keywords", "uniform_cu_seqlens", "unpack_kv_out", "unpack_lse",
+           "packed_queries", "shift_rows", "size_generic", "unaccepted_keywords", "uniform_cu_seqlens",
+           "unpack_kv_out", "unpack_lse",
            "unpack_out", "varlen_lse_fix", "version_tuple"]

@@ -39,8 +39,8 @@ from torch.nn.attention import SDPBackend
 
 from .. import _api, _native
 from .._arguments import REQUIRED
-from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, _profiling, \
-    _run_and_remember, attention
+from .._api import _NOT_REUSED, _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, \
+    _profiling, _run_and_remember, _sized_reuse, attention, size_generic_key
 from .._attention import validate_attention
 
 __all__ = ["SdpaError", "route_sdpa", "routed_sdpa", "scaled_dot_product_attention", "torch_sdpa", "unroute_sdpa"]
@@ -230,11 +230,18 @@ _SDPA = "compat.scaled_dot_product_attention"  # its fast-path keys' first field
 def _remembered(manager: Any, fast_key: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool,
                 scale: float | None) -> Tensor:
     """A common maskless call (4-D, one batch, heads that divide, a scale the op takes) through opdispatch.attention's
-    slow path — validate, decide, bind — remembering the bound kernel under the drop-in's own `fast_key`."""
+    slow path — validate, decide, bind — remembering the bound kernel under the drop-in's own `fast_key`; a call
+    that differs from a remembered one only in sizes takes its template (opdispatch._api's `_sized_reuse`)."""
     _state.active = 1
     try:
+        template = manager.size_generic.get(size_generic_key(fast_key)) if manager.size_generic else None
+        if template is not None:
+            reused: Tensor = _sized_reuse(manager, fast_key, template, None, q, k, v, None, None, None, None)
+            if reused is not _NOT_REUSED:
+                return reused
         call = validate_attention(q, k, v, layout="bhsd", causal=causal, scale=scale, module=_module())
-        out: Tensor = _run_and_remember(manager, "attention", fast_key, call, None, (q, k, v))
+        out: Tensor = _run_and_remember(manager, "attention", fast_key, call, None, (q, k, v),
+                                        (causal, "top_left", None))
         return out
     finally:
         _state.active = 0

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch.plugins.toolkit import additive_bias, aten_sdpa_call, kv_cache_as_mask, layout_views, shift_rows
+from opdispatch.plugins.toolkit import (additive_bias, aten_sdpa_call, kv_cache_as_mask, layout_views, shift_rows,
+                                       size_generic)
 
 _aten_kernel = torch._scaled_dot_product_flash_attention_for_cpu
 # Its backward has no torch.* binding; the OpOverload is the direct entry (called once per compiled backward).
@@ -48,22 +49,25 @@ class CpuFlashAttention(AttentionImpl):
         if (call.kv_cache or call.positional_mask or call.attn_mask is not None or call.attn_bias is not None
                 or call.alibi_slopes is not None):
             return super().bind(call)
-        # The common case binds the kernel itself: no call object, no branches per call.
+        # The common case binds the kernel itself: no call object, no branches per call. Every function below
+        # reads the sizes from its tensors and keeps only the layout, causal flag and scale — what the decision
+        # class holds — so it serves calls of other sizes of its decision (`size_generic`).
         kernel, causal, scale = _kernel, call.causal, call.scale
         if call.layout == "bhsd":
             if call.return_lse:
-                return lambda q, k, v: tuple(kernel(q, k, v, 0.0, causal, scale=scale))
+                return size_generic(lambda q, k, v: tuple(kernel(q, k, v, 0.0, causal, scale=scale)))
             # The aten op itself, as one C call where opdispatch's extension is built (_kernel's frame is gone),
             # with default arguments left out (torch's parser charges for each explicit one).
-            return aten_sdpa_call(_aten_kernel, 0.0, causal, defaults=(0.0, False), scale=scale,
-                                  head_dim=call.head_dim)
+            return size_generic(aten_sdpa_call(_aten_kernel, 0.0, causal, defaults=(0.0, False), scale=scale,
+                                               head_dim=call.head_dim))
         to_bhsd, from_bhsd = layout_views(call.layout)  # views that hold nothing of the call
         if call.return_lse:
             def bound_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
                 out, lse = kernel(to_bhsd(q), to_bhsd(k), to_bhsd(v), 0.0, causal, scale=scale)
                 return from_bhsd(out), lse
-            return bound_lse
-        return lambda q, k, v: from_bhsd(kernel(to_bhsd(q), to_bhsd(k), to_bhsd(v), 0.0, causal, scale=scale)[0])
+            return size_generic(bound_lse)
+        return size_generic(
+            lambda q, k, v: from_bhsd(kernel(to_bhsd(q), to_bhsd(k), to_bhsd(v), 0.0, causal, scale=scale)[0]))
 
     def backward(self, call: AttentionCall, out: torch.Tensor, lse: torch.Tensor,
                  grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

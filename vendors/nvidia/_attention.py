@@ -24,8 +24,8 @@ from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, a
                                         causal_alibi_lse_reason, cumulative_lengths, dense_lse_fix,
                                         empty_rows_to_neg_inf, flash_attn_kv_cache, kernel_window, kv_cache_allowed,
                                         kv_cache_as_mask, kv_cache_reasons, kv_lse_fix, pack_padded_lse, packed_queries,
-                                        shift_rows, uniform_cu_seqlens, unpack_kv_out, unpack_lse, varlen_lse_fix,
-                                        version_tuple)
+                                        shift_rows, size_generic, uniform_cu_seqlens, unpack_kv_out, unpack_lse,
+                                        varlen_lse_fix, version_tuple)
 
 _LOW = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
@@ -178,9 +178,11 @@ class CudnnAttention(AttentionImpl):
                 or _needs_padding(call)):
             return super().bind(call)
         # Plain dense calls bind the aten op itself: no call object per call (the per-call fast path and plan()).
+        # Sizes come from the tensors; what it keeps (flags, scale, layout) the decision class holds.
         kernel, need_lse, causal, scale = _cudnn_sdpa, call.requires_grad, call.causal, call.scale
-        return bind_dense(call, aten_sdpa_call(kernel, None, need_lse, 0.0, causal, False, defaults=(0.0, False, False),
-                                               scale=scale, head_dim=call.head_dim))
+        return size_generic(bind_dense(call, aten_sdpa_call(kernel, None, need_lse, 0.0, causal, False,
+                                                            defaults=(0.0, False, False), scale=scale,
+                                                            head_dim=call.head_dim)))
 
     def run(self, call: AttentionCall) -> Any:
         if call.kv_cache:
@@ -355,9 +357,10 @@ class TorchFlashAttention(AttentionImpl):
         if (call.kv_cache or call.varlen or call.window is not None or call.return_lse or call.dropout_p > 0
                 or _needs_padding(call)):
             return super().bind(call)
+        # Sizes come from the tensors; what it keeps (flags, scale, layout) the decision class holds.
         kernel, causal, scale = _flash_sdpa, call.causal, call.scale
-        return bind_dense(call, aten_sdpa_call(kernel, 0.0, causal, False, defaults=(0.0, False, False), scale=scale,
-                                               head_dim=call.head_dim))
+        return size_generic(bind_dense(call, aten_sdpa_call(kernel, 0.0, causal, False, defaults=(0.0, False, False),
+                                                            scale=scale, head_dim=call.head_dim)))
 
     def run(self, call: AttentionCall) -> Any:
         if _needs_padding(call):

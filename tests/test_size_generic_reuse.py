@@ -1,0 +1,229 @@
+"""Size-generic reuse (opdispatch._api `_sized_reuse`): a call differing from a remembered one only in sizes takes
+its template. Its results and errors must be the full path's, bit for bit, and the float64 oracle's within
+tolerance; what changes the decision (a policy threshold, a demotion, a pin) must still change it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import opdispatch
+from opdispatch import _api
+from opdispatch.policies import parse_policy
+from tests.test_numerics import naive_attention
+
+TO_BHSD = {"bshd": (0, 2, 1, 3), "bhsd": (0, 1, 2, 3), "sbhd": (1, 2, 0, 3)}
+
+
+def make(layout, b, s, h, d, gen, requires_grad=False):
+    shape = {"bshd": (b, s, h, d), "bhsd": (b, h, s, d), "sbhd": (s, b, h, d)}[layout]
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).requires_grad_(requires_grad)
+
+
+def oracle(layout, q, k, v, mask=None, **kw):
+    order = TO_BHSD[layout]
+    out, lse = naive_attention(q.permute(order), k.permute(order), v.permute(order), mask=mask, **kw)
+    return out.permute(tuple(order.index(i) for i in range(4))), lse
+
+
+def full_path(manager, q, k, v, **kw):
+    """The reference: the same call with no template to reuse (validated and bound in full)."""
+    saved = dict(manager.size_generic), dict(manager.fast)
+    manager.size_generic.clear()
+    manager.fast.clear()
+    try:
+        return _api._attention_slow(manager, None, *_arguments(q, k, v, kw))
+    finally:
+        manager.size_generic.update(saved[0])
+        manager.fast.update(saved[1])
+
+
+def _bound_for(manager, k_shape):
+    return next(fn for key, fn in manager.fast.items() if k_shape in key)
+
+
+def _arguments(q, k, v, kw):
+    given = {**{a.name: a.default for a in _api.ATTENTION_ARGS.args}, "q": q, "k": k, "v": v}
+    given.update(kw)
+    return tuple(given[n] for n in _api._NAMES)
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """How many times the full validation ran (the size-generic path does not run it)."""
+    seen = []
+    original = _api.validate_attention
+
+    def counting(*args, **kwargs):
+        seen.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_api, "validate_attention", counting)
+    return seen
+
+
+CASES = [
+    # layout, (batch, sq, hq, hkv, d), later sizes [(batch, sq, sk)], options
+    ("bshd", (1, 1, 8, 2, 16), [(1, 1, 9), (1, 1, 30), (3, 1, 12)], dict(causal=True, causal_alignment="bottom_right")),
+    ("bhsd", (2, 4, 4, 4, 8), [(2, 4, 9), (2, 5, 5), (1, 4, 7)], dict(causal=True, causal_alignment="bottom_right")),
+    ("sbhd", (2, 3, 6, 3, 8), [(2, 3, 11), (4, 2, 2)], dict(causal=True)),
+    # sk < sq bottom-right: rows that see no key (zeros out, lse -inf), then rows that all see keys
+    ("bshd", (1, 6, 4, 2, 8), [(1, 6, 3), (1, 6, 9), (2, 5, 2)],
+     dict(causal=True, causal_alignment="bottom_right", return_lse=True)),
+    ("bshd", (2, 5, 4, 1, 8), [(2, 5, 12), (1, 3, 20)], dict(window=(3, 0), causal=True, return_lse=True)),
+    ("bhsd", (1, 4, 2, 2, 8), [(1, 4, 10), (3, 4, 6)], dict(window=(2, 2), causal_alignment="bottom_right")),
+    ("bshd", (2, 1, 4, 2, 8), [(2, 1, 7), (3, 1, 13)], dict(mask="padding")),
+    ("bhsd", (2, 3, 4, 2, 8), [(2, 3, 7), (2, 2, 9)], dict(mask="full", causal=False)),  # batch 1 would be
+    # another broadcast pattern of the mask: another class (the size-generic key keeps it)
+]
+
+
+def _mask(kind, b, hq, sq, sk, gen):
+    if kind == "padding":  # (batch, 1, 1, sk): each sequence's own fill, broadcast over heads and queries
+        fill = torch.randint(1, sk + 1, (b,), generator=gen)
+        return (torch.arange(sk)[None, :] < fill[:, None])[:, None, None, :]
+    mask = torch.rand(b, 1, sq, sk, generator=gen) < 0.7
+    mask[..., 0] = True
+    return mask
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_sizes_reuse_the_template_and_match_the_full_path_and_the_oracle(basic_manager, door, validations, case,
+                                                                         requires_grad):
+    layout, (b, sq, hq, hkv, d), later, options = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    options = dict(options)
+    mask_kind = options.pop("mask", None)
+    sizes = [(b, sq, sq + 2)] + later
+    for i, (bb, qq, kk) in enumerate(sizes):
+        q = make(layout, bb, qq, hq, d, gen, requires_grad)
+        k = make(layout, bb, kk, hkv, d, gen, requires_grad)
+        v = make(layout, bb, kk, hkv, d, gen, requires_grad)
+        kw = dict(options, layout=layout)
+        if mask_kind:
+            kw["attn_mask"] = _mask(mask_kind, bb, hq, qq, kk, gen)
+        before = len(validations)
+        got = door(q, k, v, **kw)
+        if i > 0:
+            assert len(validations) == before, "a call differing only in sizes was validated in full"
+        assert basic_manager.fast, "the next call of this exact signature hits the per-call fast path"
+        want = full_path(basic_manager, q, k, v, **kw)
+        got_t = got if isinstance(got, tuple) else (got,)
+        want_t = want if isinstance(want, tuple) else (want,)
+        for a, w in zip(got_t, want_t):
+            assert torch.equal(a, w), "the size-generic path differs from the full path"
+        out, lse = oracle(layout, q.detach(), k.detach(), v.detach(), mask=kw.get("attn_mask"),
+                          scale=d ** -0.5, causal=kw.get("causal", False),
+                          alignment=kw.get("causal_alignment", "top_left"), window=kw.get("window"))
+        torch.testing.assert_close(got_t[0].detach().double(), out, atol=2e-5, rtol=2e-5)
+        if kw.get("return_lse"):
+            torch.testing.assert_close(got_t[1].double(), lse, atol=2e-5, rtol=2e-5)
+        if requires_grad:
+            g = torch.randn(got_t[0].shape, generator=gen)
+            grads = torch.autograd.grad(got_t[0], (q, k, v), g)
+            want_grads = torch.autograd.grad(want_t[0], (q, k, v), g)
+            for a, w in zip(grads, want_grads):
+                assert torch.equal(a, w)
+
+
+BAD = [
+    ("k and v lengths differ", lambda q, k, v: (q, k, v[:, :-1])),
+    ("batch differs", lambda q, k, v: (q[:1], k, v)),
+    ("heads do not divide", lambda q, k, v: (q[:, :, :3], k, v)),
+    ("empty", lambda q, k, v: (q, k[:, :0], v[:, :0])),
+    ("mask does not broadcast", "mask"),
+]
+
+
+@pytest.mark.parametrize("name,bad", BAD)
+def test_errors_of_a_reused_template_are_the_full_paths(basic_manager, door, name, bad):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = make("bshd", 2, 2, 4, 16, gen), make("bshd", 2, 5, 2, 16, gen), make("bshd", 2, 5, 2, 16, gen)
+    kw = dict(causal=True, causal_alignment="bottom_right")
+    if bad == "mask":
+        door(q, k, v, attn_mask=torch.ones(2, 1, 2, 5, dtype=torch.bool), **kw)  # the template, masked
+        args, kw = (q, k[:, :4], v[:, :4]), dict(kw, attn_mask=torch.ones(2, 1, 2, 5, dtype=torch.bool))
+    else:
+        door(q, k, v, **kw)
+        args = bad(q, make("bshd", 2, 7, 2, 16, gen), make("bshd", 2, 7, 2, 16, gen))
+    assert basic_manager.size_generic
+    with pytest.raises(Exception) as reused:
+        door(*args, **kw)
+    basic_manager.size_generic.clear()
+    basic_manager.fast.clear()
+    with pytest.raises(Exception) as full:
+        door(*args, **kw)
+    assert type(reused.value) is type(full.value) and str(reused.value) == str(full.value)
+
+
+def test_a_size_threshold_of_the_policy_is_decided_again(basic_manager, door, monkeypatch):
+    policy = parse_policy("version: 1\nops:\n  attention:\n    rules:\n      - name: long\n"
+                          "        when: {seqlen_k: '>=24'}\n        prefer: [reference.math]\n")
+    basic_manager.set_policy(policy)
+    gen = torch.Generator().manual_seed(3)
+    cache_k, cache_v = make("bshd", 1, 40, 2, 16, gen), make("bshd", 1, 40, 2, 16, gen)
+    q = make("bshd", 1, 1, 4, 16, gen)
+    chosen = []
+    for length in (10, 20, 23, 24, 30, 12):
+        out = door(q, cache_k[:, :length], cache_v[:, :length], causal=True, causal_alignment="bottom_right")
+        chosen.append(_bound_for(basic_manager, cache_k[:, :length].shape).decision.chosen_id)
+        want = full_path(basic_manager, q, cache_k[:, :length], cache_v[:, :length], causal=True,
+                         causal_alignment="bottom_right")
+        assert torch.equal(out, want)
+    assert chosen == ["cpu.flash"] * 3 + ["reference.math"] * 2 + ["cpu.flash"]
+
+
+def test_a_pin_and_a_scope_key_their_own_templates(basic_manager, door):
+    gen = torch.Generator().manual_seed(4)
+    cache_k, cache_v = make("bshd", 1, 30, 2, 16, gen), make("bshd", 1, 30, 2, 16, gen)
+    q = make("bshd", 1, 1, 4, 16, gen)
+    for length in (5, 6, 7):
+        k, v = cache_k[:, :length], cache_v[:, :length]
+        pinned = door(q, k, v, impl="reference.math")
+        with opdispatch.policy_override(prefer=["reference.math"]):
+            overridden = door(q, k, v)
+        plain = door(q, k, v)
+        assert torch.equal(pinned, full_path(basic_manager, q, k, v, impl="reference.math"))
+        assert torch.equal(overridden, pinned)
+        assert torch.equal(plain, full_path(basic_manager, q, k, v))
+    chosen = {fn.decision.chosen_id for fn in basic_manager.fast.values()}
+    assert chosen == {"reference.math", "cpu.flash"}
+
+
+def test_a_reused_function_that_raises_fails_over_for_its_own_signature(basic_manager, door, monkeypatch, caplog):
+    gen = torch.Generator().manual_seed(5)
+    cache_k, cache_v = make("bshd", 1, 30, 2, 16, gen), make("bshd", 1, 30, 2, 16, gen)
+    q = make("bshd", 1, 1, 4, 16, gen)
+    door(q, cache_k[:, :5], cache_v[:, :5])  # the template, bound to cpu.flash
+    template = next(iter(basic_manager.size_generic.values()))
+    assert template.fn.size_generic and template.decision.chosen_id == "cpu.flash"
+    from opdispatch.vendors.cpu import _attention as cpu_attention
+
+    def broken(q, k, v, *args, **kwargs):  # (batch, heads, seq, dim) here
+        if k.shape[-2] == 9:
+            raise RuntimeError("kernel failure at length 9")
+        return torch._scaled_dot_product_flash_attention_for_cpu(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_attention, "_aten_kernel", broken)
+    basic_manager.fast.clear()
+    basic_manager.size_generic.clear()
+    door(q, cache_k[:, :6], cache_v[:, :6])  # a template bound to the broken kernel (it passes at 6)
+    out = door(q, cache_k[:, :9], cache_v[:, :9])  # reused: raises, fails over for this signature
+    assert torch.equal(out, full_path(basic_manager, q, cache_k[:, :9], cache_v[:, :9]))
+    assert any("kernel failure at length 9" in r.getMessage() for r in caplog.records)
+    fn9 = _bound_for(basic_manager, cache_k[:, :9].shape)
+    assert fn9.decision.chosen_id != "cpu.flash"
+    out = door(q, cache_k[:, :7], cache_v[:, :7])  # other lengths keep cpu.flash
+    fn7 = _bound_for(basic_manager, cache_k[:, :7].shape)
+    assert fn7.decision.chosen_id == "cpu.flash"
+
+
+def test_calls_with_sinks_never_reuse_a_template(basic_manager, door):
+    gen = torch.Generator().manual_seed(6)
+    q = make("bshd", 1, 1, 4, 16, gen)
+    sinks = torch.randn(4, generator=gen)
+    for length in (5, 6):
+        k, v = make("bshd", 1, length, 2, 16, gen), make("bshd", 1, length, 2, 16, gen)
+        door(q, k, v, sinks=sinks)
+    assert not basic_manager.size_generic
