@@ -3,10 +3,13 @@
 # under $OUT or ./gpu-readme-figures-out). Parts (arguments; default: all):
 #   side     benchmarks/side_by_side.py, every cell, forward and forward+backward (issue 29: each cell >= 1.0x of
 #            torch's best way, or explained)
-#   serving  per-call overhead (benchmarks/dispatch_overhead.py), a growing-cache decode loop
+#   overhead per-call overhead (benchmarks/dispatch_overhead.py)
+#   serving  a growing-cache decode loop
 #            (benchmarks/decode_loop.py: first pass and later passes) and transformers' generate() of a ~100M
 #            Llama-shaped model, bf16, batch 1/8/32 (benchmarks/generate_bench.py) (issues 29 and 31)
 #   flex     torch.flex against torch's own compiled flex_attention, softcap spellings (benchmarks/flex_variants.py)
+#   door     the same kernel through torch's SDPA, the aten op, plan() and attention() (door_vs_kernel.py)
+#   flagos   a growing decode pinned to flagos.triton (benchmarks/flagos_growing_decode.py)
 #   determinism  the GPU tests of deterministic backwards under torch's flag (tests/gpu/test_issue10_gpu.py)
 # BENCH_COMMIT names the commit the copy was made from (the machine's .git may be stale).
 set -u
@@ -20,9 +23,6 @@ for part in $parts; do
       echo "side_by_side exit $?" | tee -a "$out/side_by_side-h100.log"
       cat "$out/side_by_side-h100.md" ;;
     serving)
-      timeout 120 python3 "$repo/benchmarks/dispatch_overhead.py" --device cuda \
-        --out "$out/dispatch_overhead-h100.md" > "$out/dispatch_overhead-h100.log" 2>&1
-      echo "dispatch_overhead exit $?"; tail -20 "$out/dispatch_overhead-h100.md"
       timeout 150 python3 "$repo/benchmarks/decode_loop.py" --device cuda --dtype bf16 \
         --out "$out/decode_loop-h100.json" > "$out/decode_loop-h100.log" 2>&1
       echo "decode_loop exit $?"; tail -16 "$out/decode_loop-h100.log"
@@ -37,6 +37,17 @@ for part in $parts; do
       timeout 200 python3 -m pytest -q -rxXsf -p no:cacheprovider --rootdir "$repo" \
         "$repo/tests/gpu/test_issue10_gpu.py" -k "deterministic" > "$out/gpu-tests-determinism-h100.txt" 2>&1
       tail -8 "$out/gpu-tests-determinism-h100.txt" ;;
-    *) echo "unknown part $part (side, serving, flex, determinism)"; exit 2 ;;
+    door)
+      timeout 150 python3 "$repo/benchmarks/door_vs_kernel.py" --out "$out/door_vs_kernel-h100.json" \
+        > "$out/door_vs_kernel-h100.log" 2>&1
+      echo "door_vs_kernel exit $?"; tail -20 "$out/door_vs_kernel-h100.log" ;;
+    flagos)
+      timeout 200 python3 "$repo/benchmarks/flagos_growing_decode.py" --steps 64 > "$out/flagos_growing_decode-h100.txt" 2>&1
+      echo "flagos_growing_decode exit $?"; tail -15 "$out/flagos_growing_decode-h100.txt" ;;
+    overhead)
+      timeout 300 python3 "$repo/benchmarks/dispatch_overhead.py" --device cuda \
+        --out "$out/dispatch_overhead-h100.md" > "$out/dispatch_overhead-h100.log" 2>&1
+      echo "dispatch_overhead exit $?"; tail -12 "$out/dispatch_overhead-h100.md" | cut -c1-300 ;;
+    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead)"; exit 2 ;;
   esac
 done

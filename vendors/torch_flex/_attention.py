@@ -380,12 +380,22 @@ def _broadcast_index(t: torch.Tensor, target: tuple[int, ...]) -> Callable[..., 
     return read
 
 
+@functools.lru_cache(maxsize=64)
+def _softcap_tensors(softcap: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """softcap and 1/softcap as device scalars, made once per (value, device): a tensor per call was a host-to-device
+    copy per call, and the kernel multiplies by the reciprocal — a division per score cost 5% of the softcap
+    forward on an H100 (benchmarks/results/flex_variants-h100.md). Tensors, not Python floats: dynamo would guard
+    a captured float by value and compile again for every new softcap."""
+    return (torch.tensor(softcap, dtype=torch.float32, device=device),
+            torch.tensor(1.0 / softcap, dtype=torch.float32, device=device))
+
+
 def _score_mod(call: AttentionCall, pos: _Positions, q_bhsd_shape: tuple[int, ...], sk: int,
                attn_bias: torch.Tensor | None) -> Callable[..., Any] | None:
     """softcap · tanh(s / softcap), then -slope · |i + o - j|, then the additive bias — reference.math's order.
     ``attn_bias`` is the call's bias, or the leaf standing for it inside `retainable`."""
     device = call.q.device
-    softcap = torch.tensor(call.softcap, dtype=torch.float32, device=device) if call.softcap > 0 else None
+    softcap, inverse = _softcap_tensors(call.softcap, device) if call.softcap > 0 else (None, None)
     slopes = call.alibi_slopes
     per_batch_slopes = slopes is not None and slopes.dim() == 2
     if slopes is not None:
@@ -402,7 +412,7 @@ def _score_mod(call: AttentionCall, pos: _Positions, q_bhsd_shape: tuple[int, ..
     def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor,
                   ki: torch.Tensor) -> torch.Tensor:
         if softcap is not None:
-            score = softcap * torch.tanh(score / softcap)
+            score = softcap * torch.tanh(score * inverse)
         if slopes is not None:
             if per_batch_slopes:
                 slope = slopes[pos.doc_q[qi] if varlen else b, h]
