@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     v_buf = torch.randn(B, capacity, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     q = torch.randn(B, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     print(f"flag_gems {__import__('flag_gems').__version__}, torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name()}")
+          f"{torch.cuda.get_device_name()}", flush=True)
     sliced_ms, worst = [], 0.0
     with torch.no_grad():
         for i in range(args.steps):
@@ -59,11 +59,13 @@ def main(argv: list[str] | None = None) -> int:
                 q.transpose(1, 2).float(), k.transpose(1, 2).float(), v.transpose(1, 2).float(),
                 enable_gqa=True).transpose(1, 2)
             worst = max(worst, (out[0].float() - ref).abs().max().item())
+            print(f"step {i}: kv {n}, {sliced_ms[-1]:.1f} ms", flush=True)  # a run cut short still shows its steps
         contiguous_ms = []
         for i in range(args.contiguous_steps):
             n = args.start + i
             k, v = k_buf[:, :n].contiguous(), v_buf[:, :n].contiguous()
             contiguous_ms.append(timed(lambda: opdispatch.attention(q, k, v, impl="flagos.triton")))
+            print(f"contiguous step {i}: kv {n}, {contiguous_ms[-1]:.1f} ms", flush=True)
     median = statistics.median(sliced_ms)
     print(f"sliced (one kernel): {args.steps} steps, first {sliced_ms[0]:.1f} ms, median {median:.3f} ms, "
           f"max {max(sliced_ms):.1f} ms; max |error| vs float32 SDPA {worst:.2e}")

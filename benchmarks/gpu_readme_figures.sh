@@ -42,7 +42,7 @@ for part in $parts; do
         > "$out/door_vs_kernel-h100.log" 2>&1
       echo "door_vs_kernel exit $?"; tail -20 "$out/door_vs_kernel-h100.log" ;;
     flagos)
-      timeout 200 python3 "$repo/benchmarks/flagos_growing_decode.py" --steps 64 > "$out/flagos_growing_decode-h100.txt" 2>&1
+      timeout 200 python3 "$repo/benchmarks/flagos_growing_decode.py" --steps ${FLAGOS_STEPS:-64} > "$out/flagos_growing_decode-h100.txt" 2>&1
       echo "flagos_growing_decode exit $?"; tail -15 "$out/flagos_growing_decode-h100.txt" ;;
     overhead)
       timeout 300 python3 "$repo/benchmarks/dispatch_overhead.py" --device cuda \
