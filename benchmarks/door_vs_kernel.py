@@ -53,6 +53,10 @@ def ways(cell: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> dic
     return out
 
 
+def _fmt(ms: Any) -> str:
+    return f"{ms:.4f}" if isinstance(ms, float) else str(ms)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=50)
@@ -84,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         for way, ms in row["per_call_ms"].items():
             b2b = row["back_to_back_ms"][way]
-            fmt = (lambda x: f"{x:.4f}" if isinstance(x, float) else str(x))
-            lines.append(f"| {row['cell']} | {way} | {fmt(ms)} | {fmt(b2b)} |")
+            lines.append(f"| {row['cell']} | {way} | {_fmt(ms)} | {_fmt(b2b)} |")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     if args.out:

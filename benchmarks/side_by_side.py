@@ -132,6 +132,17 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], device: torch.device, warm
     return {name: result[name] for name in fns}  # the callers' order
 
 
+BACK_TO_BACK = 10
+
+
+def batched(fn: Callable[[], Any]) -> Callable[[], None]:
+    """`fn` called BACK_TO_BACK times in a row (one timed sample)."""
+    def run() -> None:
+        for _ in range(BACK_TO_BACK):
+            fn()
+    return run
+
+
 @contextlib.contextmanager
 def deterministic_algorithms() -> Iterator[None]:
     previous = torch.are_deterministic_algorithms_enabled()
@@ -381,8 +392,10 @@ def run_cell(name: str, cell: dict[str, Any], mode: str, device: torch.device, d
     row["torch_sdpa_backend"] = sdpa_backend(inputs) if "SDPA" in ways else None
     # torch's way to ask for determinism is the global flag (it changes kernels and inductor's choices); a user
     # who sets it gets it for opdispatch too, so both sides run under it (opdispatch also gets deterministic=True).
-    flag = contextlib.nullcontext() if not kw.get("deterministic") else deterministic_algorithms()
-    with flag:
+    def flag() -> contextlib.AbstractContextManager[None]:
+        return deterministic_algorithms() if kw.get("deterministic") else contextlib.nullcontext()
+
+    with flag():
         if kw.get("deterministic"):
             row["pick"] = opdispatch.explain(q, k, v, **kw).chosen_id
         times = interleaved_ms(candidates, device, warmup, reps)
@@ -397,6 +410,14 @@ def run_cell(name: str, cell: dict[str, Any], mode: str, device: torch.device, d
         best = min(measured, key=measured.get)
         row["torch_best"], row["torch_best_ms"] = best, measured[best]
         row["speedup"] = measured[best] / row["opdispatch_ms"]
+        # Back to back (events around BACK_TO_BACK calls): the device's time per call, as a model whose host runs
+        # ahead sees it; per call above, the host's time before the launch shows too (the device is idle).
+        with flag():
+            pair = interleaved_ms({OURS: batched(timed_ours), best: batched(timed_ways[best])}, device, 1,
+                                  2 * ROUNDS)
+        if all(isinstance(t, float) for t in pair.values()):
+            row["back_to_back_ms"] = {name: t / BACK_TO_BACK for name, t in pair.items()}  # type: ignore[operator]
+            row["back_to_back_speedup"] = pair[best] / pair[OURS]  # type: ignore[operator]
     row["errors"] = errors(q, k, v, kw, ours, ways.get(row.get("torch_best", ""), None), thd)
     return row
 
@@ -427,10 +448,11 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], dtype: str) -> str
                                                          if "cuda" in env else "")
              + (f", triton {env['triton']}" if "triton" in env else "") + f"; {dtype}; commit {env.get('commit')}",
              "", "| cell | mode | opdispatch pick | opdispatch ms | torch's best way | torch ms | torch / opdispatch "
-             "| max err opd / torch | other torch ways |", "|---|---|---|---:|---|---:|---:|---|---|"]
+             "| back to back: torch / opdispatch | max err opd / torch | other torch ways |",
+             "|---|---|---|---:|---|---:|---:|---:|---|---|"]
     for r in rows:
         if "failed" in r:
-            lines.append(f"| {r['cell']} | {r['mode']} | {r.get('pick', '-')} | failed: {r['failed']} | | | | | |")
+            lines.append(f"| {r['cell']} | {r['mode']} | {r.get('pick', '-')} | failed: {r['failed']} | | | | | | |")
             continue
         others = "; ".join(f"{w} {t:.3f}" if isinstance(t, float) else f"{w}: {t}" for w, t in r["torch_ms"].items()
                            if w != r.get("torch_best"))
@@ -441,10 +463,15 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], dtype: str) -> str
         flag = "" if speed is None or speed >= 0.97 else " **slower**"
         backend = f" ({r['torch_sdpa_backend']})" if r.get("torch_best") == "SDPA" and r.get(
             "torch_sdpa_backend") else ""
+        b2b = "-"
+        if "back_to_back_ms" in r:
+            ratio = r["back_to_back_speedup"]
+            b2b = f"{ratio:.2f}x" + (" **slower**" if ratio < 0.97 else "") + (
+                f" ({r['back_to_back_ms']['opdispatch']:.3f} ms)")
         errs = " / ".join(f"{r['errors'].get(n, float('nan')):.3g}" for n in ("opdispatch", "torch"))
         lines.append(f"| {r['cell']} | {r['mode']} | {r['pick']} | {r['opdispatch_ms']:.3f} | "
                      f"{r.get('torch_best', '-')}{backend} | {r.get('torch_best_ms', math.nan):.3f} | "
-                     f"{'-' if speed is None else f'{speed:.2f}x'}{flag} | {errs} | {others} |")
+                     f"{'-' if speed is None else f'{speed:.2f}x'}{flag} | {b2b} | {errs} | {others} |")
     return "\n".join(lines) + "\n"
 
 
