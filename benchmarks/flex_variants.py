@@ -23,7 +23,7 @@ import opdispatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_loop import environment  # noqa: E402
-from side_by_side import interleaved_ms  # noqa: E402
+from side_by_side import BACK_TO_BACK, batched, interleaved_ms  # noqa: E402
 
 SOFTCAP = 30.0
 
@@ -51,6 +51,34 @@ def variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compile_flex: bo
     return {name: bound(mod) for name, mod in mods.items()}
 
 
+def window_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                    compile_flex: bool) -> dict[str, Callable[[], Any]]:
+    """torch's own flex_attention for a causal sliding window: the window and the alignment offset as Python ints
+    (constants in the kernel) or as captured tensors (how torch.flex captures them, so new lengths and windows do
+    not recompile)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    flex = torch.compile(flex_attention) if compile_flex else flex_attention
+    offset_t = torch.tensor(0, dtype=torch.int32, device=q.device)
+    left_t = torch.tensor(window, dtype=torch.int32, device=q.device)
+    mods = {
+        "flex, window and offset Python ints": lambda b, h, i, j: (j <= i) & (j >= i - window),
+        "flex, window and offset tensors": lambda b, h, i, j: (((j - i - offset_t) <= 0)
+                                                               & ((j - i - offset_t) >= -left_t)),
+    }
+    gqa = qt.shape[1] != kt.shape[1]
+    out = {}
+    for name, mod in mods.items():
+        mask = create_block_mask(mod, None, None, qt.shape[2], kt.shape[2], device=q.device, _compile=compile_flex)
+        out[name] = (lambda mask=mask: flex(qt, kt, vt, block_mask=mask, enable_gqa=gqa).transpose(1, 2))
+    return out
+
+
+def _fmt(ms: Any) -> str:
+    return f"{ms:.3f}" if isinstance(ms, float) else str(ms)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (eager flex, fp32)")
@@ -63,35 +91,40 @@ def main(argv: list[str] | None = None) -> int:
     b, s, hq, hkv, d = (1, 64, 4, 2, 16) if device.type == "cpu" else (2, 4096, 16, 8, 128)
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
-    for mode in ("fwd", "fwd+bwd"):
-        grad = mode == "fwd+bwd"
-        if grad and device.type == "cpu":
-            continue  # flex has no CPU backward
-        q = torch.randn(b, s, hq, d, generator=gen, device=device, dtype=dtype).requires_grad_(grad)
-        k, v = (torch.randn(b, s, hkv, d, generator=gen, device=device, dtype=dtype).requires_grad_(grad)
-                for _ in range(2))
-        fns = {"opdispatch torch.flex": lambda: opdispatch.attention(q, k, v, causal=True, softcap=SOFTCAP,
-                                                                     impl="torch.flex")}
-        fns.update(variants(q, k, v, compile_flex=device.type == "cuda"))
-        if grad:
-            g = torch.randn(b, s, hq, d, generator=gen, device=device, dtype=dtype)
-            fns = {name: (lambda fn=fn: fn().backward(g)) for name, fn in fns.items()}
-        times = interleaved_ms(fns, device, args.warmup, args.reps)
-        rows.append({"mode": mode, "ms": times})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    cells = {"softcap 30": (b, s, hq, hkv, d, None),
+             "window 1024": (1, 64, 4, 4, 16, 8) if device.type == "cpu" else (1, 8192, 16, 16, 128, 1024)}
+    for cell, (cb, cs, chq, chkv, cd, window) in cells.items():
+        for mode in ("fwd", "fwd+bwd"):
+            grad = mode == "fwd+bwd"
+            if grad and device.type == "cpu":
+                continue  # flex has no CPU backward
+            q = torch.randn(cb, cs, chq, cd, generator=gen, device=device, dtype=dtype).requires_grad_(grad)
+            k, v = (torch.randn(cb, cs, chkv, cd, generator=gen, device=device, dtype=dtype).requires_grad_(grad)
+                    for _ in range(2))
+            kw: dict[str, Any] = dict(causal=True, softcap=SOFTCAP) if window is None else dict(
+                causal=True, window=(window, 0))
+            fns = {"opdispatch torch.flex": lambda q=q, k=k, v=v, kw=kw: opdispatch.attention(
+                q, k, v, impl="torch.flex", **kw)}
+            fns.update(variants(q, k, v, compile_flex=device.type == "cuda") if window is None
+                       else window_variants(q, k, v, window, compile_flex=device.type == "cuda"))
+            if grad:
+                g = torch.randn(cb, cs, chq, cd, generator=gen, device=device, dtype=dtype)
+                fns = {name: (lambda fn=fn: fn().backward(g)) for name, fn in fns.items()}
+            times = interleaved_ms(fns, device, args.warmup, args.reps)
+            back = interleaved_ms({n: batched(f) for n, f in fns.items()}, device, 1, 10)
+            back = {n: (t / BACK_TO_BACK if isinstance(t, float) else t) for n, t in back.items()}
+            rows.append({"cell": cell, "mode": mode, "ms": times, "back_to_back_ms": back})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     env = environment(device)
-    lines = ["# torch.flex vs torch's own compiled flex_attention (softcap 30, causal)", "",
-             f"{env['device']}; torch {env['torch']}, triton {env.get('triton')}; {str(dtype)[6:]}; "
-             f"b{b} s{s} heads {hq}/{hkv} d{d}; commit {env.get('commit')}", "",
-             "| mode | variant | ms | vs Python-float flex |", "|---|---|---:|---:|"]
+    lines = ["# torch.flex vs torch's own compiled flex_attention, by how the call's numbers are captured", "",
+             f"{env['device']}; torch {env['torch']}, triton {env.get('triton')}; {str(dtype)[6:]}; softcap cell "
+             f"b{b} s{s} heads {hq}/{hkv} d{d}; window cell b1 s8192 heads 16/16 d128; commit {env.get('commit')}",
+             "", "per call: events around one call; back to back: events around 10 calls", "",
+             "| cell | mode | variant | per call ms | back to back ms |", "|---|---|---|---:|---:|"]
     for row in rows:
-        base = row["ms"].get("flex, softcap a Python float")
         for name, ms in row["ms"].items():
-            if isinstance(ms, float):
-                ratio = f"{ms / base:.2f}x" if isinstance(base, float) else "-"
-                lines.append(f"| {row['mode']} | {name} | {ms:.3f} | {ratio} |")
-            else:
-                lines.append(f"| {row['mode']} | {name} | {ms} | - |")
+            b2b = row["back_to_back_ms"].get(name)
+            lines.append(f"| {row['cell']} | {row['mode']} | {name} | {_fmt(ms)} | {_fmt(b2b)} |")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     if args.out:
