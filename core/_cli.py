@@ -530,10 +530,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("list", help="implementations, their availability and origin")
-    p.add_argument("--device", help="simulate a device from a YAML descriptor (configs/devices/*.yaml)")
-    p.add_argument("--op", default=None)
-    p.add_argument("--verbose", "-v", action="store_true", help="also print declared capabilities")
-    p.add_argument("--wide", action="store_true", help="no wrapping; origins in full")
+    p.add_argument("--device", metavar="DESCRIPTOR",
+                   help="simulate a device from a YAML descriptor: a path, or a name of configs/devices/*.yaml such "
+                        "as h100 (default: this machine's device)")
+    p.add_argument("--op", default=None, metavar="OP",
+                   help="only this op, e.g. attention, rms_norm, rotary_embedding (default: every registered op)")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also print each implementation's declared capabilities (default: off)")
+    p.add_argument("--wide", action="store_true", help="no wrapping; origins in full (default: wrap to the "
+                                                       "terminal's width)")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("ops", help="the registered ops: arguments and policy `when:` keys (markdown, docs/ops.md)")
@@ -612,8 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("doctor", help="device, plugins (with load errors), policy")
-    p.add_argument("--device", help="simulate a device from a YAML descriptor")
-    p.add_argument("--verbose", "-v", action="store_true", help="print plugin tracebacks")
+    p.add_argument("--device", metavar="DESCRIPTOR",
+                   help="simulate a device from a YAML descriptor: a path, or a name of configs/devices/*.yaml such "
+                        "as h100 (default: this machine's device)")
+    p.add_argument("--verbose", "-v", action="store_true", help="print plugin tracebacks (default: off)")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("build", help="compile the per-call fast path (a C++ extension against torch's headers; "
@@ -625,14 +632,16 @@ def build_parser() -> argparse.ArgumentParser:
     policy_sub = p.add_subparsers(dest="policy_command", required=True)
     lint = policy_sub.add_parser("lint", help="unknown ids, rules that never match or are shadowed, schema errors")
     lint.add_argument("files", nargs="+", help="policy YAML files")
-    lint.add_argument("--device", help="also report rules that never match on this device descriptor")
+    lint.add_argument("--device", metavar="DESCRIPTOR",
+                      help="also report rules that never match on this device descriptor, a path or a name of "
+                           "configs/devices/*.yaml (default: no device, only what holds on every one)")
     lint.set_defaults(func=cmd_policy_lint)
     show = policy_sub.add_parser("show", help="the active policy layers, settings and env overrides")
     show.set_defaults(func=cmd_policy_show)
 
     p = sub.add_parser("demo", help="dispatch a set of attention calls on this device and check each result")
     p.add_argument("--on", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--verbose", "-v", action="store_true", help="print every decision table")
+    p.add_argument("--verbose", "-v", action="store_true", help="print every decision table (default: off)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("validate", help="run each implementation's conformance matrix in its own process against "

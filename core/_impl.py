@@ -24,6 +24,27 @@ if TYPE_CHECKING:
 
 _ID_PART = re.compile(r"^[a-z][a-z0-9_]*$")
 
+# One capability check as data: given an implementation's declared caps and a call, the sentence saying why the
+# caps cannot take the call (what `explain()` and errors print), or None when they can. An op lists its checks in
+# one table, in the order its reasons are printed, and `unmet_capabilities` turns the table into reasons.
+CapabilityRule = Callable[[Any, Any], "str | None"]
+
+
+def unmet_capabilities(caps: Any, call: Any, rules: Sequence[CapabilityRule]) -> list[str]:
+    """The reasons `caps` cannot take `call`, one per rule that refuses it, in the table's order."""
+    return [reason for rule in rules if (reason := rule(caps, call)) is not None]
+
+
+def feature_rule(flag: str, used: Callable[[Any], bool], reason: str | Callable[[Any], str]) -> CapabilityRule:
+    """The common rule: a call that `used` a feature needs the caps' boolean `flag`; `reason` says what is not
+    supported (a string, or a function of the call for one that names the call's values)."""
+    def rule(caps: Any, call: Any) -> str | None:
+        if not used(call) or getattr(caps, flag):
+            return None
+        return reason if isinstance(reason, str) else reason(call)
+    rule.__qualname__ = f"feature_rule({flag!r})"
+    return rule
+
 
 @dataclass(frozen=True)
 class Requirement:

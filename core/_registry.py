@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from ._errors import RegistrationError
 from ._impl import Impl
 from ._ops import known_ops, op_spec
+from .plugins.hookspec import PLUGIN_API_CHANGES, PLUGIN_API_VERSION
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class Registry:
         if problems:
             raise RegistrationError(
                 f"{origin} registered {type(impl).__module__}.{type(impl).__qualname__} with an invalid "
-                "declaration: " + "; ".join(problems), impl=impl)
+                "declaration: " + "; ".join(problems) + _undeclared_api_hint(impl), impl=impl)
 
     def get(self, op: str, impl_id: str) -> Registered | None:
         return self._by_op.get(op, {}).get(impl_id)
@@ -96,3 +98,17 @@ class Registry:
     def __len__(self) -> int:
         with self._lock:
             return sum(len(v) for v in self._by_op.values())
+
+
+def _undeclared_api_hint(impl: Impl) -> str:
+    """A plugin module that states no `OPDISPATCH_PLUGIN_API` is held to the current plugin API, so a plugin
+    written for an older one fails here rather than at the version check: name what changed since, which is
+    usually why its declaration is now invalid."""
+    module_name = type(impl).__module__
+    module = sys.modules.get(module_name)
+    if module is None or hasattr(module, "OPDISPATCH_PLUGIN_API") or module_name.startswith("opdispatch."):
+        return ""
+    changes = "; ".join(f"API {version}: {text}" for version, text in sorted(PLUGIN_API_CHANGES.items()))
+    return (f". ({module_name} declares no OPDISPATCH_PLUGIN_API, so it is held to the current plugin API "
+            f"{PLUGIN_API_VERSION}; if it was written for an older one, what changed since: {changes}. Update it "
+            f"and declare OPDISPATCH_PLUGIN_API = {PLUGIN_API_VERSION}; docs/plugins.md)")

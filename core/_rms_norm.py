@@ -18,7 +18,7 @@ import torch
 from ._arguments import Arg, OpArguments
 from ._attention import caps_as_dict, caps_problems, dtype_from_name, dtype_name, dtype_reason
 from ._api import define_explain, define_front_door
-from ._impl import Impl
+from ._impl import CapabilityRule, Impl, feature_rule, unmet_capabilities
 from ._ops import BucketFeature, OpSpec, TuningSpec, register_op
 from ._tuning import grid, known_fields, random_tensor
 
@@ -139,6 +139,32 @@ class RmsNormCaps:
         return caps_as_dict(self)
 
 
+def _weight_dtype_rule(caps: RmsNormCaps, call: RmsNormCall) -> str | None:
+    weight = call.weight
+    if not caps.weight_dtype_of_x or weight is None or weight.dtype == call.dtype:
+        return None
+    return (f"weight dtype {dtype_name(weight.dtype)} differs from x's {dtype_name(call.dtype)} "
+            "(the kernel takes one dtype; cast the weight, e.g. weight.to(x.dtype))")
+
+
+def _hidden_size_rule(caps: RmsNormCaps, call: RmsNormCall) -> str | None:
+    if caps.max_hidden_size is None or call.hidden_size <= caps.max_hidden_size:
+        return None
+    return f"hidden size {call.hidden_size} above the supported maximum {caps.max_hidden_size}"
+
+
+# `RmsNormCaps` turned into reasons (`opdispatch._impl.unmet_capabilities`), in the order they are printed.
+RMS_NORM_CAPABILITY_RULES: tuple[CapabilityRule, ...] = (
+    lambda caps, call: dtype_reason(call.dtype, caps.dtypes),
+    feature_rule("weight_optional", lambda call: call.weight is None,
+                 "a call without weight not supported (pass weight=torch.ones(hidden))"),
+    feature_rule("residual", lambda call: call.residual is not None, "the fused residual add not supported"),
+    _weight_dtype_rule,
+    feature_rule("backward", lambda call: call.requires_grad, "backward not supported (forward only)"),
+    _hidden_size_rule,
+)
+
+
 class RmsNormImpl(Impl):
     """Base for ``rms_norm`` implementations: set `caps`, implement `run` (returns y, or (y, x + residual))."""
 
@@ -149,25 +175,7 @@ class RmsNormImpl(Impl):
         return super().check_declaration() + caps_problems(getattr(self, "caps", None), RmsNormCaps)
 
     def not_supported_reasons(self, call: RmsNormCall, device: Any) -> list[str]:
-        caps = self.caps
-        reasons = []
-        bad_dtype = dtype_reason(call.dtype, caps.dtypes)
-        if bad_dtype:
-            reasons.append(bad_dtype)
-        if call.weight is None and not caps.weight_optional:
-            reasons.append("a call without weight not supported (pass weight=torch.ones(hidden))")
-        if call.residual is not None and not caps.residual:
-            reasons.append("the fused residual add not supported")
-        weight = call.weight
-        if caps.weight_dtype_of_x and weight is not None and weight.dtype != call.dtype:
-            reasons.append(f"weight dtype {dtype_name(weight.dtype)} differs from x's {dtype_name(call.dtype)} "
-                           "(the kernel takes one dtype; cast the weight, e.g. weight.to(x.dtype))")
-        if call.requires_grad and not caps.backward:
-            reasons.append("backward not supported (forward only)")
-        if caps.max_hidden_size is not None and call.hidden_size > caps.max_hidden_size:
-            reasons.append(f"hidden size {call.hidden_size} above the supported maximum {caps.max_hidden_size}")
-        reasons.extend(self.extra_reasons(call, device))
-        return reasons
+        return unmet_capabilities(self.caps, call, RMS_NORM_CAPABILITY_RULES) + self.extra_reasons(call, device)
 
     def extra_reasons(self, call: RmsNormCall, device: Any) -> list[str]:
         """Override for limits `RmsNormCaps` cannot express."""

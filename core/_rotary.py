@@ -19,7 +19,7 @@ import torch
 from ._arguments import Arg, OpArguments
 from ._attention import caps_as_dict, caps_problems, dtype_from_name, dtype_name, dtype_reason
 from ._api import define_explain, define_front_door
-from ._impl import Impl
+from ._impl import CapabilityRule, Impl, feature_rule, unmet_capabilities
 from ._ops import BucketFeature, OpSpec, TuningSpec, register_op
 from ._tuning import known_fields, random_tensor
 
@@ -298,6 +298,38 @@ class RotaryCaps:
         return caps_as_dict(self)
 
 
+def _uses_offsets(call: RotaryCall) -> bool:
+    offsets = call.seqlen_offsets
+    return isinstance(offsets, torch.Tensor) or bool(offsets)
+
+
+def _head_dim_rule(caps: RotaryCaps, call: RotaryCall) -> str | None:
+    if caps.max_head_dim is None or call.head_dim <= caps.max_head_dim:
+        return None
+    return f"head_dim {call.head_dim} above the supported maximum {caps.max_head_dim}"
+
+
+# `RotaryCaps` turned into reasons (`opdispatch._impl.unmet_capabilities`), in the order they are printed.
+ROTARY_CAPABILITY_RULES: tuple[CapabilityRule, ...] = (
+    lambda caps, call: dtype_reason(call.dtype, caps.dtypes),
+    feature_rule("interleaved", lambda call: call.interleaved, "interleaved (GPT-J) pairs not supported"),
+    feature_rule("neox", lambda call: not call.interleaved, "half-rotated (GPT-NeoX) pairs not supported"),
+    feature_rule("partial", lambda call: call.rotary_dim < call.head_dim,
+                 lambda call: f"partial rotary (rotary_dim {call.rotary_dim} < head_dim {call.head_dim}) "
+                              "not supported"),
+    feature_rule("varlen", lambda call: call.varlen, "packed varlen (layout thd) not supported"),
+    feature_rule("positions", lambda call: call.positions is not None,
+                 "explicit positions not supported (pass seqlen_offsets instead where they fit)"),
+    feature_rule("offsets", _uses_offsets, "seqlen_offsets not supported"),
+    feature_rule("gqa", lambda call: call.heads_k != call.heads_q,
+                 lambda call: f"k with {call.heads_k} heads and q with {call.heads_q} (GQA) not supported"),
+    feature_rule("backward", lambda call: call.requires_grad, "backward not supported (forward only)"),
+    feature_rule("cos_sin_grad", lambda call: call.cos_sin_grad,
+                 "gradients into cos/sin not supported (they are taken as constants)"),
+    _head_dim_rule,
+)
+
+
 class RotaryImpl(Impl):
     """Base for ``rotary_embedding`` implementations: set `caps`, implement `run` (returns (q_out, k_out))."""
 
@@ -313,34 +345,7 @@ class RotaryImpl(Impl):
         return problems
 
     def not_supported_reasons(self, call: RotaryCall, device: Any) -> list[str]:
-        caps = self.caps
-        reasons = []
-        bad_dtype = dtype_reason(call.dtype, caps.dtypes)
-        if bad_dtype:
-            reasons.append(bad_dtype)
-        if call.interleaved and not caps.interleaved:
-            reasons.append("interleaved (GPT-J) pairs not supported")
-        if not call.interleaved and not caps.neox:
-            reasons.append("half-rotated (GPT-NeoX) pairs not supported")
-        if call.rotary_dim < call.head_dim and not caps.partial:
-            reasons.append(f"partial rotary (rotary_dim {call.rotary_dim} < head_dim {call.head_dim}) not supported")
-        if call.varlen and not caps.varlen:
-            reasons.append("packed varlen (layout thd) not supported")
-        if call.positions is not None and not caps.positions:
-            reasons.append("explicit positions not supported (pass seqlen_offsets instead where they fit)")
-        offsets = call.seqlen_offsets
-        if (isinstance(offsets, torch.Tensor) or offsets) and not caps.offsets:
-            reasons.append("seqlen_offsets not supported")
-        if call.heads_k != call.heads_q and not caps.gqa:
-            reasons.append(f"k with {call.heads_k} heads and q with {call.heads_q} (GQA) not supported")
-        if call.requires_grad and not caps.backward:
-            reasons.append("backward not supported (forward only)")
-        if call.cos_sin_grad and not caps.cos_sin_grad:
-            reasons.append("gradients into cos/sin not supported (they are taken as constants)")
-        if caps.max_head_dim is not None and call.head_dim > caps.max_head_dim:
-            reasons.append(f"head_dim {call.head_dim} above the supported maximum {caps.max_head_dim}")
-        reasons.extend(self.extra_reasons(call, device))
-        return reasons
+        return unmet_capabilities(self.caps, call, ROTARY_CAPABILITY_RULES) + self.extra_reasons(call, device)
 
     def extra_reasons(self, call: RotaryCall, device: Any) -> list[str]:
         """Override for limits `RotaryCaps` cannot express."""

@@ -13,11 +13,12 @@ prefixes of the ids it registers: its entry-point name, plus the names a plugin 
 registration (nothing of it stays registered), and the built-in vendors' namespaces (``nvidia``, ``rocm``,
 ``reference``, ``torch``, …) are theirs alone: a third-party plugin cannot register or displace their ids, whatever
 the load order. A plugin module may state the plugin API it was written for, ``OPDISPATCH_PLUGIN_API = 2``
-(`PLUGIN_API_VERSION`; missing means the current one); another is refused with the versions named and, for an older
-one, what changed since (`PLUGIN_API_CHANGES`). A hook function whose name matches no hook below
-(``opdispatch_impl``) fails the plugin with the name it probably meant. An import that does not finish in
-``OPDISPATCH_PLUGIN_TIMEOUT`` seconds (30) fails its plugin, and dispatch goes on without it. Every such failure is
-logged once as a WARNING and shown by ``opdispatch doctor`` and ``explain()``.
+(`PLUGIN_API_VERSION`; missing means the current one, and a registration that then fails names what changed,
+`PLUGIN_API_CHANGES`); another is refused with the versions named and, for an older one, what changed since. A
+hook function whose name matches no hook below (``opdispatch_impl``) fails the plugin with the name it probably
+meant. An import that does not finish in ``OPDISPATCH_PLUGIN_TIMEOUT`` seconds (30) fails its plugin, and dispatch
+goes on without it. Every such failure is logged once as a WARNING and shown by ``opdispatch doctor`` and
+``explain()``.
 
 Rules every hook follows:
 

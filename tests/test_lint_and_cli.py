@@ -215,16 +215,21 @@ def test_list_shows_each_op_in_the_order_its_policy_ranks_it(tmp_path, capsys, m
     assert rows[1][:2] == ("reference.math", "1") and len({r[0] for r in rows}) == len(rows)
 
 
-def test_explain_help_explains_every_flag_with_its_values_and_default(capsys):
+@pytest.mark.parametrize("command", [("explain",), ("list",), ("doctor",), ("demo",), ("policy", "lint")])
+def test_help_explains_every_flag_with_its_values_and_default(command):
     parser = __import__("opdispatch._cli", fromlist=["build_parser"]).build_parser()
-    explain = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "explain")[1]
-    for action in explain._actions:
-        if action.dest == "help":
+    for name in command:
+        parser = parser._subparsers._group_actions[0].choices[name]
+    for action in parser._actions:
+        if action.dest == "help" or not action.option_strings:
             continue
         text = action.help or ""
-        assert "default" in text or action.required, (action.option_strings, text)
+        assert "default" in text or action.required, (command, action.option_strings, text)
         if action.choices:
             assert "%(choices)s" in text, action.option_strings
+
+
+def test_explain_help_names_the_values_and_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["explain", "--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal

@@ -227,3 +227,32 @@ def test_repeated_calls_take_the_fast_path_and_a_policy_swap_resets_it(basic_man
     opdispatch.rms_norm(x, w, 1e-6)
     fn = next(iter(basic_manager.fast.values()))
     assert fn.decision.chosen_id == "reference.rms_norm"
+
+
+def test_every_rms_norm_capability_refuses_with_its_reason_in_order():
+    """`RmsNormCaps` through the op's rule table (`opdispatch._impl.unmet_capabilities`): a call that uses every
+    feature against caps that declare none gets each reason once, in the table's order; declared, none."""
+    from opdispatch._rms_norm import RMS_NORM_CAPABILITY_RULES, RmsNormCall, RmsNormCaps
+    from opdispatch._impl import unmet_capabilities
+
+    x = torch.randn(3, 40, dtype=torch.bfloat16, requires_grad=True)
+    residual = torch.randn(3, 40, dtype=torch.bfloat16)
+    bare = RmsNormCaps(dtypes=frozenset({torch.float16}), weight_dtype_of_x=True, max_hidden_size=32)
+    without_weight = RmsNormCall(x, None, residual, 1e-6)
+    assert unmet_capabilities(bare, without_weight, RMS_NORM_CAPABILITY_RULES) == [
+        "dtype bf16 not supported (supported: fp16)",
+        "a call without weight not supported (pass weight=torch.ones(hidden))",
+        "the fused residual add not supported",
+        "backward not supported (forward only)",
+        "hidden size 40 above the supported maximum 32"]
+    mixed_weight = RmsNormCall(x, torch.ones(40), None, 1e-6)
+    assert unmet_capabilities(bare, mixed_weight, RMS_NORM_CAPABILITY_RULES)[1] == (
+        "weight dtype fp32 differs from x's bf16 (the kernel takes one dtype; cast the weight, e.g. "
+        "weight.to(x.dtype))")
+    full = RmsNormCaps(dtypes=frozenset({torch.bfloat16}), weight_optional=True, residual=True, backward=True,
+                       max_hidden_size=40)
+    for call in (without_weight, mixed_weight):
+        assert unmet_capabilities(full, call, RMS_NORM_CAPABILITY_RULES) == []
+    with torch.no_grad():  # no autograd recorded: a forward-only implementation takes it
+        assert "backward not supported (forward only)" not in unmet_capabilities(
+            bare, RmsNormCall(x, None, None, 1e-6), RMS_NORM_CAPABILITY_RULES)

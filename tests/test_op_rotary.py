@@ -315,3 +315,36 @@ def test_repeated_calls_take_the_fast_path_but_cpu_positions_are_checked_every_c
     with pytest.raises(ValueError, match="positions span 64..64; the cos/sin caches hold positions 0..63"):
         opdispatch.rotary_embedding(q, k, cos, sin, positions=good + 64)
     assert len(basic_manager.fast) == 1
+
+
+def test_every_rotary_capability_refuses_with_its_reason_in_order():
+    """`RotaryCaps` through the op's rule table (`opdispatch._impl.unmet_capabilities`): a call that uses every
+    feature against caps that declare none gets each reason once, in the table's order; declared, none."""
+    from opdispatch._impl import unmet_capabilities
+    from opdispatch._rotary import ROTARY_CAPABILITY_RULES, RotaryCall, RotaryCaps
+
+    q = torch.randn(10, 4, 64, dtype=torch.float16, requires_grad=True)  # thd: 10 tokens, 4 heads
+    k = torch.randn(10, 2, 64, dtype=torch.float16)
+    cos, sin = (torch.randn(16, 16, requires_grad=True) for _ in range(2))  # rotary_dim 32 of 64, learned
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    call = RotaryCall(q, k, cos, sin, torch.arange(10), torch.tensor([1, 2]), True, "thd", cu, 6)
+    bare = RotaryCaps(dtypes=frozenset({torch.float32}), max_head_dim=32)
+    assert unmet_capabilities(bare, call, ROTARY_CAPABILITY_RULES) == [
+        "dtype fp16 not supported (supported: fp32)",
+        "interleaved (GPT-J) pairs not supported",
+        "partial rotary (rotary_dim 32 < head_dim 64) not supported",
+        "packed varlen (layout thd) not supported",
+        "explicit positions not supported (pass seqlen_offsets instead where they fit)",
+        "seqlen_offsets not supported",
+        "k with 2 heads and q with 4 (GQA) not supported",
+        "backward not supported (forward only)",
+        "gradients into cos/sin not supported (they are taken as constants)",
+        "head_dim 64 above the supported maximum 32"]
+    neox = RotaryCall(q.detach(), k, cos.detach(), sin.detach(), None, 0, False, "thd", cu, 6)
+    assert unmet_capabilities(bare, neox, ROTARY_CAPABILITY_RULES)[1:3] == [
+        "half-rotated (GPT-NeoX) pairs not supported", "partial rotary (rotary_dim 32 < head_dim 64) not supported"]
+    assert "seqlen_offsets not supported" not in unmet_capabilities(bare, neox, ROTARY_CAPABILITY_RULES)  # 0: none
+    full = RotaryCaps(dtypes=frozenset({torch.float16}), neox=True, interleaved=True, partial=True, varlen=True,
+                      positions=True, offsets=True, gqa=True, backward=True, cos_sin_grad=True, max_head_dim=64)
+    assert unmet_capabilities(full, call, ROTARY_CAPABILITY_RULES) == []
+    assert unmet_capabilities(full, neox, ROTARY_CAPABILITY_RULES) == []

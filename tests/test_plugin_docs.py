@@ -170,3 +170,109 @@ def test_the_readme_first_snippet_runs_on_cpu_as_written(basic_manager, capsys):
     assert out.shape == namespace["q"].shape and torch.isfinite(out).all()
     assert "chosen:" in capsys.readouterr().out
     assert not math.isnan(out.float().abs().max().item())
+
+
+@pytest.fixture
+def acme_rms_norm(basic_manager, tmp_path):
+    """The document's rms_norm implementation in a plugin module of its own, registered as `acme`."""
+    path = tmp_path / "acme_doc_rms_norm.py"
+    path.write_text(marked_block(DOC.read_text(), "example: acme rms_norm")
+                    + "\n\n@opdispatch.hookimpl\ndef opdispatch_impls():\n    return [AcmeRmsNorm()]\n")
+    spec = importlib.util.spec_from_file_location("acme_doc_rms_norm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    record = basic_manager.register_plugin(module, name="acme")
+    assert record.status == "loaded" and record.impl_ids == ["acme.rms_norm"], record.describe()
+    return basic_manager
+
+
+def rms_norm_oracle(x, weight, residual, eps):
+    """float64 RMSNorm of x (+ residual) over the last dim: (y, h)."""
+    h = x.double() if residual is None else x.double() + residual.double()
+    y = h / torch.sqrt(h.square().mean(-1, keepdim=True) + eps)
+    return (y if weight is None else y * weight.double()), h
+
+
+RMS_CASES = {  # shape, weight, residual, grad; a thd batch is simply (total_tokens, hidden)
+    "packed thd rows, weight, residual, grad": ((37, 96), True, True, True),
+    "bshd, no weight, residual": ((2, 5, 3, 40), False, True, False),
+    "bshd, weight, no residual, grad": ((3, 7, 64), True, False, True),
+    "one row, no weight, no residual": ((1, 8), False, False, False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(RMS_CASES))
+def test_the_documented_rms_norm_matches_the_oracle(acme_rms_norm, case, dtype):
+    from tests.conftest import TOLERANCES
+
+    shape, with_weight, with_residual, grad = RMS_CASES[case]
+    gen = torch.Generator().manual_seed(len(case) + shape[-1])
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype).requires_grad_(grad)
+    weight = torch.rand(shape[-1], generator=gen).add(0.5).to(dtype).requires_grad_(grad) if with_weight else None
+    residual = torch.randn(shape, generator=gen).to(dtype).requires_grad_(grad) if with_residual else None
+    before = [t.detach().clone() for t in (x, weight, residual) if t is not None]
+    got = opdispatch.rms_norm(x, weight, 1e-5, residual, impl="acme.rms_norm")
+    y, h = got if with_residual else (got, None)
+    assert isinstance(got, tuple) == with_residual and y.shape == x.shape and y.dtype == dtype
+    want_y, want_h = rms_norm_oracle(x, weight, residual, 1e-5)
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(y.double(), want_y, **tol)
+    if with_residual:
+        assert h.dtype == dtype and h.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+        torch.testing.assert_close(h.double(), want_h, **tol)
+    after = [t.detach() for t in (x, weight, residual) if t is not None]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "an input was modified"
+    if grad:
+        inputs = [t for t in (x, weight, residual) if t is not None]
+        up = torch.randn(shape, generator=gen, dtype=torch.float64)
+        wide = [t.detach().double().requires_grad_() for t in (x, weight, residual) if t is not None]
+        it = iter(wide)
+        want_y, want_h = rms_norm_oracle(next(it), next(it) if with_weight else None,
+                                         next(it) if with_residual else None, 1e-5)  # float64 leaves
+        outs = (y, h) if with_residual else (y,)
+        wants = (want_y, want_h) if with_residual else (want_y,)
+        up = up.to(dtype)  # the upstream gradient as the kernel sees it; the oracle takes the same values
+        got_grads = torch.autograd.grad(outs, inputs, [up] * len(outs))
+        want_grads = torch.autograd.grad(wants, wide, [up.double()] * len(wants))
+        for g, w in zip(got_grads, want_grads):  # a gradient sums rows: bounded relative to its largest element
+            torch.testing.assert_close(g.double(), w.double(), atol=4 * tol["atol"] * w.abs().max().item(),
+                                       rtol=4 * tol["rtol"])
+
+
+CALL_RECORDS = [("attention", opdispatch.AttentionCall), ("rms_norm", opdispatch.RmsNormCall),
+                ("rotary_embedding", opdispatch.RotaryCall)]
+
+
+@pytest.mark.parametrize("op,record", CALL_RECORDS, ids=[op for op, _ in CALL_RECORDS])
+def test_the_document_names_every_field_of_every_call_record(op, record):
+    prose = re.sub(r"```.*?```", "", DOC.read_text(), flags=re.S)  # described in the text, not only used
+    spans = " ".join(re.findall(r"`([^`]*)`", prose))  # what the text writes as code
+    missing = [name for name in record.__slots__ if not re.search(rf"(?<![\w.]){name}\b|call\.{name}\b", spans)]
+    assert not missing, f"{record.__name__} fields docs/plugins.md does not describe: {missing}"
+
+
+def test_the_document_lists_every_hook_and_the_current_plugin_api():
+    from opdispatch.plugins import hookspec
+
+    hooks = [name for name in dir(hookspec) if name.startswith("opdispatch_")]
+    section = DOC.read_text().split("## Hooks and packaging", 1)[1].split("\n## ", 1)[0]
+    assert hooks and all(f"`{name}(" in section for name in hooks), hooks
+    assert f"OPDISPATCH_PLUGIN_API = {hookspec.PLUGIN_API_VERSION}" in section
+    assert f"OPDISPATCH_PLUGIN_API = {hookspec.PLUGIN_API_VERSION}" in marked_block(DOC.read_text(),
+                                                                                  "example: acme plugin")
+    assert all(f"API {v}" in section for v in hookspec.PLUGIN_API_CHANGES), "each API change is named"
+
+
+def test_the_test_plugin_package_is_packaged_as_the_document_says():
+    """tests/plugin_pkg is the installable example: it depends on opdispatch and states the current API."""
+    import tomllib
+
+    from opdispatch.plugins.hookspec import PLUGIN_API_VERSION
+
+    package = ROOT / "tests" / "plugin_pkg"
+    project = tomllib.loads((package / "pyproject.toml").read_text())["project"]
+    assert any(re.match(r"opdispatch\b", dep) for dep in project["dependencies"]), project["dependencies"]
+    assert "opdispatch.plugins" in project["entry-points"]
+    plugin = (package / "src" / "opdispatch_fakevendor" / "plugin.py").read_text()
+    assert f"\nOPDISPATCH_PLUGIN_API = {PLUGIN_API_VERSION}" in plugin

@@ -121,6 +121,38 @@ def test_a_plugin_written_for_api_1_is_told_what_changed(monkeypatch):
     assert "Update the plugin to API 2 (then set OPDISPATCH_PLUGIN_API = 2; docs/plugins.md)" in error
 
 
+def _written_for_api_1(module_name, **attrs):
+    """A plugin module as API 1 allowed: an attention implementation whose caps leave `layouts` empty, its class
+    defined in that module."""
+    caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}))
+    cls = type("Old", (Acme,), dict(vendor="acme", name="old", caps=caps, __module__=module_name))
+    return module(module_name, [cls()], **attrs)
+
+
+def test_a_plugin_that_states_no_api_and_fails_registration_is_told_what_changed(monkeypatch):
+    manager, records = builtin_and(monkeypatch, ("acme", _written_for_api_1("acme_last_month")))
+    record = records["acme"]
+    assert record.status == "failed" and record.stage == "register"
+    assert manager.registry.get("attention", "acme.old") is None
+    assert "caps.layouts is not declared: list the layouts run() accepts" in record.error
+    assert ("acme_last_month declares no OPDISPATCH_PLUGIN_API, so it is held to the current plugin API 2; if it "
+            "was written for an older one, what changed since: API 2: attention's AttentionCaps.layouts is "
+            "required") in record.error
+    assert "declare OPDISPATCH_PLUGIN_API = 2; docs/plugins.md" in record.error
+    # Declaring the current API, the same mistake is only the mistake: no history lesson.
+    declared = _written_for_api_1("acme_declares_2", namespaces=("acme",), OPDISPATCH_PLUGIN_API=2)
+    monkeypatch.setitem(sys.modules, declared.__name__, declared)
+    record = manager.register_plugin(declared, "acme_v2")
+    assert record.status == "failed" and "caps.layouts is not declared" in record.error
+    assert "OPDISPATCH_PLUGIN_API" not in record.error
+    # Declaring API 1 is refused before registration, with the same change named.
+    old = _written_for_api_1("acme_declares_1", namespaces=("acme",), OPDISPATCH_PLUGIN_API=1)
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    record = manager.register_plugin(old, "acme_v1")
+    assert record.status == "failed" and "caps.layouts is not declared" not in record.error
+    assert "OPDISPATCH_PLUGIN_API = 1, but this opdispatch implements plugin API 2, which changed since" in record.error
+
+
 def test_a_hanging_import_fails_its_plugin_in_bounded_time(tmp_path, monkeypatch):
     (tmp_path / "hangs_at_import.py").write_text("import time\ntime.sleep(30)\n")
     (tmp_path / "imports_fine_later.py").write_text("VALUE = 7\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -158,15 +159,27 @@ def test_builtin_vendors_come_from_our_own_entry_points():
 
 # -- a real package installed with pip ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def installed_plugin(tmp_path_factory) -> Path:
+def _install_plugin_pkg(tmp_path_factory, plugin_api: int | None = None) -> Path:
+    """pip-install a copy of tests/plugin_pkg into a fresh folder (the checkout stays clean); `plugin_api`
+    rewrites the OPDISPATCH_PLUGIN_API it declares (the same package written for another plugin API)."""
     target = tmp_path_factory.mktemp("site")
-    source = tmp_path_factory.mktemp("src") / "plugin_pkg"  # build a copy: the checkout stays clean
+    source = tmp_path_factory.mktemp("src") / "plugin_pkg"
     shutil.copytree(REPO / "tests" / "plugin_pkg", source)
+    if plugin_api is not None:
+        plugin = source / "src" / "opdispatch_fakevendor" / "plugin.py"
+        text, count = re.subn(r"^OPDISPATCH_PLUGIN_API = \d+", f"OPDISPATCH_PLUGIN_API = {plugin_api}",
+                              plugin.read_text(), flags=re.M)
+        assert count == 1, "tests/plugin_pkg's plugin declares its OPDISPATCH_PLUGIN_API once"
+        plugin.write_text(text)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--no-index", "--target", str(target), str(source)],
                    check=True, capture_output=True, text=True)
     return target
+
+
+@pytest.fixture(scope="module")
+def installed_plugin(tmp_path_factory) -> Path:
+    return _install_plugin_pkg(tmp_path_factory)
 
 
 def _run_with(site: Path, code: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -211,3 +224,25 @@ def test_real_installed_plugin_can_be_disabled_and_doctor_shows_it(installed_plu
     assert "plugin 'fakevendor' (fakevendor = opdispatch_fakevendor.plugin from opdispatch-fakevendor 0.3.1) is " \
            "disabled: listed in OPDISPATCH_DISABLE_PLUGINS" in result.stdout
     assert "fakevendor.sdpa" not in result.stdout.split("implementations:")[-1]
+
+
+@pytest.mark.slow
+def test_an_installed_plugin_written_for_api_1_is_refused_with_what_changed(tmp_path_factory):
+    site = _install_plugin_pkg(tmp_path_factory, plugin_api=1)
+    result = _run_with(site, """
+        import torch, opdispatch
+        from opdispatch._cli import main
+        code = main(["doctor"])
+        q = torch.randn(1, 4, 2, 16)
+        torch.testing.assert_close(opdispatch.attention(q, q, q), opdispatch.attention(q, q, q, impl="reference.math"))
+        print("dispatch goes on:", opdispatch.explain(q, q, q).chosen_id)
+        print("doctor exit status", code)
+    """, {})
+    assert result.returncode == 0, result.stderr
+    assert "doctor exit status 1" in result.stdout  # a plugin that failed to load is a problem doctor reports
+    assert ("plugin 'fakevendor' (fakevendor = opdispatch_fakevendor.plugin from opdispatch-fakevendor 0.3.1) failed "
+            "to load: ValueError: plugin 'fakevendor' declares OPDISPATCH_PLUGIN_API = 1, but this opdispatch "
+            "implements plugin API 2, which changed since: API 2: attention's AttentionCaps.layouts is required"
+            ) in result.stdout
+    assert "Update the plugin to API 2 (then set OPDISPATCH_PLUGIN_API = 2; docs/plugins.md)" in result.stdout
+    assert "dispatch goes on: cpu.flash" in result.stdout

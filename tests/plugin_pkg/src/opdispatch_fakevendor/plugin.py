@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 import opdispatch
 
+OPDISPATCH_PLUGIN_API = 2  # the plugin API this module was written for (opdispatch.plugins.hookspec)
+
 
 class FakeVendorSdpa(opdispatch.AttentionImpl):
     vendor = "fakevendor"
