@@ -1115,7 +1115,8 @@ def bind_dense(call: AttentionCall,
 
 
 def attention_outputs(call: AttentionCall) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """out: q's shape with v's head dim, `out_dtype` (q's dtype but for FP8 calls); lse (with return_lse): float32 (float64 for float64),
+    """out: q's shape with v's head dim, `out_dtype` (q's dtype but for FP8 calls); lse (with return_lse):
+    float32 (float64 for float64),
     (batch, heads_q, seqlen_q), or (heads_q, total_q) for thd."""
     out = ((*call.q.shape[:-1], call.head_dim_v), call.out_dtype)
     if not call.return_lse:
@@ -1289,8 +1290,9 @@ class AttentionImpl(Impl):
                             f"causal_alignments=frozenset({{'top_left'}}) (allowed: {list(CAUSAL_ALIGNMENTS)}; "
                             f"frozenset() for equal lengths only)")
         if FP8_DTYPES & caps.dtypes and not caps.fp8_out_dtypes:
-            problems.append(f"caps.dtypes has FP8 ({', '.join(sorted(dtype_name(d) for d in FP8_DTYPES & caps.dtypes))})"
-                            " but caps.fp8_out_dtypes is empty: declare the output dtypes of FP8 calls, e.g. "
+            fp8 = ", ".join(sorted(dtype_name(d) for d in FP8_DTYPES & caps.dtypes))
+            problems.append(f"caps.dtypes has FP8 ({fp8}) but caps.fp8_out_dtypes is empty: declare the output "
+                            "dtypes of FP8 calls, e.g. "
                             "fp8_out_dtypes=frozenset({torch.bfloat16})")
         if caps.native_sinks_backward and not caps.native_sinks:
             problems.append("caps.native_sinks_backward needs caps.native_sinks (the kernel's sink forward)")

@@ -89,7 +89,8 @@ from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlen
 from ._signatures import unaccepted_keywords
 from ._versions import at_least, installed_versions, version_tuple
 
-__all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
+__all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCall",
+           "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
            "at_least", "aten_sdpa_call", "bind_dense", "blind_rows", "cache_as_pages", "cache_as_pages_reason",
            "causal_alibi_lse_reason", "cumulative_lengths", "dense_lse_fix", "empty_rows_to_neg_inf",
            "flash_attn_kv_cache", "installed_versions", "kernel_call", "kernel_window", "kv_cache_allowed",
