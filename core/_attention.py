@@ -57,6 +57,16 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
         _DTYPE_SHORT[getattr(torch, _name)] = _name.replace("float8_", "fp8_")
 
 
+# The FP8 kinds attention takes (q/k/v with descales; `float8_e4m3fn` is what `fp8_e4m3` names in policies and the CLI).
+FP8_DTYPES: frozenset[torch.dtype] = frozenset(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+# What an FP8 call's output may be (its default: bfloat16, as FA3 and torch's quantized SDPA return).
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_DTYPE_ALIASES = {"half": torch.float16, "float": torch.float32, "double": torch.float64}
+if hasattr(torch, "float8_e4m3fn"):
+    _DTYPE_ALIASES["fp8_e4m3"] = torch.float8_e4m3fn
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
@@ -67,10 +77,10 @@ def dtype_from_name(name: str) -> torch.dtype:
     for dtype, short in _DTYPE_SHORT.items():
         if key in (short, str(dtype).replace("torch.", "")):
             return dtype
-    aliases = {"half": torch.float16, "float": torch.float32, "double": torch.float64}
-    if key in aliases:
-        return aliases[key]
-    raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(sorted(set(_DTYPE_SHORT.values())))}")
+    if key in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[key]
+    allowed = sorted(set(_DTYPE_SHORT.values()) | set(_DTYPE_ALIASES))
+    raise ValueError(f"unknown dtype {name!r}; allowed: {', '.join(allowed)}")
 
 
 ATTENTION_ARGS = OpArguments("attention", (
@@ -101,6 +111,13 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("block_table", "torch.Tensor | None", None, key="index",
         doc="int32 (batch, max_pages): a paged KV cache; k/v are then page pools (num_pages, page_size, "
             "heads_kv, dim) and row b lists sequence b's pages in order; needs `seqused_k`"),
+    Arg("q_descale", "torch.Tensor | None", None, key="bypass",
+        doc="FP8 q/k/v only: float32 dequantization factor of q (real = fp8 * descale), shape () or (1,) per tensor, "
+            "or (batch, heads_kv) as FA3 takes it (query head h uses row h // (heads_q / heads_kv))"),
+    Arg("k_descale", "torch.Tensor | None", None, key="bypass", doc="FP8 only: k's factor, shaped as q_descale"),
+    Arg("v_descale", "torch.Tensor | None", None, key="bypass", doc="FP8 only: v's factor, shaped as q_descale"),
+    Arg("out_dtype", "torch.dtype | None", None,
+        doc="FP8 q/k/v: the output's dtype, bfloat16 (None) or float16; other calls: None or q's dtype"),
     Arg("return_lse", "bool", False, doc="also return the log-sum-exp of the scores"),
     Arg("deterministic", "bool", False, doc="only implementations with a deterministic backward"),
     Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
@@ -142,6 +159,11 @@ class AttentionCall:
     max_seqlen_k: int | None
     seqused_k: torch.Tensor | None
     block_table: torch.Tensor | None
+    q_descale: torch.Tensor | None
+    k_descale: torch.Tensor | None
+    v_descale: torch.Tensor | None
+    # The output's dtype: q's for every call but an FP8 one (bfloat16 or float16 there).
+    out_dtype: torch.dtype
     return_lse: bool
     deterministic: bool
     batch: int
@@ -162,6 +184,16 @@ class AttentionCall:
     @property
     def varlen(self) -> bool:
         return self.layout == "thd"
+
+    @property
+    def fp8(self) -> bool:
+        """Whether q/k/v are FP8 (with their descales; the output is `out_dtype`)."""
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def descale_per_head(self) -> bool:
+        """Whether any descale of an FP8 call is per (batch, kv head) rather than one per tensor."""
+        return any(t is not None and t.dim() == 2 for t in (self.q_descale, self.k_descale, self.v_descale))
 
     @property
     def gqa_ratio(self) -> int:
@@ -299,6 +331,7 @@ class AttentionCall:
             None if bias is None else (tuple(bias.shape), bias.dtype, bias.requires_grad),
             None if self.sinks is None else self.sinks.requires_grad,
             self.return_lse, self.deterministic, self.requires_grad, self.module,
+            self.out_dtype, self.descale_per_head,
         )
 
     def class_key(self) -> tuple[Any, ...]:
@@ -320,6 +353,7 @@ class AttentionCall:
             None if bias is None else (tuple(s == 1 for s in bias.shape), bias.dtype, bias.requires_grad),
             None if self.sinks is None else self.sinks.requires_grad,
             self.return_lse, self.deterministic, self.requires_grad, self.module,
+            self.out_dtype, self.descale_per_head,
         )
 
     def describe(self) -> str:
@@ -329,6 +363,9 @@ class AttentionCall:
                  f"heads={self.heads_q}/{self.heads_kv}", f"head_dim={self.head_dim}"]
         if self.head_dim_v != self.head_dim:
             parts.append(f"head_dim_v={self.head_dim_v}")
+        if self.fp8:
+            granularity = "per (batch, kv head)" if self.descale_per_head else "per tensor"
+            parts.append(f"out_dtype={dtype_name(self.out_dtype)} descales {granularity}")
         if self.varlen:
             parts.append(f"varlen batch={self.batch} max_seqlen_q={self.seqlen_q} max_seqlen_k={self.seqlen_k}")
         if self.block_table is not None:
@@ -413,6 +450,7 @@ def validate_attention(
     window: Any = None, scale: Any = None, dropout_p: Any = 0.0, softcap: Any = 0.0, alibi_slopes: Any = None,
     attn_mask: Any = None, attn_bias: Any = None, sinks: Any = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
     max_seqlen_q: Any = None, max_seqlen_k: Any = None, seqused_k: Any = None, block_table: Any = None,
+    q_descale: Any = None, k_descale: Any = None, v_descale: Any = None, out_dtype: Any = None,
     return_lse: Any = False, deterministic: Any = False, module: str | None = None, check_values: bool = True,
     varlen_same: bool | None = None,
 ) -> AttentionCall:
@@ -456,6 +494,7 @@ def validate_attention(
     call.requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
         call.attn_bias is not None and call.attn_bias.requires_grad) or (
         call.sinks is not None and call.sinks.requires_grad))
+    _read_fp8(call, q_descale, k_descale, v_descale, out_dtype, check_values)
     call.rewrites = ()
     canonicalize(call, varlen_rewritten=layout == "thd" and call.cu_seqlens_k is not cu_seqlens_k)
     return call
@@ -533,6 +572,10 @@ def _checked_qkv(q: Any, k: Any, v: Any, layout: Any,
         if 0 in t.shape:
             raise ValueError(f"attention(): {name} has an empty dimension, shape {_shape_of(t)}; every size "
                              "must be at least 1")
+    if not (q.dtype == k.dtype == v.dtype) and FP8_DTYPES & {q.dtype, k.dtype, v.dtype}:
+        raise TypeError(f"attention(): FP8 attention takes q, k and v of one FP8 kind, got q={q.dtype}, "
+                        f"k={k.dtype}, v={v.dtype}; quantize all three to one of "
+                        f"{', '.join(sorted(str(d) for d in FP8_DTYPES))} (each with its own descale)")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"attention(): q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, "
                         f"v={v.dtype}; cast them with .to(dtype)")
@@ -618,6 +661,69 @@ def _read_flags(call: AttentionCall, causal: Any, causal_alignment: Any, window:
     call.return_lse = _check_flag("return_lse", return_lse)
     # torch.use_deterministic_algorithms(True) asks the same of every op, this one included.
     call.deterministic = _check_flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
+
+
+_FP8_DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def _read_fp8(call: AttentionCall, q_descale: Any, k_descale: Any, v_descale: Any, out_dtype: Any,
+              check_values: bool) -> None:
+    """FP8 q/k/v: their three float32 descales (per tensor, or per (batch, kv head) as FA3 takes them) and the
+    output dtype; other calls: no descale, and an output dtype that is q's. Sets `call.out_dtype`."""
+    given = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"attention(): out_dtype must be a torch.dtype or None, got {out_dtype!r} "
+                        f"({type(out_dtype).__name__}); e.g. out_dtype=torch.bfloat16")
+    if not call.fp8:
+        passed = [name for name, value in given.items() if value is not None]
+        if passed:
+            raise ValueError(f"attention(): {', '.join(passed)} given but q/k/v are {dtype_name(call.dtype)}; "
+                             f"descales dequantize FP8 inputs only ({', '.join(sorted(map(str, FP8_DTYPES)))}): "
+                             "drop them, or pass q/k/v quantized to FP8")
+        if out_dtype is not None and out_dtype != call.dtype:
+            raise ValueError(f"attention(): out_dtype={out_dtype!r} differs from q's dtype {call.dtype}; only FP8 "
+                             "calls return another dtype: drop out_dtype or cast the result")
+        call.q_descale = call.k_descale = call.v_descale = None
+        call.out_dtype = call.dtype
+        return
+    what = f"FP8 attention (q/k/v are {call.dtype})"
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise ValueError(f"attention(): {what} needs q_descale, k_descale and v_descale; missing "
+                         f"{', '.join(missing)}. Pass float32 factors with real = fp8 * descale: shape () for one "
+                         f"per tensor (torch.ones(()) if unscaled), or (batch, heads_kv) = ({call.batch}, "
+                         f"{call.heads_kv})")
+    per_head = (call.batch, call.heads_kv)
+    for name, value in given.items():
+        t = _check_tensor(name, value)
+        if t.dtype != torch.float32:
+            raise TypeError(f"attention(): {name} must be float32, got {t.dtype}; use .float()")
+        if tuple(t.shape) not in ((), (1,), per_head):
+            raise ValueError(f"attention(): {name} has shape {_shape_of(t)}; allowed: () or (1,) for one factor "
+                             f"per tensor, or (batch, heads_kv) = {per_head} as FA3 takes it")
+        if t.device != call.device:
+            raise ValueError(f"attention(): {name} is on {t.device} but q is on {call.device}; pass "
+                             f"{name}.to(q.device)")
+        if t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"attention(): {name} requires grad; FP8 attention is forward-only: pass "
+                             f"{name}.detach()")
+        # A host read: on CPU only (on accelerators descales are data the kernel reads, as FA3 does).
+        if check_values and t.device.type == "cpu" and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"attention(): {name} holds a non-finite factor ({t.flatten()[:4].tolist()}…); every "
+                             "descale must be finite")
+    if call.requires_grad:
+        raise ValueError(f"attention(): {what} is forward-only, but an input requires grad; detach the "
+                         "inputs or run under torch.no_grad()")
+    if call.sinks is not None:
+        raise ValueError(f"attention(): {what} does not take sinks (the sink epilogue works on one output dtype); "
+                         "drop sinks or dequantize q/k/v")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"attention(): out_dtype={out_dtype!r} is not an FP8 call's output; allowed: "
+                         f"{', '.join(map(str, FP8_OUT_DTYPES))} (None: torch.bfloat16)")
+    call.q_descale, call.k_descale, call.v_descale = q_descale, k_descale, v_descale
+    call.out_dtype = out_dtype
 
 
 def _read_varlen(call: AttentionCall, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
@@ -1009,9 +1115,10 @@ def bind_dense(call: AttentionCall,
 
 
 def attention_outputs(call: AttentionCall) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """out: q's shape with v's head dim, q's dtype; lse (with return_lse): float32 (float64 for float64),
+    """out: q's shape with v's head dim, `out_dtype` (q's dtype but for FP8 calls); lse (with return_lse):
+    float32 (float64 for float64),
     (batch, heads_q, seqlen_q), or (heads_q, total_q) for thd."""
-    out = ((*call.q.shape[:-1], call.head_dim_v), call.dtype)
+    out = ((*call.q.shape[:-1], call.head_dim_v), call.out_dtype)
     if not call.return_lse:
         return [out]
     lse_shape = (call.heads_q, call.q.shape[0]) if call.varlen else (call.batch, call.heads_q, call.seqlen_q)
@@ -1110,6 +1217,11 @@ class AttentionCaps:
     # some kernels read k's and v's strides from q's. The op copies any that is not, checked every call (a view's
     # other strides are not in the fast-path key).
     contiguous_inputs: bool = False
+    # FP8 q/k/v (an FP8 dtype in `dtypes`): the output dtypes the kernel returns (or the implementation makes by
+    # dequantizing its own FP8 output), and whether it takes descales per (batch, kv head) — FA3's form — besides
+    # one per tensor.
+    fp8_out_dtypes: frozenset[torch.dtype] = frozenset()
+    fp8_descale_per_head: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return caps_as_dict(self)
@@ -1138,6 +1250,8 @@ def caps_as_dict(caps: Any) -> dict[str, Any]:
     for f in fields(caps):
         value = getattr(caps, f.name)
         if f.name == "dtypes":
+            value = sorted(dtype_name(d) for d in value)
+        elif f.name == "fp8_out_dtypes":
             value = sorted(dtype_name(d) for d in value)
         elif isinstance(value, frozenset):
             value = sorted(value)
@@ -1175,6 +1289,11 @@ class AttentionImpl(Impl):
                             f"the alignments run() honours when seqlen_q != seqlen_k, e.g. "
                             f"causal_alignments=frozenset({{'top_left'}}) (allowed: {list(CAUSAL_ALIGNMENTS)}; "
                             f"frozenset() for equal lengths only)")
+        if FP8_DTYPES & caps.dtypes and not caps.fp8_out_dtypes:
+            fp8 = ", ".join(sorted(dtype_name(d) for d in FP8_DTYPES & caps.dtypes))
+            problems.append(f"caps.dtypes has FP8 ({fp8}) but caps.fp8_out_dtypes is empty: declare the output "
+                            "dtypes of FP8 calls, e.g. "
+                            "fp8_out_dtypes=frozenset({torch.bfloat16})")
         if caps.native_sinks_backward and not caps.native_sinks:
             problems.append("caps.native_sinks_backward needs caps.native_sinks (the kernel's sink forward)")
         return problems
@@ -1296,6 +1415,17 @@ def _dtype_and_layout(caps: AttentionCaps, call: AttentionCall, reasons: list[st
     if call.layout not in caps.layouts:
         what = "packed varlen (thd)" if call.layout == "thd" else f"layout {call.layout!r}"
         reasons.append(f"{what} not supported (supported layouts: {', '.join(sorted(caps.layouts))})")
+
+
+def _fp8_scaling(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
+    """An FP8 call's output dtype and descale granularity (its dtype is the first step's)."""
+    if not call.fp8 or call.dtype not in caps.dtypes:
+        return
+    if call.out_dtype not in caps.fp8_out_dtypes:
+        allowed = ", ".join(sorted(dtype_name(d) for d in caps.fp8_out_dtypes)) or "none"
+        reasons.append(f"FP8 output dtype {dtype_name(call.out_dtype)} not supported (supported: {allowed})")
+    if call.descale_per_head and not caps.fp8_descale_per_head:
+        reasons.append("FP8 descales per (batch, kv head) not supported (one descale per tensor only)")
 
 
 def _head_dims_and_gqa(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
@@ -1427,7 +1557,7 @@ def _sequence_limits(caps: AttentionCaps, call: AttentionCall, reasons: list[str
 
 
 _CAPABILITY_STEPS: tuple[Callable[[AttentionCaps, AttentionCall, list[str]], None], ...] = (
-    _dtype_and_layout, _head_dims_and_gqa, _masking_pattern, _score_terms, _outputs_and_training,
+    _dtype_and_layout, _fp8_scaling, _head_dims_and_gqa, _masking_pattern, _score_terms, _outputs_and_training,
     _returned_lse_gradient, _sinks,
     _kv_cache, _sequence_limits)
 

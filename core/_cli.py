@@ -177,7 +177,10 @@ def _explain_call_args(args: argparse.Namespace, device_type: str) -> dict[str, 
     if args.mask:
         kw["attn_mask"] = torch.ones(s, sk, dtype=torch.bool, device=dev)
     if args.bias:
-        kw["attn_bias"] = torch.empty(s, sk, dtype=dtype, device=dev)
+        kw["attn_bias"] = torch.empty(s, sk, dtype=dtype if dtype.itemsize > 1 else torch.float32, device=dev)
+    if dtype.itemsize == 1:  # FP8 (`--dtype fp8_e4m3`): one descale per tensor, bf16 out
+        kw.update(q_descale=torch.ones((), device=dev), k_descale=torch.ones((), device=dev),
+                  v_descale=torch.ones((), device=dev))
     kw.update(q=q, k=k, v=v, layout=layout)
     return kw
 

@@ -392,6 +392,9 @@ _LOWERED = {"window": ("SymInt window_left", "SymInt window_right"), "scale": ("
 # Outside the op: sinks are the shared epilogue's (`opdispatch._sinks`), traced as torch ops around the op, which
 # runs the call without them and with its LSE.
 _EPILOGUE_ARGS = ("sinks",)
+# Not in the graph: FP8 calls (descales, an output dtype of their own) run eagerly; `attention_for_compile` refuses
+# them (an output dtype equal to q's, the only one other calls take, is no argument at all).
+_EAGER_ONLY_ARGS = ("q_descale", "k_descale", "v_descale", "out_dtype")
 _SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "str": "str", "bool": "bool",
                  "float": "float", "int | None": "SymInt?"}
 
@@ -404,7 +407,7 @@ def _lowered_arguments() -> tuple[list[str], list[str]]:
     tensors: list[str] = []
     scalars: list[str] = []
     for arg in ATTENTION_ARGS.args:
-        if arg.name in _EPILOGUE_ARGS:
+        if arg.name in _EPILOGUE_ARGS or arg.name in _EAGER_ONLY_ARGS:
             continue
         if arg.name in _LOWERED:
             scalars.extend(_LOWERED[arg.name])
@@ -811,13 +814,19 @@ def attention_for_compile(
     attn_mask: Tensor | None = None, attn_bias: Tensor | None = None, sinks: Tensor | None = None,
     cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None, seqused_k: Tensor | None = None, block_table: Tensor | None = None,
-    return_lse: bool = False, deterministic: bool = False, impl: str | None = None,
+    q_descale: Tensor | None = None, k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+    out_dtype: torch.dtype | None = None, return_lse: bool = False, deterministic: bool = False,
+    impl: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`opdispatch.attention` as one graph node: decided at trace time, traced without a graph break.
 
     Same arguments and results as `opdispatch.attention`. Validation and the decision run once per trace on
     meta tensors (errors are the same as in eager mode); the graph keeps only ``opdispatch::attention``.
     """
+    if q_descale is not None or k_descale is not None or v_descale is not None or (
+            out_dtype is not None and out_dtype != q.dtype):
+        raise ValueError("attention() under torch.compile does not take FP8 calls (q_descale, k_descale, v_descale, "
+                         "an out_dtype other than q's): run this call eagerly (torch.compiler.disable around it)")
     if layout == "thd" and (max_seqlen_q is None or max_seqlen_k is None):
         raise ValueError("attention() under torch.compile with layout='thd' needs max_seqlen_q and max_seqlen_k: "
                          "computing them from cu_seqlens is a data-dependent host sync; pass the longest "

@@ -63,6 +63,9 @@ Layouts: the call record converts views itself — ``call.bhsd(t)``/``call.from_
 ``call.bshd(t)``/``call.from_bshd(t)`` (see `opdispatch.AttentionCall`); in a bound function use
 `layout_views(layout)` → ``(to_bhsd, from_bhsd)``, which keep no call (and no tensor) alive.
 
+FP8: `FP8_DTYPES` (the FP8 kinds attention takes), `FP8_OUT_DTYPES` (what an FP8 call may return), and
+`LAYOUT_DIMS` (where batch, sequence, heads and dim sit in each dense layout — a (batch, heads_kv) descale's place).
+
 Library versions (device probes, version checks):
 
 - `version_tuple(text)`: the numeric release of a version string ("2.7.0.post2" → (2, 7, 0)).
@@ -73,8 +76,8 @@ Library versions (device probes, version checks):
 
 from __future__ import annotations
 
-from opdispatch._attention import (additive_bias, alibi_bias, allowed_positions, bind_dense, layout_views, shift_rows,
-                                   size_generic)
+from opdispatch._attention import (FP8_DTYPES, FP8_OUT_DTYPES, LAYOUT_DIMS, additive_bias, alibi_bias,
+                                   allowed_positions, bind_dense, layout_views, shift_rows, size_generic)
 from opdispatch._native import kernel_call
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
@@ -86,7 +89,8 @@ from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlen
 from ._signatures import unaccepted_keywords
 from ._versions import at_least, installed_versions, version_tuple
 
-__all__ = ["KvQueries", "PackedCall", "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
+__all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCall",
+           "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
            "at_least", "aten_sdpa_call", "bind_dense", "blind_rows", "cache_as_pages", "cache_as_pages_reason",
            "causal_alibi_lse_reason", "cumulative_lengths", "dense_lse_fix", "empty_rows_to_neg_inf",
            "flash_attn_kv_cache", "installed_versions", "kernel_call", "kernel_window", "kv_cache_allowed",

@@ -7,6 +7,8 @@ every other implementation is tested against:
   j <= i + o (causal) and i + o - left <= j <= i + o + right (window, -1 = unbounded).
 - ALiBi adds -slope * |i + o - j|; softcap applies softcap * tanh(s / softcap) before bias and masks.
 - A query that may see no key returns zeros and lse = -inf.
+- FP8 q/k/v are dequantized to float32 first (real = fp8 * descale; a (batch, heads_kv) descale scales sequence
+  b's kv head h, and q's query heads of group h) and the output returned in `out_dtype`.
 - A KV cache (seqused_k): sequence b attends to its first seqused_k[b] keys — of its cache rows (dense), of its
   cu_seqlens_k span (thd), or of its pages in block_table order (paged) — as if they were all its keys.
 """
@@ -18,9 +20,9 @@ from typing import ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch.plugins.toolkit import alibi_bias, allowed_positions
+from opdispatch.plugins.toolkit import FP8_DTYPES, FP8_OUT_DTYPES, LAYOUT_DIMS, alibi_bias, allowed_positions
 
-_ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}) | FP8_DTYPES
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttentionCall, *,
@@ -68,9 +70,12 @@ class ReferenceAttention(AttentionImpl):
         alibi=True, dropout=True, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, lse_grad=True,
         backward=True, deterministic_backward=True, strided_inputs=True,
         causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, kv_cache_alibi=True,
+        fp8_out_dtypes=frozenset(FP8_OUT_DTYPES), fp8_descale_per_head=True,
     )
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if call.fp8:
+            call = dequantized(call)
         compute = torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
         if call.varlen or call.kv_cache:
             out, lse = self._per_sequence(call, compute)
@@ -105,6 +110,52 @@ class ReferenceAttention(AttentionImpl):
         if call.varlen:
             return torch.cat(outs, dim=0).to(call.dtype), torch.cat(lses, dim=1)
         return call.from_bshd(torch.stack(outs).to(call.dtype)), torch.stack(lses)
+
+
+def dequantized(call: AttentionCall) -> AttentionCall:
+    """An FP8 call as the float32 call it stands for: q/k/v times their descales, output in `out_dtype` — what the
+    reference computes, then rounds to the output dtype. A paged call with per-sequence descales gets pools of its
+    own (each sequence's pages gathered and scaled by its factors; a page two sequences share is read by each with
+    its own factor, as FA3 reads it)."""
+    ratio = call.heads_q // call.heads_kv
+    assert call.q_descale is not None and call.k_descale is not None and call.v_descale is not None
+    q = call.q.float() * _factors(call, call.q, call.cu_seqlens_q, call.q_descale, ratio)
+    table = call.block_table
+    if table is not None and call.descale_per_head:
+        k, v = (_own_pages(t, table, descale) for t, descale in ((call.k, call.k_descale), (call.v, call.v_descale)))
+        pages = table.shape[0] * table.shape[1]
+        table = torch.arange(pages, dtype=torch.int32, device=table.device).view(table.shape)
+    else:
+        k, v = (t.float() * _factors(call, t, call.cu_seqlens_k, descale, 1)
+                for t, descale in ((call.k, call.k_descale), (call.v, call.v_descale)))
+    out = call.with_tensors(q, k, v, call.seqused_k, table)
+    out.q_descale = out.k_descale = out.v_descale = None
+    out.dtype = out.out_dtype = call.out_dtype
+    return out
+
+
+def _factors(call: AttentionCall, t: torch.Tensor, cu: torch.Tensor | None, descale: torch.Tensor,
+             ratio: int) -> torch.Tensor:
+    """`descale` shaped to multiply `t` (q, k or v of a dense layout or packed thd): one factor, or one per
+    (sequence, kv head) — the query heads of a group take their kv head's (`ratio`)."""
+    if descale.dim() < 2:
+        return descale.reshape(())
+    per_head = descale.repeat_interleave(ratio, dim=1)  # (batch, heads of t)
+    if call.varlen:
+        assert cu is not None
+        return per_head.repeat_interleave((cu[1:] - cu[:-1]).long(), dim=0).unsqueeze(-1)  # (tokens, heads, 1)
+    batch_dim, _, head_dim, _ = LAYOUT_DIMS[call.layout]  # batch_dim < head_dim in every dense layout
+    shape = [1, 1, 1, 1]
+    shape[batch_dim], shape[head_dim] = per_head.shape
+    return per_head.reshape(shape)
+
+
+def _own_pages(pool: torch.Tensor, table: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """Each sequence's pages (table rows; unused entries may name any page) copied and scaled by its factors: a
+    pool of batch * max_pages pages in table order."""
+    pages = table.long().clamp(0, pool.shape[0] - 1)
+    own = pool[pages].float() * descale[:, None, None, :, None]  # (batch, max_pages, page, heads, dim)
+    return own.reshape(-1, *pool.shape[1:])
 
 
 def _sequence_keys(call: AttentionCall, pool: torch.Tensor, b: int, cu_k: list[int] | None,

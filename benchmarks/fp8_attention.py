@@ -1,0 +1,116 @@
+"""FP8 attention forward against the best bf16 kernel (GPU): TFLOP/s at 2k-16k, causal and not, d128, GQA 4:1, with
+the FP8 result's error against the float32 reference and the bound it is held to.
+
+Each cell times, interleaved (side_by_side.interleaved_ms): `opdispatch.attention` on bf16 q/k/v (the policy's
+pick, named in the output), and on e4m3 q/k/v quantized per tensor (current scaling: descale = amax / 448) through
+`nvidia.cudnn_frontend` (impl pinned: FP8 SDPA, FP8 output with scale_o, dequantized to bf16 by the op; the
+op's amax, scale and dequantize steps are inside the FP8 time). Error: max |out_fp8 - ref| / max |ref|, ref =
+float32 attention of the *dequantized* FP8 inputs (what FP8 can be asked to match), and of the original bf16
+inputs (what quantizing costs); the bound held is `BOUND` (e4m3 has a 3-bit mantissa: 2**-4 per rounding, P and O
+each rounded once). A cell fails (exit 1) when the error exceeds the bound.
+
+    bash -c 'source benchmarks/_gpu_setup.sh "$OUT"; python3 $repo/benchmarks/fp8_attention.py --out $out/fp8.json'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import opdispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_loop import environment  # noqa: E402
+from side_by_side import interleaved_ms  # noqa: E402
+
+BOUND = 0.08  # max-abs error relative to the output's max, against the float32 reference of the same inputs
+SEQLENS = (2048, 4096, 8192, 16384)
+
+
+def quantize(t: torch.Tensor, kind: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor current scaling: (fp8 tensor, float32 descale) with t ~ fp8 * descale."""
+    amax = t.abs().amax().float().clamp(min=1e-12)
+    descale = amax / torch.finfo(kind).max
+    return (t.float() / descale).to(kind), descale
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """float32 attention (bshd in and out), torch's math via SDPA on float32 with GQA expanded."""
+    group = q.shape[2] // k.shape[2]
+    qt, kt, vt = (t.transpose(1, 2).float() for t in (q, k, v))
+    kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    return out.transpose(1, 2)
+
+
+def cell(seqlen: int, causal: bool, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    batch, hq, hkv, d = max(1, 32768 // seqlen), 32, 8, 128
+    gen = torch.Generator(device=device).manual_seed(seqlen + causal)
+    q, k, v = (torch.randn(batch, seqlen, h, d, generator=gen, device=device, dtype=torch.bfloat16)
+               for h in (hq, hkv, hkv))
+    kind = torch.float8_e4m3fn
+    (q8, qs), (k8, ks), (v8, vs) = (quantize(t, kind) for t in (q, k, v))
+    bf16_pick = opdispatch.explain(q, k, v, causal=causal).chosen_id
+    fns = {
+        f"bf16 ({bf16_pick})": lambda: opdispatch.attention(q, k, v, causal=causal),
+        "fp8 e4m3 (nvidia.cudnn_frontend)": lambda: opdispatch.attention(
+            q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs, impl="nvidia.cudnn_frontend"),
+    }
+    ms = interleaved_ms(fns, device, args.warmup, args.reps)
+    flops = 4 * batch * hq * seqlen * seqlen * d * (0.5 if causal else 1.0)
+    row: dict[str, Any] = {"seqlen": seqlen, "batch": batch, "heads": f"{hq}/{hkv}", "head_dim": d,
+                           "causal": causal, "ms": ms,
+                           "tflops": {n: flops / (t * 1e-3) / 1e12 for n, t in ms.items() if isinstance(t, float)}}
+    times = [t for t in ms.values() if isinstance(t, float)]
+    if len(times) == 2:
+        row["fp8_speedup"] = times[0] / times[1]
+    try:
+        out8 = opdispatch.attention(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs,
+                                    impl="nvidia.cudnn_frontend").float()
+        ref_deq = reference(q8.float() * qs, k8.float() * ks, v8.float() * vs, causal)
+        ref_bf16 = reference(q, k, v, causal)
+        row["error_vs_dequantized_fp32"] = float((out8 - ref_deq).abs().max() / ref_deq.abs().max())
+        row["error_vs_bf16_inputs_fp32"] = float((out8 - ref_bf16).abs().max() / ref_bf16.abs().max())
+        row["bound"] = BOUND
+        row["within_bound"] = row["error_vs_dequantized_fp32"] <= BOUND
+    except Exception as exc:  # noqa: BLE001 - reported in the row: a cell cuDNN refuses still shows bf16's time
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    env = environment(device)
+    try:
+        import cudnn
+
+        env["cudnn_frontend"] = getattr(cudnn, "__version__", "?")
+        env["cudnn_backend"] = cudnn.backend_version()
+    except ImportError as exc:
+        print(f"nvidia-cudnn-frontend is not installed ({exc}); carry its wheel", file=sys.stderr)
+        return 2
+    rows = []
+    for seqlen in (int(s) for s in args.seqlens.split(",")):
+        for causal in (False, True):
+            row = cell(seqlen, causal, device, args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"environment": env, "rows": rows}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0 if all(r.get("within_bound", False) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

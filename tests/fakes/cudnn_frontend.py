@@ -1,0 +1,229 @@
+"""Fake NVIDIA cuDNN frontend Python module `cudnn` (NVIDIA/cudnn-frontend python/pygraph/sdpa.cpp at commit
+3929da2ef4c1dba1bb8acb68727b9134f26f40c0): `pygraph` with `tensor`, `sdpa` and `sdpa_fp8` taking the published
+keywords (an unknown keyword is a TypeError), the build steps, and `execute`, which reads each variant-pack tensor
+through the dims and strides the graph declared (`torch.as_strided`: a wrong stride convention reads the wrong
+elements) and computes in float64: FP8 inputs times their descales, the band of fp16_ref.py (key j of query i kept
+when i + o - left_bound < j <= i + o + right_bound, o = s_kv - s_q bottom-right), GQA by head // (h_q / h_k), the
+output times scale_o for FP8, rounded to the output's declared dtype and written through its dims and strides.
+Every built graph is recorded in `graphs` (its tensors and options) and every execution in `executions`."""
+
+from __future__ import annotations
+
+import enum
+import types
+from typing import Any
+
+import torch
+
+graphs: list[Any] = []
+executions: list[dict] = []
+
+
+class data_type(enum.Enum):  # noqa: N801 - the binding's name
+    HALF = "half"
+    BFLOAT16 = "bfloat16"
+    FLOAT = "float"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+    INT32 = "int32"
+    INT64 = "int64"
+
+
+_TORCH = {data_type.HALF: torch.float16, data_type.BFLOAT16: torch.bfloat16, data_type.FLOAT: torch.float32,
+          data_type.FP8_E4M3: torch.float8_e4m3fn, data_type.FP8_E5M2: torch.float8_e5m2}
+
+
+class heur_mode(enum.Enum):  # noqa: N801
+    A = "a"
+    B = "b"
+    FALLBACK = "fallback"
+
+
+class diagonal_alignment(enum.Enum):  # noqa: N801
+    TOP_LEFT = "top_left"
+    BOTTOM_RIGHT = "bottom_right"
+
+
+class cudnnGraphNotSupportedError(RuntimeError):  # noqa: N818
+    pass
+
+
+def create_handle() -> object:
+    return object()
+
+
+def set_stream(*, handle: object, stream: int) -> None:
+    assert handle is not None and isinstance(stream, int)
+
+
+def backend_version() -> int:
+    return 91900
+
+
+class Tensor:
+    def __init__(self, uid: int | None, dim: tuple[int, ...] | None, stride: tuple[int, ...] | None,
+                 data_type: data_type | None) -> None:
+        self.uid, self.dim, self.stride, self.data_type = uid, dim, stride, data_type
+        self.is_output = False
+
+    def set_uid(self, uid: int) -> Tensor:
+        self.uid = uid
+        return self
+
+    def set_output(self, value: bool) -> Tensor:
+        self.is_output = value
+        return self
+
+    def set_dim(self, dim: tuple[int, ...]) -> Tensor:
+        self.dim = tuple(dim)
+        return self
+
+    def set_stride(self, stride: tuple[int, ...]) -> Tensor:
+        self.stride = tuple(stride)
+        return self
+
+    def set_data_type(self, value: data_type) -> Tensor:
+        self.data_type = value
+        return self
+
+
+class pygraph:  # noqa: N801
+    def __init__(self, *, io_data_type: data_type, intermediate_data_type: data_type = data_type.FLOAT,
+                 compute_data_type: data_type = data_type.FLOAT, handle: object = None) -> None:
+        self.io_data_type = io_data_type
+        self.tensors: list[Tensor] = []
+        self.op: dict[str, Any] | None = None
+        self.built: list[str] = []
+
+    def tensor(self, *, uid: int, dim: tuple[int, ...], stride: tuple[int, ...], data_type: data_type,
+               name: str = "") -> Tensor:
+        if len(dim) != len(stride):
+            raise ValueError(f"dim {dim} and stride {stride} differ in rank")
+        t = Tensor(uid, tuple(dim), tuple(stride), data_type)
+        self.tensors.append(t)
+        return t
+
+    def sdpa(self, q: Tensor, k: Tensor, v: Tensor, is_inference: bool | None = None,
+             attn_scale: float | None = None, bias: Tensor | None = None, block_mask: Tensor | None = None,
+             use_alibi_mask: bool = False, use_padding_mask: bool = False, seq_len_q: Tensor | None = None,
+             seq_len_kv: Tensor | None = None, use_causal_mask: bool = False,
+             use_causal_mask_bottom_right: bool = False, sliding_window_length: int | None = None,
+             diagonal_alignment: diagonal_alignment = diagonal_alignment.TOP_LEFT,
+             diagonal_band_left_bound: int | None = None, diagonal_band_right_bound: int | None = None,
+             dropout: Any = None, rng_dump: Tensor | None = None, paged_attention_k_table: Any = None,
+             paged_attention_v_table: Any = None, paged_attention_max_seq_len_kv: int | None = None,
+             compute_data_type: Any = None, name: str = "", score_mod: Any = None, generate_stats: bool | None = None,
+             implementation: Any = None, score_max: Any = None, score_sum_exp: Any = None, sink_token: Any = None,
+             unfuse_fma: bool = False) -> list[Tensor]:
+        if (generate_stats is None) == (is_inference is None):
+            raise RuntimeError("Exactly one of {generate_stats, is_inference} must be set (prefer generate_stats).")
+        self.op = dict(kind="sdpa", q=q, k=k, v=v, attn_scale=attn_scale, use_causal_mask=use_causal_mask,
+                       use_causal_mask_bottom_right=use_causal_mask_bottom_right,
+                       diagonal_alignment=diagonal_alignment, left_bound=diagonal_band_left_bound,
+                       right_bound=diagonal_band_right_bound, generate_stats=generate_stats)
+        return self._outputs(2)
+
+    def sdpa_fp8(self, q: Tensor, k: Tensor, v: Tensor, descale_q: Tensor, descale_k: Tensor, descale_v: Tensor,
+                 descale_s: Tensor, scale_s: Tensor, scale_o: Tensor, is_inference: bool | None = None,
+                 attn_scale: float | None = None, bias: Tensor | None = None, use_alibi_mask: bool = False,
+                 use_padding_mask: bool = False, seq_len_q: Tensor | None = None, seq_len_kv: Tensor | None = None,
+                 use_causal_mask: bool = False, use_causal_mask_bottom_right: bool = False,
+                 sliding_window: int | None = None,
+                 diagonal_alignment: diagonal_alignment = diagonal_alignment.TOP_LEFT,
+                 left_bound: int | None = None, right_bound: int | None = None, dropout: Any = None,
+                 rng_dump: Tensor | None = None, paged_attention_k_table: Any = None,
+                 paged_attention_v_table: Any = None, paged_attention_max_seq_len_kv: int | None = None,
+                 compute_data_type: Any = None, name: str = "", fn: Any = None, generate_stats: bool | None = None,
+                 score_max: Any = None, score_sum_exp: Any = None, sink_token: Any = None) -> list[Tensor]:
+        if (generate_stats is None) == (is_inference is None):
+            raise RuntimeError("Exactly one of {generate_stats, is_inference} must be set (prefer generate_stats).")
+        for t in (descale_q, descale_k, descale_v, descale_s, scale_s, scale_o):
+            if t.dim != (1, 1, 1, 1) or t.data_type is not data_type.FLOAT:
+                raise ValueError(f"sdpa_fp8 scales are FLOAT (1, 1, 1, 1), got {t.dim} {t.data_type}")
+        self.op = dict(kind="sdpa_fp8", q=q, k=k, v=v, descale_q=descale_q, descale_k=descale_k,
+                       descale_v=descale_v, descale_s=descale_s, scale_s=scale_s, scale_o=scale_o,
+                       attn_scale=attn_scale, use_causal_mask=use_causal_mask,
+                       use_causal_mask_bottom_right=use_causal_mask_bottom_right,
+                       diagonal_alignment=diagonal_alignment, left_bound=left_bound, right_bound=right_bound,
+                       generate_stats=generate_stats)
+        return self._outputs(4)
+
+    def _outputs(self, n: int) -> list[Tensor]:
+        outs = [Tensor(None, None, None, None) for _ in range(n)]
+        assert self.op is not None
+        self.op["outputs"] = outs
+        return outs
+
+    # the build steps, in the order the samples call them
+    def validate(self) -> None:
+        self.built.append("validate")
+
+    def build_operation_graph(self) -> None:
+        self.built.append("build_operation_graph")
+
+    def create_execution_plans(self, modes: list[heur_mode]) -> None:
+        assert all(isinstance(m, heur_mode) for m in modes)
+        self.built.append("create_execution_plans")
+
+    def check_support(self) -> None:
+        self.built.append("check_support")
+
+    def build_plans(self) -> None:
+        self.built.append("build_plans")
+        graphs.append(self)
+
+    def get_workspace_size(self) -> int:
+        return 16
+
+    def execute(self, variant_pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: object = None) -> None:
+        if self.built != ["validate", "build_operation_graph", "create_execution_plans", "check_support",
+                          "build_plans"]:
+            raise RuntimeError(f"graph executed after build steps {self.built}")
+        op = self.op
+        assert op is not None
+        executions.append(dict(graph=self, pack=dict(variant_pack)))
+
+        def read(t: Tensor) -> torch.Tensor:
+            data = variant_pack[t.uid]
+            if _TORCH[t.data_type] != data.dtype:
+                raise TypeError(f"uid {t.uid}: graph says {t.data_type}, pack has {data.dtype}")
+            return data.as_strided(t.dim, t.stride, data.storage_offset()).double()
+
+        q, k, v = read(op["q"]), read(op["k"]), read(op["v"])
+        if op["kind"] == "sdpa_fp8":
+            q = q * read(op["descale_q"])
+            k = k * read(op["descale_k"])
+            v = v * read(op["descale_v"])
+        b, hq, sq, _ = q.shape
+        hk, sk = k.shape[1], k.shape[2]
+        k = k.repeat_interleave(hq // hk, dim=1)
+        v = v.repeat_interleave(hq // v.shape[1], dim=1)
+        scores = q @ k.transpose(-1, -2) * op["attn_scale"]
+        offset = sk - sq if op["diagonal_alignment"] is diagonal_alignment.BOTTOM_RIGHT else 0
+        rel = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - offset  # j - (i + o)
+        keep = torch.ones(sq, sk, dtype=torch.bool)
+        if op["use_causal_mask"] or op["use_causal_mask_bottom_right"]:
+            raise AssertionError("the adapter expresses causal as right_bound 0 (not exercised by this fake)")
+        if op["right_bound"] is not None:
+            keep &= rel <= op["right_bound"]
+        if op["left_bound"] is not None:
+            keep &= rel > -op["left_bound"]
+        scores = scores.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out = probs @ v
+        if op["kind"] == "sdpa_fp8":
+            out = out * read(op["scale_o"])
+            for name in ("amax_s", "amax_o"):
+                t = op["outputs"][2 if name == "amax_s" else 3]
+                variant_pack[t.uid].fill_(1.0 if name == "amax_s" else float(out.abs().max() / read(op["scale_o"])))
+        o = op["outputs"][0]
+        target = variant_pack[o.uid]
+        if _TORCH[o.data_type] != target.dtype:
+            raise TypeError(f"output uid {o.uid}: graph says {o.data_type}, pack has {target.dtype}")
+        target.as_strided(o.dim, o.stride, target.storage_offset()).copy_(out.to(target.dtype))
+
+
+def fake_modules() -> dict[str, types.ModuleType]:
+    import sys
+
+    return {"cudnn": sys.modules[__name__]}

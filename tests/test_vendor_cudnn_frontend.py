@@ -1,0 +1,153 @@
+"""nvidia.cudnn_frontend (cuDNN SDPA through the cuDNN frontend's Python graph API) against a fake `cudnn` built
+from the published bindings: the graph it builds (dims, strides, dtypes, bounds, scales), one build per signature,
+results against a float64 oracle; FP8 with its output scaled and dequantized; selection on a simulated H100."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import pytest
+import torch
+
+import opdispatch
+from opdispatch.vendors.nvidia import CudnnFrontendAttention
+
+from tests._adapters_on_cpu import device_with_library, meta_qkv, run_on_cpu
+from tests.conftest import device_descriptor
+from tests.fakes import cudnn_frontend as fake
+
+
+class CpuCudnnFrontend(CudnnFrontendAttention):
+    """The adapter itself, unbound from CUDA so the fake runs it on CPU (device checks are the simulated tests')."""
+
+    vendor: ClassVar[str] = "test"
+    name: ClassVar[str] = "cudnn_fe"
+    device_types: ClassVar[frozenset[str]] = frozenset()
+    device_vendors: ClassVar[frozenset[str]] = frozenset()
+    min_capability: ClassVar[tuple[int, int] | None] = None
+    requires = ()
+
+
+@pytest.fixture
+def fe(monkeypatch, basic_manager, tmp_path):
+    fake.graphs.clear()
+    fake.executions.clear()
+    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake.fake_modules(), CpuCudnnFrontend())
+
+
+def _oracle(q, k, v, scale, causal, window, bottom_right):
+    """float64 (b, s, h, d) attention, independent of the fake's band arithmetic."""
+    b, sq, hq, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    out = torch.zeros(b, sq, hq, v.shape[-1], dtype=torch.float64)
+    offset = sk - sq if bottom_right else 0
+    for i in range(sq):
+        keys = [j for j in range(sk)
+                if not (causal and j > i + offset)
+                and (window is None or ((window[0] < 0 or j >= i + offset - window[0])
+                                        and (window[1] < 0 or j <= i + offset + window[1])))]
+        if not keys:
+            continue
+        for h in range(hq):
+            kh = h // (hq // hk)
+            s = torch.einsum("bd,bkd->bk", q[:, i, h], k[:, keys, kh]) * scale
+            out[:, i, h] = torch.einsum("bk,bkd->bd", torch.softmax(s, dim=-1), v[:, keys, kh])
+    return out
+
+
+LAYOUT = {"bshd": lambda t: t, "bhsd": lambda t: t.transpose(1, 2), "sbhd": lambda t: t.transpose(0, 1)}
+
+
+@pytest.mark.parametrize("layout,dtype,causal,window,align,heads", [
+    ("bshd", torch.bfloat16, False, None, "top_left", (4, 4)),
+    ("bhsd", torch.float16, True, None, "bottom_right", (4, 2)),
+    ("sbhd", torch.bfloat16, True, (2, 0), "bottom_right", (6, 3)),
+    ("bshd", torch.float16, False, (1, 2), "top_left", (2, 1)),
+])
+def test_bf16_fp16_graphs_have_the_call_s_dims_strides_and_bounds(fe, layout, dtype, causal, window, align, heads):
+    gen = torch.Generator().manual_seed(11)
+    b, sq, sk, d = 2, 5, 7, 8
+    hq, hk = heads
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).to(dtype) for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+    to = LAYOUT[layout]
+    # non-contiguous layout views: the graph must carry their strides
+    out = opdispatch.attention(to(q), to(k), to(v), layout=layout, causal=causal, causal_alignment=align,
+                               window=window)
+    graph = fake.graphs[-1]
+    op = graph.op
+    assert op["kind"] == "sdpa" and op["generate_stats"] is False
+    assert op["q"].dim == (b, hq, sq, d) and op["k"].dim == (b, hk, sk, d)
+    bhsd_q = to(q).permute({"bshd": (0, 2, 1, 3), "bhsd": (0, 1, 2, 3), "sbhd": (1, 2, 0, 3)}[layout])
+    assert op["q"].stride == bhsd_q.stride()
+    left, right = (window if window is not None else (-1, -1))
+    right = 0 if causal else right
+    assert op["left_bound"] == (None if left < 0 else left + 1)
+    assert op["right_bound"] == (None if right < 0 else right)
+    assert op["diagonal_alignment"].value == align and math.isclose(op["attn_scale"], d ** -0.5)
+    want = _oracle(q.double(), k.double(), v.double(), d ** -0.5, causal, window, align == "bottom_right")
+    got = {"bshd": out, "bhsd": out.transpose(1, 2), "sbhd": out.transpose(0, 1)}[layout]
+    assert out.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    # a second call of the signature reuses the graph; another signature builds its own
+    opdispatch.attention(to(q), to(k), to(v), layout=layout, causal=causal, causal_alignment=align, window=window)
+    assert len(fake.graphs) == 1 and len(fake.executions) == 2
+    opdispatch.attention(to(q)[:1], to(k)[:1], to(v)[:1], layout=layout, causal=causal, causal_alignment=align,
+                         window=window) if layout != "sbhd" else None
+    assert len(fake.graphs) == (2 if layout != "sbhd" else 1)
+
+
+@pytest.mark.parametrize("kind,out_dtype,causal", [
+    (torch.float8_e4m3fn, None, True), (torch.float8_e4m3fn, torch.float16, False), (torch.float8_e5m2, None, True)])
+def test_fp8_graph_scales_and_the_dequantized_output(fe, kind, out_dtype, causal):
+    gen = torch.Generator().manual_seed(12)
+    b, s, hq, hk, d = 2, 6, 4, 2, 64
+    q, k, v = ((torch.randn(b, s, h, d, generator=gen) * 4).to(kind) for h in (hq, hk, hk))
+    qs, ks, vs = (torch.rand((), generator=gen) + 0.1 for _ in range(3))
+    out = opdispatch.attention(q, k, v, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs,
+                               out_dtype=out_dtype)
+    assert out.dtype == (out_dtype or torch.bfloat16)
+    op = fake.graphs[-1].op
+    assert op["kind"] == "sdpa_fp8" and fake._TORCH[op["outputs"][0].data_type] == kind  # FP8 out on Hopper
+    assert op["descale_q"].dim == (1, 1, 1, 1) and op["q"].dim == (b, hq, s, d)
+    pack = fake.executions[-1]["pack"]
+    scale_o = pack[op["scale_o"].uid].item()
+    v_max = (v.float().abs().max() * vs).item()
+    assert math.isclose(scale_o, torch.finfo(kind).max / v_max, rel_tol=1e-6)  # the output uses FP8's range
+    assert pack[op["scale_s"].uid].item() * pack[op["descale_s"].uid].item() == 1.0
+    want = _oracle(q.double() * qs.double(), k.double() * ks.double(), v.double() * vs.double(), d ** -0.5, causal,
+                   None, False)
+    # the fake rounds the scaled output to the FP8 kind (as cuDNN's output is): e4m3 2**-4, e5m2 2**-3 relative
+    rel = 2 ** -3 if kind == torch.float8_e5m2 else 2 ** -4
+    torch.testing.assert_close(out.double(), want, atol=rel * v_max, rtol=rel)
+
+
+def test_fp8_per_head_descales_and_odd_head_dims_are_refused_with_reasons(fe):
+    q = torch.zeros(1, 4, 2, 32, dtype=torch.float8_e4m3fn)
+    one = torch.ones(())
+    d = opdispatch.explain(q, q, q, q_descale=one, k_descale=one, v_descale=one)
+    cand = next(c for c in d.candidates if c.impl_id == "test.cudnn_fe")
+    assert any("head_dim = head_dim_v in [64, 128]" in r for r in cand.reasons) and d.chosen_id == "reference.math"
+    q = torch.zeros(1, 4, 2, 64, dtype=torch.float8_e4m3fn)
+    d = opdispatch.explain(q, q, q, q_descale=torch.ones(1, 2), k_descale=one, v_descale=one)
+    cand = next(c for c in d.candidates if c.impl_id == "test.cudnn_fe")
+    assert any("per (batch, kv head) not supported" in r for r in cand.reasons)
+
+
+def test_fp8_on_a_simulated_h100_picks_the_frontend_and_says_why_not_others(tmp_path):
+    with_fe = device_with_library(tmp_path, "h100", "cudnn_frontend", "1.32.0")
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in meta_qkv())
+    one = torch.ones((), device="meta")
+    d = opdispatch.explain(q, k, v, causal=True, q_descale=one, k_descale=one, v_descale=one, device=with_fe)
+    assert d.chosen_id == "nvidia.cudnn_frontend"
+    cudnn = next(c for c in d.candidates if c.impl_id == "nvidia.cudnn")
+    assert any("dtype fp8_e4m3fn not supported" in r for r in cudnn.reasons)
+    # without the wheel: the oracle, and explain names the library and the install hint
+    d = opdispatch.explain(q, k, v, causal=True, q_descale=one, k_descale=one, v_descale=one,
+                           device=str(device_descriptor("h100")))
+    assert d.chosen_id == "reference.math"
+    fe_cand = next(c for c in d.candidates if c.impl_id == "nvidia.cudnn_frontend")
+    assert any("cudnn_frontend" in r for r in fe_cand.reasons)
+    # bf16 calls keep their pick: nvidia.cudnn
+    bf = opdispatch.explain(*meta_qkv(), causal=True, device=with_fe)
+    assert bf.chosen_id == "nvidia.cudnn"

@@ -1,0 +1,204 @@
+"""`nvidia.cudnn_frontend`: cuDNN's SDPA through NVIDIA's cuDNN frontend Python graph API (package `cudnn`, pip
+distribution `nvidia-cudnn-frontend`, the opdispatch extra `[cudnn]`), bf16/fp16 and FP8 forward.
+
+Read from NVIDIA/cudnn-frontend at commit 3929da2ef4c1dba1bb8acb68727b9134f26f40c0 (python/pygraph/sdpa.cpp, the
+bindings; test/python/sdpa/fp16.py, fp8.py, fp16_ref.py, the samples and their reference):
+
+    graph = cudnn.pygraph(io_data_type=, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=)
+    t = graph.tensor(uid=, dim=(b, h, s, d), stride=..., data_type=)   # any strides: bshd memory is
+                                                                        # stride (s*h*d, d, h*d, 1)
+    o, stats = graph.sdpa(q, k, v, generate_stats=, attn_scale=, diagonal_alignment=,
+                          diagonal_band_left_bound=, diagonal_band_right_bound=, ...)
+    o, stats, amax_s, amax_o = graph.sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s,
+                                              scale_o, generate_stats=, attn_scale=, diagonal_alignment=,
+                                              left_bound=, right_bound=, ...)
+    o.set_uid(..).set_output(True).set_dim(..).set_stride(..).set_data_type(..)
+    graph.validate(); graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support(); graph.build_plans()
+    graph.execute({uid: tensor}, workspace (uint8, graph.get_workspace_size()), handle=)
+
+Conventions (fp16_ref.py): the band keeps key j of query i when i + o - left_bound < j <= i + o + right_bound,
+o = s_kv - s_q for DiagonalAlignment BOTTOM_RIGHT and 0 for TOP_LEFT — so opdispatch's window (left, right)
+is left_bound = left + 1 (as TransformerEngine passes it) and right_bound = right, causal is right_bound 0. The
+descales of `sdpa_fp8` are one float32 per tensor, dims (1, 1, 1, 1). On Hopper cuDNN refuses FP8 SDPA with a
+bf16/fp16 output ("only supported on Blackwell with cuDNN >= 9.13"): the graph's output is FP8 of the inputs'
+kind with `scale_o` = fp8_max / max|v| (the output is a convex mix of v's rows, so it never exceeds max|v|), and
+this adapter divides it back to `call.out_dtype`. The probabilities are FP8 with scale_s 256 (they lie in [0, 1]).
+
+What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): paged K/V
+(`paged_attention_k_table`), ragged thd offsets (`set_ragged_offset`), ALiBi, bias, dropout, the LSE (`stats`),
+the backward graphs. Graphs are built once per signature (shapes, strides, dtypes, options, device) and never
+during CUDA-graph capture (building synchronizes): a first call inside capture raises with the fix (warm up).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, ClassVar
+
+import torch
+
+from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch.plugins.toolkit import FP8_DTYPES, FP8_OUT_DTYPES
+
+CUDNN_FRONTEND = Requirement(module="cudnn", distribution="nvidia-cudnn-frontend", key="cudnn_frontend",
+                             verify_distribution=True,
+                             install_hint="pip install 'opdispatch[cudnn]' (the nvidia-cudnn-frontend wheel)")
+
+_SCALE_S = 256.0  # the FP8 probabilities' scale: P in [0, 1] maps into e4m3's and e5m2's range exactly
+_FP8_HEAD_DIMS = frozenset({64, 128})  # FP8 SDPA's head dims claimed (cuDNN's check_support is the last word)
+_UID = {"q": 1, "k": 2, "v": 3, "o": 4, "descale_q": 5, "descale_k": 6, "descale_v": 7, "descale_s": 8,
+        "scale_s": 9, "scale_o": 10, "amax_s": 11, "amax_o": 12}
+
+
+def _cudnn_type(cudnn: Any, dtype: torch.dtype) -> Any:
+    names = {torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT"}
+    names.update({d: ("FP8_E4M3" if "e4m3" in str(d) else "FP8_E5M2") for d in FP8_DTYPES})
+    return getattr(cudnn.data_type, names[dtype])
+
+
+def _bounds(call: AttentionCall) -> tuple[int | None, int | None]:
+    """opdispatch's causal/window as cuDNN's (left_bound, right_bound), None unbounded."""
+    left, right = call.window if call.window is not None else (-1, -1)
+    if call.causal:
+        right = 0
+    return (None if left < 0 else left + 1), (None if right < 0 else right)
+
+
+class _Graphs:
+    """Built graphs by signature, one cuDNN handle per device; thread-safe, bounded."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.lock = threading.Lock()
+        self.graphs: dict[Any, Any] = {}
+        self.handles: dict[int, Any] = {}
+        self.limit = limit
+
+    def handle(self, cudnn: Any, device: torch.device) -> Any:
+        index = device.index if device.index is not None else 0
+        with self.lock:
+            if index not in self.handles:
+                self.handles[index] = cudnn.create_handle()
+            return self.handles[index]
+
+
+class CudnnFrontendAttention(AttentionImpl):
+    vendor: ClassVar[str] = "nvidia"
+    name: ClassVar[str] = "cudnn_frontend"
+    priority: ClassVar[int] = 38  # below nvidia.cudnn (torch's binding of the same kernels, no Python per call)
+    description: ClassVar[str] = ("cuDNN SDPA through the cuDNN frontend's Python graph API (nvidia-cudnn-frontend):"
+                                  " bf16/fp16 and FP8 forward")
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
+    min_capability: ClassVar[tuple[int, int] | None] = (8, 0)
+    requires = (CUDNN_FRONTEND,)
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=frozenset({torch.float16, torch.bfloat16}) | FP8_DTYPES, head_dim_min=8, head_dim_max=256,
+        head_dim_multiple=8, head_dim_v_differs=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True,
+        causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True,
+        fp8_out_dtypes=frozenset(FP8_OUT_DTYPES), fp8_descale_per_head=False,
+        # Not measured: cuDNN picks plans per shape; neither determinism is claimed.
+        deterministic_forward=False,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._graphs = _Graphs()
+
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads the dtype, head dims and the device: no sizes
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        if not call.fp8:
+            return []
+        reasons = []
+        if device.capability is not None and device.capability < (9, 0):
+            reasons.append(f"cuDNN FP8 SDPA needs Hopper or newer (sm90+), device is sm{device.capability[0]}"
+                           f"{device.capability[1]}")
+        if call.head_dim not in _FP8_HEAD_DIMS or call.head_dim_v != call.head_dim:
+            reasons.append(f"cuDNN FP8 SDPA is claimed for head_dim = head_dim_v in {sorted(_FP8_HEAD_DIMS)}, "
+                           f"not {call.head_dim}/{call.head_dim_v}")
+        return reasons
+
+    def run(self, call: AttentionCall) -> torch.Tensor:
+        import cudnn  # type: ignore[import-not-found]  # the optional nvidia-cudnn-frontend wheel
+
+        q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+        fp8 = call.fp8
+        out = torch.empty((*call.q.shape[:-1], call.head_dim_v), dtype=call.dtype if fp8 else call.out_dtype,
+                          device=call.q.device)
+        o = call.bhsd(out)
+        key = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), o.stride(),
+               call.dtype, call.scale, call.causal, call.causal_alignment, call.window, q.device)
+        handle = self._graphs.handle(cudnn, q.device)
+        cuda = q.device.type == "cuda"  # (the contract tests run this adapter on CPU behind a fake `cudnn`)
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream if cuda else 0)
+        graph = self._graphs.graphs.get(key)
+        if graph is None:
+            if cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("nvidia.cudnn_frontend: a call of a new signature inside CUDA-graph capture "
+                                   f"({call.describe()}); building its cuDNN graph synchronizes. Run one call of "
+                                   "this signature before capturing (warm-up)")
+            graph = self._build(cudnn, call, q, k, v, o, handle)
+            with self._graphs.lock:
+                if len(self._graphs.graphs) >= self._graphs.limit:
+                    self._graphs.graphs.pop(next(iter(self._graphs.graphs)))
+                self._graphs.graphs[key] = graph
+        pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: o}
+        if fp8:
+            assert call.q_descale is not None and call.k_descale is not None and call.v_descale is not None
+            fp8_max = torch.finfo(call.dtype).max
+            # max|v| in real units (device ops, no host read); a zero v gets scale 1 (its output is 0 anyway)
+            # |x| of an FP8 value orders as its bits without the sign (finite values): an integer amax, no copy
+            v_bits = (v.view(torch.uint8) & 0x7F).amax().reshape(1)
+            v_max = v_bits.view(call.dtype).float()[0] * call.v_descale.reshape(())
+            scale_o = torch.where(v_max > 0, fp8_max / v_max, torch.ones_like(v_max)).reshape(1, 1, 1, 1)
+            scalar: dict[str, Any] = dict(dtype=torch.float32, device=q.device)
+            pack.update({
+                _UID["descale_q"]: call.q_descale.reshape(1, 1, 1, 1),
+                _UID["descale_k"]: call.k_descale.reshape(1, 1, 1, 1),
+                _UID["descale_v"]: call.v_descale.reshape(1, 1, 1, 1),
+                _UID["scale_s"]: torch.full((1, 1, 1, 1), _SCALE_S, **scalar),
+                _UID["descale_s"]: torch.full((1, 1, 1, 1), 1.0 / _SCALE_S, **scalar),
+                _UID["scale_o"]: scale_o,
+                _UID["amax_s"]: torch.empty((1, 1, 1, 1), **scalar),
+                _UID["amax_o"]: torch.empty((1, 1, 1, 1), **scalar)})
+        workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=q.device)
+        graph.execute(pack, workspace, handle=handle)
+        if fp8:
+            return (out.float() / pack[_UID["scale_o"]].reshape(())).to(call.out_dtype)
+        return out
+
+    def _build(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               o: torch.Tensor, handle: Any) -> Any:
+        io = _cudnn_type(cudnn, call.dtype)
+        graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                              compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        tq, tk, tv = (graph.tensor(uid=_UID[n], dim=tuple(t.shape), stride=t.stride(), data_type=io)
+                      for n, t in (("q", q), ("k", k), ("v", v)))
+        left, right = _bounds(call)
+        align = (cudnn.diagonal_alignment.BOTTOM_RIGHT if call.causal_alignment == "bottom_right"
+                 else cudnn.diagonal_alignment.TOP_LEFT)
+        if call.fp8:
+            scalars = {n: graph.tensor(uid=_UID[n], dim=(1, 1, 1, 1), stride=(1, 1, 1, 1),
+                                       data_type=cudnn.data_type.FLOAT)
+                       for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")}
+            to, _stats, amax_s, amax_o = graph.sdpa_fp8(
+                q=tq, k=tk, v=tv, **scalars, generate_stats=False, attn_scale=call.scale,
+                diagonal_alignment=align, left_bound=left, right_bound=right)
+            for name, t in (("amax_s", amax_s), ("amax_o", amax_o)):
+                t.set_uid(_UID[name]).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)) \
+                    .set_data_type(cudnn.data_type.FLOAT)
+        else:
+            to, _stats = graph.sdpa(q=tq, k=tk, v=tv, generate_stats=False, attn_scale=call.scale,
+                                    diagonal_alignment=align, diagonal_band_left_bound=left,
+                                    diagonal_band_right_bound=right)
+        to.set_uid(_UID["o"]).set_output(True).set_dim(tuple(o.shape)).set_stride(o.stride()).set_data_type(io)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        return graph
