@@ -167,6 +167,13 @@ class OpManager:
         except Exception as exc:  # keep the others working; doctor and explain show this
             record.fail("register", exc)
             log.warning("%s", record.describe())
+            self._drop_from_pluggy(plugin)
+
+    def _drop_from_pluggy(self, plugin: Any) -> None:
+        """A plugin that failed to load or register leaves pluggy too: none of its other hooks (a device probe)
+        runs, and its name is free for a corrected plugin."""
+        if plugin is not None and self._pm.is_registered(plugin):
+            self._pm.unregister(plugin)
 
     def register_plugin(self, plugin: Any, name: str) -> PluginRecord:
         """Register an in-memory plugin object (anything with ``@opdispatch.hookimpl`` functions), by the same
@@ -183,6 +190,7 @@ class OpManager:
             except Exception as exc:
                 record.fail("load", exc)
                 log.warning("%s", record.describe())
+                self._drop_from_pluggy(plugin)
                 return record
             self._collect_impls(record)
             self.clear_cache()

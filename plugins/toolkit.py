@@ -17,6 +17,8 @@ Binding:
 
 - `bind_dense(call, kernel)`: wrap ``kernel(q, k, v)`` over (batch, heads, seq, dim) tensors into a function of
   the call's own dense layout (views only) — the building block of ``AttentionImpl.bind``.
+- `size_generic(fn)`: declare that a bound function reads every size from its tensors, so the per-call fast path
+  reuses it for calls that differ only in sizes within the same decision class.
 - `kernel_call(kernel, *tail, index=None, **kwargs)`: ``fn(q, k, v) = kernel(q, k, v, *tail, **kwargs)[index]``
   as one C call where opdispatch's compiled fast path is built (else a Python function): bind the aten op or
   vendor function itself, with no Python frame per call.

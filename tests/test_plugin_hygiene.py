@@ -82,6 +82,31 @@ def test_ids_outside_the_namespace_fail_the_whole_plugin(monkeypatch):
     assert record.status == "loaded" and record.impl_ids == ["acme3.good", "acme_npu.fast"]
 
 
+def test_a_plugin_that_fails_to_register_leaves_pluggy_whole(monkeypatch):
+    """A failed plugin's other hooks (its device probe) never run, and its name is free for a corrected plugin:
+    it is unregistered from pluggy, not only marked failed."""
+    probed = []
+
+    def probe(device):
+        probed.append(device)
+        return None
+
+    broken = module("acme_broken", [impl("acme", "one"), impl("other", "bad")],
+                    opdispatch_probe_device=opdispatch.hookimpl(probe))
+    probe.__name__ = "opdispatch_probe_device"
+    manager, records = builtin_and(monkeypatch)
+    record = manager.register_plugin(broken, name="acme")
+    assert record.status == "failed" and record.stage == "register"
+    assert not manager._pm.is_registered(broken) and manager._pm.get_plugin("acme") is None
+    manager.device_info(torch.device("cpu"))
+    assert probed == []  # its probe is not a hook any more
+    fixed = manager.register_plugin(module("acme_fixed", [impl("acme", "one")]), name="acme")
+    assert fixed.status == "loaded" and fixed.impl_ids == ["acme.one"]
+    unloadable = module("acme_unloadable", [impl("acme2", "x")], OPDISPATCH_PLUGIN_API=99)
+    assert manager.register_plugin(unloadable, name="acme2").stage == "load"
+    assert not manager._pm.is_registered(unloadable)
+
+
 def test_a_refused_implementation_rejects_the_plugin_whole(monkeypatch):
     bad_caps = impl("acme", "broken", caps="not caps")
     manager, records = builtin_and(monkeypatch, ("acme", module("acme_half", [impl("acme", "one"), bad_caps])))
