@@ -10,6 +10,7 @@
 #   flex     torch.flex against torch's own compiled flex_attention, softcap spellings (benchmarks/flex_variants.py)
 #   door     the same kernel through torch's SDPA, the aten op, plan() and attention() (door_vs_kernel.py)
 #   flagos   a growing decode pinned to flagos.triton (benchmarks/flagos_growing_decode.py)
+#   fp8      FP8 (e4m3, nvidia.cudnn_frontend; carry nvidia-cudnn-frontend in .whl) vs the best bf16 kernel
 #   determinism  the GPU tests of deterministic backwards under torch's flag (tests/gpu/test_issue10_gpu.py)
 # BENCH_COMMIT names the commit the copy was made from (the machine's .git may be stale).
 set -u
@@ -48,6 +49,10 @@ for part in $parts; do
       timeout 300 python3 "$repo/benchmarks/dispatch_overhead.py" --device cuda \
         --out "$out/dispatch_overhead-h100.md" > "$out/dispatch_overhead-h100.log" 2>&1
       echo "dispatch_overhead exit $?"; tail -12 "$out/dispatch_overhead-h100.md" | cut -c1-300 ;;
-    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead)"; exit 2 ;;
+    fp8)
+      timeout 300 python3 "$repo/benchmarks/fp8_attention.py" --out "$out/fp8_attention-h100.json" \
+        > "$out/fp8_attention-h100.log" 2>&1
+      echo "fp8_attention exit $?"; tail -25 "$out/fp8_attention-h100.log" ;;
+    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8)"; exit 2 ;;
   esac
 done
