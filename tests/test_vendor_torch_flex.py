@@ -513,6 +513,7 @@ def test_compiled_flex_past_the_recompile_limit_runs_unfused_with_one_warning(mo
     monkeypatch.setattr(flex_module, "_compiled_flex", lambda: compiled)
     monkeypatch.setattr(flex_module, "_flex_api", lambda: SimpleNamespace(flex_attention=lambda q, k, v, **kw: "eager"))
     monkeypatch.setattr(flex_module, "_warned_unfused", False)
+    monkeypatch.setattr(flex_module, "_graphs_compiled", lambda: before[0] - 1)  # the next graph could hit it
     q = torch.empty(1, 2, 4, 8)
     with caplog.at_level("WARNING", logger="opdispatch"):
         assert flex_module._call_compiled(q, q, q, {}) == "eager"
@@ -521,6 +522,39 @@ def test_compiled_flex_past_the_recompile_limit_runs_unfused_with_one_warning(mo
     assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before  # restored
     warnings = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
     assert len(warnings) == 1 and "run flex unfused" in warnings[0] and "torch._dynamo.reset()" in warnings[0]
+
+
+def test_compiled_flex_far_from_the_recompile_limit_leaves_dynamos_config_alone(monkeypatch):
+    """With room for another graph under the user's limit a call cannot reach it: no config is written (the
+    scope's writes were most of torch.flex's host time per call beyond torch's own compiled flex)."""
+    from opdispatch.vendors.torch_flex import _attention as flex_module
+
+    config = torch._dynamo.config
+    before = config.recompile_limit, config.fail_on_recompile_limit_hit
+    seen = []
+    monkeypatch.setattr(flex_module, "_compiled_flex", lambda: lambda q, k, v, **kw: seen.append(
+        (config.recompile_limit, config.fail_on_recompile_limit_hit)) or "compiled")
+    monkeypatch.setattr(flex_module, "_graphs_compiled", lambda: before[0] - 2)
+    q = torch.empty(1, 2, 4, 8)
+    assert flex_module._call_compiled(q, q, q, {}) == "compiled"
+    assert seen == [before]
+    monkeypatch.setattr(flex_module, "_graphs_compiled", lambda: before[0] - 1)
+    assert flex_module._call_compiled(q, q, q, {}) == "compiled"
+    assert seen[1] == (max(before[0], flex_module._RECOMPILE_LIMIT), True)
+    assert (config.recompile_limit, config.fail_on_recompile_limit_hit) == before
+
+
+def test_graphs_compiled_reads_dynamos_cache_of_the_compiled_flex(monkeypatch):
+    """The count comes from dynamo's cache entries on the compiled function's code (this torch has the API: not
+    the 'assume the limit is near' fallback), and follows them."""
+    from torch._dynamo import eval_frame
+
+    from opdispatch.vendors.torch_flex import _attention as flex_module
+
+    assert 0 <= flex_module._graphs_compiled() < 1 << 30
+    seen = []
+    monkeypatch.setattr(eval_frame, "_debug_get_cache_entry_list", lambda code: seen.append(code) or [1, 2, 3])
+    assert flex_module._graphs_compiled() == 3 and seen == [flex_module._flex_entry.__code__]
 
 
 def test_flex_needs_torch_2_5_and_a_triton_backend(manager, tmp_path):

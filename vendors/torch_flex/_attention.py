@@ -147,6 +147,7 @@ _RECOMPILE_LIMIT = 64
 _warned_unfused = False
 
 
+@functools.cache
 def _dynamo_names() -> tuple[str, str | None, type[BaseException] | None]:
     """(limit setting, fail-on-limit setting, its exception) under this torch's names: recompile_limit and
     fail_on_recompile_limit_hit where they exist (2.11, 2.13; older: cache_size_limit, fail_on_cache_limit_hit,
@@ -163,6 +164,10 @@ def _dynamo_names() -> tuple[str, str | None, type[BaseException] | None]:
 def _call_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Any:
     limit_name, fail_name, fail_error = _dynamo_names()
     config = torch._dynamo.config
+    if _graphs_compiled() < getattr(config, limit_name) - 1:
+        # Room for another graph under the user's own limit: this call cannot reach it, whatever it compiles, so
+        # neither the raised limit nor the fail switch matters (no config scope: its writes cost host time).
+        return _compiled_flex()(q, k, v, **kwargs)
     settings = {limit_name: max(getattr(config, limit_name), _RECOMPILE_LIMIT)}
     if fail_name:
         settings[fail_name] = True
@@ -174,6 +179,15 @@ def _call_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: di
                 raise
             _warn_unfused(getattr(config, limit_name))
             return _flex_api().flex_attention(q, k, v, **kwargs)
+
+
+def _graphs_compiled() -> int:
+    """How many graphs dynamo holds for the compiled flex (its cache entries on `_flex_entry`'s code)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # a torch without it: assume the limit is near (the scope is always entered)
+        return 1 << 30
+    return len(_debug_get_cache_entry_list(_flex_entry.__code__))
 
 
 @contextlib.contextmanager
@@ -254,7 +268,7 @@ class _RetainableGraph(torch.autograd.Function):
 def retainable(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (tensors -> a tensor or a tuple of tensors, typically calling a ``torch.compile``d function),
     compiled and backpropagated without donated buffers, so ``backward(retain_graph=True)`` works any number of
-    times (see `_RetainableGraph`). Without a gradient to track it only scopes the compile; under an outer
+    times (see `_RetainableGraph`). Without a gradient to track it calls ``fn`` as it is; under an outer
     ``torch.compile`` trace it calls ``fn`` directly: the outer graph is compiled, and donates, by its own config.
     """
 
@@ -264,8 +278,7 @@ def retainable(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*tensors)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return _RetainableGraph.apply(fn, *tensors)
-        with _no_donated_buffers():
-            return fn(*tensors)
+        return fn(*tensors)  # no gradient: an inference graph, which donates nothing (no config scope to pay)
 
     return call
 
