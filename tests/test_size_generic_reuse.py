@@ -227,3 +227,87 @@ def test_calls_with_sinks_never_reuse_a_template(basic_manager, door):
         k, v = make("bshd", 1, length, 2, 16, gen), make("bshd", 1, length, 2, 16, gen)
         door(q, k, v, sinks=sinks)
     assert not basic_manager.size_generic
+
+
+# A padded batch's decode and prefill as transformers sends them: a boolean mask every call (its values change),
+# no causal flag. cpu.flash binds it (`_bind_masked`, size-generic): each call must be the full path's `run` bit for
+# bit — fp32 and bf16, every layout, the mask broadcast 2-D to 4-D, with rows that see no key — and the oracle's.
+MASKED = [
+    # layout, dtype, (batch, sq, hq, hkv, d), mask shape as (batch?, heads?, queries?) dims kept, lengths
+    ("bhsd", torch.float32, (4, 1, 8, 2, 16), "b11k", (9, 10, 17)),
+    ("bhsd", torch.bfloat16, (3, 1, 4, 4, 32), "b11k", (5, 6, 40)),
+    ("bshd", torch.float32, (2, 5, 4, 2, 8), "b1qk", (5, 7, 12)),  # a prefill: every row its own pattern
+    ("sbhd", torch.float32, (2, 3, 6, 3, 8), "bhqk", (4, 9)),
+    ("bhsd", torch.float32, (3, 2, 4, 1, 8), "qk", (6, 11)),  # 2-D: broadcast over batch and heads
+    ("bshd", torch.bfloat16, (2, 4, 4, 2, 16), "1qk", (4, 8)),  # 3-D
+]
+
+
+def _masked_shape(kind, b, hq, sq, sk):
+    dims = {"b11k": (b, 1, 1, sk), "b1qk": (b, 1, sq, sk), "bhqk": (b, hq, sq, sk), "qk": (sq, sk),
+            "1qk": (1, sq, sk)}
+    return dims[kind]
+
+
+@pytest.mark.parametrize("case", range(len(MASKED)))
+def test_a_boolean_mask_binds_on_cpu_flash_and_matches_run_bit_for_bit(basic_manager, door, validations, case):
+    layout, dtype, (b, sq, hq, hkv, d), kind, lengths = MASKED[case]
+    gen = torch.Generator().manual_seed(100 + case)
+    for i, sk in enumerate(lengths):
+        q, k, v = (make(layout, b, n, h, d, gen).to(dtype) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+        mask = torch.rand(*_masked_shape(kind, b, hq, sq, sk), generator=gen) < 0.6
+        mask[..., 0] = True
+        if mask.dim() >= 2 and mask.shape[-2] > 1:
+            mask[..., 1, :] = False  # a row that sees no key: the kernel's output for it, as run() gives it
+        before = len(validations)
+        got = door(q, k, v, layout=layout, attn_mask=mask)
+        assert door(q, k, v, layout=layout, attn_mask=mask).equal(got)  # the exact signature's hit
+        if i > 0:
+            assert len(validations) == before, "a masked call differing only in sizes was validated in full"
+        fn = _bound_for(basic_manager, k.shape)
+        assert fn.decision.chosen_id == "cpu.flash" and fn.size_generic, "the mask took the run() path"
+        want = full_path(basic_manager, q, k, v, layout=layout, attn_mask=mask)
+        assert torch.equal(got, want), "the bound masked call differs from run()"
+        out, _ = oracle(layout, q.double(), k.double(), v.double(), mask=mask, scale=d ** -0.5)
+        seen = mask.expand(b, hq, sq, sk).any(-1)  # rows with a key (a row with none is the kernel's convention)
+        order = TO_BHSD[layout]
+        torch.testing.assert_close(got.double().permute(order)[seen], out.permute(order)[seen],
+                                   **(dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else
+                                      dict(atol=2e-5, rtol=2e-5)))
+
+
+def test_masked_calls_the_bound_path_does_not_take_go_through_run(basic_manager, door):
+    """Causal with a mask, return_lse with a mask: not bound (`_bind_masked` keeps no causal pattern nor LSE
+    fix-up); they run through `run` and match the full path."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = make("bshd", 2, 3, 4, 16, gen), make("bshd", 2, 7, 2, 16, gen), make("bshd", 2, 7, 2, 16, gen)
+    mask = torch.rand(2, 1, 3, 7, generator=gen) < 0.7
+    for kw in (dict(causal=True, causal_alignment="bottom_right"), dict(return_lse=True)):
+        got = door(q, k, v, attn_mask=mask, **kw)
+        assert not _bound_for(basic_manager, k.shape).size_generic
+        want = full_path(basic_manager, q, k, v, attn_mask=mask, **kw)
+        for a, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert torch.equal(a, w)
+        basic_manager.fast.clear()
+
+
+def test_the_size_generic_key_reduces_exactly_the_shapes():
+    """`size_generic_key` reads shape positions from the argument definition: every item but the shapes is kept,
+    the shapes reduced to rank and head dim (a mask's to its rank and broadcast pattern)."""
+    python_door = __import__("opdispatch._native", fromlist=["python_of"]).python_of(opdispatch.attention)
+    source = python_door.__opdispatch_source__
+    expression = "(" + source.split("key = (", 1)[1].split("\n", 1)[0]
+    q, k = torch.randn(2, 1, 8, 64), torch.randn(2, 10, 2, 64)
+    base = {**{a.name: a.default for a in _api.ATTENTION_ARGS.args}, "q": q, "k": k, "v": k}
+    for extra in ({}, dict(attn_mask=torch.ones(2, 1, 1, 10, dtype=torch.bool), causal=True),
+                  dict(window=(3, 0)), dict(sinks=torch.ones(8))):
+        key = eval(expression, python_door.__globals__, {**base, **extra})  # noqa: S307  (the door's own key)
+        reduced = _api.size_generic_key(key)
+        assert len(reduced) == len(key)
+        for item, got in zip(key, reduced):
+            if type(item) is torch.Size:
+                assert got == (len(item), item[-1])
+            elif type(item) is tuple and item and type(item[0]) is torch.Size:
+                assert got == ((len(item[0]), tuple(n == 1 for n in item[0])), *item[1:])
+            else:
+                assert got is item

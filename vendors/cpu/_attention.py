@@ -45,7 +45,13 @@ class CpuFlashAttention(AttentionImpl):
         kv_cache=True,  # a dense cache, its fill folded into the mask (kv_cache_as_mask)
     )
 
-    def bind(self, call: AttentionCall) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]:
+    binds_attn_mask: ClassVar[bool] = True  # a padded batch's decode: `_bind_masked`
+
+    def bind(self, call: AttentionCall) -> Callable[..., Any]:
+        if call.attn_mask is not None and not (call.kv_cache or call.causal or call.positional_mask
+                                               or call.attn_bias is not None or call.alibi_slopes is not None
+                                               or call.return_lse):
+            return _bind_masked(call)
         if (call.kv_cache or call.positional_mask or call.attn_mask is not None or call.attn_bias is not None
                 or call.alibi_slopes is not None):
             return super().bind(call)
@@ -107,3 +113,36 @@ class CpuFlashAttention(AttentionImpl):
             if blind.any():
                 lse = lse.masked_fill(blind.expand(lse.shape), float("-inf"))
         return out, lse
+
+
+# The additive mask `run` builds from a boolean one (`additive_bias`: 0 where True, -inf where False), as one op
+# from two 0-dim tensors of the kernel's dtype: the same values, so the same result bit for bit.
+_MASK_VALUES: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _mask_values(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    values = _MASK_VALUES.get((dtype, device))
+    if values is None:
+        values = _MASK_VALUES[dtype, device] = (torch.zeros((), dtype=dtype, device=device),
+                                                torch.full((), float("-inf"), dtype=dtype, device=device))
+    return values
+
+
+def _bind_masked(call: AttentionCall) -> Callable[..., Any]:
+    """A boolean-masked call without causal pattern, window, bias, ALiBi, KV cache or LSE (a padded batch's decode
+    and prefill, as transformers sends them): the mask folded per call as `run` folds it, then the kernel. Keeps
+    the layout, scale and dtype only — what the decision class holds — so it serves every size (`size_generic`);
+    the mask's broadcast pattern is in the class too."""
+    kernel, scale = _kernel, call.scale
+    zero, blocked = _mask_values(call.dtype, call.device)
+    where = torch.where
+    to_bhsd, from_bhsd = layout_views(call.layout)
+
+    def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Any, block_table: Any,
+               attn_mask: torch.Tensor, sinks: Any) -> torch.Tensor:
+        bias = where(attn_mask, zero, blocked)
+        if bias.dim() < 4:
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        return from_bhsd(kernel(to_bhsd(q), to_bhsd(k), to_bhsd(v), 0.0, False, attn_mask=bias, scale=scale)[0])
+
+    return size_generic(masked)
