@@ -311,3 +311,71 @@ def test_the_size_generic_key_reduces_exactly_the_shapes():
                 assert got == ((len(item[0]), tuple(n == 1 for n in item[0])), *item[1:])
             else:
                 assert got is item
+
+
+# A decode step under GQA: cpu.flash runs its query heads packed as each k/v head's queries (`_packed_kernel`) in
+# every path — bound, run() and backward() — so they agree bit for bit; the oracle checks the packing itself.
+DECODE = [
+    # layout, (batch, hq, hkv, d), lengths, options
+    ("bhsd", (1, 8, 2, 16), (9, 10, 33), {}),
+    ("bshd", (3, 8, 2, 16), (5, 6), dict(causal=True, causal_alignment="bottom_right", return_lse=True)),
+    ("sbhd", (2, 6, 3, 8), (4, 7), dict(return_lse=True)),
+    ("bhsd", (2, 8, 1, 8), (5, 12), dict(mask="heads")),  # a mask per query head: split as q is
+    ("bshd", (4, 4, 2, 8), (3, 8), dict(mask="padding")),
+    ("bhsd", (2, 4, 2, 8), (6, 7), dict(window=(2, 0), causal=True, causal_alignment="bottom_right")),  # run()
+]
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("case", range(len(DECODE)))
+def test_a_gqa_decode_step_packs_its_query_heads_alike_on_every_path(basic_manager, door, case, requires_grad):
+    layout, (b, hq, hkv, d), lengths, options = DECODE[case]
+    gen = torch.Generator().manual_seed(200 + case)
+    options = dict(options)
+    mask_kind = options.pop("mask", None)
+    for sk in lengths:
+        q = make(layout, b, 1, hq, d, gen, requires_grad)
+        k, v = make(layout, b, sk, hkv, d, gen, requires_grad), make(layout, b, sk, hkv, d, gen, requires_grad)
+        kw = dict(options, layout=layout)
+        if mask_kind:
+            mask = torch.rand(b, hq if mask_kind == "heads" else 1, 1, sk, generator=gen) < 0.6
+            mask[..., 0] = True
+            kw["attn_mask"] = mask
+        got = door(q, k, v, **kw)
+        assert _bound_for(basic_manager, k.shape).decision.chosen_id == "cpu.flash"
+        want = full_path(basic_manager, q, k, v, **kw)
+        got_t = got if isinstance(got, tuple) else (got,)
+        want_t = want if isinstance(want, tuple) else (want,)
+        for a, w in zip(got_t, want_t):
+            assert torch.equal(a, w), "the bound decode step differs from run()"
+        out, lse = oracle(layout, q.detach().double(), k.detach().double(), v.detach().double(),
+                          mask=kw.get("attn_mask"), scale=d ** -0.5, causal=kw.get("causal", False),
+                          alignment=kw.get("causal_alignment", "top_left"), window=kw.get("window"))
+        torch.testing.assert_close(got_t[0].detach().double(), out, atol=2e-5, rtol=2e-5)
+        if kw.get("return_lse"):
+            torch.testing.assert_close(got_t[1].double(), lse, atol=2e-5, rtol=2e-5)
+        if requires_grad:
+            g = torch.randn(got_t[0].shape, generator=gen)
+            grads = torch.autograd.grad(got_t[0], (q, k, v), g)
+            for a, w in zip(grads, torch.autograd.grad(want_t[0], (q, k, v), g)):
+                assert torch.equal(a, w)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_the_compiled_backward_of_a_packed_decode_step_is_autograds(layout):
+    """cpu.flash's `backward` (the compiled path's, from the saved out and LSE) of a GQA decode step: autograd's
+    gradients through run()'s packed forward, bit for bit."""
+    from opdispatch._attention import validate_attention
+    from opdispatch.vendors.cpu._attention import CpuFlashAttention
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (make(layout, 2, n, h, 16, gen, True) for n, h in ((1, 8), (9, 2), (9, 2)))
+    impl = CpuFlashAttention()
+    out, lse = impl.run(validate_attention(q, k, v, layout=layout, return_lse=True))
+    grad_out = torch.randn(out.shape, generator=gen)
+    want = torch.autograd.grad(out, (q, k, v), grad_out)
+    call = validate_attention(q.detach(), k.detach(), v.detach(), layout=layout, return_lse=True)
+    got = impl.backward(call, out.detach(), lse.detach(), grad_out)
+    assert got is not None
+    for a, w in zip(got, want):
+        assert torch.equal(a, w)
