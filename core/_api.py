@@ -149,10 +149,10 @@ _TENSOR = torch.Tensor
 _NOT_REUSED: Any = object()
 
 
-def _shape_positions(arguments: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _shape_positions(arguments: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """Where the fast-path key of `arguments`' front door (`OpArguments._key_expression`, in its order) holds a
-    tensor's shape, and where an optional tensor's or an index's (shape, ...) tuple or None: read from the
-    definition, so a size-generic key reduces those positions only instead of testing every item."""
+    tensor's shape, and where an optional tensor's or an index's (shape, ...) tuple or None, and the key's length:
+    read from the definition, so a size-generic key reduces those positions only instead of testing every item."""
     tensors: list[int] = []
     optional: list[int] = []
     at = 1  # after the op's name
@@ -162,7 +162,8 @@ def _shape_positions(arguments: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         elif kind in ("tensor?", "index"):
             optional.append(at)
         at += _KEY_ITEMS[kind]  # a kind added to the key expression and not here fails at import
-    return tuple(tensors), tuple(optional)
+    grads = 1 if tensors or optional else 0
+    return tuple(tensors), tuple(optional), at + grads + len(arguments.context)
 
 
 # How many items each argument kind puts in the key (`OpArguments._key_expression`): a value with its class, a
@@ -171,12 +172,19 @@ _KEY_ITEMS = {"tensor": 3, "strided": 4, "tensor?": 1, "index": 1, "int_tuple": 
               "bypass": 0}
 
 
-_SHAPES_AT, _OPTIONAL_SHAPES_AT = _shape_positions(ATTENTION_ARGS)
+_SHAPES_AT, _OPTIONAL_SHAPES_AT, _KEY_LENGTH = _shape_positions(ATTENTION_ARGS)
 
 
 def size_generic_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
-    """`key` (attention's fast-path key) with each shape in it reduced: a tensor's to its rank and last dim (the
-    head dim: the default scale reads it), an optional tensor's (a mask) to its rank and broadcast pattern."""
+    """`key` (a front door's fast-path key) with each shape in it reduced: a tensor's to its rank and last dim
+    (the head dim: the default scale reads it), an optional tensor's (a mask) to its rank and broadcast pattern.
+    `opdispatch.attention`'s key at the positions its definition gives; any other (compat.sdpa's) item by item."""
+    if key[0] != "attention" or len(key) != _KEY_LENGTH:
+        return tuple(
+            (len(x), x[-1]) if type(x) is _SIZE
+            else ((len(x[0]), tuple(n == 1 for n in x[0])), *x[1:]) if type(x) is tuple and x and type(x[0]) is _SIZE
+            else x
+            for x in key)
     reduced = list(key)
     for i in _SHAPES_AT:
         shape = key[i]

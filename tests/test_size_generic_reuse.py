@@ -302,15 +302,18 @@ def test_the_size_generic_key_reduces_exactly_the_shapes():
     for extra in ({}, dict(attn_mask=torch.ones(2, 1, 1, 10, dtype=torch.bool), causal=True),
                   dict(window=(3, 0)), dict(sinks=torch.ones(8))):
         key = eval(expression, python_door.__globals__, {**base, **extra})  # noqa: S307  (the door's own key)
-        reduced = _api.size_generic_key(key)
-        assert len(reduced) == len(key)
-        for item, got in zip(key, reduced):
-            if type(item) is torch.Size:
-                assert got == (len(item), item[-1])
-            elif type(item) is tuple and item and type(item[0]) is torch.Size:
-                assert got == ((len(item[0]), tuple(n == 1 for n in item[0])), *item[1:])
-            else:
-                assert got is item
+        assert len(key) == _api._KEY_LENGTH, "the positions read from ATTENTION_ARGS no longer fit its key"
+        other = ("compat.scaled_dot_product_attention", *key[1:])  # another door's key: reduced item by item
+        for given in (key, other):
+            reduced = _api.size_generic_key(given)
+            assert len(reduced) == len(given) and reduced[0] == given[0]
+            for item, got in zip(given[1:], reduced[1:]):
+                if type(item) is torch.Size:
+                    assert got == (len(item), item[-1])
+                elif type(item) is tuple and item and type(item[0]) is torch.Size:
+                    assert got == ((len(item[0]), tuple(n == 1 for n in item[0])), *item[1:])
+                else:
+                    assert got is item
 
 
 # A decode step under GQA: cpu.flash runs its query heads packed as each k/v head's queries (`_packed_kernel`) in
