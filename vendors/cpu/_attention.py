@@ -177,6 +177,21 @@ def _bind_masked(call: AttentionCall) -> Callable[..., Any]:
     zero, blocked = _mask_values(call.dtype, call.device)
     where = torch.where
     to_bhsd, from_bhsd = layout_views(call.layout)
+    if call.layout == "bhsd":  # transformers' layout
+        def masked_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Any, block_table: Any,
+                        attn_mask: torch.Tensor, sinks: Any) -> torch.Tensor:
+            bias = where(attn_mask, zero, blocked)
+            if bias.dim() < 4:
+                bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+            if q.shape[2] == 1 and q.shape[1] != k.shape[1]:  # `_flash` inlined: the same kernel calls
+                b, hq, _, d = q.shape
+                hkv = k.shape[1]
+                if bias.shape[1] != 1:
+                    bias = bias.reshape(bias.shape[0], hkv, hq // hkv, bias.shape[3])
+                out = _aten_kernel(q.reshape(b, hkv, hq // hkv, d), k, v, 0.0, False, attn_mask=bias, scale=scale)[0]
+                return out.reshape(b, hq, 1, out.shape[3])
+            return _aten_kernel(q, k, v, 0.0, False, attn_mask=bias, scale=scale)[0]
+        return size_generic(masked_bhsd)
 
     def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Any, block_table: Any,
                attn_mask: torch.Tensor, sinks: Any) -> torch.Tensor:
