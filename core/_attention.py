@@ -989,9 +989,9 @@ def additive_bias(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, *, fold
     if call.attn_mask is not None:
         allowed = call.attn_mask if allowed is None else allowed & call.attn_mask
     bias = None
-    if allowed is not None:
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=q.device)
-        bias.masked_fill_(~allowed, float("-inf"))
+    if allowed is not None:  # two kernels, not three (zeros, ~allowed, masked_fill_): a decode step's launches
+        bias = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=q.device)
+        bias.masked_fill_(allowed, 0.0)
     if call.attn_bias is not None:
         user = call.attn_bias.to(dtype)
         bias = user if bias is None else bias + user
