@@ -145,17 +145,56 @@ def _attention_slow(manager: OpManager, key: Any, *args: Any) -> Any:
 # signature hits. Dense calls only (no sinks, varlen, ALiBi or bias: those never key or keep a template).
 
 _SIZE = torch.Size
+_TENSOR = torch.Tensor
 _NOT_REUSED: Any = object()
+
+
+def _shape_positions(arguments: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Where the fast-path key of `arguments`' front door (`OpArguments._key_expression`, in its order) holds a
+    tensor's shape, and where an optional tensor's or an index's (shape, ...) tuple or None, and the key's length:
+    read from the definition, so a size-generic key reduces those positions only instead of testing every item."""
+    tensors: list[int] = []
+    optional: list[int] = []
+    at = 1  # after the op's name
+    for kind in arguments.native_kinds():
+        if kind in ("tensor", "strided"):
+            tensors.append(at)
+        elif kind in ("tensor?", "index"):
+            optional.append(at)
+        at += _KEY_ITEMS[kind]  # a kind added to the key expression and not here fails at import
+    grads = 1 if tensors or optional else 0
+    return tuple(tensors), tuple(optional), at + grads + len(arguments.context)
+
+
+# How many items each argument kind puts in the key (`OpArguments._key_expression`): a value with its class, a
+# tensor with its dtype and device (and innermost stride); bypass arguments (varlen offsets, biases) none.
+_KEY_ITEMS = {"tensor": 3, "strided": 4, "tensor?": 1, "index": 1, "int_tuple": 1, "str": 1, "value": 2,
+              "bypass": 0}
+
+
+_SHAPES_AT, _OPTIONAL_SHAPES_AT, _KEY_LENGTH = _shape_positions(ATTENTION_ARGS)
 
 
 def size_generic_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
     """`key` (a front door's fast-path key) with each shape in it reduced: a tensor's to its rank and last dim
-    (the head dim: the default scale reads it), an optional tensor's (a mask) to its rank and broadcast pattern."""
-    return tuple(
-        (len(x), x[-1]) if type(x) is _SIZE
-        else ((len(x[0]), tuple(n == 1 for n in x[0])), *x[1:]) if type(x) is tuple and x and type(x[0]) is _SIZE
-        else x
-        for x in key)
+    (the head dim: the default scale reads it), an optional tensor's (a mask) to its rank and broadcast pattern.
+    `opdispatch.attention`'s key at the positions its definition gives; any other (compat.sdpa's) item by item."""
+    if key[0] != "attention" or len(key) != _KEY_LENGTH:
+        return tuple(
+            (len(x), x[-1]) if type(x) is _SIZE
+            else ((len(x[0]), tuple(n == 1 for n in x[0])), *x[1:]) if type(x) is tuple and x and type(x[0]) is _SIZE
+            else x
+            for x in key)
+    reduced = list(key)
+    for i in _SHAPES_AT:
+        shape = key[i]
+        reduced[i] = (len(shape), shape[-1])
+    for i in _OPTIONAL_SHAPES_AT:
+        given = key[i]
+        if type(given) is tuple and type(given[0]) is _SIZE:  # else None, or an int index
+            shape = given[0]
+            reduced[i] = ((len(shape), tuple(n == 1 for n in shape)), *given[1:])
+    return tuple(reduced)
 
 
 class SizeTemplate:
@@ -190,7 +229,9 @@ def _sized_reuse(manager: OpManager, key: Any, template: SizeTemplate, impl: Any
     raise_if_capturing("attention", call)
     try:
         out = fn(*tensors)
-        _raise_for_structure("attention", decision.chosen_id, call, out)
+        if not (type(out) is _TENSOR and not call.return_lse and out.shape[:-1] == q.shape[:-1]
+                and out.shape[-1] == call.head_dim_v and out.dtype == call.dtype and out.device == call.device):
+            _raise_for_structure("attention", decision.chosen_id, call, out)  # the full check: a tuple, or wrong
     except Exception:
         # What a failure means (fail over, demote for this signature, or raise) is the reference path's to say: it
         # binds afresh and runs the call again.

@@ -283,10 +283,7 @@ class AttentionCall:
         """A copy of this call with other q/k/v of the same signature (used by bound plans) and, when given (the
         front door's `bound_optional`), this call's `seqused_k`, `block_table`, `attn_mask` and `sinks`: a KV
         cache's lengths and pages, a mask or sinks whose values change from call to call."""
-        new = AttentionCall.__new__(AttentionCall)
-        for name in _CALL_SLOTS:
-            setattr(new, name, getattr(self, name))
-        new.q, new.k, new.v = q, k, v
+        new = _copy_with_qkv(self, q, k, v)
         if cache:
             new.seqused_k, new.block_table = cache[0], cache[1]
             if len(cache) > 2:
@@ -400,6 +397,21 @@ class AttentionCall:
 
 
 _CALL_SLOTS = AttentionCall.__slots__
+
+
+def _generated_copy() -> Callable[[AttentionCall, Any, Any, Any], AttentionCall]:
+    """`with_tensors`' copy as straight-line code (as dataclasses generates its methods): one attribute store per
+    slot costs a fifth of a `setattr` loop over the slot names, and a call that misses the per-call fast path
+    (every step of a growing decode loop) copies its template once or more."""
+    lines = ["def copy_with_qkv(call, q, k, v):", "    new = _new(_AttentionCall)"]
+    lines += [f"    new.{name} = call.{name}" for name in _CALL_SLOTS if name not in ("q", "k", "v")]
+    lines += ["    new.q = q", "    new.k = k", "    new.v = v", "    return new"]
+    namespace: dict[str, Any] = {"_new": AttentionCall.__new__, "_AttentionCall": AttentionCall}
+    exec("\n".join(lines), namespace)  # noqa: S102  (source built above from the class's own slot names)
+    return namespace["copy_with_qkv"]  # type: ignore[no-any-return]
+
+
+_copy_with_qkv = _generated_copy()
 
 
 # -- validation ----------------------------------------------------------------------------------------------
@@ -1083,9 +1095,9 @@ def additive_bias(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, *, fold
     if call.attn_mask is not None:
         allowed = call.attn_mask if allowed is None else allowed & call.attn_mask
     bias = None
-    if allowed is not None:
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=q.device)
-        bias.masked_fill_(~allowed, float("-inf"))
+    if allowed is not None:  # two kernels, not three (zeros, ~allowed, masked_fill_): a decode step's launches
+        bias = torch.full(allowed.shape, float("-inf"), dtype=dtype, device=q.device)
+        bias.masked_fill_(allowed, 0.0)
     if call.attn_bias is not None:
         user = call.attn_bias.to(dtype)
         bias = user if bias is None else bias + user
@@ -1264,6 +1276,11 @@ class AttentionImpl(Impl):
 
     op: ClassVar[str] = "attention"
     caps: ClassVar[AttentionCaps]
+    # Whether an overridden `bind` binds masked calls too: it is then also given them, and its function takes a
+    # call's tensors as the front door passes them, ``fn(q, k, v, seqused_k, block_table, attn_mask, sinks)``
+    # (the mask's values change from call to call; sinks are None there). False: masked calls take the default
+    # `bind` (through `run`), as overrides written for (q, k, v) expect.
+    binds_attn_mask: ClassVar[bool] = False
 
     def check_declaration(self) -> list[str]:
         problems = super().check_declaration()
@@ -1348,7 +1365,7 @@ class AttentionImpl(Impl):
         # slot (None there: validation refuses masks with a KV cache).
         if type(self).bind is AttentionImpl.bind:
             return self.bind(call)
-        if call.attn_mask is not None:
+        if call.attn_mask is not None and not self.binds_attn_mask:
             return AttentionImpl.bind(self, call)
         fn = self.bind(call)
         if not call.kv_cache:

@@ -227,3 +227,158 @@ def test_calls_with_sinks_never_reuse_a_template(basic_manager, door):
         k, v = make("bshd", 1, length, 2, 16, gen), make("bshd", 1, length, 2, 16, gen)
         door(q, k, v, sinks=sinks)
     assert not basic_manager.size_generic
+
+
+# A padded batch's decode and prefill as transformers sends them: a boolean mask every call (its values change),
+# no causal flag. cpu.flash binds it (`_bind_masked`, size-generic): each call must be the full path's `run` bit for
+# bit — fp32 and bf16, every layout, the mask broadcast 2-D to 4-D, with rows that see no key — and the oracle's.
+MASKED = [
+    # layout, dtype, (batch, sq, hq, hkv, d), mask shape as (batch?, heads?, queries?) dims kept, lengths
+    ("bhsd", torch.float32, (4, 1, 8, 2, 16), "b11k", (9, 10, 17)),
+    ("bhsd", torch.bfloat16, (3, 1, 4, 4, 32), "b11k", (5, 6, 40)),
+    ("bshd", torch.float32, (2, 5, 4, 2, 8), "b1qk", (5, 7, 12)),  # a prefill: every row its own pattern
+    ("sbhd", torch.float32, (2, 3, 6, 3, 8), "bhqk", (4, 9)),
+    ("bhsd", torch.float32, (3, 2, 4, 1, 8), "qk", (6, 11)),  # 2-D: broadcast over batch and heads
+    ("bshd", torch.bfloat16, (2, 4, 4, 2, 16), "1qk", (4, 8)),  # 3-D
+]
+
+
+def _masked_shape(kind, b, hq, sq, sk):
+    dims = {"b11k": (b, 1, 1, sk), "b1qk": (b, 1, sq, sk), "bhqk": (b, hq, sq, sk), "qk": (sq, sk),
+            "1qk": (1, sq, sk)}
+    return dims[kind]
+
+
+@pytest.mark.parametrize("case", range(len(MASKED)))
+def test_a_boolean_mask_binds_on_cpu_flash_and_matches_run_bit_for_bit(basic_manager, door, validations, case):
+    layout, dtype, (b, sq, hq, hkv, d), kind, lengths = MASKED[case]
+    gen = torch.Generator().manual_seed(100 + case)
+    for i, sk in enumerate(lengths):
+        q, k, v = (make(layout, b, n, h, d, gen).to(dtype) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+        mask = torch.rand(*_masked_shape(kind, b, hq, sq, sk), generator=gen) < 0.6
+        mask[..., 0] = True
+        if mask.dim() >= 2 and mask.shape[-2] > 1:
+            mask[..., 1, :] = False  # a row that sees no key: the kernel's output for it, as run() gives it
+        before = len(validations)
+        got = door(q, k, v, layout=layout, attn_mask=mask)
+        assert door(q, k, v, layout=layout, attn_mask=mask).equal(got)  # the exact signature's hit
+        if i > 0:
+            assert len(validations) == before, "a masked call differing only in sizes was validated in full"
+        fn = _bound_for(basic_manager, k.shape)
+        assert fn.decision.chosen_id == "cpu.flash" and fn.size_generic, "the mask took the run() path"
+        want = full_path(basic_manager, q, k, v, layout=layout, attn_mask=mask)
+        assert torch.equal(got, want), "the bound masked call differs from run()"
+        out, _ = oracle(layout, q.double(), k.double(), v.double(), mask=mask, scale=d ** -0.5)
+        seen = mask.expand(b, hq, sq, sk).any(-1)  # rows with a key (a row with none is the kernel's convention)
+        order = TO_BHSD[layout]
+        torch.testing.assert_close(got.double().permute(order)[seen], out.permute(order)[seen],
+                                   **(dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else
+                                      dict(atol=2e-5, rtol=2e-5)))
+
+
+def test_masked_calls_the_bound_path_does_not_take_go_through_run(basic_manager, door):
+    """Causal with a mask, return_lse with a mask: not bound (`_bind_masked` keeps no causal pattern nor LSE
+    fix-up); they run through `run` and match the full path."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = make("bshd", 2, 3, 4, 16, gen), make("bshd", 2, 7, 2, 16, gen), make("bshd", 2, 7, 2, 16, gen)
+    mask = torch.rand(2, 1, 3, 7, generator=gen) < 0.7
+    for kw in (dict(causal=True, causal_alignment="bottom_right"), dict(return_lse=True)):
+        got = door(q, k, v, attn_mask=mask, **kw)
+        assert not _bound_for(basic_manager, k.shape).size_generic
+        want = full_path(basic_manager, q, k, v, attn_mask=mask, **kw)
+        for a, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            assert torch.equal(a, w)
+        basic_manager.fast.clear()
+
+
+def test_the_size_generic_key_reduces_exactly_the_shapes():
+    """`size_generic_key` reads shape positions from the argument definition: every item but the shapes is kept,
+    the shapes reduced to rank and head dim (a mask's to its rank and broadcast pattern)."""
+    python_door = __import__("opdispatch._native", fromlist=["python_of"]).python_of(opdispatch.attention)
+    source = python_door.__opdispatch_source__
+    expression = "(" + source.split("key = (", 1)[1].split("\n", 1)[0]
+    q, k = torch.randn(2, 1, 8, 64), torch.randn(2, 10, 2, 64)
+    base = {**{a.name: a.default for a in _api.ATTENTION_ARGS.args}, "q": q, "k": k, "v": k}
+    for extra in ({}, dict(attn_mask=torch.ones(2, 1, 1, 10, dtype=torch.bool), causal=True),
+                  dict(window=(3, 0)), dict(sinks=torch.ones(8))):
+        key = eval(expression, python_door.__globals__, {**base, **extra})  # noqa: S307  (the door's own key)
+        assert len(key) == _api._KEY_LENGTH, "the positions read from ATTENTION_ARGS no longer fit its key"
+        other = ("compat.scaled_dot_product_attention", *key[1:])  # another door's key: reduced item by item
+        for given in (key, other):
+            reduced = _api.size_generic_key(given)
+            assert len(reduced) == len(given) and reduced[0] == given[0]
+            for item, got in zip(given[1:], reduced[1:]):
+                if type(item) is torch.Size:
+                    assert got == (len(item), item[-1])
+                elif type(item) is tuple and item and type(item[0]) is torch.Size:
+                    assert got == ((len(item[0]), tuple(n == 1 for n in item[0])), *item[1:])
+                else:
+                    assert got is item
+
+
+# A decode step under GQA: cpu.flash runs its query heads packed as each k/v head's queries (`_packed_kernel`) in
+# every path — bound, run() and backward() — so they agree bit for bit; the oracle checks the packing itself.
+DECODE = [
+    # layout, (batch, hq, hkv, d), lengths, options
+    ("bhsd", (1, 8, 2, 16), (9, 10, 33), {}),
+    ("bshd", (3, 8, 2, 16), (5, 6), dict(causal=True, causal_alignment="bottom_right", return_lse=True)),
+    ("sbhd", (2, 6, 3, 8), (4, 7), dict(return_lse=True)),
+    ("bhsd", (2, 8, 1, 8), (5, 12), dict(mask="heads")),  # a mask per query head: split as q is
+    ("bshd", (4, 4, 2, 8), (3, 8), dict(mask="padding")),
+    ("bhsd", (2, 4, 2, 8), (6, 7), dict(window=(2, 0), causal=True, causal_alignment="bottom_right")),  # run()
+]
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("case", range(len(DECODE)))
+def test_a_gqa_decode_step_packs_its_query_heads_alike_on_every_path(basic_manager, door, case, requires_grad):
+    layout, (b, hq, hkv, d), lengths, options = DECODE[case]
+    gen = torch.Generator().manual_seed(200 + case)
+    options = dict(options)
+    mask_kind = options.pop("mask", None)
+    for sk in lengths:
+        q = make(layout, b, 1, hq, d, gen, requires_grad)
+        k, v = make(layout, b, sk, hkv, d, gen, requires_grad), make(layout, b, sk, hkv, d, gen, requires_grad)
+        kw = dict(options, layout=layout)
+        if mask_kind:
+            mask = torch.rand(b, hq if mask_kind == "heads" else 1, 1, sk, generator=gen) < 0.6
+            mask[..., 0] = True
+            kw["attn_mask"] = mask
+        got = door(q, k, v, **kw)
+        assert _bound_for(basic_manager, k.shape).decision.chosen_id == "cpu.flash"
+        want = full_path(basic_manager, q, k, v, **kw)
+        got_t = got if isinstance(got, tuple) else (got,)
+        want_t = want if isinstance(want, tuple) else (want,)
+        for a, w in zip(got_t, want_t):
+            assert torch.equal(a, w), "the bound decode step differs from run()"
+        out, lse = oracle(layout, q.detach().double(), k.detach().double(), v.detach().double(),
+                          mask=kw.get("attn_mask"), scale=d ** -0.5, causal=kw.get("causal", False),
+                          alignment=kw.get("causal_alignment", "top_left"), window=kw.get("window"))
+        torch.testing.assert_close(got_t[0].detach().double(), out, atol=2e-5, rtol=2e-5)
+        if kw.get("return_lse"):
+            torch.testing.assert_close(got_t[1].double(), lse, atol=2e-5, rtol=2e-5)
+        if requires_grad:
+            g = torch.randn(got_t[0].shape, generator=gen)
+            grads = torch.autograd.grad(got_t[0], (q, k, v), g)
+            for a, w in zip(grads, torch.autograd.grad(want_t[0], (q, k, v), g)):
+                assert torch.equal(a, w)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_the_compiled_backward_of_a_packed_decode_step_is_autograds(layout):
+    """cpu.flash's `backward` (the compiled path's, from the saved out and LSE) of a GQA decode step: autograd's
+    gradients through run()'s packed forward, bit for bit."""
+    from opdispatch._attention import validate_attention
+    from opdispatch.vendors.cpu._attention import CpuFlashAttention
+
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (make(layout, 2, n, h, 16, gen, True) for n, h in ((1, 8), (9, 2), (9, 2)))
+    impl = CpuFlashAttention()
+    out, lse = impl.run(validate_attention(q, k, v, layout=layout, return_lse=True))
+    grad_out = torch.randn(out.shape, generator=gen)
+    want = torch.autograd.grad(out, (q, k, v), grad_out)
+    call = validate_attention(q.detach(), k.detach(), v.detach(), layout=layout, return_lse=True)
+    got = impl.backward(call, out.detach(), lse.detach(), grad_out)
+    assert got is not None
+    for a, w in zip(got, want):
+        assert torch.equal(a, w)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .._api import attention
-from ..policies._overrides import scope
+from ..policies._overrides import MODULE, scope
 
 __all__ = ["NAME", "attention_forward", "name_modules", "register"]
 
@@ -140,6 +140,16 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         bias, mask, causal = _fold_position_bias(position_bias, mask, bias, causal, query, key)
     if sinks is not None:
         sinks = sinks.float()  # one logit per head, in the model's dtype: the op takes float32 (grad flows)
+    if name and type(name) is str and not varlen and not torch.compiler.is_compiling():
+        # `scope(name)` without its generator frames (a decode step's host cost is what this path is about)
+        token = MODULE.set(name)
+        try:
+            out = attention(query, key, value, layout="bhsd", causal=causal, scale=scaling, dropout_p=dropout,
+                            softcap=softcap or 0.0, attn_mask=mask, attn_bias=bias, sinks=sinks,
+                            deterministic=deterministic)
+        finally:
+            MODULE.reset(token)
+        return out.transpose(1, 2).contiguous(), None
     scoped = scope(name) if name is not None else contextlib.nullcontext()
     if varlen and attention_mask is None:
         with scoped:
