@@ -74,6 +74,7 @@ from torch import Tensor
 
 from ._attention import LAYOUT_DIMS
 from ._compile_ops import constant_result
+from ._profiling import profiling, range_name
 from .policies._overrides import MODULE, OVERRIDES
 
 __all__ = ["attention_for_compile", "compiled_attention", "decide_for_compile", "fake_outputs",
@@ -483,7 +484,17 @@ def compiled_attention(*args: Any) -> tuple[Tensor, Tensor]:
     call = _rebuild_call(a, return_lse=with_lse)
     impl_id = _runtime_choice(a["token"], a["impl_id"], call)
     impl = _impl(impl_id)
-    return _split(impl.run(impl.conform(call)), a["q"], a["v"], a["layout"], with_lse)
+    with _range(impl_id, call):
+        return _split(impl.run(impl.conform(call)), a["q"], a["v"], a["layout"], with_lse)
+
+
+def _range(impl_id: str, call: Any, part: str = "") -> Any:
+    """The profiler range of the op's kernel under torch.compile, named as in eager mode
+    (`opdispatch.attention[<implementation>]`, `part` added for the backward): the compiled graph calls this op,
+    whose name alone does not say which implementation ran. Nothing while no profiler records."""
+    if not profiling():
+        return contextlib.nullcontext()
+    return torch.autograd.profiler.record_function(range_name(_OP, impl_id) + part, call.describe())
 
 
 @compiled_attention.register_fake
@@ -537,7 +548,9 @@ def _attention_backward(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     impl_id = _LAST_CHOICE.get(a["token"], a["impl_id"])
     if a["save_lse"] and not bias_grad:
         impl = _impl(impl_id)
-        grads = impl.backward(impl.conform(_rebuild_call(a, return_lse=True)), out, lse, grad_out)
+        saved = _rebuild_call(a, return_lse=True)
+        with _range(impl_id, saved, ".backward"):
+            grads = impl.backward(impl.conform(saved), out, lse, grad_out)
         if grads is not None:
             _check_grads(impl_id, grads, (q, k, v))
             return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), q.new_empty((0,))
@@ -549,25 +562,32 @@ def _attention_backward(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
             leaves["attn_bias"] = attn_bias.detach().requires_grad_()
         impl = _impl(impl_id)
         call = _rebuild_call(a, return_lse=return_lse, **leaves)
-        result = impl.run(impl.conform(call))
-        outputs = [result[0] if return_lse else result]
-        grad_outputs = [grad_out]
-        if return_lse and grad_lse is not None and grad_lse.numel():
-            lse = result[1]
-            if not getattr(impl.caps, "lse_grad", False) and call.softcap == 0 and not bias_grad:
-                # A kernel's side output (it may require grad and still give none, as in eager mode): the LSE's
-                # exact gradient, as OpSpec.result_fix gives it eagerly.
-                from ._sinks import exact_lse
-
-                lse = exact_lse(impl, call, lse, replace=True)
-            if lse.requires_grad:
-                outputs.append(lse)
-                grad_outputs.append(grad_lse.to(lse.dtype))
-        found = torch.autograd.grad(outputs, list(leaves.values()), grad_outputs, allow_unused=True)
+        with _range(impl_id, call, ".backward"):  # the recomputed forward and its gradient
+            found = _recomputed_grads(impl, call, leaves, grad_out, grad_lse, return_lse, bias_grad)
     grads_in = [torch.zeros_like(x) if g is None else g.contiguous() for g, x in zip(found, leaves.values())]
     if len(grads_in) == 3:
         grads_in.append(q.new_empty((0,)))
     return grads_in[0], grads_in[1], grads_in[2], grads_in[3]
+
+
+def _recomputed_grads(impl: Any, call: Any, leaves: dict[str, Tensor], grad_out: Tensor, grad_lse: Any,
+                      return_lse: bool, bias_grad: bool) -> Any:
+    """The backward by recomputing `call`'s forward under autograd (autograd re-enabled by the caller)."""
+    result = impl.run(impl.conform(call))
+    outputs = [result[0] if return_lse else result]
+    grad_outputs = [grad_out]
+    if return_lse and grad_lse is not None and grad_lse.numel():
+        lse = result[1]
+        if not getattr(impl.caps, "lse_grad", False) and call.softcap == 0 and not bias_grad:
+            # A kernel's side output (it may require grad and still give none, as in eager mode): the LSE's
+            # exact gradient, as OpSpec.result_fix gives it eagerly.
+            from ._sinks import exact_lse
+
+            lse = exact_lse(impl, call, lse, replace=True)
+        if lse.requires_grad:
+            outputs.append(lse)
+            grad_outputs.append(grad_lse.to(lse.dtype))
+    return torch.autograd.grad(outputs, list(leaves.values()), grad_outputs, allow_unused=True)
 
 
 @_attention_backward.register_fake

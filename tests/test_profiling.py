@@ -58,3 +58,21 @@ def test_outside_a_profiler_the_bound_function_carries_no_range(basic_manager):
     without = [fn for fn in basic_manager.fast.values() if getattr(fn, "__name__", "") != "in_range"]
     assert len(with_range) == 1 and len(without) == 1  # one entry per profiling state: the keys differ
     assert opdispatch.attention(q, k, v, causal=True) is not None
+
+
+def test_under_torch_compile_the_custom_op_names_its_implementation(basic_manager):
+    """The compiled graph calls opdispatch::attention, whose name alone does not say which kernel ran: its forward
+    and backward are ranges named as in eager mode (the backward with `.backward`)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 6, 2, 8, generator=gen, requires_grad=True) for _ in range(3))
+
+    def step(q, k, v):
+        return opdispatch.attention(q, k, v, causal=True).sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(q, k, v).backward()  # compiled outside the profiler
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled(q, k, v).backward()
+    names = _names(prof)
+    assert names.count("opdispatch.attention[cpu.flash]") == 1, names
+    assert names.count("opdispatch.attention[cpu.flash].backward") == 1, names
