@@ -11,6 +11,9 @@
 #   door     the same kernel through torch's SDPA, the aten op, plan() and attention() (door_vs_kernel.py)
 #   flagos   a growing decode pinned to flagos.triton (benchmarks/flagos_growing_decode.py)
 #   fp8      FP8 (e4m3, nvidia.cudnn_frontend; carry nvidia-cudnn-frontend in .whl) vs the best bf16 kernel
+#   te       TransformerEngine-style calls through compat.te: the kernel each lands on, the module's cost
+#            (benchmarks/te_module.py; issue 33)
+#   masked   a padded batch's decode with a boolean mask vs torch's SDPA (benchmarks/masked_decode.py; issue 31)
 #   determinism  the GPU tests of deterministic backwards under torch's flag (tests/gpu/test_issue10_gpu.py)
 # BENCH_COMMIT names the commit the copy was made from (the machine's .git may be stale).
 set -u
@@ -53,6 +56,12 @@ for part in $parts; do
       timeout 300 python3 "$repo/benchmarks/fp8_attention.py" --out "$out/fp8_attention-h100.json" \
         > "$out/fp8_attention-h100.log" 2>&1
       echo "fp8_attention exit $?"; tail -25 "$out/fp8_attention-h100.log" ;;
-    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8)"; exit 2 ;;
+    te)
+      timeout 300 python3 "$repo/benchmarks/te_module.py" --out "$out/te_module-h100.json" > "$out/te_module-h100.log" 2>&1
+      echo "te_module exit $?"; cat "$out/te_module-h100.md" ;;
+    masked)
+      timeout 150 python3 "$repo/benchmarks/masked_decode.py" --batch 32 > "$out/masked_decode-h100.txt" 2>&1
+      echo "masked_decode exit $?"; tail -12 "$out/masked_decode-h100.txt" ;;
+    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked)"; exit 2 ;;
   esac
 done
