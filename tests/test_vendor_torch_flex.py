@@ -579,3 +579,27 @@ def test_flex_needs_torch_2_5_and_a_triton_backend(manager, tmp_path):
         reason = _flex_candidate(decision).reasons[0]
         assert f"refuses '{type_}' tensors" in reason and "_validate_device" in reason and vendor_word in reason
         assert decision.chosen_id != "torch.flex"
+
+
+@pytest.mark.slow
+def test_a_sweep_of_new_lengths_compiles_a_bounded_number_of_graphs(manager, tmp_path, monkeypatch, gen):
+    """Compiled flex (on the CPU here: the same dynamo and inductor path) over eight new sequence lengths: the
+    first length compiles static, the second goes dynamic over lengths, and the rest reuse those graphs — at most
+    one more where the block count crosses a tile (at 128 tokens). Each result matches the float64 oracle."""
+    from opdispatch.vendors.torch_flex import _attention as flex_module
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
+                      "      torch.flex: {cpu: true}\n")
+    monkeypatch.setenv("OPDISPATCH_POLICY", str(policy))
+    opdispatch.get_manager().reload()
+    torch._dynamo.reset()
+    graphs = []
+    for length in (64, 80, 96, 112, 128, 160, 200, 256):
+        q, k, v = make_dense("bshd", 1, length, length, 4, 2, 16, 16, gen=gen)
+        out = opdispatch.attention(q, k, v, causal=True, softcap=30.0, impl="torch.flex")
+        want, _ = oracle(*(t.transpose(1, 2).double() for t in (q, k, v)), scale=0.25, causal=True, softcap=30.0)
+        assert_close(out.transpose(1, 2), want, torch.float32, f"length {length}")
+        graphs.append(flex_module._graphs_compiled())
+    assert graphs[-1] <= 3, f"graphs held after each new length: {graphs}"
+    assert graphs[2:5] == [graphs[1]] * 3, f"lengths after the second compiled again: {graphs}"
