@@ -14,6 +14,7 @@ device synchronised at the ends of a round: on a GPU machine with a small cache 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -23,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,34 @@ def measure(variants: dict[str, Callable[[float], int]], device: torch.device, r
     return samples, ran
 
 
+@contextlib.contextmanager
+def _path_counts() -> Iterator[dict[str, int]]:
+    """Counts, while open, of the slow path's branches a call takes once the exact-signature fast path missed:
+    full validations, size-generic template hits (`_sized_reuse`), and binds (`_run_and_remember`: every full
+    path and every template hit whose function could not be reused). A diagnosis of a first pass's cost."""
+    from opdispatch import _api
+
+    counts = {"full validations": 0, "template hits": 0, "binds": 0}
+    originals = {name: getattr(_api, name) for name in ("validate_attention", "_sized_reuse", "_run_and_remember")}
+    labels = {"validate_attention": "full validations", "_sized_reuse": "template hits", "_run_and_remember": "binds"}
+
+    def counting(name: str) -> Callable[..., Any]:
+        original = originals[name]
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            counts[labels[name]] += 1
+            return original(*a, **kw)
+        return counted
+
+    for name in originals:
+        setattr(_api, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(_api, name, original)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     manager = opdispatch.get_manager()
@@ -181,7 +210,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log.setLevel(logging.INFO)
     opdispatch.get_manager().clear_cache()  # the counted loop starts with no decision cached
     made = manager.decisions_made
-    variants["growing, attention(causal bottom-right)"](math.inf)
+    with _path_counts() as paths:  # which path each new length took in this first pass
+        variants["growing, attention(causal bottom-right)"](math.inf)
     decisions, lines = manager.decisions_made - made, counter.lines
     log.removeHandler(counter)
     log.setLevel(previous)
@@ -194,7 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "per_call_us": medians, "samples_us": samples, "steps_run": ran, "first_pass_us_steps": first_pass,
         "growing_over_repeated": growing / repeated,
         "overhead_over_floor_us": growing - medians["growing, kernels bound before the loop (floor)"],
-        "decisions_in_loop": decisions, "info_log_lines_in_loop": lines,
+        "decisions_in_loop": decisions, "info_log_lines_in_loop": lines, "first_pass_paths": paths,
     }
 
 
@@ -221,7 +251,9 @@ def markdown(result: dict[str, Any]) -> str:
               f"- growing / repeated signature: **{result['growing_over_repeated']:.2f}x** (target <= 1.5x)",
               f"- growing, over the floor (kernels bound before the loop): {result['overhead_over_floor_us']:+.1f} µs",
               f"- decisions made in the {args['steps']}-step loop: **{result['decisions_in_loop']}**; INFO log "
-              f"lines: {result['info_log_lines_in_loop']}"]
+              f"lines: {result['info_log_lines_in_loop']}",
+              "- that loop's first pass, by path (opdispatch._api): " + ", ".join(
+                  f"{k} {v}" for k, v in result.get("first_pass_paths", {}).items())]
     return "\n".join(lines) + "\n"
 
 
