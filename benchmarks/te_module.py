@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                 row["pick"], row["decided_by"] = decision.chosen_id, str(decision.decided_by)
                 with torch.no_grad():
                     row["max_abs_diff_module_vs_op"] = (via_module().float() - via_op().float()).abs().max().item()
+                if not row["max_abs_diff_module_vs_op"] <= (1e-4 if dtype == torch.float32 else 2e-2):
+                    raise AssertionError(f"the module and opdispatch.attention disagree by "
+                                         f"{row['max_abs_diff_module_vs_op']:.3g} on the same call")
                 fns: dict[str, Callable[[], Any]] = {"module": via_module, "opdispatch.attention": via_op}
                 if grad:
                     fns = {n: (lambda fn=fn: fn().float().sum().backward()) for n, fn in fns.items()}

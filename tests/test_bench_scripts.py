@@ -169,3 +169,15 @@ def test_context_parallel_agreement_benchmark_smoke(tmp_path):
     assert "| 64 | forward |" in text and "| 64 | forward+backward |" in text
     assert "the same AgreementError on every rank: yes" in text
     assert "  q.shape: (1, 32, 4, 16) on rank 0; (1, 16, 4, 16) on rank 1" in text
+
+
+@pytest.mark.slow
+def test_te_module_lands_every_te_call_and_matches_the_direct_op(basic_manager, tmp_path):
+    """benchmarks/te_module.py --tiny: every TE layout x mask type cell runs through compat.te's module and through
+    opdispatch.attention on the same call, with equal outputs (the script fails a cell otherwise) and a named
+    implementation and reason for each."""
+    out = tmp_path / "te.json"
+    assert load("te_module").main(["--tiny", "--reps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 12 and not any("failed" in r for r in rows)
+    assert all(r["pick"] and r["decided_by"] and r["max_abs_diff_module_vs_op"] <= 1e-4 for r in rows)
