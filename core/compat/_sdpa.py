@@ -34,7 +34,6 @@ import torch
 import torch.jit._builtins
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import has_static_value, statically_known_true
 from torch.nn.attention import SDPBackend
 
 from .. import _api, _native
@@ -124,7 +123,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn
         return _general(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and _dense(query) and _dense(key) and _dense(value)
             and ks[0] == qs[0] == vs[0] and ks[1] == vs[1]
-            and has_static_value(qs[1])  # symbolic heads (export): the general path folds them into the batch
+            and _static_size(qs[1])  # symbolic heads (export): the general path folds them into the batch
             and 0 not in qs and 0 not in ks and 0 not in vs  # empty inputs: the general path gives torch's result
             and (ks[1] == qs[1] or ((enable_gqa or ks[1] == 1) and qs[1] % ks[1] == 0))
             and (scale is None or 0 < scale <= _MAX_SCALE)
@@ -379,9 +378,22 @@ def _symbolic_same(heads_q: Any, heads_kv: Any) -> bool:
     """Whether the head count is a symbolic size known to be the same for q and k/v without adding a guard: an
     export with dynamic heads. (Dynamo sees a symbolic size as an int to ``isinstance``; `has_static_value` and
     `statically_known_true` are what it traces without guarding.)"""
-    if has_static_value(heads_q):
+    if _static_size(heads_q):
         return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     return bool(statically_known_true(heads_q == heads_kv))
+
+
+def _static_size(n: Any) -> bool:
+    """Whether a size is a plain number, not a symbol of an export or a compile with dynamic shapes. Under Dynamo
+    a symbolic size reads as an int to `type`/`isinstance`; `has_static_value` is what it traces without a guard
+    (imported here, not at module import: it costs ~0.3 s and eager calls never need it)."""
+    if type(n) is int and not _is_compiling():
+        return True
+    from torch.fx.experimental.symbolic_shapes import has_static_value
+
+    return bool(has_static_value(n))
 
 
 def _failed_hit(manager: Any, fast_key: Any, fn: Any, exc: Exception, query: Tensor, key: Tensor, value: Tensor,
