@@ -192,10 +192,9 @@ def _graphs_compiled() -> int:
 
 @contextlib.contextmanager
 def _config_scope(module: Any, settings: dict[str, Any]) -> Iterator[None]:
-    """torch config `settings` for the scope, restored after it: what ``module.patch`` does, without its cost — it
-    defines a class per use, and every attention call enters two such scopes (~0.1 ms of host time per call on
-    the H100's host, measured as torch.flex's per-call gap in benchmarks/results/side_by_side-h100.md). Only
-    settings that differ are written."""
+    """torch config `settings` for the scope, restored after it: what ``module.patch`` does, without its cost (it
+    defines a class per use; two such scopes on every call were most of torch.flex's host time beyond torch's
+    own compiled flex, benchmarks/results/flex_variants-h100.md). Only settings that differ are written."""
     changed = [(name, getattr(module, name)) for name, value in settings.items() if getattr(module, name) != value]
     for name, _ in changed:
         setattr(module, name, settings[name])
