@@ -16,6 +16,15 @@ from tests.fakes import install
 TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
+def unbound_from_device(adapter: type, name: str) -> Any:
+    """The adapter itself as vendor 'test' named `name`, unbound from its hardware (no device type, vendor, arch
+    or capability, no library requirement) so its fake runs it on CPU; device checks are the simulated tests'."""
+    return type(f"Cpu_{name}", (adapter,), dict(
+        vendor="test", name=name, device_types=frozenset(), device_vendors=frozenset(), archs=frozenset(),
+        min_capability=None, max_capability=None, requires=(),
+        __doc__=f"{adapter.__name__} unbound from its hardware (tests/_adapters_on_cpu.py)."))()
+
+
 def run_on_cpu(monkeypatch: Any, manager: Any, tmp_path: Path, modules: dict[str, Any], impl: Any) -> Any:
     """Install the fake `modules`, register `impl` (a CPU-bound subclass of the adapter, vendor 'test') and put
     it first in the attention order."""

@@ -5,7 +5,6 @@ results against a float64 oracle; FP8 with its output scaled and dequantized; se
 from __future__ import annotations
 
 import math
-from typing import ClassVar
 
 import pytest
 import torch
@@ -13,27 +12,18 @@ import torch
 import opdispatch
 from opdispatch.vendors.nvidia import CudnnFrontendAttention
 
-from tests._adapters_on_cpu import device_with_library, meta_qkv, run_on_cpu
+from tests._adapters_on_cpu import unbound_from_device, device_with_library, meta_qkv, run_on_cpu
 from tests.conftest import device_descriptor
 from tests.fakes import cudnn_frontend as fake
 
 
-class CpuCudnnFrontend(CudnnFrontendAttention):
-    """The adapter itself, unbound from CUDA so the fake runs it on CPU (device checks are the simulated tests')."""
-
-    vendor: ClassVar[str] = "test"
-    name: ClassVar[str] = "cudnn_fe"
-    device_types: ClassVar[frozenset[str]] = frozenset()
-    device_vendors: ClassVar[frozenset[str]] = frozenset()
-    min_capability: ClassVar[tuple[int, int] | None] = None
-    requires = ()
 
 
 @pytest.fixture
 def fe(monkeypatch, basic_manager, tmp_path):
     fake.graphs.clear()
     fake.executions.clear()
-    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake.fake_modules(), CpuCudnnFrontend())
+    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake.fake_modules(), unbound_from_device(CudnnFrontendAttention, "cudnn_fe"))
 
 
 def _oracle(q, k, v, scale, causal, window, bottom_right):

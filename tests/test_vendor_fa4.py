@@ -5,7 +5,6 @@ checked against the float64 oracle of tests/test_attention_sinks.py, forward and
 from __future__ import annotations
 
 import math
-from typing import ClassVar
 
 import pytest
 import torch
@@ -15,25 +14,15 @@ from opdispatch.vendors.nvidia import FlashAttn4
 
 from tests.conftest import device_descriptor
 from tests.fakes import flash_attn_cute as fake_fa4
-from tests._adapters_on_cpu import TOL, device_with_library, meta_qkv, run_on_cpu
+from tests._adapters_on_cpu import unbound_from_device, TOL, device_with_library, meta_qkv, run_on_cpu
 from tests.test_attention_sinks import oracle
 
-class CpuFlashAttn4(FlashAttn4):
-    """The adapter itself, unbound from CUDA so the fake runs it on CPU (device checks are the simulated tests')."""
-
-    vendor: ClassVar[str] = "test"
-    name: ClassVar[str] = "fa4"
-    device_types: ClassVar[frozenset[str]] = frozenset()
-    device_vendors: ClassVar[frozenset[str]] = frozenset()
-    min_capability: ClassVar[tuple[int, int] | None] = None
-    max_capability: ClassVar[tuple[int, int] | None] = None
-    requires = ()
 
 
 @pytest.fixture
 def fa4(monkeypatch, basic_manager, tmp_path):
     fake_fa4.calls.clear()
-    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake_fa4.fake_modules(), CpuFlashAttn4())
+    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake_fa4.fake_modules(), unbound_from_device(FlashAttn4, "fa4"))
 
 
 def test_selected_on_an_h100_that_has_it_and_explained_otherwise(manager, tmp_path):

@@ -6,7 +6,6 @@ tests/test_attention_sinks.py."""
 
 from __future__ import annotations
 
-from typing import ClassVar
 
 import pytest
 import torch
@@ -18,24 +17,15 @@ from opdispatch.vendors.rocm import RocmAiter
 from tests.conftest import device_descriptor
 from tests.fakes import aiter as fake_aiter
 from tests.fakes import install
-from tests._adapters_on_cpu import TOL, run_on_cpu
+from tests._adapters_on_cpu import unbound_from_device, TOL, run_on_cpu
 from tests.test_attention_sinks import oracle
 
-class CpuAiter(RocmAiter):
-    """The adapter itself, unbound from ROCm so the fake runs it on CPU (device checks are the simulated tests')."""
-
-    vendor: ClassVar[str] = "test"
-    name: ClassVar[str] = "aiter"
-    device_types: ClassVar[frozenset[str]] = frozenset()
-    device_vendors: ClassVar[frozenset[str]] = frozenset()
-    archs: ClassVar[frozenset[str]] = frozenset()
-    requires = ()
 
 
 @pytest.fixture
 def aiter(monkeypatch, basic_manager, tmp_path):
     calls: list = []
-    run_on_cpu(monkeypatch, basic_manager, tmp_path, {"aiter": fake_aiter.make(calls)}, CpuAiter())
+    run_on_cpu(monkeypatch, basic_manager, tmp_path, {"aiter": fake_aiter.make(calls)}, unbound_from_device(RocmAiter, "aiter"))
     return calls
 
 

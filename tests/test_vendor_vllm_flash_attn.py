@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import ClassVar
 
 import pytest
 import torch
@@ -16,26 +15,16 @@ import opdispatch
 from opdispatch.vendors.nvidia import VllmFlashAttn
 
 from tests.conftest import device_descriptor
-from tests._adapters_on_cpu import TOL, device_with_library, meta_qkv, run_on_cpu
+from tests._adapters_on_cpu import unbound_from_device, TOL, device_with_library, meta_qkv, run_on_cpu
 from tests.fakes import vllm_flash_attn as fake_vllm
 from tests.test_attention_sinks import oracle
 
-class CpuVllmFlashAttn(VllmFlashAttn):
-    """The adapter itself, unbound from CUDA so the fake runs it on CPU (device checks are the simulated tests')."""
-
-    vendor: ClassVar[str] = "test"
-    name: ClassVar[str] = "vllm_fa"
-    device_types: ClassVar[frozenset[str]] = frozenset()
-    device_vendors: ClassVar[frozenset[str]] = frozenset()
-    min_capability: ClassVar[tuple[int, int] | None] = None
-    max_capability: ClassVar[tuple[int, int] | None] = None
-    requires = ()
 
 
 @pytest.fixture
 def vllm_fa(monkeypatch, basic_manager, tmp_path):
     fake_vllm.calls.clear()
-    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake_vllm.fake_modules(), CpuVllmFlashAttn())
+    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake_vllm.fake_modules(), unbound_from_device(VllmFlashAttn, "vllm_fa"))
 
 
 def test_selected_for_inference_on_an_h100_that_has_it_and_explained_otherwise(manager, tmp_path):
