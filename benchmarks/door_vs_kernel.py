@@ -23,7 +23,7 @@ import opdispatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_loop import environment  # noqa: E402
-from side_by_side import interleaved_ms  # noqa: E402
+from side_by_side import back_to_back_ms, interleaved_ms, ms_text, write_report  # noqa: E402
 
 CELLS = {  # (batch, seqlen, heads_q, heads_kv, head_dim, causal)
     "dense causal GQA 4:1": (2, 4096, 32, 8, 128, True),
@@ -53,10 +53,6 @@ def ways(cell: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> dic
     return out
 
 
-def _fmt(ms: Any) -> str:
-    return f"{ms:.4f}" if isinstance(ms, float) else str(ms)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=50)
@@ -69,15 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, cell in CELLS.items():
         fns = ways(cell, device, dtype)
         per_call = interleaved_ms(fns, device, 3, args.reps)
-
-        def batched(fn: Callable[[], Any]) -> Callable[[], Any]:
-            def run() -> None:
-                for _ in range(args.batch):
-                    fn()
-            return run
-
-        back = interleaved_ms({n: batched(f) for n, f in fns.items()}, device, 1, max(5, args.reps // args.batch))
-        back = {n: (t / args.batch if isinstance(t, float) else t) for n, t in back.items()}
+        back = back_to_back_ms(fns, device, max(5, args.reps // args.batch), calls=args.batch)
         rows.append({"cell": name, "per_call_ms": per_call, "back_to_back_ms": back})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     env = environment(device)
@@ -88,12 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         for way, ms in row["per_call_ms"].items():
             b2b = row["back_to_back_ms"][way]
-            lines.append(f"| {row['cell']} | {way} | {_fmt(ms)} | {_fmt(b2b)} |")
+            lines.append(f"| {row['cell']} | {way} | {ms_text(ms, 4)} | {ms_text(b2b, 4)} |")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
-    if args.out:
-        args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-        args.out.with_suffix(".md").write_text(text)
+    write_report(args.out, {"environment": env, "rows": rows}, text)
     return 0
 
 

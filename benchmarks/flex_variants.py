@@ -23,7 +23,7 @@ import opdispatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_loop import environment  # noqa: E402
-from side_by_side import BACK_TO_BACK, batched, interleaved_ms  # noqa: E402
+from side_by_side import back_to_back_ms, interleaved_ms, ms_text, write_report  # noqa: E402
 
 SOFTCAP = 30.0
 
@@ -75,10 +75,6 @@ def window_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     return out
 
 
-def _fmt(ms: Any) -> str:
-    return f"{ms:.3f}" if isinstance(ms, float) else str(ms)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (eager flex, fp32)")
@@ -111,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 g = torch.randn(cb, cs, chq, cd, generator=gen, device=device, dtype=dtype)
                 fns = {name: (lambda fn=fn: fn().backward(g)) for name, fn in fns.items()}
             times = interleaved_ms(fns, device, args.warmup, args.reps)
-            back = interleaved_ms({n: batched(f) for n, f in fns.items()}, device, 1, 10)
-            back = {n: (t / BACK_TO_BACK if isinstance(t, float) else t) for n, t in back.items()}
+            back = back_to_back_ms(fns, device, 10)
             rows.append({"cell": cell, "mode": mode, "ms": times, "back_to_back_ms": back})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     env = environment(device)
@@ -124,12 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         for name, ms in row["ms"].items():
             b2b = row["back_to_back_ms"].get(name)
-            lines.append(f"| {row['cell']} | {row['mode']} | {name} | {_fmt(ms)} | {_fmt(b2b)} |")
+            lines.append(f"| {row['cell']} | {row['mode']} | {name} | {ms_text(ms)} | {ms_text(b2b)} |")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
-    if args.out:
-        args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-        args.out.with_suffix(".md").write_text(text)
+    write_report(args.out, {"environment": env, "rows": rows}, text)
     return 0
 
 

@@ -135,12 +135,31 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], device: torch.device, warm
 BACK_TO_BACK = 10
 
 
-def batched(fn: Callable[[], Any]) -> Callable[[], None]:
-    """`fn` called BACK_TO_BACK times in a row (one timed sample)."""
-    def run() -> None:
-        for _ in range(BACK_TO_BACK):
-            fn()
-    return run
+def back_to_back_ms(fns: dict[str, Callable[[], Any]], device: torch.device, samples: int,
+                    calls: int = BACK_TO_BACK) -> dict[str, float | str]:
+    """Milliseconds per call of each callable with `calls` calls between one pair of events (interleaved_ms over
+    `samples` such runs): the device's time per call, as a model whose host runs ahead sees it. A callable that
+    raises is reported by its error."""
+    def batched(fn: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+        return run
+
+    times = interleaved_ms({name: batched(fn) for name, fn in fns.items()}, device, 1, samples)
+    return {name: t / calls if isinstance(t, float) else t for name, t in times.items()}
+
+
+def write_report(out: Path | None, payload: dict[str, Any], text: str) -> None:
+    """The result as JSON at `out` and its markdown beside it (nothing without `out`)."""
+    if out is not None:
+        out.write_text(json.dumps(payload, indent=1, default=str))
+        out.with_suffix(".md").write_text(text)
+
+
+def ms_text(ms: Any, digits: int = 3) -> str:
+    """A time in a table: the number, or the error a callable gave instead."""
+    return f"{ms:.{digits}f}" if isinstance(ms, float) else str(ms)
 
 
 @contextlib.contextmanager
@@ -413,11 +432,11 @@ def run_cell(name: str, cell: dict[str, Any], mode: str, device: torch.device, d
         # Back to back (events around BACK_TO_BACK calls): the device's time per call, as a model whose host runs
         # ahead sees it; per call above, the host's time before the launch shows too (the device is idle).
         with flag():
-            pair = interleaved_ms({OURS: batched(timed_ours), best: batched(timed_ways[best])}, device, 1,
-                                  2 * ROUNDS)
-        if all(isinstance(t, float) for t in pair.values()):
-            row["back_to_back_ms"] = {name: t / BACK_TO_BACK for name, t in pair.items()}  # type: ignore[operator]
-            row["back_to_back_speedup"] = pair[best] / pair[OURS]  # type: ignore[operator]
+            pair = back_to_back_ms({OURS: timed_ours, best: timed_ways[best]}, device, 2 * ROUNDS)
+        ours_b2b, best_b2b = pair[OURS], pair[best]
+        if isinstance(ours_b2b, float) and isinstance(best_b2b, float):
+            row["back_to_back_ms"] = pair
+            row["back_to_back_speedup"] = best_b2b / ours_b2b
     row["errors"] = errors(q, k, v, kw, ours, ways.get(row.get("torch_best", ""), None), thd)
     return row
 
@@ -505,16 +524,13 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc(file=sys.stderr)
             rows.append(row)
             print(json.dumps(row, default=str), file=sys.stderr, flush=True)
-            if args.out:  # after every row: a run cut short by its time limit still leaves its table
-                args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1, default=str))
-                args.out.with_suffix(".md").write_text(markdown(rows, env, str(dtype).replace("torch.", "")))
+            # after every row: a run cut short by its time limit still leaves its table
+            write_report(args.out, {"environment": env, "rows": rows}, markdown(rows, env, str(dtype)[6:]))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    text = markdown(rows, env, str(dtype).replace("torch.", ""))
+    text = markdown(rows, env, str(dtype)[6:])
     sys.stdout.write(text)
-    if args.out:
-        args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1, default=str))
-        args.out.with_suffix(".md").write_text(text)
+    write_report(args.out, {"environment": env, "rows": rows}, text)
     return 0
 
 

@@ -26,7 +26,7 @@ from opdispatch.compat.te import DotProductAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_loop import environment  # noqa: E402
-from side_by_side import interleaved_ms  # noqa: E402
+from side_by_side import interleaved_ms, ms_text, write_report  # noqa: E402
 
 # name: (qkv_format, attn_mask_type, batch, seqlen_q, seqlen_kv, heads, gqa groups, head dim)
 CELLS: dict[str, tuple[str, str, int, int, int, int, int, int]] = {
@@ -134,15 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {r['cell']} | {r['mode']} | failed: {r['failed']} | | | | |")
             continue
         ms = r["ms"]
-        fmt = (lambda x: f"{x:.3f}" if isinstance(x, float) else str(x))  # noqa: E731
         ratio = f"{r['module_over_op']:.3f}" if "module_over_op" in r else "-"
-        lines.append(f"| {r['cell']} | {r['mode']} | {r['pick']} ({r['decided_by']}) | {fmt(ms['module'])} | "
-                     f"{fmt(ms['opdispatch.attention'])} | {ratio} | {r['max_abs_diff_module_vs_op']:.3g} |")
+        lines.append(f"| {r['cell']} | {r['mode']} | {r['pick']} ({r['decided_by']}) | {ms_text(ms['module'])} | "
+                     f"{ms_text(ms['opdispatch.attention'])} | {ratio} | {r['max_abs_diff_module_vs_op']:.3g} |")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
-    if args.out:
-        args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1, default=str))
-        args.out.with_suffix(".md").write_text(text)
+    write_report(args.out, {"environment": env, "rows": rows}, text)
     return 0 if not any("failed" in r for r in rows) else 1
 
 
