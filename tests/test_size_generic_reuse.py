@@ -26,6 +26,26 @@ def oracle(layout, q, k, v, mask=None, **kw):
     return out.permute(tuple(order.index(i) for i in range(4))), lse
 
 
+def _assert_same_and_exact(got, want, layout, q, k, v, kw, gen, requires_grad, message):
+    """`got` (the path under test) equals `want` (the full path) bit for bit, outputs and gradients, and matches
+    the float64 oracle (and its LSE when returned)."""
+    got_t = got if isinstance(got, tuple) else (got,)
+    want_t = want if isinstance(want, tuple) else (want,)
+    for a, w in zip(got_t, want_t):
+        assert torch.equal(a, w), message
+    out, lse = oracle(layout, q.detach(), k.detach(), v.detach(), mask=kw.get("attn_mask"),
+                      scale=q.shape[-1] ** -0.5, causal=kw.get("causal", False),
+                      alignment=kw.get("causal_alignment", "top_left"), window=kw.get("window"))
+    torch.testing.assert_close(got_t[0].detach().double(), out, atol=2e-5, rtol=2e-5)
+    if kw.get("return_lse"):
+        torch.testing.assert_close(got_t[1].double(), lse, atol=2e-5, rtol=2e-5)
+    if requires_grad:
+        g = torch.randn(got_t[0].shape, generator=gen)
+        grads = torch.autograd.grad(got_t[0], (q, k, v), g)
+        for a, w in zip(grads, torch.autograd.grad(want_t[0], (q, k, v), g)):
+            assert torch.equal(a, w), message + " (gradients)"
+
+
 def full_path(manager, q, k, v, **kw):
     """The reference: the same call with no template to reuse (validated and bound in full)."""
     saved = dict(manager.size_generic), dict(manager.fast)
@@ -109,22 +129,8 @@ def test_sizes_reuse_the_template_and_match_the_full_path_and_the_oracle(basic_m
             assert len(validations) == before, "a call differing only in sizes was validated in full"
         assert basic_manager.fast, "the next call of this exact signature hits the per-call fast path"
         want = full_path(basic_manager, q, k, v, **kw)
-        got_t = got if isinstance(got, tuple) else (got,)
-        want_t = want if isinstance(want, tuple) else (want,)
-        for a, w in zip(got_t, want_t):
-            assert torch.equal(a, w), "the size-generic path differs from the full path"
-        out, lse = oracle(layout, q.detach(), k.detach(), v.detach(), mask=kw.get("attn_mask"),
-                          scale=d ** -0.5, causal=kw.get("causal", False),
-                          alignment=kw.get("causal_alignment", "top_left"), window=kw.get("window"))
-        torch.testing.assert_close(got_t[0].detach().double(), out, atol=2e-5, rtol=2e-5)
-        if kw.get("return_lse"):
-            torch.testing.assert_close(got_t[1].double(), lse, atol=2e-5, rtol=2e-5)
-        if requires_grad:
-            g = torch.randn(got_t[0].shape, generator=gen)
-            grads = torch.autograd.grad(got_t[0], (q, k, v), g)
-            want_grads = torch.autograd.grad(want_t[0], (q, k, v), g)
-            for a, w in zip(grads, want_grads):
-                assert torch.equal(a, w)
+        _assert_same_and_exact(got, want, layout, q, k, v, kw, gen, requires_grad,
+                               "the size-generic path differs from the full path")
 
 
 BAD = [
@@ -347,21 +353,8 @@ def test_a_gqa_decode_step_packs_its_query_heads_alike_on_every_path(basic_manag
         got = door(q, k, v, **kw)
         assert _bound_for(basic_manager, k.shape).decision.chosen_id == "cpu.flash"
         want = full_path(basic_manager, q, k, v, **kw)
-        got_t = got if isinstance(got, tuple) else (got,)
-        want_t = want if isinstance(want, tuple) else (want,)
-        for a, w in zip(got_t, want_t):
-            assert torch.equal(a, w), "the bound decode step differs from run()"
-        out, lse = oracle(layout, q.detach().double(), k.detach().double(), v.detach().double(),
-                          mask=kw.get("attn_mask"), scale=d ** -0.5, causal=kw.get("causal", False),
-                          alignment=kw.get("causal_alignment", "top_left"), window=kw.get("window"))
-        torch.testing.assert_close(got_t[0].detach().double(), out, atol=2e-5, rtol=2e-5)
-        if kw.get("return_lse"):
-            torch.testing.assert_close(got_t[1].double(), lse, atol=2e-5, rtol=2e-5)
-        if requires_grad:
-            g = torch.randn(got_t[0].shape, generator=gen)
-            grads = torch.autograd.grad(got_t[0], (q, k, v), g)
-            for a, w in zip(grads, torch.autograd.grad(want_t[0], (q, k, v), g)):
-                assert torch.equal(a, w)
+        _assert_same_and_exact(got, want, layout, q, k, v, kw, gen, requires_grad,
+                               "the bound decode step differs from run()")
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
