@@ -230,63 +230,58 @@ class FlagGemsAttention(AttentionImpl):
         constexprs here (page size = capacity, block-table stride 1, heads, head dim, flags, the window as
         `gems_window` states it against the capacity) stay fixed while the length grows, and its loads past
         seqused_k are masked (``load_from_kvcache``), so the rows beyond the slice are never read."""
-        import flag_gems
-
         queries = packed_queries(call)
         batch, capacity = k_pool.shape[0], k_pool.shape[1]
         device = queries.q.device
         used = torch.full((batch,), call.seqlen_k, dtype=torch.int32, device=device)
         table = torch.arange(batch, dtype=torch.int32, device=device).unsqueeze(1)
-        res = flag_gems.flash_attn_varlen_func(
-            queries.q, k_pool, v_pool, queries.max_seqlen_q, queries.cu_seqlens_q, capacity, None,
-            softmax_scale=call.scale, causal=call.causal, window_size=gems_window(call, queries.max_seqlen_q, capacity),
-            softcap=call.softcap, alibi_slopes=call.alibi_slopes, return_softmax_lse=call.return_lse, seqused_k=used,
-            block_table=table)
+        res = _gems_varlen(call, queries.q, k_pool, v_pool, queries.max_seqlen_q, queries.cu_seqlens_q, capacity,
+                           None, seqused_k=used, block_table=table)
         if not call.return_lse:
             return unpack_out(call, res)
-        lse = res[1]
-        if lse_swapped(call, queries.max_seqlen_q, capacity):
-            lse = unswap_lse(lse, call.heads_kv)
-        return unpack_out(call, res[0]), dense_lse_fix(unpack_lse(call, lse), call.seqlen_q, call.seqlen_k,
+        return unpack_out(call, res[0]), dense_lse_fix(unpack_lse(call, res[1]), call.seqlen_q, call.seqlen_k,
                                                        call.causal, call.window, call.alibi_slopes)
 
     def _varlen(self, call: AttentionCall) -> Any:
-        import flag_gems
-
-        def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_q: int, cu_q: torch.Tensor, max_k: int,
-                   cu_k: torch.Tensor | None, **kv: Any) -> Any:
-            res = flag_gems.flash_attn_varlen_func(
-                q, k, v, max_q, cu_q, max_k, cu_k, softmax_scale=call.scale, causal=call.causal,
-                window_size=gems_window(call, max_q, max_k), softcap=call.softcap, alibi_slopes=call.alibi_slopes,
-                return_softmax_lse=call.return_lse, **kv)
-            if call.return_lse and lse_swapped(call, max_q, max_k):
-                res = res[0], unswap_lse(res[1], call.heads_kv)
-            return res
-
         if call.kv_cache:
             queries = packed_queries(call)
             k, v, table = cache_as_pages(call)
-            res = varlen(queries.q, k, v, queries.max_seqlen_q, queries.cu_seqlens_q, call.seqlen_k, None,
-                         seqused_k=call.seqused_k, block_table=table)
+            res = _gems_varlen(call, queries.q, k, v, queries.max_seqlen_q, queries.cu_seqlens_q, call.seqlen_k,
+                               None, seqused_k=call.seqused_k, block_table=table)
             if not call.return_lse:
                 return unpack_kv_out(call, res)
             lse = res[1] if call.varlen else unpack_lse(call, res[1])
             return unpack_kv_out(call, res[0]), kv_lse_fix(lse, call)
         if call.varlen:
-            res = varlen(call.q, call.k, call.v, call.max_seqlen_q, call.cu_seqlens_q, call.max_seqlen_k,
-                         call.cu_seqlens_k)
+            res = _gems_varlen(call, call.q, call.k, call.v, call.max_seqlen_q, call.cu_seqlens_q,
+                               call.max_seqlen_k, call.cu_seqlens_k)
             if not call.return_lse:
                 return res
             return res[0], varlen_lse_fix(res[1], call.cu_seqlens_q, call.cu_seqlens_k, call.causal, call.window,
                                           call.alibi_slopes)
         packed = pack_dense(call)
-        res = varlen(packed.q, packed.k, packed.v, packed.max_seqlen_q, packed.cu_seqlens_q, packed.max_seqlen_k,
-                     packed.cu_seqlens_k)
+        res = _gems_varlen(call, packed.q, packed.k, packed.v, packed.max_seqlen_q, packed.cu_seqlens_q,
+                           packed.max_seqlen_k, packed.cu_seqlens_k)
         out = unpack_out(call, res[0] if call.return_lse else res)
         if not call.return_lse:
             return out
         return out, dense_lse_fix(unpack_lse(call, res[1]), call.seqlen_q, call.seqlen_k, call.causal, call.window,
                                   call.alibi_slopes)
+
+
+def _gems_varlen(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_q: int,
+                 cu_q: torch.Tensor, max_k: int, cu_k: torch.Tensor | None, **kv: Any) -> Any:
+    """flag_gems.flash_attn_varlen_func with `call`'s options, the window as 5.0.2 must be told it, and the LSE of
+    one-query GQA calls put back in order."""
+    import flag_gems
+
+    res = flag_gems.flash_attn_varlen_func(
+        q, k, v, max_q, cu_q, max_k, cu_k, softmax_scale=call.scale, causal=call.causal,
+        window_size=gems_window(call, max_q, max_k), softcap=call.softcap, alibi_slopes=call.alibi_slopes,
+        return_softmax_lse=call.return_lse, **kv)
+    if call.return_lse and lse_swapped(call, max_q, max_k):
+        res = res[0], unswap_lse(res[1], call.heads_kv)
+    return res
 
 
 def capacity_pools(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | None:
