@@ -74,7 +74,7 @@ from torch import Tensor
 
 from ._attention import LAYOUT_DIMS
 from ._compile_ops import constant_result
-from ._profiling import profiling, range_name
+from ._profiling import call_range, profiling, range_name
 from .policies._overrides import MODULE, OVERRIDES
 
 __all__ = ["attention_for_compile", "compiled_attention", "decide_for_compile", "fake_outputs",
@@ -494,7 +494,7 @@ def _range(impl_id: str, call: Any, part: str = "") -> Any:
     whose name alone does not say which implementation ran. Nothing while no profiler records."""
     if not profiling():
         return contextlib.nullcontext()
-    return torch.autograd.profiler.record_function(range_name(_OP, impl_id) + part, call.describe())
+    return call_range(range_name(_OP, impl_id) + part, call.describe())
 
 
 @compiled_attention.register_fake

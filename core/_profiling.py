@@ -8,13 +8,15 @@ while it records is used only then. The range's metadata is the call's class (it
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["profiling", "ranged"]
+__all__ = ["call_range", "profiling", "range_name", "ranged"]
 
 _profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
 _NVTX = os.environ.get("OPDISPATCH_NVTX") == "1"
@@ -33,20 +35,33 @@ def range_name(op: str, impl_id: str) -> str:
     return f"opdispatch.{op}[{impl_id}]"
 
 
+@functools.cache
+def _nvtx_on() -> bool:
+    return _NVTX and torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def call_range(name: str, described: str) -> Iterator[None]:
+    """A range `name` (see `range_name`) with `described` (the call's class) as its metadata: a torch.profiler
+    range, and an NVTX range too with OPDISPATCH_NVTX=1 on CUDA."""
+    with torch.autograd.profiler.record_function(name, described):
+        if not _nvtx_on():
+            yield
+            return
+        nvtx: Any = torch.cuda.nvtx
+        nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            nvtx.range_pop()
+
+
 def ranged(fn: Callable[..., Any], op: str, impl_id: str, described: str) -> Callable[..., Any]:
     """`fn` inside a range named for `op` and `impl_id`, with `described` (the call's class) as its metadata."""
     name = range_name(op, impl_id)
-    record_function = torch.autograd.profiler.record_function
-    nvtx = torch.cuda.nvtx if _NVTX and torch.cuda.is_available() else None
 
     def in_range(*tensors: Any) -> Any:
-        with record_function(name, described):
-            if nvtx is None:
-                return fn(*tensors)
-            nvtx.range_push(name)
-            try:
-                return fn(*tensors)
-            finally:
-                nvtx.range_pop()
+        with call_range(name, described):
+            return fn(*tensors)
 
     return in_range
