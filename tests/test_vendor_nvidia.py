@@ -623,3 +623,68 @@ def test_alibi_routes_to_cudnn_forward_and_training(manager):
         assert d.chosen_id == want, (grad, hkv, str(d))
     q, k, v = qkv(sq=1, sk=4096, hq=16, hkv=4)
     assert chosen("h100", q, k, v, alibi_slopes=slopes).chosen_id != "reference.math"
+
+
+def _fake_dense_flash_forward(seen):
+    """aten._flash_attention_forward on dense bshd tensors (cu_seqlens None), written as masked softmax in float64:
+    causal and the window aligned bottom-right, as FlashAttention aligns them; returns (out, lse, ...)."""
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, return_debug, *, scale,
+             window_size_left=-1, window_size_right=-1):
+        assert cu_q is None and cu_k is None and dropout_p == 0.0 and not return_debug
+        assert (max_q, max_k) == (q.shape[1], k.shape[1])
+        seen.append((q.stride(-1), k.stride(-1), window_size_left, window_size_right, causal, scale))
+        qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
+        group = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+        sq, sk = qh.shape[2], kh.shape[2]
+        rel = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)  # j - (i + offset)
+        keep = torch.ones(sq, sk, dtype=torch.bool)
+        if causal:
+            keep &= rel <= 0
+        if window_size_left >= 0:
+            keep &= rel >= -window_size_left
+        if window_size_right >= 0:
+            keep &= rel <= window_size_right
+        scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~keep, -math.inf)
+        lse = torch.logsumexp(scores, -1)
+        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+        out = (probs @ vh).transpose(1, 2).to(q.dtype)
+        return out, lse.float(), None, None, None, None, None, None, None
+    return fake
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+@pytest.mark.parametrize("kw", [dict(causal=True, window=(3, 0)), dict(window=(2, 1)),
+                                dict(causal=True, window=(4, 0), scale=0.3)],
+                         ids=["causal-left", "both-sides", "causal-scale"])
+def test_flash_window_binds_size_generic_and_equals_run(monkeypatch, rng, layout, kw):
+    """A dense windowed call binds _flash_attention_forward directly (no call record per call): one bound function
+    serves new lengths both ways (queries that see no key included) and new batch sizes, bit for bit with run()
+    and within float32 rounding of the float64 oracle; strided q/k/v too."""
+    import opdispatch.vendors.nvidia._attention as nv
+    from opdispatch._attention import layout_views
+    from tests.test_numerics import naive_attention
+
+    seen = []
+    monkeypatch.setattr(nv, "_flash_forward", _fake_dense_flash_forward(seen))
+    impl = nv.TorchFlashAttention()
+    to_bhsd, from_bhsd = layout_views(layout)
+
+    def make(b, sq, sk, hq=4, hkv=2, d=16, strided=False):
+        def one(s, h):
+            t = torch.randn(b, h, s, 2 * d if strided else d, generator=rng)
+            return from_bhsd(t[..., :d] if strided else t)
+        return one(sq, hq), one(sk, hkv), one(sk, hkv)
+
+    bound = impl.bind(validate_attention(*make(2, 7, 11), layout=layout, **kw))
+    assert getattr(bound, "size_generic", False), "the windowed bind reads sizes from its tensors"
+    for b, sq, sk, strided in [(2, 7, 11, False), (1, 12, 5, False), (3, 1, 9, True), (2, 9, 9, True)]:
+        q, k, v = make(b, sq, sk, strided=strided)
+        call = validate_attention(q, k, v, layout=layout, **kw)
+        got = bound(q, k, v)
+        assert torch.equal(got, impl.run(call)), f"b{b} sq{sq} sk{sk}: bound differs from run()"
+        want, _ = naive_attention(*(to_bhsd(t) for t in (q, k, v)), scale=call.scale, causal=kw.get("causal", False),
+                                  alignment="bottom_right", window=call.window)
+        torch.testing.assert_close(to_bhsd(got).double(), want, atol=1e-5, rtol=1e-5)
+    window = kw["window"]
+    assert {(s[2], s[3]) for s in seen} == {window} and {s[5] for s in seen} == {kw.get("scale", 16 ** -0.5)}

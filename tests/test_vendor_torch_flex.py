@@ -603,3 +603,46 @@ def test_a_sweep_of_new_lengths_compiles_a_bounded_number_of_graphs(manager, tmp
         graphs.append(flex_module._graphs_compiled())
     assert graphs[-1] <= 3, f"graphs held after each new length: {graphs}"
     assert graphs[2:5] == [graphs[1]] * 3, f"lengths after the second compiled again: {graphs}"
+
+
+@pytest.mark.parametrize("case", DENSE_CASES, ids=[c[0] for c in DENSE_CASES])
+def test_bound_compiled_call_equals_run_and_the_oracle(case, gen, untraced_flex, monkeypatch):
+    """bind() makes the compiled kernel's block mask, score_mod and arguments once per signature (run() makes them
+    per call): for every dense case, fresh tensors of the signature through the bound function give run()'s
+    result bit for bit and the float64 oracle's, the kernel sees the same argument objects on every call, and
+    the bound function keeps none of the bound call's tensors. The compiled kernel is flex's eager path here (the
+    same mods and block mask; compiling is the slow tier's), so a call that falls back to run() is equal too."""
+    import weakref
+
+    from opdispatch.vendors.torch_flex import _attention as flex_module
+
+    seen = []
+
+    def eager_kernel(q, k, v, kwargs):
+        seen.append(kwargs)
+        return flex_module._flex_api().flex_attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(flex_module, "_call_compiled", eager_kernel)
+    name, layout, b, sq, sk, hq, hkv, d, dv, kw = case
+    kw = dict(kw)
+    slopes = _alibi(kw.pop("alibi", None), b, hq, gen)
+    impl = flex_impl(compile=True)
+    first = make_dense(layout, b, sq, sk, hq, hkv, d, dv, gen=gen)
+    bound = impl.bind(validate_attention(*first, layout=layout, alibi_slopes=slopes, **kw))
+    alive = weakref.ref(first[0])
+    del first
+    assert alive() is None, "the bound function keeps the bound call's q alive"
+    for round_ in range(2):
+        q, k, v = make_dense(layout, b, sq, sk, hq, hkv, d, dv, gen=gen, strided=round_ == 1)
+        call = validate_attention(q, k, v, layout=layout, alibi_slopes=slopes, **kw)
+        got = bound(q, k, v)
+        assert torch.equal(got, impl.run(call)), f"{name}: bound differs from run()"
+        want, _ = oracle(*(to_bhsd(t, layout).double() for t in (q, k, v)), scale=call.scale,
+                         causal=kw.get("causal", False), alignment=kw.get("causal_alignment", "top_left"),
+                         window=call.window, softcap=kw.get("softcap", 0.0), slopes=slopes)
+        assert_close(to_bhsd(got, layout), want, torch.float32, name)
+    bound_calls = seen[0::2]  # bound, run, bound, run
+    if slopes is None:  # bound directly: the same block mask and score_mod every call
+        assert bound_calls[0] is bound_calls[1]
+    else:  # ALiBi slopes are per-call values: run() each time, with its own arguments
+        assert bound_calls[0] is not bound_calls[1]

@@ -354,11 +354,12 @@ class TorchFlashAttention(AttentionImpl):
         return reasons
 
     def bind(self, call: AttentionCall) -> Any:
-        if (call.kv_cache or call.varlen or call.window is not None or call.return_lse or call.dropout_p > 0
-                or _needs_padding(call)):
+        if call.kv_cache or call.varlen or call.return_lse or call.dropout_p > 0 or _needs_padding(call):
             return super().bind(call)
-        # Sizes come from the tensors; what it keeps (flags, scale, layout) the decision class holds.
+        # Sizes come from the tensors; what it keeps (flags, scale, layout, window) the decision class holds.
         kernel, causal, scale = _flash_sdpa, call.causal, call.scale
+        if call.window is not None:
+            return size_generic(bind_dense(call, _windowed_flash(causal, scale, *call.window)))
         return size_generic(bind_dense(call, aten_sdpa_call(kernel, 0.0, causal, False, defaults=(0.0, False, False),
                                                             scale=scale, head_dim=call.head_dim)))
 
@@ -398,6 +399,19 @@ class TorchFlashAttention(AttentionImpl):
         if call.dropout_p > 0 or (call.varlen and not _PACKED_VARLEN_LSE):
             return None
         return _padded_backward(_flash_backward_from_saved, call, out, lse, grad_out, same_v=True)
+
+
+def _windowed_flash(causal: bool, scale: float, left: int, right: int) -> Any:
+    """A dense windowed call as run() makes it, over (b, h, s, d) views: _flash_attention_forward takes bshd and
+    reads the lengths it is given (no call record, so it serves every size of the class; bind's windowed path)."""
+
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = _flash_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, q.shape[2],
+                             k.shape[2], 0.0, causal, False, scale=scale, window_size_left=left,
+                             window_size_right=right)[0]
+        return out.transpose(1, 2)
+
+    return kernel
 
 
 def _torch_flash_kv_cache(call: AttentionCall) -> Any:

@@ -42,7 +42,7 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import kernel_window
+from opdispatch.plugins.toolkit import bind_dense, kernel_window
 
 _MIN_HEAD_DIM = 16  # tl.dot's minimum K; flex raises NotImplementedError below it on every GPU backend
 _MIN_TORCH = "2.5"  # flex_attention public, with enable_gqa, return_lse and backward
@@ -538,6 +538,30 @@ class TorchFlexAttention(AttentionImpl):
         return (call.attn_bias is not None and call.attn_bias.requires_grad,)
 
     # -- running ---------------------------------------------------------------------------------------------
+    def bind(self, call: AttentionCall) -> Callable[..., Any]:
+        """Dense calls whose mods read nothing from the call's tensors (causal, windows, softcap) bind the
+        compiled kernel with its block mask, score_mod and arguments made once: run() makes them per call, host
+        time that per-call timing counts (benchmarks/results/flex_variants-h100.md). Bound per signature: the
+        block mask is built for the call's lengths. Masks, biases, ALiBi slopes, varlen and caches carry values
+        that change per call, and the eager path is for tests: those re-enter run()."""
+        if (call.varlen or call.kv_cache or call.attn_mask is not None or call.attn_bias is not None
+                or call.alibi_slopes is not None or call.sinks is not None or call.return_lse
+                or call.dropout_p > 0 or not self.options.compile):
+            return super().bind(call)
+        q_shape = (call.batch, call.heads_q, call.seqlen_q, call.head_dim)
+        pos = self._dense_positions(call, call.seqlen_q, call.seqlen_k)
+        kwargs: dict[str, Any] = dict(block_mask=pos.block_mask, scale=call.scale,
+                                      enable_gqa=call.heads_q != call.heads_kv,
+                                      score_mod=_score_mod(call, pos, q_shape, call.seqlen_k, None))
+        if self.options.kernel_options:
+            kwargs["kernel_options"] = dict(self.options.kernel_options)
+        run_compiled = self._run_compiled
+
+        def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            return run_compiled(q, k, v, kwargs)
+
+        return bind_dense(call, retainable(flex))
+
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if call.dropout_p > 0:
             raise ValueError(f"torch.flex: dropout_p={call.dropout_p:g} is not supported (flex_attention has no "
