@@ -14,6 +14,8 @@
 #   te       TransformerEngine-style calls through compat.te: the kernel each lands on, the module's cost
 #            (benchmarks/te_module.py; issue 33)
 #   masked   a padded batch's decode with a boolean mask vs torch's SDPA (benchmarks/masked_decode.py; issue 31)
+#   kv       KV-cache calls: decode over dense and paged caches, and paged varlen (chunked prefill) against
+#            torch's best way (benchmarks/kv_cache.py; issue 29)
 #   determinism  the GPU tests of deterministic backwards under torch's flag (tests/gpu/test_issue10_gpu.py)
 # BENCH_COMMIT names the commit the copy was made from (the machine's .git may be stale).
 set -u
@@ -59,9 +61,12 @@ for part in $parts; do
     te)
       timeout 300 python3 "$repo/benchmarks/te_module.py" --out "$out/te_module-h100.json" > "$out/te_module-h100.log" 2>&1
       echo "te_module exit $?"; cat "$out/te_module-h100.md" ;;
+    kv)
+      timeout 240 python3 "$repo/benchmarks/kv_cache.py" > "$out/kv_cache-h100.md" 2>&1
+      echo "kv_cache exit $?"; grep -E "^(\| paged varlen|paged varlen|    )" "$out/kv_cache-h100.md" | tail -30 ;;
     masked)
       timeout 150 python3 "$repo/benchmarks/masked_decode.py" --batch 32 > "$out/masked_decode-h100.txt" 2>&1
       echo "masked_decode exit $?"; tail -12 "$out/masked_decode-h100.txt" ;;
-    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked)"; exit 2 ;;
+    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked, kv)"; exit 2 ;;
   esac
 done
