@@ -14,6 +14,7 @@
 #   te       TransformerEngine-style calls through compat.te: the kernel each lands on, the module's cost
 #            (benchmarks/te_module.py; issue 33)
 #   masked   a padded batch's decode with a boolean mask vs torch's SDPA (benchmarks/masked_decode.py; issue 31)
+#   flexlong the long-sequence flex GPU test (16k softcap must stay fused; issue 29: it did not finish in 170 s)
 #   kv       KV-cache calls: decode over dense and paged caches, and paged varlen (chunked prefill) against
 #            torch's best way (benchmarks/kv_cache.py; issue 29)
 #   determinism  the GPU tests of deterministic backwards under torch's flag (tests/gpu/test_issue10_gpu.py)
@@ -61,12 +62,16 @@ for part in $parts; do
     te)
       timeout 300 python3 "$repo/benchmarks/te_module.py" --out "$out/te_module-h100.json" > "$out/te_module-h100.log" 2>&1
       echo "te_module exit $?"; cat "$out/te_module-h100.md" ;;
+    flexlong)
+      timeout 240 python3 -m pytest -q -rxXsf -p no:cacheprovider --rootdir "$repo" --durations=3 \
+        "$repo/tests/gpu/test_flex_gpu.py" -k "long_call_stays_fused" > "$out/gpu-tests-flex-long-h100.txt" 2>&1
+      echo "flexlong exit $?"; tail -8 "$out/gpu-tests-flex-long-h100.txt" ;;
     kv)
       timeout 240 python3 "$repo/benchmarks/kv_cache.py" > "$out/kv_cache-h100.md" 2>&1
       echo "kv_cache exit $?"; grep -E "^(\| paged varlen|paged varlen|    )" "$out/kv_cache-h100.md" | tail -30 ;;
     masked)
       timeout 150 python3 "$repo/benchmarks/masked_decode.py" --batch 32 > "$out/masked_decode-h100.txt" 2>&1
       echo "masked_decode exit $?"; tail -12 "$out/masked_decode-h100.txt" ;;
-    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked, kv)"; exit 2 ;;
+    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked, kv, flexlong)"; exit 2 ;;
   esac
 done
