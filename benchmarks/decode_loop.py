@@ -62,6 +62,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["triton"] = triton.__version__
     except ImportError:
         pass
+    from opdispatch import _native
+
+    env["fast_path"] = "compiled" if _native.status().active else "python"  # `opdispatch build` ran, or not
     # The GPU machine's copy of the repo may carry a stale .git: the caller can name the commit it sent.
     env["commit"] = os.environ.get("BENCH_COMMIT")
     if env["commit"]:
@@ -234,7 +237,8 @@ def markdown(result: dict[str, Any]) -> str:
              "",
              f"{env['device']}; torch {env['torch']}" + (f", CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}"
                                                          if "cuda" in env else "")
-             + (f", triton {env['triton']}" if "triton" in env else "") + f"; commit {env.get('commit')}",
+             + (f", triton {env['triton']}" if "triton" in env else "") + f"; fast path {env.get('fast_path')}"
+             + f"; commit {env.get('commit')}",
              f"batch {args['batch']}, {args['heads']} q heads / {args['kv_heads']} kv heads, head_dim "
              f"{args['head_dim']}, {args['dtype']}; median of {args['repeat']} rounds",
              f"decision: {result['info']['decision']}; "

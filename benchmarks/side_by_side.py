@@ -465,7 +465,8 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], dtype: str) -> str
     lines = ["# opdispatch vs torch's best way, side by side", "",
              f"{env['device']}; torch {env['torch']}" + (f", CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}"
                                                          if "cuda" in env else "")
-             + (f", triton {env['triton']}" if "triton" in env else "") + f"; {dtype}; commit {env.get('commit')}",
+             + (f", triton {env['triton']}" if "triton" in env else "") + f"; {dtype}"
+             + f"; fast path {env.get('fast_path')}; commit {env.get('commit')}",
              "", "| cell | mode | opdispatch pick | opdispatch ms | torch's best way | torch ms | torch / opdispatch "
              "| back to back: torch / opdispatch | max err opd / torch | other torch ways |",
              "|---|---|---|---:|---|---:|---:|---:|---|---|"]
