@@ -6,6 +6,10 @@ are slices of a preallocated cache, as real caches are). Every variant runs the 
 repeated-signature variant uses the loop's mean length, so kernel time is the same on average. Variants run
 round-robin `--repeat` times; each figure is the median of the per-round means (µs per call, wall clock with the
 device synchronised at the ends of a round: on a GPU machine with a small cache this is the host's launch cost).
+Every pass starts after a full garbage collection: a full collection walks every object in the process (~100 ms
+with torch imported) and is triggered by how many objects survived since the last one, so without it the first
+pass to run pays for the objects the set-up left (the floor's 2000 plans), whichever variant that is. Collections
+the loops' own allocations trigger stay in the figures; the first pass's full ones are counted and reported.
 
     python benchmarks/decode_loop.py                       # CUDA if present, else CPU
     python benchmarks/decode_loop.py --device cpu --steps 500 --out decode.json
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -152,19 +157,45 @@ def build_variants(args: argparse.Namespace, device: torch.device) -> tuple[dict
 
 
 def measure(variants: dict[str, Callable[[float], int]], device: torch.device, repeat: int,
-            budget: float) -> tuple[dict[str, list[float]], dict[str, int]]:
-    """Per-call µs of each variant per round; a round stops after `budget` seconds (steps run are recorded)."""
+            budget: float, before_round: Callable[[], None] | None = None) -> tuple[dict[str, list[float]],
+                                                                                  dict[str, int]]:
+    """Per-call µs of each variant per round; a round stops after `budget` seconds (steps run are recorded).
+    `before_round` runs at the start of each round (the growing loops' fresh first passes)."""
     samples: dict[str, list[float]] = {name: [] for name in variants}
     ran: dict[str, int] = {}
     for _ in range(repeat):
+        if before_round is not None:
+            before_round()
         for name, loop in variants.items():
-            _sync(device)
-            start = time.perf_counter()
-            steps = loop(start + budget)
-            _sync(device)
-            samples[name].append((time.perf_counter() - start) / steps * 1e6)
-            ran[name] = min(ran.get(name, steps), steps)
+            samples[name].append(_timed_pass(loop, device, budget, ran, name))
     return samples, ran
+
+
+def _timed_pass(loop: Callable[[float], int], device: torch.device, budget: float, ran: dict[str, int],
+                name: str, full_collections: dict[str, int] | None = None) -> float:
+    """µs per call of one pass of `loop`, after a full collection (see the module docstring); the full
+    collections the pass itself triggered are added to `full_collections[name]`."""
+    gc.collect()
+    collected = gc.get_stats()[2]["collections"]
+    _sync(device)
+    start = time.perf_counter()
+    steps = loop(start + budget)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    ran[name] = min(ran.get(name, steps), steps)
+    if full_collections is not None:
+        full_collections[name] = full_collections.get(name, 0) + gc.get_stats()[2]["collections"] - collected
+    return elapsed / steps * 1e6
+
+
+def _fresh_signatures(manager: Any) -> None:
+    """Forget every exact signature and size template the per-call fast path remembered (the Python path's and the
+    compiled front doors'), keeping the decisions: the next pass of a growing loop meets every length anew."""
+    from opdispatch import _native
+
+    manager.fast.clear()
+    manager.size_generic.clear()
+    _native.forget()
 
 
 @contextlib.contextmanager
@@ -199,13 +230,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     manager = opdispatch.get_manager()
     variants, info = build_variants(args, device)
-    first_pass = {}  # warm-up: decisions, kernel caches, per-length plans built on first sight (within budget)
-    for name, loop in variants.items():
-        _sync(device)
-        start = time.perf_counter()
-        steps = loop(start + args.budget)
-        _sync(device)
-        first_pass[name] = ((time.perf_counter() - start) / steps * 1e6, steps)
+    # The first pass of every variant (the warm-up: decisions, kernel caches, per-length plans built on first
+    # sight, within budget); the growing loops' first pass again at the start of every round, with every length
+    # new to the per-call caches (`_fresh_signatures`; decisions kept, as after a warm-up at other sizes), then
+    # once more untimed so the round's own passes stay later passes. One pass is one sample of a shared machine's
+    # noise, and a round's samples are taken together: the median over the rounds is reported, with every sample.
+    first_samples: dict[str, list[float]] = {}
+    first_ran: dict[str, int] = {}
+    full_collections: dict[str, int] = {}
+    growing_attention = [name for name in variants if name.startswith("growing, attention")]
+
+    def first_passes(names: list[str]) -> None:
+        for name in names:
+            first_samples.setdefault(name, []).append(
+                _timed_pass(variants[name], device, args.budget, first_ran, name, full_collections))
+
+    def fresh_first_passes() -> None:
+        _fresh_signatures(manager)
+        first_passes(growing_attention)
+        for name in growing_attention:
+            variants[name](math.inf)
+
+    first_passes(list(variants))
     counter = _CountDecisions()
     log = logging.getLogger("opdispatch")
     log.addHandler(counter)
@@ -218,16 +264,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     decisions, lines = manager.decisions_made - made, counter.lines
     log.removeHandler(counter)
     log.setLevel(previous)
-    samples, ran = measure(variants, device, args.repeat, args.budget)
+    samples, ran = measure(variants, device, args.repeat, args.budget, fresh_first_passes)
+    first_pass = {name: (statistics.median(values), first_ran[name]) for name, values in first_samples.items()}
     medians = {name: statistics.median(values) for name, values in samples.items()}
     growing = medians["growing, attention(causal bottom-right)"]
     repeated = medians["repeated signature, attention(causal bottom-right)"]
     return {
         "environment": environment(device), "args": vars(args), "info": info,
         "per_call_us": medians, "samples_us": samples, "steps_run": ran, "first_pass_us_steps": first_pass,
+        "first_pass_samples_us": first_samples,
         "growing_over_repeated": growing / repeated,
         "overhead_over_floor_us": growing - medians["growing, kernels bound before the loop (floor)"],
         "decisions_in_loop": decisions, "info_log_lines_in_loop": lines, "first_pass_paths": paths,
+        "first_pass_over_repeated": {name: first_pass[name][0] / repeated for name in first_pass
+                                     if name.startswith("growing, attention")},
+        "first_pass_full_collections": full_collections,
     }
 
 
@@ -258,6 +309,13 @@ def markdown(result: dict[str, Any]) -> str:
               f"lines: {result['info_log_lines_in_loop']}",
               "- that loop's first pass, by path (opdispatch._api): " + ", ".join(
                   f"{k} {v}" for k, v in result.get("first_pass_paths", {}).items())]
+    if "first_pass_over_repeated" in result:
+        lines.append(f"- first pass (every length new; median of {args['repeat'] + 1} first passes) / "
+                     "repeated signature: " + "; ".join(
+            f"{name.removeprefix('growing, ')}: **{ratio:.2f}x**"
+            for name, ratio in result["first_pass_over_repeated"].items()) + " (target <= 1.3x)")
+        lines.append("- full garbage collections during the first passes (each walks the whole heap): " + (", ".join(
+            f"{name} {n}" for name, n in result["first_pass_full_collections"].items() if n) or "none"))
     return "\n".join(lines) + "\n"
 
 

@@ -201,10 +201,11 @@ class SizeTemplate:
     """A validated dense call (without its tensors) as given (`causal`, `causal_alignment`, `window`, which
     validation canonicalizes by sizes), with its decision and the function bound to it."""
 
-    __slots__ = ("call", "causal", "causal_alignment", "window", "decision", "fn", "signature")
+    __slots__ = ("call", "given", "causal", "causal_alignment", "window", "decision", "fn", "signature")
 
     def __init__(self, call: AttentionCall, given: tuple[Any, Any, Any], fn: Any) -> None:
         self.call = call.stripped()
+        self.given = given
         self.causal, self.causal_alignment, self.window = given
         self.decision, self.fn, self.signature = fn.decision, fn, fn.signature
 
@@ -221,7 +222,7 @@ def _sized_reuse(manager: OpManager, key: Any, template: SizeTemplate, impl: Any
     tensors: tuple[Any, ...] = (q, k, v)
     if seqused_k is not None or block_table is not None or attn_mask is not None:
         tensors += (seqused_k, block_table, attn_mask, None)
-    given = (template.causal, template.causal_alignment, template.window)
+    given = template.given
     decision = manager.resolve("attention", call, impl=impl)  # the class's decision: thresholds, limits, demotions
     fn = template.fn
     if decision is not template.decision or not fn.size_generic:
@@ -229,8 +230,9 @@ def _sized_reuse(manager: OpManager, key: Any, template: SizeTemplate, impl: Any
     raise_if_capturing("attention", call)
     try:
         out = fn(*tensors)
-        if not (type(out) is _TENSOR and not call.return_lse and out.shape[:-1] == q.shape[:-1]
-                and out.shape[-1] == call.head_dim_v and out.dtype == call.dtype and out.device == call.device):
+        shape = out.shape if type(out) is _TENSOR else None
+        if not (shape is not None and not call.return_lse and shape[:-1] == q.shape[:-1]
+                and shape[-1] == call.head_dim_v and out.dtype == call.dtype and out.device == call.device):
             _raise_for_structure("attention", decision.chosen_id, call, out)  # the full check: a tuple, or wrong
     except Exception:
         # What a failure means (fail over, demote for this signature, or raise) is the reference path's to say: it

@@ -382,9 +382,10 @@ class OpManager:
             # again, collectively: every rank of the group then takes part.
             if decision is not None and (decision.retry_at is None or self.breaker.clock() < decision.retry_at) and (
                     self.agreement is None or decision.agreed or not self.agreement.ready()):
-                try:  # least recently used goes first: a hit moves to the end
-                    cache[lookup] = cache.pop(lookup)
-                except KeyError:  # evicted by another thread meanwhile: the decision is still valid
+                try:  # least recently used goes first: a hit moves to the end (where a run of one class has it)
+                    if next(reversed(cache.values())) is not decision:
+                        cache[lookup] = cache.pop(lookup)
+                except (KeyError, StopIteration, RuntimeError):  # changed by another thread: still valid
                     pass
                 return decision  # type: ignore[no-any-return]
         raise_if_capturing(op, call)  # deciding probes devices and may sync: never inside CUDA graph capture

@@ -195,6 +195,9 @@ class UsageCounters:
         # (op, implementation id, decision cache key) -> ClassUsage with its class text filled in on snapshot
         self._rows: dict[tuple[str, str, Any], ClassUsage] = {}
         self._slow: dict[str, int] = {}
+        # The row `called` counted last, with its decision: a decode loop's first pass counts each new length's
+        # call on one decision, and the row's key hashes that decision's whole class key.
+        self._last_called: tuple[Any, ClassUsage] | None = None
 
     def _row(self, op: str, impl_id: str, cache_key: Any) -> ClassUsage:
         key = (op, impl_id, cache_key)
@@ -206,10 +209,15 @@ class UsageCounters:
     def called(self, decision: Any, *, reference_counted: bool = False) -> None:
         """A slow-path call ran on `decision.chosen` and returned (`reference_counted`: its bound function already
         counted it as a reference call on an accelerator, `reference_hit`)."""
-        reference = (getattr(decision.chosen, "reference_fallback", False) and decision.device.type != "cpu"
-                     and not reference_counted)
+        reference = (not reference_counted and getattr(decision.chosen, "reference_fallback", False)
+                     and decision.device.type != "cpu")
         with self._lock:
-            row = self._row(decision.op, decision.chosen_id, decision.cache_key)
+            last = self._last_called
+            if last is not None and last[0] is decision:
+                row = last[1]
+            else:
+                row = self._row(decision.op, decision.chosen_id, decision.cache_key)
+                self._last_called = (decision, row)
             row.slow_calls += 1
             if reference:
                 row.reference_on_accelerator += 1
@@ -254,6 +262,7 @@ class UsageCounters:
             rows, slow = self._rows, self._slow
             if reset:
                 self._rows, self._slow = {}, {}
+                self._last_called = None  # its row is no longer counted
             else:
                 rows, slow = dict(rows), dict(slow)
             out = []

@@ -375,3 +375,150 @@ def test_the_compiled_backward_of_a_packed_decode_step_is_autograds(layout):
     assert got is not None
     for a, w in zip(got, want):
         assert torch.equal(a, w)
+
+
+# What serving sends: each call of a sequence below changes only sizes (a decode step one key longer, a prefill
+# chunk, a new batch size) and stays in its decision class, so every call after the first must take the template
+# branch (`_sized_reuse`: no full validation, no bind) and give what the reference path (`run()`) gives, bit for
+# bit, and what the float64 oracle gives. bottom-right decode with one query is canonicalized to not causal; chunks
+# (sq > 1) keep the diagonal; sq > sk leaves the first rows without a key (zeros out, LSE -inf).
+SEQUENCES = [
+    # layout, (hq, hkv, d), [(batch, sq, sk)], options
+    ("bshd", (8, 2, 16), [(1, 1, n) for n in range(5, 12)] + [(3, 1, 12), (2, 1, 13)],
+     dict(causal=True, causal_alignment="bottom_right")),
+    ("bhsd", (4, 4, 8), [(2, 4, 6), (2, 4, 10), (1, 4, 14), (3, 4, 18)],
+     dict(causal=True, causal_alignment="bottom_right", return_lse=True)),
+    ("sbhd", (6, 3, 8), [(2, 3, 5), (2, 3, 8), (4, 3, 11)], dict(causal=True, causal_alignment="bottom_right")),
+    ("bshd", (4, 2, 8), [(1, 6, 2), (1, 6, 3), (2, 6, 4), (1, 6, 5)],
+     dict(causal=True, causal_alignment="bottom_right", return_lse=True)),
+    ("bshd", (8, 2, 16), [(1, 1, n) for n in range(3, 9)] + [(4, 1, 9)], {}),
+    ("bhsd", (4, 2, 8), [(1, 3, 7), (1, 3, 9), (2, 3, 12)], dict(window=(4, 0), causal=True,
+                                                                  causal_alignment="bottom_right")),
+]
+
+
+@pytest.fixture
+def template_branch(monkeypatch):
+    """Counts of the template branch's calls and of binds (`_run_and_remember`: the full path's, or a template's
+    that could not be reused)."""
+    counts = {"template": 0, "binds": 0}
+    sized, bind = _api._sized_reuse, _api._run_and_remember
+
+    def counted_sized(*args):
+        counts["template"] += 1
+        return sized(*args)
+
+    def counted_bind(*args, **kwargs):
+        counts["binds"] += 1
+        return bind(*args, **kwargs)
+
+    monkeypatch.setattr(_api, "_sized_reuse", counted_sized)
+    monkeypatch.setattr(_api, "_run_and_remember", counted_bind)
+    return counts
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("case", range(len(SEQUENCES)))
+def test_every_new_length_and_batch_of_a_sequence_takes_the_template_and_equals_run(
+        basic_manager, door, validations, template_branch, case, requires_grad):
+    layout, (hq, hkv, d), sizes, options = SEQUENCES[case]
+    gen = torch.Generator().manual_seed(100 + case)
+    for i, (b, sq, sk) in enumerate(sizes):
+        q = make(layout, b, sq, hq, d, gen, requires_grad)
+        k = make(layout, b, sk, hkv, d, gen, requires_grad)
+        v = make(layout, b, sk, hkv, d, gen, requires_grad)
+        kw = dict(options, layout=layout)
+        before = len(validations), dict(template_branch)
+        (template,) = basic_manager.size_generic.values() if i else (None,)
+        got = door(q, k, v, **kw)
+        if i == 0:
+            assert len(validations) == before[0] + 1 and template_branch["binds"] == before[1]["binds"] + 1
+        else:
+            # A function bound per signature (cpu.flash folds a bottom-right diagonal with sq > 1 into run()'s
+            # mask) is bound again for the new sizes; a size-generic one (every decode step) runs as it is.
+            binds = before[1]["binds"] + (not template.fn.size_generic)
+            assert len(validations) == before[0], f"{(b, sq, sk)}: validated in full"
+            assert template_branch == {"template": before[1]["template"] + 1, "binds": binds}, (
+                f"{(b, sq, sk)}: not the template branch ({template_branch} after {before[1]})")
+        want = full_path(basic_manager, q, k, v, **kw)
+        _assert_same_and_exact(got, want, layout, q, k, v, kw, gen, requires_grad,
+                               f"{(b, sq, sk)}: the template branch differs from run()")
+        seen = len(validations), dict(template_branch)
+        again = door(q, k, v, **kw)  # the exact signature now hits the fast path: no template, no validation
+        assert (len(validations), template_branch) == seen
+        for a, w in zip(again if isinstance(again, tuple) else (again,), want if isinstance(want, tuple) else (want,)):
+            assert torch.equal(a.detach(), w.detach())
+
+
+def _fields(call):
+    return {name: getattr(call, name, "<unset>") for name in type(call).__slots__}
+
+
+DENSE_REVALIDATIONS = [
+    # layout, (batch, sq, sk, hq, hkv), new (batch, sq, sk, hq, hkv), options as given
+    ("bshd", (1, 1, 9, 8, 2), (1, 1, 10, 8, 2), dict(causal=True, causal_alignment="bottom_right")),
+    ("bshd", (1, 1, 9, 8, 2), (5, 1, 200, 16, 4), dict(causal=True, causal_alignment="bottom_right")),
+    ("bhsd", (2, 4, 9, 4, 4), (2, 9, 9, 4, 4), dict(causal=True, causal_alignment="bottom_right")),  # sq == sk
+    ("bhsd", (2, 4, 9, 4, 4), (2, 9, 4, 4, 1), dict(causal=True, causal_alignment="bottom_right")),  # sq > sk
+    ("sbhd", (2, 3, 3, 6, 3), (1, 3, 8, 6, 2), dict(causal=True)),
+    ("bshd", (2, 5, 12, 4, 1), (2, 1, 7, 4, 1), dict(window=(3, 0), causal=True, causal_alignment="bottom_right")),
+    ("bshd", (2, 5, 12, 4, 1), (2, 6, 6, 4, 1), dict(window=(3, 2), causal_alignment="bottom_right")),
+    ("bhsd", (1, 4, 10, 2, 2), (3, 1, 1, 2, 2), dict(window=(2, 2))),
+    ("sbhd", (1, 2, 10, 2, 2), (1, 2, 10, 2, 2), dict(window=(-1, -1), causal=True)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(DENSE_REVALIDATIONS)))
+@pytest.mark.parametrize("grad", [False, True])
+def test_revalidating_a_dense_calls_sizes_gives_full_validations_call(case, grad):
+    """`revalidate_sizes` (its dense branch: no KV cache, no mask) against `validate_attention` of the same
+    arguments: every field of the call, canonicalization and its rewrites included, and the same refusal where the
+    sizes do not validate."""
+    from opdispatch._attention import revalidate_sizes, validate_attention
+
+    layout, first, new, options = DENSE_REVALIDATIONS[case]
+    gen = torch.Generator().manual_seed(case)
+    defaults = {a.name: a.default for a in _api.ATTENTION_ARGS.args if a.name != "impl"}
+
+    def tensors(b, sq, sk, hq, hkv):
+        return (make(layout, b, sq, hq, 8, gen, grad), make(layout, b, sk, hkv, 8, gen, grad),
+                make(layout, b, sk, hkv, 8, gen, grad))
+
+    template = validate_attention(**{**defaults, **options, "layout": layout, **dict(zip("qkv", tensors(*first)))})
+    q, k, v = tensors(*new)
+    given = (options.get("causal", False), options.get("causal_alignment", "top_left"), options.get("window"))
+    got = revalidate_sizes(template.stripped(), *given, q, k, v, None, None, None, None)
+    want = validate_attention(**{**defaults, **options, "layout": layout, "q": q, "k": k, "v": v})
+    assert _fields(got) == _fields(want)
+    for name, bad in (("k and v lengths", (q, k, v[:, :, :1] if layout == "bhsd" else v[:1] if layout == "sbhd"
+                                           else v[:, :1])),
+                      ("batch", (q, k[:1], v[:1]) if layout != "sbhd" else (q, k[:, :1], v[:, :1])),
+                      ("empty", (q, k[..., :0, :], v[..., :0, :]))):
+        if name == "batch" and new[0] == 1 or name == "k and v lengths" and new[2] == 1:
+            continue  # nothing to take away
+        with pytest.raises(ValueError):
+            revalidate_sizes(template.stripped(), *given, *bad, None, None, None, None)
+        with pytest.raises(ValueError):
+            validate_attention(**{**defaults, **options, "layout": layout, **dict(zip("qkv", bad))})
+
+
+def test_template_calls_are_counted_once_each_and_from_zero_after_a_reset(basic_manager, door):
+    """The usage counters' slow calls count each template call on its decision's row, and a reset starts the row
+    over (the counters keep the last row they counted: it must not outlive the reset)."""
+    gen = torch.Generator().manual_seed(3)
+    q = make("bshd", 1, 1, 4, 8, gen)
+    cache = make("bshd", 1, 20, 2, 8, gen)
+
+    def slow_calls():
+        _, rows = basic_manager.usage.snapshot()
+        return sum(r.slow_calls for r in rows)
+
+    door(q, cache[:, :4], cache[:, :4])
+    first = slow_calls()
+    for n in range(5, 9):
+        door(q, cache[:, :n], cache[:, :n])
+    assert slow_calls() == first + 4
+    basic_manager.usage.snapshot(reset=True)
+    for n in range(9, 12):
+        door(q, cache[:, :n], cache[:, :n])
+    assert slow_calls() == 3
