@@ -189,6 +189,8 @@ def test_hostile_index_on_the_bound_device_path_writes_nothing_and_the_next_call
     fa._kvcache_reference(**_reference_args(reference))  # the reference device path: NaN, error deferred
     want = _error_of(check_pending_errors)
     kw = _with(_warmed(kind, change, return_softmax_lse=True), **change)
+    if isinstance(kw["cache_seqlens"], torch.Tensor):
+        kw["cache_seqlens"] = kw["cache_seqlens"].clone()  # changed in place below: not the shared case's tensor
     before = kw["k_cache"].clone(), kw["v_cache"].clone()
     reference_calls.clear()
     out, lse = fa.flash_attn_with_kvcache(**kw, return_softmax_lse=True)  # no raise, no sync

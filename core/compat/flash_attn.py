@@ -568,8 +568,8 @@ class _KvcacheBound:
         self.row_table = (torch.arange(self.batch, dtype=torch.int32, device=device).unsqueeze(1)
                           if own and self.cache_rows != self.batch else None)
         self.steps = torch.arange(self.new, device=device)
-        self.no_lengths = None if cache_seqlens is not None else torch.full(
-            (self.batch,), 0 if self.new else self.capacity, dtype=torch.int32, device=device)
+        self.no_lengths = torch.full((self.batch,), 0 if self.new else self.capacity, dtype=torch.int32,
+                                     device=device)  # without cache_seqlens: the reference path's lengths
         self.local, self.interleaved = local, interleaved
 
     def __call__(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None,
@@ -598,7 +598,9 @@ class _KvcacheBound:
             if self.paged:
                 index: tuple[Tensor, Tensor] = (table.gather(1, positions // self.page), positions % self.page)
             else:
-                index = (self.own_rows if rows is None else rows.long().unsqueeze(1), positions)
+                row_index = self.own_rows if rows is None else rows.long().unsqueeze(1)
+                assert row_index is not None  # dense without cache_batch_idx: own_rows
+                index = (row_index, positions)
             if bad is not None:  # an invalid call writes each slot's old value back: nothing changes
                 k, v = torch.where(bad, k_cache[index], k), torch.where(bad, v_cache[index], v)
             k_cache.index_put_(index, k)
@@ -616,6 +618,7 @@ class _KvcacheBound:
         if bad is None:
             return result
         # After the kernel: this call's own error is raised by the next call, never from inside this one.
+        assert recheck is not None  # made with `bad`
         defer_flag(_KV, bad, recheck, device)
         if type(result) is tuple:
             return tuple(torch.where(bad, _NAN, r) if r.is_floating_point() else r for r in result)
@@ -639,7 +642,7 @@ class _KvcacheBound:
             low, high = torch.aminmax(rows)
             if int(low) < 0 or int(high) >= self.cache_rows:
                 return False
-            if new and rows.unique().numel() != rows.numel():
+            if new and _repeats(rows):
                 return False
         if table is not None:
             used = self.columns < ((lens + (new + page - 1)) // page).unsqueeze(1)  # the entries the call reads
@@ -649,12 +652,12 @@ class _KvcacheBound:
             if new:
                 positions = lens.unsqueeze(1) + self.steps
                 slots = table.gather(1, positions // page).long() * page + positions % page
-                if slots.unique().numel() != slots.numel():
+                if _repeats(slots):
                     return False
         return True
 
     def _checked_on_device(self, lens: Tensor, rows: Tensor | None, table: Tensor | None, cache_seqlens: Any
-                           ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Any]:
+                           ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, _Recheck | None]:
         """The same checks without a host read: (lens, rows, table) clamped into range, a 0-d bool tensor that
         is True when any index was bad (None: nothing to check on the device), and what works out its message
         from copies of the indices as given (`_Recheck`)."""
@@ -691,6 +694,12 @@ class _KvcacheBound:
 
 
 _NAN = float("nan")
+
+
+def _repeats(values: Tensor) -> bool:
+    """Whether any value occurs twice (a host read)."""
+    ordered = values.flatten().sort().values
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 class _Recheck:
