@@ -634,20 +634,16 @@ class _KvcacheBound:
     def _valid_on_host(self, lens: Tensor, rows: Tensor | None, table: Tensor | None, lens_given: bool) -> bool:
         """Whether every index the reference path checks holds (read on the host: CPU, or sync checks)."""
         new, page = self.new, self.page
-        if lens_given:
-            low, high = torch.aminmax(lens)
-            if int(low) < 0 or int(high) > self.capacity - new:
-                return False
+        if lens_given and not _within(lens, 0, self.capacity - new):
+            return False
         if rows is not None:
-            low, high = torch.aminmax(rows)
-            if int(low) < 0 or int(high) >= self.cache_rows:
+            if not _within(rows, 0, self.cache_rows - 1):
                 return False
             if new and _repeats(rows):
                 return False
         if table is not None:
             used = self.columns < ((lens + (new + page - 1)) // page).unsqueeze(1)  # the entries the call reads
-            low, high = torch.aminmax(torch.where(used, table, 0))
-            if int(low) < 0 or int(high) >= self.cache_rows:
+            if not _within(torch.where(used, table, 0), 0, self.cache_rows - 1):
                 return False
             if new:
                 positions = lens.unsqueeze(1) + self.steps
@@ -694,6 +690,15 @@ class _KvcacheBound:
 
 
 _NAN = float("nan")
+
+
+def _within(values: Tensor, low: int, high: int) -> bool:
+    """Whether every value lies in [low, high] (a host read; a short tensor as a list: cheaper than a kernel)."""
+    if values.numel() <= 32:
+        listed = values.flatten().tolist()
+        return low <= min(listed) and max(listed) <= high
+    least, most = torch.aminmax(values)
+    return low <= int(least) and int(most) <= high
 
 
 def _repeats(values: Tensor) -> bool:
