@@ -227,3 +227,14 @@ def test_a_new_signature_is_decided_once_and_a_policy_swap_forgets_the_bound_pat
     basic_manager.set_policy(basic_manager.policy)
     fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)
     assert reference_calls == [True, True, True]
+
+
+@pytest.mark.parametrize("given", ["rotary_cos", "rotary_sin"])
+def test_half_a_rotary_table_is_refused_before_anything_is_written(basic_manager, given):
+    gen = torch.Generator().manual_seed(14)
+    k_cache, v_cache = (torch.randn(2, 8, 2, DIM, generator=gen) for _ in range(2))
+    before = k_cache.clone()
+    q, k_new = torch.randn(2, 1, HEADS, DIM, generator=gen), torch.randn(2, 1, 2, DIM, generator=gen)
+    with pytest.raises(ValueError, match=f"pass rotary_cos and rotary_sin together .*got only {given}"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new, cache_seqlens=1, **{given: torch.ones(8, 4)})
+    assert torch.equal(k_cache, before)

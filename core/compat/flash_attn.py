@@ -18,6 +18,9 @@ cache (``seqused_k``, ``block_table``; a ``cache_batch_idx`` reads the cache as 
 neither copied nor read back to the host. With ``cache_leftpad`` (dense caches only, as in flash-attn) sequence i
 holds positions ``[cache_leftpad[i], cache_seqlens[i])``: rotary positions stay absolute, and the keys are gathered
 to start at 0 (one copy of the cache per call). ``num_splits`` is a flash-attn scheduling knob and is ignored.
+A decode loop repeating a signature runs a bound path after its first call: its indices checked (without a host
+sync on accelerators), one indexed store per cache, then the kernel bound for its class with the lengths
+(`_KvcacheBound`; ALiBi and ``cache_leftpad`` calls take the reference path every call).
 """
 
 from __future__ import annotations
@@ -696,7 +699,7 @@ def _within(values: Tensor, low: int, high: int) -> bool:
     """Whether every value lies in [low, high] (a host read; a short tensor as a list: cheaper than a kernel)."""
     if values.numel() <= 32:
         listed = values.flatten().tolist()
-        return low <= min(listed) and max(listed) <= high
+        return bool(low <= min(listed) and max(listed) <= high)
     least, most = torch.aminmax(values)
     return low <= int(least) and int(most) <= high
 
