@@ -15,12 +15,19 @@ checks them in one of two ways:
   (``torch.where(valid, new, old)``: an invalid call changes no slot) and its output is NaN. The first bad
   (argument, index, value) is copied non-blocking into pinned host memory behind a CUDA event, and the next
   KV-cache call on that device — or `check_pending_errors` — raises it as `KvCacheIndexError`.
+
+A path that runs every step (``flash_attn_with_kvcache``'s bound path) reports more cheaply with `defer_flag`:
+only the verdict goes to the host, with copies of the call's indices taken in stream order (the caller may change
+its ``cache_seqlens`` in place right after the call); the message is worked out from those copies on the host,
+by the same host check, only once the verdict says the call was bad (that read is the one sync, on the error
+path only).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,8 +178,25 @@ def defer(report: Any) -> None:
 class _Pending:
     fn: str
     rules: list[Rule]
-    host: torch.Tensor  # (4,) int64: flagged, rule index, position, value
+    host: torch.Tensor  # (4,) int64: flagged, rule index, position, value; or (1,) bool: flagged (`describe`)
     event: Any  # a torch.cuda.Event (None: the copy is done)
+    describe: Callable[[], str] | None = None  # `defer_flag`'s message, worked out once flagged
+
+
+def defer_flag(fn: str, bad: torch.Tensor, describe: Callable[[], str], device: torch.device) -> None:
+    """Record a call's device-side verdict `bad` (a 0-d bool tensor, True when an index was out of range),
+    copied to the host behind an event; once it reads True, `describe()` gives the error's message (it may read
+    the device: it runs on the error path only). The cheap form of `defer` (see the module docstring)."""
+    event = None
+    if device.type == "cuda":
+        host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+        host.copy_(bad.view(1), non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+    else:
+        host = bad.view(1).to("cpu", copy=True)
+    with _lock:
+        _pending.setdefault(_device_key(device), []).append(_Pending(fn, [], host, event, describe))
 
 
 _pending: dict[torch.device, list[_Pending]] = {}
@@ -223,8 +247,11 @@ def _take_flagged(device: torch.device | None, wait: bool) -> KvCacheIndexError 
                         continue
                     entry.event.synchronize()
                 if found is None and int(entry.host[0]):
-                    rule = entry.rules[int(entry.host[1])]
-                    message = rule.message(entry.fn, int(entry.host[2]), int(entry.host[3]))
+                    if entry.describe is not None:
+                        message = entry.describe()
+                    else:
+                        rule = entry.rules[int(entry.host[1])]
+                        message = rule.message(entry.fn, int(entry.host[2]), int(entry.host[3]))
                     found = KvCacheIndexError(f"an earlier KV-cache call on {dev} had a bad index, found on the "
                                               f"device (that call wrote nothing and returned NaN): {message}")
             if keep:
@@ -263,5 +290,5 @@ def poisoned(result: Any, valid: torch.Tensor) -> Any:
 
 
 __all__ = ["Bound", "KvCacheIndexError", "MODE_ENV", "SYNC_ENV", "Unique", "check_index_tensor",
-           "check_pending_errors", "defer", "device_verdict", "host_checks", "poisoned", "raise_first", "raise_pending",
-           "sync_checks"]
+           "check_pending_errors", "defer", "defer_flag", "device_verdict", "host_checks", "poisoned", "raise_first",
+           "raise_pending", "sync_checks"]

@@ -18,6 +18,9 @@ cache (``seqused_k``, ``block_table``; a ``cache_batch_idx`` reads the cache as 
 neither copied nor read back to the host. With ``cache_leftpad`` (dense caches only, as in flash-attn) sequence i
 holds positions ``[cache_leftpad[i], cache_seqlens[i])``: rotary positions stay absolute, and the keys are gathered
 to start at 0 (one copy of the cache per call). ``num_splits`` is a flash-attn scheduling knob and is ignored.
+A decode loop repeating a signature runs a bound path after its first call: its indices checked (without a host
+sync on accelerators), one indexed store per cache, then the kernel bound for its class with the lengths
+(`_KvcacheBound`; ALiBi and ``cache_leftpad`` calls take the reference path every call).
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ from .._arguments import REQUIRED
 from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, _profiling, \
     _run_and_remember, attention
 from .._attention import validate_attention
+from .._graphs import raise_if_capturing
 from .._kv_checks import Bound, KvCacheIndexError, Rule, Unique, check_index_tensor, check_pending_errors, \
-    defer, device_verdict, host_checks, poisoned, raise_first, raise_pending
+    defer, defer_flag, device_verdict, host_checks, poisoned, raise_first, raise_pending
 from .._rotary import rotary_embedding
+from .._state import bounded_put
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
@@ -283,9 +288,13 @@ _KV = "flash_attn_with_kvcache"
 
 
 def _check_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
-                   block_table: Tensor | None, cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None) -> None:
+                   block_table: Tensor | None, cache_batch_idx: Tensor | None, cache_leftpad: Tensor | None,
+                   rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None) -> None:
     """Shapes, dtypes and devices of the tensors (host-known, checked before anything else: a mismatch found by
     the write itself could leave k_cache written and v_cache not)."""
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{_KV}: pass rotary_cos and rotary_sin together (or neither); got only "
+                         f"{'rotary_cos' if rotary_sin is None else 'rotary_sin'}")
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(f"{_KV}: q, k_cache and v_cache must be 4-D, got q {tuple(q.shape)}, k_cache "
                          f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
@@ -324,9 +333,10 @@ class _KvIndices(NamedTuple):
 
 
 def _kvcache_indices(q: Tensor, k_cache: Tensor, new: int, cache_seqlens: Any, cache_batch_idx: Any,
-                     cache_leftpad: Any, block_table: Any) -> _KvIndices:
+                     cache_leftpad: Any, block_table: Any, host: bool | None = None) -> _KvIndices:
     """Every index of the call as a rule of core._kv_checks, checked before anything is written: on the host
-    (raising ValueError/TypeError here), or on the device (see that module)."""
+    (raising ValueError/TypeError here), or on the device (see that module). `host` forces the host check (the
+    bound path's error message, worked out from copies of a flagged call's indices); None: by the device."""
     batch, device = q.shape[0], q.device
     page = k_cache.shape[1]
     if block_table is not None:
@@ -353,7 +363,7 @@ def _kvcache_indices(q: Tensor, k_cache: Tensor, new: int, cache_seqlens: Any, c
     else:
         raise TypeError(f"{_KV}: cache_seqlens must be an int or an int32 tensor (batch,), got "
                         f"{type(cache_seqlens).__name__} {cache_seqlens!r}")
-    host = host_checks(device)
+    host = host_checks(device) if host is None else host
     rules: list[Rule] = []
 
     def add(rule: Rule) -> None:  # on the host each rule raises before the next one reads its values
@@ -414,18 +424,84 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
     """Decode and chunked prefill against a KV cache (see the module docstring): q (batch, seqlen_q, heads, dim);
     k_cache/v_cache (batch_cache, seqlen_cache, heads_k, dim), or with `block_table` (batch, max_blocks) int32
     paged (num_blocks, block_size, heads_k, dim); k/v (batch, seqlen_new, heads_k, dim) appended in place.
-    Every index is checked before anything is written (opdispatch.core._kv_checks)."""
+    Every index is checked before anything is written (opdispatch.core._kv_checks).
+
+    The bound path: a call whose signature (every shape, dtype and device, the flags, the context) was seen runs
+    the `_KvcacheBound` made for it — its index values checked, the append as one indexed store, the kernel bound
+    to its class called with the lengths — instead of validating and deciding again (`_kvcache_reference`)."""
     del num_splits  # flash-attn's split-KV scheduling: the chosen kernel schedules itself
+    key = None
+    if (alibi_slopes is None and cache_leftpad is None and type(q) is Tensor and type(k_cache) is Tensor
+            and type(v_cache) is Tensor and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int and not _is_compiling()
+            and not _inside.active):
+        manager = _api._manager or _api.get_manager()
+        try:
+            key = (_KV_BOUND, q.shape, q.dtype, q.device, q.stride(-1), k_cache.shape, k_cache.dtype, k_cache.device,
+                   k_cache.stride(-1), v_cache.shape, v_cache.dtype, v_cache.device, v_cache.stride(-1),
+                   _tensor_key(k), _tensor_key(v), _lengths_key(cache_seqlens), _tensor_key(cache_batch_idx),
+                   _tensor_key(block_table), _tensor_key(rotary_cos), _tensor_key(rotary_sin), rotary_interleaved,
+                   rotary_interleaved.__class__, softmax_scale, softmax_scale.__class__, causal, causal.__class__,
+                   window_size, softcap, softcap.__class__, return_softmax_lse, return_softmax_lse.__class__,
+                   _grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
+                                        or (k is not None and k.requires_grad)
+                                        or (v is not None and v.requires_grad)),
+                   _overrides(), _module(), _deterministic(), _profiling())
+            bound = manager.fast[key]
+        except KeyError:
+            pass  # the first call of this signature: the reference path remembers it
+        except (TypeError, RuntimeError):
+            key = None  # an argument that cannot key (a tensor subclass, an unhashable value): checked every call
+        else:
+            out = bound(manager, key, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                        cache_batch_idx, block_table)
+            if out is not _REFERENCE:
+                return out
+            key = None  # an index the reference path refuses, with its own error
+    return _kvcache_reference(key, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                              cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                              rotary_interleaved, alibi_slopes, return_softmax_lse)
+
+
+_KV_BOUND = "compat.flash_attn_with_kvcache"  # its keys' first field: never one of an op's
+_REFERENCE: Any = object()  # a bound call handing itself to the reference path (which raises the error)
+
+
+def _tensor_key(t: Any) -> Any:
+    """An optional tensor argument's part of the bound path's key (TypeError: not a plain tensor)."""
+    if t is None:
+        return None
+    if type(t) is not Tensor:
+        raise TypeError("not keyed")
+    return t.shape, t.dtype, t.device, t.stride(-1)
+
+
+def _lengths_key(cache_seqlens: Any) -> Any:
+    """cache_seqlens' part of the key: an int's value is checked per call, a tensor's shape, dtype and device
+    keyed (its values are data)."""
+    if type(cache_seqlens) is int:
+        return int
+    return _tensor_key(cache_seqlens)
+
+
+def _kvcache_reference(key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None,
+                       rotary_cos: Tensor | None, rotary_sin: Tensor | None, cache_seqlens: Any,
+                       cache_batch_idx: Any, cache_leftpad: Any, block_table: Any, softmax_scale: float | None,
+                       causal: bool, window_size: Any, softcap: float, rotary_interleaved: bool,
+                       alibi_slopes: Tensor | None, return_softmax_lse: bool) -> Any:
+    """The reference path: check everything, append, attend through opdispatch.attention's own KV cache. With a
+    `key`, the kernel is bound for the call's class and a `_KvcacheBound` remembered under it."""
     raise_pending(q.device)  # an earlier call's failed device-side check
-    _check_kvcache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad)
+    _check_kvcache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin)
     _window_bounds(window_size)  # a malformed window is refused before anything is written
     new = k.shape[1] if k is not None else 0
     lens, rows, leftpad, table, valid, report = _kvcache_indices(q, k_cache, new, cache_seqlens, cache_batch_idx,
-                                                         cache_leftpad, block_table)
+                                                                 cache_leftpad, block_table)
+    q_unrotated, k_unrotated = q, k
+    capacity = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
+    local = _is_local(window_size, causal, capacity)
     if rotary_cos is not None and rotary_sin is not None:
-        capacity = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
-        q, k = _rotate(q, k, rotary_cos, rotary_sin, lens, rotary_interleaved,
-                       _is_local(window_size, causal, capacity))
+        q, k = _rotate(q, k, rotary_cos, rotary_sin, lens, rotary_interleaved, local)
     if rows is None and table is None and k_cache.shape[0] != q.shape[0]:
         rows = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)  # more rows than sequences: b uses b
     if rows is not None:  # rows of the cache, in any order: one page per row (no copy)
@@ -436,12 +512,225 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
     if leftpad is not None:
         k_cache, v_cache, lens = _drop_leftpad(k_cache, v_cache, lens, leftpad, table)
         table = None
-    result = _run(q, k_cache, v_cache, "bshd", 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  False, return_softmax_lse, seqused_k=lens, block_table=table)
+    if key is None or q.shape[0] == 0:
+        result = _run(q, k_cache, v_cache, "bshd", 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      False, return_softmax_lse, seqused_k=lens, block_table=table)
+    else:
+        def remember(fn: Any) -> None:
+            if fn.decision.policy_hash == manager.policy.hash:
+                bounded_put(manager.fast, key, _KvcacheBound(fn, call, q_unrotated, k_cache, k_unrotated, block_table,
+                                                             cache_batch_idx, cache_seqlens, local, rotary_interleaved))
+
+        manager = _api._manager or _api.get_manager()
+        call = validate_attention(q, k_cache, v_cache, layout="bshd", causal=causal, causal_alignment="bottom_right",
+                                  window=_window(window_size, causal), scale=softmax_scale, softcap=softcap,
+                                  return_lse=return_softmax_lse, seqused_k=lens, block_table=table, module=_module())
+        raise_if_capturing("attention", call)
+        _inside.active = 1
+        try:
+            result = manager.run_bound("attention", call, None, (q, k_cache, v_cache, lens, table, None, None),
+                                       remember)
+        finally:
+            _inside.active = 0
     if valid is None:
         return result
     defer(report)  # after the op: this call's own check must not raise from inside it
     return poisoned(result, valid)
+
+
+class _KvcacheBound:
+    """flash_attn_with_kvcache bound for one signature: what the reference path derives from shapes, kept, and
+    the attention kernel bound for the call's class (`fn`, taking q, k_cache, v_cache, seqused_k, block_table).
+    A call checks its index values — on the host (CPU) by reading them, handing a call with any bad one to the
+    reference path, which raises its error before writing; on the device without a sync (clamped indices, an
+    all-or-nothing append, a NaN result, the error raised by the next call: core._kv_checks) — then appends with
+    one indexed store per cache and calls `fn` with the lengths. No mask, no cu_seqlens, no validation or
+    decision. Neither the caches nor any call's tensors are kept."""
+
+    __slots__ = ("fn", "decision", "signature", "described", "call", "batch", "new", "page", "capacity",
+                 "cache_rows", "paged", "own_rows", "row_table", "steps", "columns", "no_lengths", "local",
+                 "interleaved")
+
+    def __init__(self, fn: Any, call: Any, q: Tensor, k_cache: Tensor, k: Tensor | None, block_table: Tensor | None,
+                 cache_batch_idx: Tensor | None, cache_seqlens: Any, local: bool, interleaved: bool) -> None:
+        # What invalidation reads: a demotion, or a policy swap, drops this entry with the function it holds.
+        self.fn, self.decision, self.signature = fn, fn.decision, fn.signature
+        self.described = getattr(fn, "described", None) or call.describe()
+        self.call = call.stripped()  # to run the attention again after the kernel failed (`_attend_again`)
+        device = q.device
+        self.batch, self.page, self.cache_rows = q.shape[0], k_cache.shape[1], k_cache.shape[0]
+        self.new = k.shape[1] if k is not None else 0
+        self.paged = block_table is not None
+        width = block_table.shape[1] if block_table is not None else 1
+        self.capacity = self.page * width
+        self.columns = torch.arange(width, device=device)
+        # Dense without cache_batch_idx: sequence b is row b; with more rows than sequences, the kernel reads the
+        # cache as one page per row, as the reference path has it.
+        own = not self.paged and cache_batch_idx is None
+        self.own_rows = torch.arange(self.batch, device=device).unsqueeze(1) if own else None
+        self.row_table = (torch.arange(self.batch, dtype=torch.int32, device=device).unsqueeze(1)
+                          if own and self.cache_rows != self.batch else None)
+        self.steps = torch.arange(self.new, device=device)
+        self.no_lengths = torch.full((self.batch,), 0 if self.new else self.capacity, dtype=torch.int32,
+                                     device=device)  # without cache_seqlens: the reference path's lengths
+        self.local, self.interleaved = local, interleaved
+
+    def __call__(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None,
+                 v: Tensor | None, cos: Tensor | None, sin: Tensor | None, cache_seqlens: Any, rows: Any,
+                 table: Any) -> Any:
+        device, new = q.device, self.new
+        raise_pending(device)  # an earlier call's failed device-side check
+        if cache_seqlens is None:
+            lens = self.no_lengths
+        elif type(cache_seqlens) is int:
+            if not 0 <= cache_seqlens <= self.capacity - new:
+                return _REFERENCE
+            lens = torch.full((self.batch,), cache_seqlens, dtype=torch.int32, device=device)
+        else:
+            lens = cache_seqlens
+        bad = recheck = None
+        if host_checks(device):
+            if not self._valid_on_host(lens, rows, table, type(cache_seqlens) is Tensor):
+                return _REFERENCE
+        else:
+            lens, rows, table, bad, recheck = self._checked_on_device(lens, rows, table, cache_seqlens)
+        if cos is not None and sin is not None:
+            q, k = _rotate(q, k, cos, sin, lens, self.interleaved, self.local)
+        if k is not None and v is not None:
+            positions = lens.unsqueeze(1) + self.steps  # (batch, new) int64: where each new key goes
+            if self.paged:
+                index: tuple[Tensor, Tensor] = (table.gather(1, positions // self.page), positions % self.page)
+            else:
+                row_index = self.own_rows if rows is None else rows.long().unsqueeze(1)
+                assert row_index is not None  # dense without cache_batch_idx: own_rows
+                index = (row_index, positions)
+            if bad is not None:  # an invalid call writes each slot's old value back: nothing changes
+                k, v = torch.where(bad, k_cache[index], k), torch.where(bad, v_cache[index], v)
+            k_cache.index_put_(index, k)
+            v_cache.index_put_(index, v)
+            lens = lens + new
+        kernel_table = table if self.paged else self.row_table if rows is None else rows.unsqueeze(1)
+        _inside.active = 1
+        try:
+            result = self.fn(q, k_cache, v_cache, lens, kernel_table)
+        except Exception as exc:  # the breaker decides, as for the op's own fast path
+            result = _fast_path_failed(manager, key, self.fn, exc, self._attend_again,
+                                       (q, k_cache, v_cache, lens, kernel_table))
+        finally:
+            _inside.active = 0
+        if bad is None:
+            return result
+        # After the kernel: this call's own error is raised by the next call, never from inside this one.
+        assert recheck is not None  # made with `bad`
+        defer_flag(_KV, bad, recheck, device)
+        if type(result) is tuple:
+            return tuple(torch.where(bad, _NAN, r) if r.is_floating_point() else r for r in result)
+        return torch.where(bad, _NAN, result)
+
+    def _attend_again(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
+                      table: Tensor | None) -> Any:
+        """The attention of a call whose bound kernel raised (the append is done): decided again, failing over
+        as the op's own calls do."""
+        del key
+        return manager.call("attention", self.call.with_tensors(q, k_cache, v_cache, lens, table))
+
+    def _valid_on_host(self, lens: Tensor, rows: Tensor | None, table: Tensor | None, lens_given: bool) -> bool:
+        """Whether every index the reference path checks holds (read on the host: CPU, or sync checks)."""
+        new, page = self.new, self.page
+        if lens_given and not _within(lens, 0, self.capacity - new):
+            return False
+        if rows is not None:
+            if not _within(rows, 0, self.cache_rows - 1):
+                return False
+            if new and _repeats(rows):
+                return False
+        if table is not None:
+            used = self.columns < ((lens + (new + page - 1)) // page).unsqueeze(1)  # the entries the call reads
+            if not _within(torch.where(used, table, 0), 0, self.cache_rows - 1):
+                return False
+            if new:
+                positions = lens.unsqueeze(1) + self.steps
+                slots = table.gather(1, positions // page).long() * page + positions % page
+                if _repeats(slots):
+                    return False
+        return True
+
+    def _checked_on_device(self, lens: Tensor, rows: Tensor | None, table: Tensor | None, cache_seqlens: Any
+                           ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, _Recheck | None]:
+        """The same checks without a host read: (lens, rows, table) clamped into range, a 0-d bool tensor that
+        is True when any index was bad (None: nothing to check on the device), and what works out its message
+        from copies of the indices as given (`_Recheck`)."""
+        new, page = self.new, self.page
+        flags = []
+        given = [cache_seqlens if type(cache_seqlens) is Tensor else None, rows, table]
+        if given[0] is not None:
+            safe = lens.clamp(0, self.capacity - new)
+            flags.append(safe != lens)
+            lens = safe
+        if rows is not None:
+            safe = rows.clamp(0, self.cache_rows - 1)
+            flags.append(safe != rows)
+            if new:
+                ordered = safe.sort().values
+                flags.append(ordered[1:] == ordered[:-1])
+            rows = safe
+        if table is not None:
+            used = self.columns < ((lens + (new + page - 1)) // page).unsqueeze(1)
+            safe = torch.where(used, table.clamp(0, self.cache_rows - 1), table)
+            flags.append((safe != table).flatten())
+            if new:
+                positions = lens.unsqueeze(1) + self.steps
+                ordered = (safe.gather(1, positions // page).long() * page + positions % page).flatten().sort().values
+                flags.append(ordered[1:] == ordered[:-1])
+            table = safe
+        if not flags:
+            return lens, rows, table, None, None
+        bad = (torch.cat(flags) if len(flags) > 1 else flags[0]).any()
+        copies = [t.clone() if t is not None else None for t in given]  # in stream order: before any change
+        recheck = _Recheck(self.batch, self.cache_rows, self.page, new, cache_seqlens if copies[0] is None
+                           else copies[0], copies[1], copies[2])
+        return lens, rows, table, bad, recheck
+
+
+_NAN = float("nan")
+
+
+def _within(values: Tensor, low: int, high: int) -> bool:
+    """Whether every value lies in [low, high] (a host read; a short tensor as a list: cheaper than a kernel)."""
+    if values.numel() <= 32:
+        listed = values.flatten().tolist()
+        return bool(low <= min(listed) and max(listed) <= high)
+    least, most = torch.aminmax(values)
+    return low <= int(least) and int(most) <= high
+
+
+def _repeats(values: Tensor) -> bool:
+    """Whether any value occurs twice (a host read)."""
+    ordered = values.flatten().sort().values
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
+class _Recheck:
+    """The message of a bound call that the device found bad: the reference path's host check run on copies of
+    its indices (a read of the device — on the error path only)."""
+
+    __slots__ = ("batch", "cache_rows", "page", "new", "lens", "rows", "table")
+
+    def __init__(self, batch: int, cache_rows: int, page: int, new: int, lens: Any, rows: Tensor | None,
+                 table: Tensor | None) -> None:
+        self.batch, self.cache_rows, self.page, self.new = batch, cache_rows, page, new
+        self.lens, self.rows, self.table = lens, rows, table
+
+    def __call__(self) -> str:
+        cpu = torch.device("cpu")
+        q, k_cache = torch.empty(self.batch, 0), torch.empty(self.cache_rows, self.page, 0)
+        on_host = [t.to(cpu) if isinstance(t, Tensor) else t for t in (self.lens, self.rows, self.table)]
+        try:
+            _kvcache_indices(q, k_cache, self.new, on_host[0], on_host[1], None, on_host[2], host=True)
+        except ValueError as exc:
+            return str(exc)
+        return (f"{_KV}: the device-side check flagged an index that the host check of the same values accepts "
+                "(an opdispatch bug: please report it)")
 
 
 def _drop_leftpad(k_cache: Tensor, v_cache: Tensor, lens: Tensor, leftpad: Tensor,
