@@ -143,6 +143,14 @@ def gen():
     return torch.Generator().manual_seed(20240607)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_limit_read(monkeypatch):
+    """Tests that fake the graph count must not leave torch.flex's cached read of dynamo's limit behind."""
+    from opdispatch.vendors.torch_flex import _attention as flex_module
+
+    monkeypatch.setattr(flex_module, "_limit_read", [-1, 0])
+
+
 @pytest.fixture
 def untraced_flex(monkeypatch):
     """Run flex's eager path without dynamo tracing each new variant (torch's own debug switch): the same mods,
@@ -545,16 +553,43 @@ def test_compiled_flex_far_from_the_recompile_limit_leaves_dynamos_config_alone(
 
 
 def test_graphs_compiled_reads_dynamos_cache_of_the_compiled_flex(monkeypatch):
-    """The count comes from dynamo's cache entries on the compiled function's code (this torch has the API: not
-    the 'assume the limit is near' fallback), and follows them."""
-    from torch._dynamo import eval_frame
-
+    """The count comes from dynamo's cache entries on the compiled function's code, read through the C function
+    itself (this torch has it: not the 'assume the limit is near' fallback), and follows them."""
     from opdispatch.vendors.torch_flex import _attention as flex_module
 
+    reader = flex_module._cache_entry_reader()
+    assert reader is torch._C._dynamo.eval_frame._debug_get_cache_entry_list
     assert 0 <= flex_module._graphs_compiled() < 1 << 30
     seen = []
-    monkeypatch.setattr(eval_frame, "_debug_get_cache_entry_list", lambda code: seen.append(code) or [1, 2, 3])
+    monkeypatch.setattr(flex_module, "_cache_entry_reader", lambda: lambda code: seen.append(code) or [1, 2, 3])
     assert flex_module._graphs_compiled() == 3 and seen == [flex_module._flex_entry.__code__]
+    monkeypatch.setattr(flex_module, "_cache_entry_reader", lambda: None)
+    assert flex_module._graphs_compiled() == 1 << 30  # no reader: the limit counts as near
+
+
+def test_the_recompile_limit_is_read_again_when_the_graph_count_changes(monkeypatch):
+    """torch's config is read once per graph count, not per call (~1 µs each): a limit the user lowers takes
+    effect at the next new graph, the point where a call could compile one more."""
+    from opdispatch.vendors.torch_flex import _attention as flex_module
+
+    config = torch._dynamo.config
+    monkeypatch.setattr(flex_module, "_limit_read", [-1, 0])
+    scoped = []
+    monkeypatch.setattr(flex_module, "_compiled_flex", lambda: lambda q, k, v, **kw: scoped.append(
+        config.recompile_limit) or "compiled")
+    graphs = [3]
+    monkeypatch.setattr(flex_module, "_graphs_compiled", lambda: graphs[0])
+    q = torch.empty(1, 2, 4, 8)
+    with config.patch(recompile_limit=8):  # config.patch restores torch's config (monkeypatch would hide it)
+        flex_module._call_compiled(q, q, q, {})
+        assert scoped == [8] and flex_module._limit_read == [3, 8]  # room: no scope
+        config.recompile_limit = 4
+        flex_module._call_compiled(q, q, q, {})
+        assert scoped[-1] == 4 and flex_module._limit_read == [3, 8]  # same count: the limit is not read again
+        graphs[0] = 4
+        flex_module._call_compiled(q, q, q, {})
+        assert flex_module._limit_read == [4, 4]
+        assert scoped[-1] == flex_module._RECOMPILE_LIMIT  # near the lowered limit: the raised-limit scope
 
 
 def test_flex_needs_torch_2_5_and_a_triton_backend(manager, tmp_path):

@@ -127,14 +127,17 @@ def _flex_api() -> Any:
 def _flex_entry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
     """The function this adapter compiles. dynamo caches graphs per code object, shared by every torch.compile
     of it: compiling flex_attention itself would share graphs with a caller's own torch.compile(flex_attention),
-    compiled under the caller's config (donated buffers on, see `retainable`). This code object is ours alone."""
-    return _flex_api().flex_attention(q, k, v, **kwargs)
+    compiled under the caller's config (donated buffers on, see `retainable`). This code object is ours alone.
+    The module is read as an attribute chain, not through `_flex_api` (dynamo warns on every trace of a cached
+    function); `_compiled_flex` imports it first."""
+    return torch.nn.attention.flex_attention.flex_attention(q, k, v, **kwargs)
 
 
 @functools.cache
 def _compiled_flex() -> Callable[..., Any]:
     """torch.compile(flex_attention), created once per process: that is how torch turns it into one fused kernel.
     dynamo then keeps one graph per variant of mods and flags (and goes dynamic over sequence lengths)."""
+    _flex_api()  # imports torch.nn.attention.flex_attention, which _flex_entry reads as an attribute
     return torch.compile(_flex_entry)
 
 
@@ -161,10 +164,16 @@ def _dynamo_names() -> tuple[str, str | None, type[BaseException] | None]:
     return limit, None, None
 
 
+_limit_read = [-1, 0]  # [graphs held when dynamo's limit was last read, that limit]
+
+
 def _call_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Any:
     limit_name, fail_name, fail_error = _dynamo_names()
     config = torch._dynamo.config
-    if _graphs_compiled() < getattr(config, limit_name) - 1:
+    graphs = _graphs_compiled()
+    if graphs != _limit_read[0]:  # reading torch's config costs ~1 µs: once per new graph count, not per call
+        _limit_read[:] = graphs, getattr(config, limit_name)
+    if graphs < _limit_read[1] - 1:
         # Room for another graph under the user's own limit: this call cannot reach it, whatever it compiles, so
         # neither the raised limit nor the fail switch matters (no config scope: its writes cost host time).
         return _compiled_flex()(q, k, v, **kwargs)
@@ -183,11 +192,24 @@ def _call_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: di
 
 def _graphs_compiled() -> int:
     """How many graphs dynamo holds for the compiled flex (its cache entries on `_flex_entry`'s code)."""
+    entries = _cache_entry_reader()
+    return 1 << 30 if entries is None else len(entries(_flex_entry.__code__))
+
+
+@functools.cache
+def _cache_entry_reader() -> Callable[[Any], list[Any]] | None:
+    """dynamo's list of cache entries of a code object: the C function itself where this torch exposes it (its
+    Python wrapper doubles the cost), else the wrapper, else None (then the limit counts as near: the scope is
+    always entered)."""
+    reader = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    reader = getattr(reader, "_debug_get_cache_entry_list", None)
+    if reader is not None:
+        return reader  # type: ignore[no-any-return]
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:  # a torch without it: assume the limit is near (the scope is always entered)
-        return 1 << 30
-    return len(_debug_get_cache_entry_list(_flex_entry.__code__))
+    except ImportError:
+        return None
+    return _debug_get_cache_entry_list  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
@@ -334,6 +356,8 @@ def _positional_mask_mod(pos: _Positions, causal: bool, has_left: bool, has_righ
     """mask_mod for causal / window / document: True where query qi may see key ki."""
     if not (causal or has_left or has_right or varlen):
         return None
+    if not varlen:
+        return _dense_mask_mod(pos.offset, pos.left, pos.right, causal, has_left, has_right)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
         rel = pos.distance(qi, ki)
@@ -349,6 +373,26 @@ def _positional_mask_mod(pos: _Positions, causal: bool, has_left: bool, has_righ
         keep = clauses[0]
         for clause in clauses[1:]:
             keep = keep & clause
+        return keep
+
+    return mask_mod
+
+
+def _dense_mask_mod(offset: torch.Tensor, left: torch.Tensor, right: torch.Tensor, causal: bool, has_left: bool,
+                    has_right: bool) -> Callable[..., Any]:
+    """The dense positional mask over the scalars themselves, not a `_Positions` object: dynamo guards every
+    captured object's type and attributes on each call, host time the per-call timing counted (window 1024 on an
+    H100: 0.315 vs 0.275 ms back to back against torch's own flex with captured tensors,
+    benchmarks/results/flex_variants-h100.md). A right bound of 0 under causal adds nothing: it is left out."""
+    has_right = has_right and not causal
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        rel = ki - qi - offset
+        keep = rel <= 0 if causal else None
+        if has_left:
+            keep = rel >= -left if keep is None else keep & (rel >= -left)
+        if has_right:
+            keep = rel <= right if keep is None else keep & (rel <= right)
         return keep
 
     return mask_mod
@@ -612,16 +656,19 @@ class TorchFlexAttention(AttentionImpl):
         """The compiled kernel; where torch's split-KV decoding kernel (short queries) has no valid tile
         configuration — measured on an H100, torch 2.11: GQA 8/2, d128, 100 queries over 333 keys fails with
         inductor's NoValidChoicesError — run flex's regular kernel instead, and remember that shape family."""
-        family = (q.shape[1], k.shape[1], q.shape[3], v.shape[3], q.dtype, q.device.type)
-        if family in self._regular_kernel and "kernel_options" not in kwargs:
+        if self._regular_kernel and "kernel_options" not in kwargs and self._family(q, k, v) in self._regular_kernel:
             kwargs = dict(kwargs, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
         try:
             return _call_compiled(q, k, v, kwargs)
         except Exception as exc:
             if "NoValidChoicesError" not in f"{type(exc).__name__}: {exc}" or "kernel_options" in kwargs:
                 raise
-            self._regular_kernel.add(family)
+            self._regular_kernel.add(self._family(q, k, v))
             return _call_compiled(q, k, v, dict(kwargs, kernel_options={"FORCE_USE_FLEX_ATTENTION": True}))
+
+    @staticmethod
+    def _family(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, ...]:
+        return (q.shape[1], k.shape[1], q.shape[3], v.shape[3], q.dtype, q.device.type)
 
     @staticmethod
     def _layout_out(call: AttentionCall, out: torch.Tensor) -> torch.Tensor:
