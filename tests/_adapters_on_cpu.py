@@ -4,6 +4,8 @@ devices that declare the library."""
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +27,17 @@ def unbound_from_device(adapter: type, name: str) -> Any:
         __doc__=f"{adapter.__name__} unbound from its hardware (tests/_adapters_on_cpu.py)."))()
 
 
-def run_on_cpu(monkeypatch: Any, manager: Any, tmp_path: Path, modules: dict[str, Any], impl: Any) -> Any:
+def run_on_cpu(monkeypatch: Any, manager: Any, tmp_path: Path, modules: dict[str, Any], impl: Any,
+               options: dict[str, Any] | None = None) -> Any:
     """Install the fake `modules`, register `impl` (a CPU-bound subclass of the adapter, vendor 'test') and put
-    it first in the attention order."""
+    it first in the attention order, with `options` (the policy's `options` for it) when given."""
     install(monkeypatch, modules)
     manager.register_impl(impl)
     path = tmp_path / "order.yaml"
-    path.write_text("version: 1\nops:\n  attention:\n    order: ['test.*', cpu.flash, reference.math]\n")
+    text = "version: 1\nops:\n  attention:\n    order: ['test.*', cpu.flash, reference.math]\n"
+    if options:
+        text += f"    options:\n      {impl.id}: {json.dumps(options)}\n"
+    path.write_text(text)
     manager.set_policy(path)
     return manager
 

@@ -23,7 +23,8 @@ from tests.fakes import cudnn_frontend as fake
 def fe(monkeypatch, basic_manager, tmp_path):
     fake.graphs.clear()
     fake.executions.clear()
-    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake.fake_modules(), unbound_from_device(CudnnFrontendAttention, "cudnn_fe"))
+    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake.fake_modules(),
+                      unbound_from_device(CudnnFrontendAttention, "cudnn_fe"), options={"half": True})
 
 
 def _oracle(q, k, v, scale, causal, window, bottom_right):
@@ -141,3 +142,31 @@ def test_fp8_on_a_simulated_h100_picks_the_frontend_and_says_why_not_others(tmp_
     # bf16 calls keep their pick: nvidia.cudnn
     bf = opdispatch.explain(*meta_qkv(), causal=True, device=with_fe)
     assert bf.chosen_id == "nvidia.cudnn"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_calls_are_opt_in_and_explain_says_why(tmp_path, monkeypatch, manager, dtype):
+    """bf16/fp16 calls reach the frontend only with its `half` option (a graph per new shape: 0.07-1.0 s on an
+    H100): by default a windowed inference call on a simulated H100 with the wheel goes to torch's FA2 and the
+    frontend's reason names the option; with the option it is eligible; FP8 is eligible either way."""
+    with_fe = device_with_library(tmp_path, "h100", "cudnn_frontend", "1.32.0")
+    q, k, v = (t.to(dtype) for t in meta_qkv(sq=4096, sk=4096))
+    d = opdispatch.explain(q, k, v, causal=True, window=(1024, 0), device=with_fe)
+    fe_cand = next(c for c in d.candidates if c.impl_id == "nvidia.cudnn_frontend")
+    assert d.chosen_id == "nvidia.flash" and fe_cand.status == "rejected"
+    assert any("half: true" in r and "graph per new shape" in r for r in fe_cand.reasons)
+    policy = tmp_path / "half.yaml"
+    policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
+                      "      nvidia.cudnn_frontend: {half: true}\n    rules:\n      - name: fixed-shape-window\n"
+                      "        when: {window: true, requires_grad: false}\n        prefer: [nvidia.cudnn_frontend]\n"
+                      "        reason: fixed-shape inference\n")
+    monkeypatch.setenv("OPDISPATCH_POLICY", str(policy))
+    opdispatch.get_manager().reload()
+    d = opdispatch.explain(q, k, v, causal=True, window=(1024, 0), device=with_fe)
+    assert d.chosen_id == "nvidia.cudnn_frontend" and d.decided_by.rule == "fixed-shape-window"
+    one = torch.ones((), device="meta")
+    fp8 = [t.to(torch.float8_e4m3fn) for t in meta_qkv()]
+    monkeypatch.delenv("OPDISPATCH_POLICY")
+    opdispatch.get_manager().reload()
+    d = opdispatch.explain(*fp8, causal=True, q_descale=one, k_descale=one, v_descale=one, device=with_fe)
+    assert d.chosen_id == "nvidia.cudnn_frontend"

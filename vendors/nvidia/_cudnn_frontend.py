@@ -39,6 +39,7 @@ import threading
 from typing import Any, ClassVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 from opdispatch.plugins.toolkit import FP8_DTYPES, FP8_OUT_DTYPES
@@ -84,6 +85,20 @@ class _Graphs:
             return self.handles[index]
 
 
+class CudnnFrontendOptions(BaseModel):
+    """Policy knobs of `nvidia.cudnn_frontend` (`ops.attention.options."nvidia.cudnn_frontend"` in the policy)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    half: bool = Field(
+        default=False,
+        description="take bf16/fp16 calls too (FP8 calls always). Off by default: cuDNN builds a graph per new "
+                    "shape — 0.07-1.0 s each on an H100 (benchmarks/results/policy-proof-window-h100/"
+                    "policy_proof.json, first_call_s) — which a workload of changing lengths pays at every new "
+                    "length; at repeated shapes it is the fastest windowed forward there (14-61% over torch's FA2, "
+                    "same file). Turn on for fixed-shape inference")
+
+
 class CudnnFrontendAttention(AttentionImpl):
     vendor: ClassVar[str] = "nvidia"
     name: ClassVar[str] = "cudnn_frontend"
@@ -103,16 +118,22 @@ class CudnnFrontendAttention(AttentionImpl):
         deterministic_forward=False,
     )
 
+    options_model: ClassVar[type[BaseModel]] = CudnnFrontendOptions
+
     def __init__(self) -> None:
         super().__init__()
         self._graphs = _Graphs()
 
     def selection_key(self, call: AttentionCall) -> Any:
-        return ()  # extra_reasons reads the dtype, head dims and the device: no sizes
+        return ()  # extra_reasons reads the dtype, head dims, the options and the device: no sizes
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         if not call.fp8:
-            return []
+            if self.options.half:
+                return []
+            return ["bf16/fp16 calls are off by default: cuDNN builds a graph per new shape (0.07-1.0 s on an "
+                    "H100), paid at every new length; enable with ops.attention.options."
+                    "'nvidia.cudnn_frontend': {half: true} for fixed-shape inference"]
         reasons = []
         if device.capability is not None and device.capability < (9, 0):
             reasons.append(f"cuDNN FP8 SDPA needs Hopper or newer (sm90+), device is sm{device.capability[0]}"
