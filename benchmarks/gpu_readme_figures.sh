@@ -15,6 +15,8 @@
 #            (benchmarks/te_module.py; issue 33)
 #   masked   a padded batch's decode with a boolean mask vs torch's SDPA (benchmarks/masked_decode.py; issue 31)
 #   flexlong the long-sequence flex GPU test (16k softcap must stay fused; issue 29: it did not finish in 170 s)
+#   kvc      flash_attn_with_kvcache decode vs the raw kernel with its append, dense and 256-key pages
+#            (benchmarks/kvcache_decode.py; issue 31)
 #   kv       KV-cache calls: decode over dense and paged caches, and paged varlen (chunked prefill) against
 #            torch's best way (benchmarks/kv_cache.py; issue 29)
 #   determinism  the GPU tests of deterministic backwards under torch's flag (tests/gpu/test_issue10_gpu.py)
@@ -66,12 +68,19 @@ for part in $parts; do
       timeout 240 python3 -m pytest -q -rxXsf -p no:cacheprovider --rootdir "$repo" --durations=3 \
         "$repo/tests/gpu/test_flex_gpu.py" -k "long_call_stays_fused" > "$out/gpu-tests-flex-long-h100.txt" 2>&1
       echo "flexlong exit $?"; tail -8 "$out/gpu-tests-flex-long-h100.txt" ;;
+    kvc)
+      for paged in 0 256; do
+        timeout 120 python3 "$repo/benchmarks/kvcache_decode.py" --device cuda --dtype bf16 --batch 8 --capacity 4096 \
+          --start 2048 --paged $paged --out "$out/kvcache_decode-paged$paged-h100.json" \
+          > "$out/kvcache_decode-paged$paged-h100.log" 2>&1
+        echo "kvcache_decode paged=$paged exit $?"; grep -E "^\|" "$out/kvcache_decode-paged$paged-h100.log" | tail -5
+      done ;;
     kv)
       timeout 240 python3 "$repo/benchmarks/kv_cache.py" > "$out/kv_cache-h100.md" 2>&1
       echo "kv_cache exit $?"; grep -E "^(\| paged varlen|paged varlen|    )" "$out/kv_cache-h100.md" | tail -30 ;;
     masked)
       timeout 150 python3 "$repo/benchmarks/masked_decode.py" --batch 32 > "$out/masked_decode-h100.txt" 2>&1
       echo "masked_decode exit $?"; tail -12 "$out/masked_decode-h100.txt" ;;
-    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked, kv, flexlong)"; exit 2 ;;
+    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked, kv, kvc, flexlong)"; exit 2 ;;
   esac
 done
