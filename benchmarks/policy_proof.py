@@ -168,6 +168,11 @@ RULE_CASES: dict[str, list[tuple[Case, bool]]] = {
     "decode-on-flash": [  # seqlen_q <= 16
         (_c("decode", **DECODE), True), (_c("decode", **{**DECODE, "sq": 16}), False),
         (_c("decode", **{**DECODE, "sq": 17}), True)],
+    "flex-for-d64-window-inference": [  # window, head_dim 64, bf16, requires_grad false, seqlen_q > 16
+        (_c("window", **{**WINDOW, "d": 64}), True), (_c("window", **{**WINDOW, "d": 64, "sq": 16384, "sk": 16384}),
+                                                      False),
+        (_c("window", "fwd", "fp16", **{**WINDOW, "d": 64}), True), (_c("window", **{**WINDOW, "d": 96}), True),
+        (_c("window", "train", **{**WINDOW, "d": 64}), False)],
     "flex-for-softcap": [  # softcap; claimed 2 x 4096, 16/8 heads, forward and with its backward
         (_c("softcap", **{**GQA, "hq": 16}), True), (_c("softcap", "train", **{**GQA, "hq": 16}), True),
         (_c("dense", **{**GQA, "hq": 16}), False)],
