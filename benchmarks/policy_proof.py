@@ -551,12 +551,49 @@ def write_reports(out: Path, result: dict[str, Any]) -> None:
         os.replace(tmp, out / name)
 
 
+def merge_reports(dirs: list[Path], out: Path) -> int:
+    """One report from several runs' policy_proof.json (a full run, then runs of the cases a policy change
+    touched): a case measured again replaces its earlier record, the rules are the last run's (the current
+    policy's), and the verdicts and summary are computed over the union. Each source is named with its commit,
+    device and the cases it contributed; runs on another device are refused."""
+    runs = [(d, json.loads((d / "policy_proof.json").read_text())) for d in dirs]
+    device = runs[-1][1]["environment"]["device"]
+    cases: dict[str, dict[str, Any]] = {}
+    origin: dict[str, Path] = {}
+    for d, run in runs:
+        if run["environment"]["device"] != device:
+            raise SystemExit(f"--merge: {d} was measured on {run['environment']['device']}, not {device}")
+        for record in run["cases"]:
+            cases[record["name"]] = record
+            origin[record["name"]] = d
+    last = runs[-1][1]
+    rules = last["rules"]
+    records = list(cases.values())
+    summary = summarize(records, rules)
+    status = exit_status(records, len(records))
+    sources = [{"dir": str(d), "commit": run["environment"].get("commit"),
+                "fast_path": run["environment"].get("fast_path", "python"), "policy_hash": run["policy"]["hash"],
+                "cases": sum(origin[n] == d for n in cases)} for d, run in runs]
+    result = {"environment": last["environment"], "argv": ["benchmarks/policy_proof.py", "--merge",
+                                                           *map(str, dirs), "--out", str(out)],
+              "policy": last["policy"], "rules": last["rules"], "selected": len(records), "cases": records,
+              "summary": summary, "left": [], "sources": sources,
+              "verdict": {0: "PASS", 1: "FAIL", 2: "INCOMPLETE"}[status], "exit_status": status}
+    write_reports(out, result)
+    print(f"merged {len(records)} cases from {len(dirs)} runs: geomean regret {_pct(summary['geomean_regret'])}, "
+          f"worst {_pct(summary['worst_regret'])} ({summary['worst_case']}); {summary['counts']}")
+    return status
+
+
 def markdown(result: dict[str, Any]) -> str:
     env, summary, policy = result["environment"], result["summary"], result["policy"]
     lines = ["# Attention policy proof", "",
              f"Device: **{env['device']}**; " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "device") + ".",
              f"Policy: `{policy['source']}` (hash {policy['hash']}). Tolerance {summary['tolerance']:.0%}. "
              f"Command: `{' '.join(result['argv'])}`.", "",
+             *([f"Merged from (a case measured again replaces its earlier record): " + "; ".join(
+                 f"`{src['dir']}` (commit {src['commit']}, fast path {src['fast_path']}, policy {src['policy_hash']}:"
+                 f" {src['cases']} cases)" for src in result["sources"]), ""] if result.get("sources") else []),
              f"Cases: {len(result['cases'])} of {result['selected']} measured; "
              + ", ".join(f"{v} {n}" for v, n in summary["counts"].items()) + ".",
              f"**Geomean regret: {_pct(summary['geomean_regret'])}; worst: {_pct(summary['worst_regret'])}"
@@ -614,6 +651,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="seconds after which no more work starts (results so far are written); 0: no budget")
     ap.add_argument("--resume", action="store_true", help="keep the complete cases of DIR/policy_proof.json and "
                                                           "measure only the rest")
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
+                    help="no measuring: merge these runs' reports into --out (later runs' cases replace earlier)")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for name in ("reps", "rounds", "warmup"):
@@ -632,6 +671,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge_reports(args.merge, args.out)
     manager = opdispatch.get_manager()
     if args.policy is not None:
         manager.set_policy(str(args.policy))

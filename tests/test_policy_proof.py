@@ -216,9 +216,40 @@ def test_tiny_run_reports_every_timing_and_its_regret(tmp_path):
     assert [c["times_ms"] for c in resumed["cases"]] == [c["times_ms"] for c in result["cases"]]
 
 
+def _run_json(tmp_path, name, device, cases, rules=()):
+    d = tmp_path / name
+    d.mkdir()
+    records = [dict(_record(n, times, pick), times_ms=times, mode="fwd", dtype="bf16", decided_by="order",
+                    policy_ms=None, errors={}, first_call_s={}) for n, times, pick in cases]
+    (d / "policy_proof.json").write_text(json.dumps({
+        "environment": {"device": device, "commit": name}, "policy": {"source": "x.yaml", "hash": name},
+        "rules": list(rules), "cases": records, "argv": []}))
+    return d
+
+
+def test_merge_keeps_the_latest_record_of_each_case_and_recomputes_the_verdict(tmp_path):
+    """A later run's case replaces the earlier record (a rule changed and its cases were measured again); the
+    summary and verdict come from the union; the sources are named; another device's run is refused."""
+    rule = {"name": "r", "layer": "default", "where": "x.yaml:1", "timing": True, "has_cases": True}
+    full = _run_json(tmp_path, "full", "H100", [("a", {"x": 1.0, "y": 1.5}, "x"), ("b", {"x": 1.2, "y": 1.0}, "x")])
+    again = _run_json(tmp_path, "again", "H100", [("b", {"x": 1.2, "y": 1.0}, "y")], [rule])
+    out = tmp_path / "merged"
+    assert proof.merge_reports([full, again], out) == 0
+    merged = json.loads((out / "policy_proof.json").read_text())
+    assert {c["name"]: c["pick"] for c in merged["cases"]} == {"a": "x", "b": "y"}
+    assert merged["verdict"] == "PASS" and merged["summary"]["worst_regret"] == 0.0
+    assert [(s["commit"], s["cases"]) for s in merged["sources"]] == [("full", 1), ("again", 1)]
+    assert "Merged from" in (out / "policy_proof.md").read_text()
+    assert proof.merge_reports([again, full], tmp_path / "stale") == 1  # the older record wins when given last
+    other = _run_json(tmp_path, "other", "H200", [("a", {"x": 1.0}, "x")])
+    with pytest.raises(SystemExit, match="H200"):
+        proof.merge_reports([full, other], tmp_path / "mixed")
+
+
 # -- the committed H100 proof still describes the policy in this checkout ------------------------------------
 
-H100_PROOF = REPO / "benchmarks" / "results" / "policy-proof-h100" / "policy_proof.json"
+# The full H100 run merged with the runs of the cases later policy changes touched (`--merge`).
+H100_PROOF = REPO / "benchmarks" / "results" / "policy-proof-h100-merged" / "policy_proof.json"
 
 
 def _proof_records() -> list[dict]:

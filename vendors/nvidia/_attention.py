@@ -329,12 +329,18 @@ class TorchFlashAttention(AttentionImpl):
         lse=True, backward=True, deterministic_backward=True,
         # KV caches through _flash_attention_forward's seqused_k/block_table (torch.nn.attention.varlen's path;
         # forward only: "Inference-only (not supported in backward)"), queries packed.
-        causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, page_size_multiple=_TORCH_PAGE,
+        # Paged caches of any page size: natively where torch's op takes block_table and the pages hold a multiple
+        # of 256 keys, else their pages gathered into rows first (`_gathered_pages`, bounded by
+        # _PAGED_GATHER_MAX_BYTES).
+        causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
-        # No sizes; torch's global determinism flag, which extra_reasons reads for deterministic training.
-        return (call.deterministic and call.requires_grad and torch.are_deterministic_algorithms_enabled(),)
+        # torch's global determinism flag, which extra_reasons reads for deterministic training; for a paged call
+        # whether its gather would pass the bound (sizes: a call class may hold both).
+        gather_too_big = call.paged and not _native_pages(call) and _gathered_bytes(call) > _PAGED_GATHER_MAX_BYTES
+        return (call.deterministic and call.requires_grad and torch.are_deterministic_algorithms_enabled(),
+                gather_too_big)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
@@ -347,10 +353,16 @@ class TorchFlashAttention(AttentionImpl):
             reasons.append("this torch's _flash_attention_forward has no window_size_left argument")
         if call.kv_cache:
             reasons += kv_cache_reasons(call, "torch's FlashAttention")
-            for name in ("seqused_k", "block_table") if call.paged else ("seqused_k",):
-                if name not in _FLASH_FORWARD_ARGS:
-                    reasons.append(f"this torch's _flash_attention_forward has no {name} argument (torch 2.11 "
-                                   "has seqused_k only; 2.13 has both)")
+            if "seqused_k" not in _FLASH_FORWARD_ARGS:
+                reasons.append("this torch's _flash_attention_forward has no seqused_k argument (torch 2.11 and "
+                               "2.13 have it)")
+            if call.paged and not _native_pages(call) and _gathered_bytes(call) > _PAGED_GATHER_MAX_BYTES:
+                reasons.append(
+                    f"paged cache: this torch's FlashAttention reads pages natively only with a block_table "
+                    f"argument (torch 2.13) and pages of a multiple of {_TORCH_PAGE} keys, else its pages are "
+                    f"gathered per call, which here would copy {_gathered_bytes(call) / 2**20:.0f} MiB (the block "
+                    f"table's {call.block_table.shape[1]} pages per sequence) — over the "
+                    f"{_PAGED_GATHER_MAX_BYTES >> 20} MiB bound; narrow the block table to the pages in use")
         return reasons
 
     def bind(self, call: AttentionCall) -> Any:
@@ -414,6 +426,35 @@ def _windowed_flash(causal: bool, scale: float, left: int, right: int) -> Any:
     return kernel
 
 
+# A paged call without native pages copies its block table's pages each call; past this it is declined (a table
+# sized for the model's longest context, most of it unused, would copy gigabytes per call).
+_PAGED_GATHER_MAX_BYTES = 1 << 30
+
+
+def _native_pages(call: AttentionCall) -> bool:
+    """Whether torch's op reads this call's pages itself: it takes block_table and the pages are FA2's size."""
+    return "block_table" in _FLASH_FORWARD_ARGS and call.page_size % _TORCH_PAGE == 0
+
+
+def _gathered_bytes(call: AttentionCall) -> int:
+    rows = call.batch * call.block_table.shape[1] * call.page_size
+    return rows * call.heads_kv * (call.head_dim + call.head_dim_v) * call.k.element_size()
+
+
+def _gathered_pages(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v of the pages each sequence's block table names, in order, as (batch * max_pages * page_size,
+    heads_kv, dim) rows: a dense cache of max_pages * page_size keys per sequence, which the op reads with
+    seqused_k (measured on an H100: torch's FA2 over gathered pages 0.29 ms against 0.52 for flagos.triton's paged
+    kernel, benchmarks/results/kv_cache-h100.md, paged varlen). Entries past a sequence's used pages are
+    anything a caller left there: clamped into the pool (their keys lie beyond seqused_k and are never read);
+    the used ones are the caller's to get right, as for a kernel reading pages natively (attention() checks them
+    on the host on CPU or with OPDISPATCH_SYNC_CHECKS=1)."""
+    table = call.block_table.clamp(0, call.k.shape[0] - 1).long()
+    k = call.k[table].reshape(-1, call.k.shape[2], call.k.shape[3])
+    v = call.v[table].reshape(-1, call.v.shape[2], call.v.shape[3])
+    return k, v
+
+
 def _torch_flash_kv_cache(call: AttentionCall) -> Any:
     """A KV-cache call through _flash_attention_forward's packed path: queries packed, the cache paged (the call's
     pages) or packed per sequence (a dense cache as (batch * capacity) rows: a view of a bshd cache)."""
@@ -421,9 +462,12 @@ def _torch_flash_kv_cache(call: AttentionCall) -> Any:
     kwargs: dict[str, Any] = {"scale": call.scale, "seqused_k": call.seqused_k}
     if call.window is not None:
         kwargs["window_size_left"], kwargs["window_size_right"] = call.window
-    if call.paged:
+    if call.paged and _native_pages(call):
         k, v, cu_k = call.k, call.v, cumulative_lengths(call.seqused_k)
         kwargs["block_table"] = call.block_table
+    elif call.paged:
+        k, v = _gathered_pages(call)
+        cu_k = uniform_cu_seqlens(call.batch, call.block_table.shape[1] * call.page_size, k.device)
     elif call.varlen:
         k, v, cu_k = call.k, call.v, call.cu_seqlens_k
     else:
