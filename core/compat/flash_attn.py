@@ -549,7 +549,7 @@ class _KvcacheBound:
 
     __slots__ = ("fn", "decision", "signature", "described", "call", "batch", "new", "page", "capacity",
                  "cache_rows", "paged", "own_rows", "row_table", "steps", "columns", "page_starts", "no_lengths",
-                 "local", "interleaved", "recheck")
+                 "local", "interleaved", "recheck", "nan")
 
     def __init__(self, fn: Any, call: Any, q: Tensor, k_cache: Tensor, k: Tensor | None, block_table: Tensor | None,
                  cache_batch_idx: Tensor | None, cache_seqlens: Any, local: bool, interleaved: bool) -> None:
@@ -575,6 +575,9 @@ class _KvcacheBound:
         self.no_lengths = torch.full((self.batch,), 0 if self.new else self.capacity, dtype=torch.int32,
                                      device=device)  # without cache_seqlens: the reference path's lengths
         self.local, self.interleaved = local, interleaved
+        # NaN as a 0-d tensor made once (a Python float is wrapped into a tensor at every call); 0-d, it takes on
+        # the result's dtype in torch.where.
+        self.nan = torch.full((), _NAN, dtype=torch.float32, device=device)
         self.recheck = _Recheck(self.batch, self.cache_rows, self.page, self.new, cache_batch_idx is not None,
                                 width if self.paged else 0)
 
@@ -628,8 +631,8 @@ class _KvcacheBound:
         assert report is not None  # made with `bad`
         defer_report(device, report, self.recheck)
         if type(result) is tuple:
-            return tuple(torch.where(bad, _NAN, r) if r.is_floating_point() else r for r in result)
-        return torch.where(bad, _NAN, result)
+            return tuple(torch.where(bad, self.nan, r) if r.is_floating_point() else r for r in result)
+        return torch.where(bad, self.nan, result)
 
     def _attend_again(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
                       table: Tensor | None) -> Any:
