@@ -13,20 +13,24 @@ checks them in one of two ways:
   verdict is computed on the device without a sync and never as a device assert. The call goes on with every
   index clamped into range (so no kernel reads or writes out of bounds), its writes are all-or-nothing
   (``torch.where(valid, new, old)``: an invalid call changes no slot) and its output is NaN. The first bad
-  (argument, index, value) is copied non-blocking into pinned host memory behind a CUDA event, and the next
-  KV-cache call on that device — or `check_pending_errors` — raises it as `KvCacheIndexError`.
+  (argument, index, value) is copied non-blocking into a row of a preallocated host ring (pinned memory, one
+  reused CUDA event per row: no allocation per call), and the next KV-cache call on that device whose check has
+  finished by then — or `check_pending_errors`, which waits — raises it as `KvCacheIndexError`. A call asks only
+  the oldest report's event (events of one stream complete in order); a row is written again only after the host
+  read it, so a host a whole ring ahead of the device waits for the oldest copy rather than overwrite it.
 
-A path that runs every step (``flash_attn_with_kvcache``'s bound path) reports more cheaply with `defer_flag`:
-only the verdict goes to the host, with copies of the call's indices taken in stream order (the caller may change
-its ``cache_seqlens`` in place right after the call); the message is worked out from those copies on the host,
-by the same host check, only once the verdict says the call was bad (that read is the one sync, on the error
-path only).
+A path that runs every step (``flash_attn_with_kvcache``'s bound path) reports more cheaply with `defer_report`:
+one row holding its verdict and its indices as given, copied in stream order (the caller may change its
+``cache_seqlens`` in place right after the call); the message is worked out from that host copy, by the same host
+check, only once the verdict says the call was bad — no device read, no device copy of the indices.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -169,37 +173,122 @@ def device_verdict(fn: str, rules: list[Rule], device: torch.device) -> tuple[to
 
 
 def defer(report: Any) -> None:
-    """Record a `device_verdict` report: its first bad (rule, position, value) is copied to the host behind an
-    event, for `raise_pending` / `check_pending_errors` to raise."""
-    _record(*report)
+    """Record a `device_verdict` report: its first bad (rule, position, value) is copied to the host (a ring row,
+    behind an event), for `raise_pending` / `check_pending_errors` to raise."""
+    fn, rules, values, device = report
+    # Only what the message needs is kept: the rules' names and texts, not their (possibly large) tensors.
+    defer_report(device, values, _RuleMessage(fn, [_described(rule) for rule in rules]))
 
 
-@dataclass
-class _Pending:
-    fn: str
-    rules: list[Rule]
-    host: torch.Tensor  # (4,) int64: flagged, rule index, position, value; or (1,) bool: flagged (`describe`)
-    event: Any  # a torch.cuda.Event (None: the copy is done)
-    describe: Callable[[], str] | None = None  # `defer_flag`'s message, worked out once flagged
-
-
-def defer_flag(fn: str, bad: torch.Tensor, describe: Callable[[], str], device: torch.device) -> None:
-    """Record a call's device-side verdict `bad` (a 0-d bool tensor, True when an index was out of range),
-    copied to the host behind an event; once it reads True, `describe()` gives the error's message (it may read
-    the device: it runs on the error path only). The cheap form of `defer` (see the module docstring)."""
-    event = None
-    if device.type == "cuda":
-        host = torch.empty(1, dtype=torch.bool, pin_memory=True)
-        host.copy_(bad.view(1), non_blocking=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record()
-    else:
-        host = bad.view(1).to("cpu", copy=True)
+def defer_report(device: torch.device, values: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> None:
+    """Record a call's device-side report `values` (a 1-D integer tensor on `device`, its first entry nonzero
+    when the call had a bad index; the rest what `describe` needs): copied in stream order, without a sync, into
+    a preallocated host row (`_Ring`); once the copy is done and the row reads bad, `describe(row)` (a CPU copy
+    of the row) gives the error's message. Never raises: a failure is raised by `raise_pending` or
+    `check_pending_errors`."""
+    state = _states.get(device) or _state(device)
     with _lock:
-        _pending.setdefault(_device_key(device), []).append(_Pending(fn, [], host, event, describe))
+        ring = state.rings.get((values.shape[0], values.dtype)) or state.ring(values.shape[0], values.dtype)
+        slot = ring.next
+        while ring.taken[slot]:  # the host is a whole ring ahead of the device: wait for that row's copy
+            state.settle(wait=True, limit=1)
+        ring.rows[slot].copy_(values, non_blocking=True)
+        event = ring.events[slot]
+        if event is None:
+            event = ring.events[slot] = _event_for(device)
+        if event is not None:
+            event.record()
+        ring.taken[slot] = True
+        ring.next = slot + 1 if slot + 1 < len(ring.rows) else 0
+        state.pending.append((ring, slot, describe))
 
 
-_pending: dict[torch.device, list[_Pending]] = {}
+RING_ROWS = 256  # reports in flight per (device, row width): the host rarely runs further ahead of a GPU
+
+
+def _event_for(device: torch.device) -> Any:
+    """An event to record after a row's copy (None: the copy is synchronous, as on CPU)."""
+    return torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+
+
+class _Ring:
+    """Host rows that reports are copied into (pinned on CUDA, so the copy does not sync), handed out round-robin:
+    a row is handed out again only after the host read it, which it does once its copy finished (its event
+    completed). Its events are made once per row and recorded again at each use: no allocation per call."""
+
+    __slots__ = ("host", "rows", "events", "taken", "next", "words", "width")
+
+    def __init__(self, device: torch.device, width: int, dtype: torch.dtype) -> None:
+        self.host = torch.zeros(RING_ROWS, width, dtype=dtype, pin_memory=device.type == "cuda")
+        self.rows = list(self.host.unbind(0))  # the rows' views, made once
+        self.events: list[Any] = [None] * RING_ROWS
+        self.taken = [False] * RING_ROWS
+        self.next = 0
+        # Each row's first entry (the verdict) read straight from host memory: a tensor read costs two ops.
+        word = ctypes.c_int32 if dtype == torch.int32 else ctypes.c_int64
+        self.words = (word * (RING_ROWS * width)).from_address(self.host.data_ptr())
+        self.width = width
+
+    def bad(self, slot: int) -> bool:
+        """Whether the report in row `slot` (copied: its event completed) says its call was bad."""
+        return bool(self.words[slot * self.width])
+
+
+class _Verdicts:
+    """One device's rings, its reports in flight (oldest first) and the first failure found, not yet raised."""
+
+    __slots__ = ("device", "rings", "pending", "failed")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rings: dict[tuple[int, torch.dtype], _Ring] = {}
+        self.pending: deque[tuple[_Ring, int, Callable[[torch.Tensor], str]]] = deque()
+        self.failed: KvCacheIndexError | None = None
+
+    def ring(self, width: int, dtype: torch.dtype) -> _Ring:
+        ring = self.rings[width, dtype] = _Ring(self.device, width, dtype)
+        return ring
+
+    def settle(self, wait: bool, limit: int = -1) -> None:
+        """Read the finished reports, oldest first (up to `limit`), stopping at one still in flight (`wait`: waiting
+        for it); keep the first failure. Events of one stream complete in order: only the oldest is asked."""
+        while self.pending and limit:
+            ring, slot, describe = self.pending[0]
+            event = ring.events[slot]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            self.pending.popleft()
+            if self.failed is None and ring.bad(slot):
+                message = describe(ring.rows[slot].clone())
+                self.failed = KvCacheIndexError(f"an earlier KV-cache call on {self.device} had a bad index, found "
+                                                f"on the device (that call wrote nothing and returned NaN): {message}")
+            ring.taken[slot] = False  # read: the row may be written again
+            limit -= 1
+
+    def take_failure(self, wait: bool) -> KvCacheIndexError | None:
+        """The first failure among the finished reports (all of them with `wait`), once."""
+        with _lock:
+            self.settle(wait)
+            failed, self.failed = self.failed, None
+            return failed
+
+
+class _RuleMessage:
+    """`defer`'s message: the rule (row[1]) with its position (row[2]) and value (row[3])."""
+
+    __slots__ = ("fn", "rules")
+
+    def __init__(self, fn: str, rules: list[Rule]) -> None:
+        self.fn, self.rules = fn, rules
+
+    def __call__(self, row: torch.Tensor) -> str:
+        _, rule, position, value = (int(x) for x in row)
+        return self.rules[rule].message(self.fn, position, value)
+
+
+_states: dict[torch.device, _Verdicts] = {}
 _lock = threading.Lock()
 
 
@@ -212,19 +301,13 @@ def _device_key(device: torch.device | str) -> torch.device:
     return device
 
 
-def _record(fn: str, rules: list[Rule], report: torch.Tensor, device: torch.device) -> None:
-    event = None
-    if device.type == "cuda":
-        host = torch.empty(4, dtype=torch.long, pin_memory=True)
-        host.copy_(report, non_blocking=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record()
-    else:
-        host = report.to("cpu", copy=True)
-    # Only what the message needs is kept: the rules' names and texts, not their (possibly large) tensors.
-    kept = [_described(rule) for rule in rules]
+def _state(device: torch.device) -> _Verdicts:
+    """`device`'s verdicts, made at its first report."""
+    key = _device_key(device)
     with _lock:
-        _pending.setdefault(_device_key(device), []).append(_Pending(fn, kept, host, event))
+        state = _states.get(key) or _Verdicts(key)
+        _states[key] = state
+    return state
 
 
 def _described(rule: Rule) -> Rule:
@@ -234,40 +317,18 @@ def _described(rule: Rule) -> Rule:
     return Bound(rule.name, meta, 0, 0, rule.allowed, rule.fix)
 
 
-def _take_flagged(device: torch.device | None, wait: bool) -> KvCacheIndexError | None:
-    """The first flagged error among the finished checks (all of them with `wait`), dropping finished ones."""
-    with _lock:
-        devices = list(_pending) if device is None else [device]
-        for dev in devices:
-            keep, found = [], None
-            for entry in _pending.get(dev, []):
-                if entry.event is not None and not entry.event.query():
-                    if not wait:
-                        keep.append(entry)
-                        continue
-                    entry.event.synchronize()
-                if found is None and int(entry.host[0]):
-                    if entry.describe is not None:
-                        message = entry.describe()
-                    else:
-                        rule = entry.rules[int(entry.host[1])]
-                        message = rule.message(entry.fn, int(entry.host[2]), int(entry.host[3]))
-                    found = KvCacheIndexError(f"an earlier KV-cache call on {dev} had a bad index, found on the "
-                                              f"device (that call wrote nothing and returned NaN): {message}")
-            if keep:
-                _pending[dev] = keep
-            else:
-                _pending.pop(dev, None)
-            if found is not None:
-                return found
-    return None
-
-
 def raise_pending(device: torch.device) -> None:
     """Raise the error of an earlier call on `device` whose device-side check has finished and failed (no sync:
     checks still running stay pending). Called at the start of every KV-cache call."""
-    if _pending:
-        error = _take_flagged(_device_key(device), wait=False)
+    state = _states.get(device)
+    if state is None:
+        if not _states:
+            return
+        state = _states.get(_device_key(device))
+        if state is None:
+            return
+    if state.pending or state.failed is not None:
+        error = state.take_failure(wait=False)
         if error is not None:
             raise error
 
@@ -275,8 +336,9 @@ def raise_pending(device: torch.device) -> None:
 def check_pending_errors(device: torch.device | str | None = None) -> None:
     """Wait for every pending device-side KV-cache index check (on `device`, or all) and raise the first failure
     as `KvCacheIndexError`; returns None when every checked call was valid."""
-    if _pending:
-        error = _take_flagged(_device_key(device) if device is not None else None, wait=True)
+    states = list(_states.values()) if device is None else [s for s in (_states.get(_device_key(device)),) if s]
+    for state in states:
+        error = state.take_failure(wait=True)
         if error is not None:
             raise error
 
@@ -290,5 +352,5 @@ def poisoned(result: Any, valid: torch.Tensor) -> Any:
 
 
 __all__ = ["Bound", "KvCacheIndexError", "MODE_ENV", "SYNC_ENV", "Unique", "check_index_tensor",
-           "check_pending_errors", "defer", "defer_flag", "device_verdict", "host_checks", "poisoned", "raise_first",
+           "check_pending_errors", "defer", "defer_report", "device_verdict", "host_checks", "poisoned", "raise_first",
            "raise_pending", "sync_checks"]

@@ -38,7 +38,7 @@ from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compili
 from .._attention import validate_attention
 from .._graphs import raise_if_capturing
 from .._kv_checks import Bound, KvCacheIndexError, Rule, Unique, check_index_tensor, check_pending_errors, \
-    defer, defer_flag, device_verdict, host_checks, poisoned, raise_first, raise_pending
+    defer, defer_report, device_verdict, host_checks, poisoned, raise_first, raise_pending
 from .._rotary import rotary_embedding
 from .._state import bounded_put
 
@@ -548,8 +548,8 @@ class _KvcacheBound:
     decision. Neither the caches nor any call's tensors are kept."""
 
     __slots__ = ("fn", "decision", "signature", "described", "call", "batch", "new", "page", "capacity",
-                 "cache_rows", "paged", "own_rows", "row_table", "steps", "columns", "no_lengths", "local",
-                 "interleaved")
+                 "cache_rows", "paged", "own_rows", "row_table", "steps", "columns", "page_starts", "no_lengths",
+                 "local", "interleaved", "recheck", "nan")
 
     def __init__(self, fn: Any, call: Any, q: Tensor, k_cache: Tensor, k: Tensor | None, block_table: Tensor | None,
                  cache_batch_idx: Tensor | None, cache_seqlens: Any, local: bool, interleaved: bool) -> None:
@@ -564,6 +564,7 @@ class _KvcacheBound:
         width = block_table.shape[1] if block_table is not None else 1
         self.capacity = self.page * width
         self.columns = torch.arange(width, device=device)
+        self.page_starts = self.columns * self.page  # entry j is read when a sequence holds more than j * page keys
         # Dense without cache_batch_idx: sequence b is row b; with more rows than sequences, the kernel reads the
         # cache as one page per row, as the reference path has it.
         own = not self.paged and cache_batch_idx is None
@@ -574,6 +575,11 @@ class _KvcacheBound:
         self.no_lengths = torch.full((self.batch,), 0 if self.new else self.capacity, dtype=torch.int32,
                                      device=device)  # without cache_seqlens: the reference path's lengths
         self.local, self.interleaved = local, interleaved
+        # NaN as a 0-d tensor made once (a Python float is wrapped into a tensor at every call); 0-d, it takes on
+        # the result's dtype in torch.where.
+        self.nan = torch.full((), _NAN, dtype=torch.float32, device=device)
+        self.recheck = _Recheck(self.batch, self.cache_rows, self.page, self.new, cache_batch_idx is not None,
+                                width if self.paged else 0)
 
     def __call__(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None,
                  v: Tensor | None, cos: Tensor | None, sin: Tensor | None, cache_seqlens: Any, rows: Any,
@@ -588,22 +594,23 @@ class _KvcacheBound:
             lens = torch.full((self.batch,), cache_seqlens, dtype=torch.int32, device=device)
         else:
             lens = cache_seqlens
-        bad = recheck = None
         if host_checks(device):
             if not self._valid_on_host(lens, rows, table, type(cache_seqlens) is Tensor):
                 return _REFERENCE
+            bad = report = index = None
         else:
-            lens, rows, table, bad, recheck = self._checked_on_device(lens, rows, table, cache_seqlens)
+            lens, rows, table, bad, report, index = self._checked_on_device(lens, rows, table, cache_seqlens)
         if cos is not None and sin is not None:
             q, k = _rotate(q, k, cos, sin, lens, self.interleaved, self.local)
         if k is not None and v is not None:
-            positions = lens.unsqueeze(1) + self.steps  # (batch, new) int64: where each new key goes
-            if self.paged:
-                index: tuple[Tensor, Tensor] = (table.gather(1, positions // self.page), positions % self.page)
-            else:
-                row_index = self.own_rows if rows is None else rows.long().unsqueeze(1)
-                assert row_index is not None  # dense without cache_batch_idx: own_rows
-                index = (row_index, positions)
+            if index is None:  # (the device path's paged check made it)
+                positions = lens.unsqueeze(1) + self.steps  # (batch, new) int64: where each new key goes
+                if self.paged:
+                    index = (table.gather(1, positions // self.page), positions % self.page)
+                else:
+                    row_index = self.own_rows if rows is None else rows.unsqueeze(1)
+                    assert row_index is not None  # dense without cache_batch_idx: own_rows
+                    index = (row_index, positions)
             if bad is not None:  # an invalid call writes each slot's old value back: nothing changes
                 k, v = torch.where(bad, k_cache[index], k), torch.where(bad, v_cache[index], v)
             k_cache.index_put_(index, k)
@@ -620,12 +627,12 @@ class _KvcacheBound:
             _inside.active = 0
         if bad is None:
             return result
-        # After the kernel: this call's own error is raised by the next call, never from inside this one.
-        assert recheck is not None  # made with `bad`
-        defer_flag(_KV, bad, recheck, device)
+        # After the kernel: this call's own error is raised by a later call, never from inside this one.
+        assert report is not None  # made with `bad`
+        defer_report(device, report, self.recheck)
         if type(result) is tuple:
-            return tuple(torch.where(bad, _NAN, r) if r.is_floating_point() else r for r in result)
-        return torch.where(bad, _NAN, result)
+            return tuple(torch.where(bad, self.nan, r) if r.is_floating_point() else r for r in result)
+        return torch.where(bad, self.nan, result)
 
     def _attend_again(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
                       table: Tensor | None) -> Any:
@@ -656,18 +663,22 @@ class _KvcacheBound:
         return True
 
     def _checked_on_device(self, lens: Tensor, rows: Tensor | None, table: Tensor | None, cache_seqlens: Any
-                           ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, _Recheck | None]:
-        """The same checks without a host read: (lens, rows, table) clamped into range, a 0-d bool tensor that
-        is True when any index was bad (None: nothing to check on the device), and what works out its message
-        from copies of the indices as given (`_Recheck`)."""
+                           ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None,
+                                      tuple[Tensor, Tensor] | None]:
+        """The same checks without a host read: (lens, rows, table) clamped into range; `bad`, a (1,) bool tensor
+        that is True when any index was bad (None: nothing to check on the device); and the report for
+        `defer_report` — ``[bad, lens, rows, table]`` as given, one int32 row that `recheck` reads on the host;
+        and a paged append's index (its pages and offsets, which the check of distinct slots needs anyway).
+        Each argument's check is one clamp and one comparison; the flags are reduced once."""
         new, page = self.new, self.page
-        flags = []
-        given = [cache_seqlens if type(cache_seqlens) is Tensor else None, rows, table]
-        if given[0] is not None:
+        flags, index = [], None
+        given = [lens]  # what the report copies: the lengths (given or built), the rows and the table as passed
+        if type(cache_seqlens) is Tensor:  # an int was checked on the host, and None is always in range
             safe = lens.clamp(0, self.capacity - new)
             flags.append(safe != lens)
             lens = safe
         if rows is not None:
+            given.append(rows)
             safe = rows.clamp(0, self.cache_rows - 1)
             flags.append(safe != rows)
             if new:
@@ -675,21 +686,20 @@ class _KvcacheBound:
                 flags.append(ordered[1:] == ordered[:-1])
             rows = safe
         if table is not None:
-            used = self.columns < ((lens + (new + page - 1)) // page).unsqueeze(1)
+            given.append(table.flatten())
+            used = self.page_starts < (lens + new).unsqueeze(1)  # the entries the call reads
             safe = torch.where(used, table.clamp(0, self.cache_rows - 1), table)
             flags.append((safe != table).flatten())
             if new:
                 positions = lens.unsqueeze(1) + self.steps
-                ordered = (safe.gather(1, positions // page).long() * page + positions % page).flatten().sort().values
+                index = (safe.gather(1, positions // page), positions % page)
+                ordered = index[1].add(index[0], alpha=page).flatten().sort().values  # slots, in int64
                 flags.append(ordered[1:] == ordered[:-1])
             table = safe
         if not flags:
-            return lens, rows, table, None, None
-        bad = (torch.cat(flags) if len(flags) > 1 else flags[0]).any()
-        copies = [t.clone() if t is not None else None for t in given]  # in stream order: before any change
-        recheck = _Recheck(self.batch, self.cache_rows, self.page, new, cache_seqlens if copies[0] is None
-                           else copies[0], copies[1], copies[2])
-        return lens, rows, table, bad, recheck
+            return lens, rows, table, None, None, None
+        bad = (torch.cat(flags) if len(flags) > 1 else flags[0]).any(0, keepdim=True)
+        return lens, rows, table, bad, torch.cat([bad, *given]), index
 
 
 _NAN = float("nan")
@@ -711,22 +721,24 @@ def _repeats(values: Tensor) -> bool:
 
 
 class _Recheck:
-    """The message of a bound call that the device found bad: the reference path's host check run on copies of
-    its indices (a read of the device — on the error path only)."""
+    """The message of a bound call that the device found bad: the reference path's host check run on the host copy
+    of its report (`_KvcacheBound._checked_on_device`'s row: verdict, lengths, rows, table — on the error path
+    only). One per bound signature: nothing is made per call."""
 
-    __slots__ = ("batch", "cache_rows", "page", "new", "lens", "rows", "table")
+    __slots__ = ("batch", "cache_rows", "page", "new", "has_rows", "width")
 
-    def __init__(self, batch: int, cache_rows: int, page: int, new: int, lens: Any, rows: Tensor | None,
-                 table: Tensor | None) -> None:
+    def __init__(self, batch: int, cache_rows: int, page: int, new: int, has_rows: bool, width: int) -> None:
         self.batch, self.cache_rows, self.page, self.new = batch, cache_rows, page, new
-        self.lens, self.rows, self.table = lens, rows, table
+        self.has_rows, self.width = has_rows, width  # width: block_table's (0: dense)
 
-    def __call__(self) -> str:
-        cpu = torch.device("cpu")
-        q, k_cache = torch.empty(self.batch, 0), torch.empty(self.cache_rows, self.page, 0)
-        on_host = [t.to(cpu) if isinstance(t, Tensor) else t for t in (self.lens, self.rows, self.table)]
+    def __call__(self, row: Tensor) -> str:
+        batch = self.batch
+        lens, row = row[1:1 + batch], row[1 + batch:]
+        rows = row[:batch] if self.has_rows else None
+        table = row[batch if self.has_rows else 0:].view(batch, self.width) if self.width else None
+        q, k_cache = torch.empty(batch, 0), torch.empty(self.cache_rows, self.page, 0)
         try:
-            _kvcache_indices(q, k_cache, self.new, on_host[0], on_host[1], None, on_host[2], host=True)
+            _kvcache_indices(q, k_cache, self.new, lens, rows, None, table, host=True)
         except ValueError as exc:
             return str(exc)
         return (f"{_KV}: the device-side check flagged an index that the host check of the same values accepts "

@@ -102,3 +102,52 @@ def test_the_device_side_check_adds_no_host_sync(manager):
     assert out.isnan().all()
     with pytest.raises(fa.KvCacheIndexError, match=r"cache_seqlens\[1\]=62 is out of range"):
         fa.check_pending_errors()
+
+
+def test_a_long_bound_decode_loop_wraps_the_report_ring_and_a_bad_step_writes_nothing_and_is_raised():
+    """flash_attn_with_kvcache's bound device path over more steps than the report ring has rows (issue 31: rows
+    and their events reused): every valid step's key lands where it belongs; one bad step in the middle is NaN,
+    writes nothing, and its error (the values it was given) is raised once, however far the host ran ahead."""
+    from opdispatch import _kv_checks
+    from opdispatch.compat import flash_attn as fa
+
+    torch.manual_seed(0)
+    dev, i32, batch = "cuda", torch.int32, 4
+    steps = 2 * _kv_checks.RING_ROWS + 50
+    bad_step = _kv_checks.RING_ROWS + 17
+    k_cache = torch.zeros(batch, steps, 2, 64, device=dev, dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.randn(batch, 1, 8, 64, device=dev, dtype=torch.float16)
+    new_k = torch.randn(steps, batch, 1, 2, 64, device=dev, dtype=torch.float16)
+    lens = torch.zeros(batch, dtype=i32, device=dev)
+    fa.check_pending_errors()
+    raised = []
+    for step in range(steps):
+        if step == bad_step:
+            bad = lens.clone()
+            bad[2] = steps  # no room for the append
+            before = k_cache.clone(), v_cache.clone()
+            out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, new_k[step], new_k[step], cache_seqlens=bad,
+                                             causal=True)
+            bad.fill_(0)  # the caller moves on at once: the error still names what the call was given
+            assert out.isnan().all()
+            assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+            continue
+        try:
+            out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, new_k[step], new_k[step], cache_seqlens=lens,
+                                             causal=True)
+        except fa.KvCacheIndexError as exc:  # raised by the first call that finds the bad step's check finished
+            raised.append(str(exc))
+            out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, new_k[step], new_k[step], cache_seqlens=lens,
+                                             causal=True)
+        lens += 1
+    try:
+        fa.check_pending_errors()
+    except fa.KvCacheIndexError as exc:
+        raised.append(str(exc))
+    assert len(raised) == 1 and f"cache_seqlens[2]={steps} is out of range" in raised[0]
+    assert out.isfinite().all()
+    valid = [s for s in range(steps) if s != bad_step]
+    assert torch.equal(k_cache[:, :len(valid)], new_k[valid, :, 0].transpose(0, 1))
+    assert torch.equal(v_cache[:, :len(valid)], new_k[valid, :, 0].transpose(0, 1))
+    fa.check_pending_errors()
