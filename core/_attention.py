@@ -193,7 +193,10 @@ class AttentionCall:
     @property
     def descale_per_head(self) -> bool:
         """Whether any descale of an FP8 call is per (batch, kv head) rather than one per tensor."""
-        return any(t is not None and t.dim() == 2 for t in (self.q_descale, self.k_descale, self.v_descale))
+        q, k, v = self.q_descale, self.k_descale, self.v_descale
+        if q is None and k is None and v is None:  # every call but FP8 ones: read on each class key
+            return False
+        return any(t is not None and t.dim() == 2 for t in (q, k, v))
 
     @property
     def gqa_ratio(self) -> int:

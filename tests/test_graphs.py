@@ -22,6 +22,17 @@ def test_not_capturing_on_cpu():
     raise_if_capturing("attention", _call())
 
 
+def test_capture_is_asked_only_of_an_initialized_cuda(monkeypatch):
+    """A "cuda" device with no CUDA context cannot be capturing (no query, no environment read); with one, the
+    current stream is asked."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: asked.append(1) or True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert is_capturing("cuda") is False and asked == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert is_capturing(torch.device("cuda", 0)) is True and asked == [1]
+
+
 def test_uncached_decision_during_capture_raises(basic_manager, monkeypatch):
     monkeypatch.setattr(_graphs, "is_capturing", lambda device: True)
     call = _call(5)
