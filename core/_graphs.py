@@ -29,7 +29,7 @@ def is_capturing(device: Any) -> bool:
     device_type = device if isinstance(device, str) else getattr(device, "type", None)
     # Not `torch.cuda.is_available()`: it reads the environment on every call (~5 µs on an H100 host, paid by
     # each new signature of a decode loop). Capture needs an initialized CUDA context, so without one there is none.
-    if device_type != "cuda" or not torch.cuda.is_initialized():
+    if device_type != "cuda" or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return False
     return torch.cuda.is_current_stream_capturing()
 
