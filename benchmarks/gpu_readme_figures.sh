@@ -14,6 +14,8 @@
 #   te       TransformerEngine-style calls through compat.te: the kernel each lands on, the module's cost
 #            (benchmarks/te_module.py; issue 33)
 #   masked   a padded batch's decode with a boolean mask vs torch's SDPA (benchmarks/masked_decode.py; issue 31)
+#   decode   the growing-cache decode loop alone (the first half of serving)
+#   kvtests  the GPU tests of KV-cache index checks (tests/gpu/test_kv_index_checks_gpu.py)
 #   profile  where a growing decode loop's first pass spends its host time (benchmarks/first_pass_profile.py)
 #   flexlong the long-sequence flex GPU test (16k softcap must stay fused; issue 29: it did not finish in 170 s)
 #   kvc      flash_attn_with_kvcache decode vs the raw kernel with its append, dense and 256-key pages
@@ -70,6 +72,14 @@ for part in $parts; do
         -o faulthandler_timeout=${FLEXLONG_DUMP:-150} \
         "$repo/tests/gpu/test_flex_gpu.py" -k "long_call_stays_fused" > "$out/gpu-tests-flex-long-h100.txt" 2>&1
       echo "flexlong exit $?"; tail -8 "$out/gpu-tests-flex-long-h100.txt" ;;
+    decode)
+      timeout 150 python3 "$repo/benchmarks/decode_loop.py" --device cuda --dtype bf16 \
+        --out "$out/decode_loop-h100.json" > "$out/decode_loop-h100.log" 2>&1
+      echo "decode_loop exit $?"; tail -16 "$out/decode_loop-h100.log" ;;
+    kvtests)
+      timeout 150 python3 -m pytest -q -rxXsf -p no:cacheprovider --rootdir "$repo" \
+        "$repo/tests/gpu/test_kv_index_checks_gpu.py" > "$out/gpu-tests-kv-index-checks-h100.txt" 2>&1
+      tail -6 "$out/gpu-tests-kv-index-checks-h100.txt" ;;
     profile)
       timeout 150 python3 "$repo/benchmarks/first_pass_profile.py" --device cuda --dtype bf16 \
         > "$out/first_pass_profile-h100.txt" 2>&1
@@ -88,6 +98,6 @@ for part in $parts; do
     masked)
       timeout 150 python3 "$repo/benchmarks/masked_decode.py" --batch 32 > "$out/masked_decode-h100.txt" 2>&1
       echo "masked_decode exit $?"; tail -12 "$out/masked_decode-h100.txt" ;;
-    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked, kv, kvc, flexlong, profile)"; exit 2 ;;
+    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked, kv, kvc, flexlong, profile, decode, kvtests)"; exit 2 ;;
   esac
 done
