@@ -123,6 +123,50 @@ def kv_cache_allowed(call: Any) -> torch.Tensor:
     return mask
 
 
+# A paged call a kernel reads after gathering its pages copies its block table's pages each call; past this it is
+# declined (a table sized for the model's longest context, most of it unused, would copy gigabytes per call).
+PAGED_GATHER_MAX_BYTES = 1 << 30
+
+
+def gathered_bytes(call: Any) -> int:
+    """What `gathered_pages` copies for a paged `call`: every page its block table names, k and v."""
+    rows = call.batch * call.block_table.shape[1] * call.page_size
+    return int(rows * call.heads_kv * (call.head_dim + call.head_dim_v) * call.k.element_size())
+
+
+def paged_gather_reason(call: Any, kernel: str) -> str | None:
+    """Why a paged `call` is not taken by gathering its pages for `kernel`: the copy would pass the bound."""
+    if call.block_table is None or gathered_bytes(call) <= PAGED_GATHER_MAX_BYTES:
+        return None
+    return (f"paged cache: {kernel} reads a paged cache by gathering its pages per call, which here would copy "
+            f"{gathered_bytes(call) / 2**20:.0f} MiB (the block table's {call.block_table.shape[1]} pages per "
+            f"sequence) — over the {PAGED_GATHER_MAX_BYTES >> 20} MiB bound; narrow the block table to the pages "
+            "in use")
+
+
+def gathered_pages(call: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v of the pages each sequence's block table names, in order: (batch, max_pages * page_size, heads_kv,
+    dim) — a dense cache of max_pages * page_size keys per sequence, for kernels that read dense caches with
+    per-sequence lengths. Entries past a sequence's used pages are whatever the caller left there: clamped into
+    the pool (their keys lie beyond seqused_k and are never read); the used ones are the caller's to get right,
+    as for a kernel reading pages natively (attention() checks them on the host on CPU, or with
+    OPDISPATCH_SYNC_CHECKS=1)."""
+    table = call.block_table.clamp(0, call.k.shape[0] - 1).long()
+    batch = table.shape[0]
+    k = call.k[table].reshape(batch, -1, call.k.shape[2], call.k.shape[3])
+    v = call.v[table].reshape(batch, -1, call.v.shape[2], call.v.shape[3])
+    return k, v
+
+
+def paged_as_dense(call: Any) -> Any:
+    """A paged call with dense queries as the same call over a dense cache (`gathered_pages`, in the call's
+    layout): for kernels that take dense caches only."""
+    k, v = gathered_pages(call)
+    dense = call.with_tensors(call.q, call.from_bshd(k), call.from_bshd(v))
+    dense.block_table = None
+    return dense
+
+
 def kv_cache_as_mask(call: Any) -> Any:
     """A dense KV-cache call as the same computation over the whole cache with the boolean mask of
     `kv_cache_allowed`, for kernels that take masks but no per-sequence lengths. ALiBi is not folded (its distance

@@ -60,6 +60,10 @@ KV caches (calls with ``seqused_k``, and ``block_table`` when paged), for FlashA
 - `kv_cache_allowed(call)`: the keys each query of a dense KV-cache call sees, as a boolean (batch, 1, seqlen_q,
   capacity) mask; `kv_cache_as_mask(call)`: the call as a masked call over the whole cache, for kernels that take
   boolean masks but no per-sequence lengths.
+- Paged caches for kernels that read dense ones: `gathered_pages(call)` (k and v of the pages each block table
+  names, as (batch, max_pages * page_size, heads_kv, dim)), `paged_as_dense(call)` (the call over that dense cache,
+  in its layout), `gathered_bytes(call)` and `paged_gather_reason(call, kernel)` (declined past
+  `PAGED_GATHER_MAX_BYTES`, 1 GiB per call, with the size and the fix).
 
 Layouts: the call record converts views itself — ``call.bhsd(t)``/``call.from_bhsd(t)`` and
 ``call.bshd(t)``/``call.from_bshd(t)`` (see `opdispatch.AttentionCall`); in a bound function use
@@ -84,8 +88,9 @@ from opdispatch._native import kernel_call
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, aten_sdpa_call, empty_rows_to_neg_inf, kernel_window
-from ._kv_cache import (KvQueries, cache_as_pages, cache_as_pages_reason, cumulative_lengths, flash_attn_kv_cache,
-                        kv_cache_allowed, kv_cache_as_mask, kv_cache_reasons, kv_lse_fix, packed_queries,
+from ._kv_cache import (PAGED_GATHER_MAX_BYTES, KvQueries, cache_as_pages, cache_as_pages_reason, cumulative_lengths,
+                        flash_attn_kv_cache, gathered_bytes, gathered_pages, kv_cache_allowed, kv_cache_as_mask,
+                        kv_cache_reasons, kv_lse_fix, packed_queries, paged_as_dense, paged_gather_reason,
                         unpack_kv_out)
 from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlens, unpack_lse, unpack_out
 from ._signatures import unaccepted_keywords
@@ -96,7 +101,8 @@ __all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCa
            "at_least", "aten_sdpa_call", "bind_dense", "blind_rows", "cache_as_pages", "cache_as_pages_reason",
            "causal_alibi_lse_reason", "cumulative_lengths", "dense_lse_fix", "empty_rows_to_neg_inf",
            "flash_attn_kv_cache", "installed_versions", "kernel_call", "kernel_window", "kv_cache_allowed",
-           "kv_cache_as_mask", "kv_cache_reasons", "kv_lse_fix", "layout_views", "pack_dense", "pack_padded_lse",
+           "kv_cache_as_mask", "kv_cache_reasons", "PAGED_GATHER_MAX_BYTES", "gathered_bytes", "gathered_pages",
+           "paged_as_dense", "paged_gather_reason", "kv_lse_fix", "layout_views", "pack_dense", "pack_padded_lse",
            "packed_queries", "shift_rows", "size_generic", "unaccepted_keywords", "uniform_cu_seqlens",
            "unpack_kv_out", "unpack_lse",
            "unpack_out", "varlen_lse_fix", "version_tuple"]

@@ -194,37 +194,47 @@ def _paged_call_args(gen, page_size=4):
     return (q, pool, pool.clone()), dict(seqused_k=torch.tensor([5, 8], dtype=torch.int32), block_table=table)
 
 
-def test_implementations_without_kv_support_say_so(basic_manager):
+def test_implementations_without_kv_support_say_so(basic_manager, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     (q, k, v), kw = _paged_call_args(gen)
+    # cpu.flash reads a paged cache by gathering its pages (vLLM's small pages on CPU), exactly as the reference
+    decision = opdispatch.explain(q, k, v, **kw)
+    assert decision.chosen_id == "cpu.flash"
+    torch.testing.assert_close(opdispatch.attention(q, k, v, **kw),
+                               opdispatch.attention(q, k, v, impl="reference.math", **kw), atol=1e-6, rtol=1e-6)
+    # ... up to a bound on what the gather copies, past which it says why and the reference takes the call
+    import opdispatch.plugins._kv_cache as kv_module
+
+    monkeypatch.setattr(kv_module, "PAGED_GATHER_MAX_BYTES", 64)
     decision = opdispatch.explain(q, k, v, **kw)
     assert decision.chosen_id == "reference.math"
     flash = next(c for c in decision.candidates if c.impl_id == "cpu.flash")
-    assert "paged KV cache (block_table) not supported" in flash.reasons
+    assert any("over the 0 MiB bound" in r and "narrow the block table" in r for r in flash.reasons), flash.reasons
+    monkeypatch.undo()
     # A dense cache: cpu.flash takes it (its fill as a mask); ALiBi it declines, saying why.
     cache = _rand(2, 8, 2, 8, gen=gen, dtype=torch.float32), _rand(2, 8, 2, 8, gen=gen, dtype=torch.float32)
     assert opdispatch.explain(q, *cache, seqused_k=kw["seqused_k"]).chosen_id == "cpu.flash"
     alibi = opdispatch.explain(q, *cache, seqused_k=kw["seqused_k"], alibi_slopes=torch.rand(2))
     flash = next(c for c in alibi.candidates if c.impl_id == "cpu.flash")
     assert flash.reasons == ["ALiBi over a KV cache not supported (its distances follow each sequence's fill)"]
-    with pytest.raises(opdispatch.NoImplementationError, match="paged KV cache"):
-        opdispatch.attention(q, k, v, impl="cpu.flash", **kw)
+    with pytest.raises(opdispatch.NoImplementationError, match="ALiBi over a KV cache"):
+        opdispatch.attention(q, *cache, seqused_k=kw["seqused_k"], alibi_slopes=torch.rand(2), impl="cpu.flash")
 
 
 def test_policy_rules_see_kv_cache_and_page_size(basic_manager, tmp_path):
     path = tmp_path / "policy.yaml"
     path.write_text("version: 1\nops:\n  attention:\n    rules:\n"
                     "      - name: no-small-pages\n        when: {paged: true, page_size: '<8'}\n"
-                    "        deny: [reference.*]\n")
+                    "        deny: [cpu.*]\n")
     basic_manager.set_policy(path)
     gen = torch.Generator().manual_seed(2)
     (q, k, v), kw = _paged_call_args(gen, page_size=4)
     decision = opdispatch.explain(q, k, v, **kw)
-    assert decision.chosen_id is None
-    ref = next(c for c in decision.candidates if c.impl_id == "reference.math")
-    assert ref.status == "denied by policy" and ref.decided_by.rule == "no-small-pages"
+    assert decision.chosen_id == "reference.math"
+    flash = next(c for c in decision.candidates if c.impl_id == "cpu.flash")
+    assert flash.status == "denied by policy" and flash.decided_by.rule == "no-small-pages"
     (q, k, v), kw = _paged_call_args(gen, page_size=8)
-    assert opdispatch.explain(q, k, v, **kw).chosen_id == "reference.math"
+    assert opdispatch.explain(q, k, v, **kw).chosen_id == "cpu.flash"
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
@@ -294,3 +304,38 @@ def test_a_decode_loop_takes_the_fast_path_with_each_steps_lengths(paged, basic_
             want, _ = oracle_sequence(q[i], keys[i][:n], values[i][:n], scale=d ** -0.5, causal=True)
             torch.testing.assert_close(out[i], want, atol=1e-10, rtol=1e-10)
     assert resolves == ["attention"]  # one decision; every later step was a fast-path hit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, (3, 0)], ids=["nowindow", "window3"])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("layout, page_size", [("bshd", 1), ("bhsd", 5), ("sbhd", 16)])
+def test_cpu_flash_reads_paged_caches_by_gathering_their_pages(layout, page_size, seqlen_q, window, dtype,
+                                                               basic_manager):
+    """cpu.flash takes paged calls (vLLM's 16-key pages on CPU), gathering each block table's pages: every layout,
+    GQA, one and several queries (bottom-right; rows before the fill see nothing), windows, an empty sequence and
+    table entries past the used pages that name no page — against the float64 oracle per sequence."""
+    gen = torch.Generator().manual_seed(page_size * 31 + seqlen_q + len(layout))
+    h, hk, d = 6, 3, 16
+    used = [7, 0, 17, 2]
+    keys = [_rand(n, hk, d, gen=gen, dtype=dtype) for n in used]
+    values = [_rand(n, hk, d, gen=gen, dtype=dtype) for n in used]
+    num_pages = sum(-(-n // page_size) for n in used) + 2
+    k_pool, table = paged_pools(keys, page_size, num_pages, gen)
+    v_pool = torch.zeros_like(k_pool)
+    for b, vb in enumerate(values):
+        for p in range(-(-vb.shape[0] // page_size)):
+            chunk = vb[p * page_size:(p + 1) * page_size]
+            v_pool[table[b, p].item(), :chunk.shape[0]] = chunk
+    qs = [_rand(seqlen_q, h, d, gen=gen, dtype=dtype) for _ in used]
+    q = torch.stack(qs)  # bshd
+    q = {"bshd": q, "bhsd": q.transpose(1, 2), "sbhd": q.transpose(0, 1)}[layout]
+    kw = dict(layout=layout, seqused_k=torch.tensor(used, dtype=torch.int32), block_table=table, causal=True,
+              causal_alignment="bottom_right", window=window)
+    assert opdispatch.explain(q, k_pool, v_pool, **kw).chosen_id == "cpu.flash"
+    out = opdispatch.attention(q, k_pool, v_pool, **kw)
+    out = {"bshd": out, "bhsd": out.transpose(1, 2), "sbhd": out.transpose(0, 1)}[layout]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for b in range(len(used)):
+        want, _ = oracle_sequence(qs[b], keys[b], values[b], scale=d ** -0.5, causal=True, window=window)
+        torch.testing.assert_close(out[b].double(), want, atol=tol, rtol=tol)

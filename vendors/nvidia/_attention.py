@@ -20,12 +20,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, aten_sdpa_call, at_least, bind_dense,
-                                        causal_alibi_lse_reason, cumulative_lengths, dense_lse_fix,
-                                        empty_rows_to_neg_inf, flash_attn_kv_cache, kernel_window, kv_cache_allowed,
-                                        kv_cache_as_mask, kv_cache_reasons, kv_lse_fix, pack_padded_lse, packed_queries,
-                                        shift_rows, size_generic, uniform_cu_seqlens, unpack_kv_out, unpack_lse,
-                                        varlen_lse_fix, version_tuple)
+from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, aten_sdpa_call,
+                                        at_least, bind_dense, causal_alibi_lse_reason, cumulative_lengths,
+                                        dense_lse_fix, empty_rows_to_neg_inf, flash_attn_kv_cache,
+                                        gathered_pages, kernel_window, kv_cache_allowed, kv_cache_as_mask,
+                                        kv_cache_reasons, kv_lse_fix, pack_padded_lse, packed_queries,
+                                        paged_gather_reason, shift_rows, size_generic, uniform_cu_seqlens,
+                                        unpack_kv_out, unpack_lse, varlen_lse_fix, version_tuple)
 
 _LOW = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
@@ -330,15 +331,15 @@ class TorchFlashAttention(AttentionImpl):
         # KV caches through _flash_attention_forward's seqused_k/block_table (torch.nn.attention.varlen's path;
         # forward only: "Inference-only (not supported in backward)"), queries packed.
         # Paged caches of any page size: natively where torch's op takes block_table and the pages hold a multiple
-        # of 256 keys, else their pages gathered into rows first (`_gathered_pages`, bounded by
-        # _PAGED_GATHER_MAX_BYTES).
+        # of 256 keys, else their pages gathered into rows first (`gathered_pages`, bounded by
+        # PAGED_GATHER_MAX_BYTES).
         causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
         # torch's global determinism flag, which extra_reasons reads for deterministic training; for a paged call
         # whether its gather would pass the bound (sizes: a call class may hold both).
-        gather_too_big = call.paged and not _native_pages(call) and _gathered_bytes(call) > _PAGED_GATHER_MAX_BYTES
+        gather_too_big = call.paged and not _native_pages(call) and paged_gather_reason(call, "") is not None
         return (call.deterministic and call.requires_grad and torch.are_deterministic_algorithms_enabled(),
                 gather_too_big)
 
@@ -356,13 +357,11 @@ class TorchFlashAttention(AttentionImpl):
             if "seqused_k" not in _FLASH_FORWARD_ARGS:
                 reasons.append("this torch's _flash_attention_forward has no seqused_k argument (torch 2.11 and "
                                "2.13 have it)")
-            if call.paged and not _native_pages(call) and _gathered_bytes(call) > _PAGED_GATHER_MAX_BYTES:
-                reasons.append(
-                    f"paged cache: this torch's FlashAttention reads pages natively only with a block_table "
-                    f"argument (torch 2.13) and pages of a multiple of {_TORCH_PAGE} keys, else its pages are "
-                    f"gathered per call, which here would copy {_gathered_bytes(call) / 2**20:.0f} MiB (the block "
-                    f"table's {call.block_table.shape[1]} pages per sequence) — over the "
-                    f"{_PAGED_GATHER_MAX_BYTES >> 20} MiB bound; narrow the block table to the pages in use")
+            if call.paged and not _native_pages(call):
+                why = paged_gather_reason(call, f"torch's FlashAttention (no block_table argument in this torch, or "
+                                                f"pages of other than a multiple of {_TORCH_PAGE} keys)")
+                if why:
+                    reasons.append(why)
         return reasons
 
     def bind(self, call: AttentionCall) -> Any:
@@ -426,33 +425,11 @@ def _windowed_flash(causal: bool, scale: float, left: int, right: int) -> Any:
     return kernel
 
 
-# A paged call without native pages copies its block table's pages each call; past this it is declined (a table
-# sized for the model's longest context, most of it unused, would copy gigabytes per call).
-_PAGED_GATHER_MAX_BYTES = 1 << 30
-
-
 def _native_pages(call: AttentionCall) -> bool:
-    """Whether torch's op reads this call's pages itself: it takes block_table and the pages are FA2's size."""
+    """Whether torch's op reads this call's pages itself: it takes block_table and the pages are FA2's size. Else
+    they are gathered into rows first (`gathered_pages`; measured on an H100: FA2 over gathered pages 0.46-0.59 ms
+    against 0.64-0.73 for flagos.triton's paged kernel, benchmarks/results/kv_cache-h100.md, paged varlen)."""
     return "block_table" in _FLASH_FORWARD_ARGS and call.page_size % _TORCH_PAGE == 0
-
-
-def _gathered_bytes(call: AttentionCall) -> int:
-    rows = call.batch * call.block_table.shape[1] * call.page_size
-    return rows * call.heads_kv * (call.head_dim + call.head_dim_v) * call.k.element_size()
-
-
-def _gathered_pages(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """k and v of the pages each sequence's block table names, in order, as (batch * max_pages * page_size,
-    heads_kv, dim) rows: a dense cache of max_pages * page_size keys per sequence, which the op reads with
-    seqused_k (measured on an H100: torch's FA2 over gathered pages 0.29 ms against 0.52 for flagos.triton's paged
-    kernel, benchmarks/results/kv_cache-h100.md, paged varlen). Entries past a sequence's used pages are
-    anything a caller left there: clamped into the pool (their keys lie beyond seqused_k and are never read);
-    the used ones are the caller's to get right, as for a kernel reading pages natively (attention() checks them
-    on the host on CPU or with OPDISPATCH_SYNC_CHECKS=1)."""
-    table = call.block_table.clamp(0, call.k.shape[0] - 1).long()
-    k = call.k[table].reshape(-1, call.k.shape[2], call.k.shape[3])
-    v = call.v[table].reshape(-1, call.v.shape[2], call.v.shape[3])
-    return k, v
 
 
 def _torch_flash_kv_cache(call: AttentionCall) -> Any:
@@ -466,7 +443,7 @@ def _torch_flash_kv_cache(call: AttentionCall) -> Any:
         k, v, cu_k = call.k, call.v, cumulative_lengths(call.seqused_k)
         kwargs["block_table"] = call.block_table
     elif call.paged:
-        k, v = _gathered_pages(call)
+        k, v = (t.flatten(0, 1) for t in gathered_pages(call))
         cu_k = uniform_cu_seqlens(call.batch, call.block_table.shape[1] * call.page_size, k.device)
     elif call.varlen:
         k, v, cu_k = call.k, call.v, call.cu_seqlens_k
