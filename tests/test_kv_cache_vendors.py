@@ -363,3 +363,34 @@ def test_torch_flash_declines_a_gather_past_its_bound(manager, monkeypatch):
     reasons = impl.not_supported_reasons(big, H100)
     assert any("MiB" in r and "narrow the block table" in r for r in reasons), reasons
     assert impl.selection_key(small) != impl.selection_key(big)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mem_efficient_takes_paged_mla_decode_by_gathering_pages(page_size, manager, monkeypatch):
+    """MLA's absorbed decode over a paged cache (576/512, one kv head; 16-key pages are vLLM's default) reaches
+    mem_efficient after its pages are gathered into a dense cache: against reference.math, with an empty sequence
+    and table entries past the used pages that name no page; on a simulated H100 it is the pick."""
+    from opdispatch.vendors.nvidia import _attention as nv
+
+    calls: list = []
+    monkeypatch.setattr(nv, "_efficient_sdpa", _fake_efficient_attention(calls))
+    gen = torch.Generator().manual_seed(page_size)
+    used = [5, 0, 17]
+    k, v, table = _pages(used, page_size, 1, 576, torch.float16, gen)
+    v = v[..., :512]
+    pages_used = (torch.tensor(used) + page_size - 1) // page_size
+    table.masked_fill_(torch.arange(table.shape[1])[None, :] >= pages_used[:, None], 10 ** 6)
+    q = torch.randn(len(used), 1, 16, 576, generator=gen).half()
+    call = validate_attention(q, k, v, seqused_k=torch.tensor(used, dtype=torch.int32), block_table=table,
+                              causal=True, causal_alignment="bottom_right", return_lse=True)
+    impl = nv.MemEfficientAttention()
+    assert impl.not_supported_reasons(call, H100) == []
+    _assert_matches_reference(manager, call, impl.run(impl.conform(call)), 2e-3)
+    assert calls and calls[0][1] == 1  # one kv head, the query heads stacked
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    args = (torch.empty(8, 1, 128, 576, **meta), torch.empty(8 * 256, 16, 1, 576, **meta),
+            torch.empty(8 * 256, 16, 1, 512, **meta))
+    decision = opdispatch.explain(*args, seqused_k=torch.empty(8, device="meta", dtype=torch.int32),
+                                  block_table=torch.empty(8, 256, device="meta", dtype=torch.int32), causal=True,
+                                  causal_alignment="bottom_right", device=str(device_descriptor("h100")))
+    assert decision.chosen_id == "nvidia.mem_efficient", str(decision)

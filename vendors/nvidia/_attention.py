@@ -20,13 +20,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, aten_sdpa_call,
-                                        at_least, bind_dense, causal_alibi_lse_reason, cumulative_lengths,
-                                        dense_lse_fix, empty_rows_to_neg_inf, flash_attn_kv_cache,
-                                        gathered_pages, kernel_window, kv_cache_allowed, kv_cache_as_mask,
-                                        kv_cache_reasons, kv_lse_fix, pack_padded_lse, packed_queries,
-                                        paged_gather_reason, shift_rows, size_generic, uniform_cu_seqlens,
-                                        unpack_kv_out, unpack_lse, varlen_lse_fix, version_tuple)
+from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, aten_sdpa_call, at_least, bind_dense,
+                                        causal_alibi_lse_reason, cumulative_lengths, dense_lse_fix,
+                                        empty_rows_to_neg_inf, flash_attn_kv_cache, gathered_pages, kernel_window,
+                                        kv_cache_allowed, kv_cache_as_mask, kv_cache_reasons, kv_lse_fix,
+                                        pack_padded_lse, packed_queries, paged_as_dense, paged_gather_reason,
+                                        shift_rows, size_generic, uniform_cu_seqlens, unpack_kv_out, unpack_lse,
+                                        varlen_lse_fix, version_tuple)
 
 _LOW = frozenset({torch.float16, torch.bfloat16})
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
@@ -560,13 +560,17 @@ class MemEfficientAttention(AttentionImpl):
         # runs (it then reduces dK/dV without atomics): extra_reasons asks for that flag.
         deterministic_backward=True,
         # A dense KV cache: the fill as an additive bias shared by every head, GQA folded (_run_kv_cache). The
-        # kernel splits the key axis when the grid is small, which decode needs.
-        causal=True, deterministic_forward=True, kv_cache=True,
+        # kernel splits the key axis when the grid is small, which decode needs. A paged cache is read after
+        # gathering its pages into a dense one (paged_as_dense): MLA's absorbed decode over 16-key pages (576/512,
+        # one kv head), which no other kernel here takes.
+        causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True,
     )
 
     def selection_key(self, call: AttentionCall) -> Any:
-        # No sizes; torch's global determinism flag, which extra_reasons reads for deterministic training.
-        return (call.deterministic and call.requires_grad and torch.are_deterministic_algorithms_enabled(),)
+        # torch's global determinism flag, which extra_reasons reads for deterministic training; for a paged call
+        # whether its gather passes the bound (sizes).
+        return (call.deterministic and call.requires_grad and torch.are_deterministic_algorithms_enabled(),
+                call.paged and paged_gather_reason(call, "") is not None)
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
@@ -586,12 +590,17 @@ class MemEfficientAttention(AttentionImpl):
                 reasons.append(f"{what} {d} is not a multiple of {align} ({call.dtype} on {device.arch})")
         if call.deterministic and call.requires_grad and not torch.are_deterministic_algorithms_enabled():
             reasons.append(_DETERMINISTIC_NEEDS_TORCHS_FLAG)
+        why = paged_gather_reason(call, "nvidia.mem_efficient") if call.paged else None
+        if why:
+            reasons.append(why)
         return reasons
 
     def __init__(self) -> None:
         self._alibi = _PreparedAlibi()
 
     def run(self, call: AttentionCall) -> Any:
+        if call.paged:
+            call = paged_as_dense(call)
         if call.kv_cache:
             return _run_kv_cache(call)
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
