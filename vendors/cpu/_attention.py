@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo
+from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
 from opdispatch.plugins.toolkit import (additive_bias, aten_sdpa_call, kv_cache_as_mask, layout_views, paged_as_dense,
-                                        paged_gather_reason, shift_rows, size_generic)
+                                        shift_rows, size_generic)
 
 _aten_kernel = torch._scaled_dot_product_flash_attention_for_cpu
 # Its backward has no torch.* binding; the OpOverload is the direct entry (called once per compiled backward).
@@ -74,17 +74,12 @@ class CpuFlashAttention(AttentionImpl):
         attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=True,
         layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, deterministic_forward=True,
         # A dense cache, its fill folded into the mask (kv_cache_as_mask); a paged one read after gathering its
-        # pages into a dense cache (paged_as_dense: vLLM's 16-key pages on CPU), up to PAGED_GATHER_MAX_BYTES.
+        # pages into a dense cache (paged_as_dense: vLLM's 16-key pages on CPU). Unbounded here, unlike the CUDA
+        # kernels' PAGED_GATHER_MAX_BYTES: a bound reads sizes (a selection key), and any selection key makes a
+        # torch.compile'd model re-check its decision on every call (opdispatch._compile.size_predicates); on CPU
+        # the copy is host memory, as large as the block table the caller sized.
         kv_cache=True, paged_kv=True,
     )
-
-    def selection_key(self, call: AttentionCall) -> Any:
-        # extra_reasons reads sizes only for a paged call: whether its gather passes the bound.
-        return call.paged and paged_gather_reason(call, "cpu.flash") is not None
-
-    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        why = paged_gather_reason(call, "cpu.flash") if call.paged else None
-        return [why] if why else []
 
     binds_attn_mask: ClassVar[bool] = True  # a padded batch's decode: `_bind_masked`
 
