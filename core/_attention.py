@@ -15,7 +15,7 @@ import torch
 
 from ._arguments import Arg, OpArguments
 from ._attention_tuning import ATTENTION_TUNING
-from ._impl import Impl
+from ._impl import CapabilityRule, Impl, feature_rule, unmet_capabilities
 from ._kv_checks import raise_pending, sync_checks
 from ._ops import OpSpec, register_op
 
@@ -1447,91 +1447,82 @@ class AttentionImpl(Impl):
 
 
 def capability_reasons(caps: AttentionCaps, call: AttentionCall) -> list[str]:
-    """Reasons `caps` cannot take `call` — one readable sentence per unmet capability, concern by concern
-    (`_CAPABILITY_STEPS`, in this order: dtype and layout, head dims and GQA, the masking pattern, score terms,
-    outputs and training, sequence limits)."""
-    reasons: list[str] = []
-    for step in _CAPABILITY_STEPS:
-        step(caps, call, reasons)
-    return reasons
+    """Reasons `caps` cannot take `call` — one readable sentence per unmet capability, in the order of
+    `ATTENTION_CAPABILITY_RULES` (dtype and layout, head dims and GQA, the masking pattern, score terms, outputs
+    and training, sinks, the KV cache, sequence limits): the shared `opdispatch._impl.unmet_capabilities`, as
+    rms_norm and rotary use it."""
+    return unmet_capabilities(caps, call, ATTENTION_CAPABILITY_RULES)
 
 
-def _dtype_and_layout(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
-    bad_dtype = dtype_reason(call.dtype, caps.dtypes)
-    if bad_dtype:
-        reasons.append(bad_dtype)
-    if call.layout not in caps.layouts:
-        what = "packed varlen (thd)" if call.layout == "thd" else f"layout {call.layout!r}"
-        reasons.append(f"{what} not supported (supported layouts: {', '.join(sorted(caps.layouts))})")
+def _dtype(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    return dtype_reason(call.dtype, caps.dtypes)
 
 
-def _fp8_scaling(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
-    """An FP8 call's output dtype and descale granularity (its dtype is the first step's)."""
-    if not call.fp8 or call.dtype not in caps.dtypes:
-        return
-    if call.out_dtype not in caps.fp8_out_dtypes:
-        allowed = ", ".join(sorted(dtype_name(d) for d in caps.fp8_out_dtypes)) or "none"
-        reasons.append(f"FP8 output dtype {dtype_name(call.out_dtype)} not supported (supported: {allowed})")
-    if call.descale_per_head and not caps.fp8_descale_per_head:
-        reasons.append("FP8 descales per (batch, kv head) not supported (one descale per tensor only)")
+def _layout(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    if call.layout in caps.layouts:
+        return None
+    what = "packed varlen (thd)" if call.layout == "thd" else f"layout {call.layout!r}"
+    return f"{what} not supported (supported layouts: {', '.join(sorted(caps.layouts))})"
 
 
-def _head_dims_and_gqa(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
+def _fp8_output(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    """An FP8 call's output dtype (its dtype is `_dtype`'s)."""
+    if not call.fp8 or call.dtype not in caps.dtypes or call.out_dtype in caps.fp8_out_dtypes:
+        return None
+    allowed = ", ".join(sorted(dtype_name(d) for d in caps.fp8_out_dtypes)) or "none"
+    return f"FP8 output dtype {dtype_name(call.out_dtype)} not supported (supported: {allowed})"
+
+
+def _fp8_descales(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    if call.fp8 and call.dtype in caps.dtypes and call.descale_per_head and not caps.fp8_descale_per_head:
+        return "FP8 descales per (batch, kv head) not supported (one descale per tensor only)"
+    return None
+
+
+def _head_dim(caps: AttentionCaps, call: AttentionCall) -> str | None:
     d = call.head_dim
     if d < caps.head_dim_min or (caps.head_dim_max is not None and d > caps.head_dim_max):
         top = caps.head_dim_max if caps.head_dim_max is not None else "any"
-        reasons.append(f"head_dim {d} outside the supported range {caps.head_dim_min}..{top}")
-    elif d % caps.head_dim_multiple:
-        reasons.append(f"head_dim {d} is not a multiple of {caps.head_dim_multiple}")
-    if call.head_dim_v != d:
-        if not caps.head_dim_v_differs:
-            reasons.append(f"v head_dim {call.head_dim_v} differs from q/k head_dim {d} (not supported)")
-        elif caps.head_dim_max is not None and call.head_dim_v > caps.head_dim_max:
-            reasons.append(f"v head_dim {call.head_dim_v} above the supported maximum {caps.head_dim_max}")
-    if call.heads_q != call.heads_kv and not caps.gqa:
-        reasons.append(f"grouped-query attention ({call.heads_q} q heads over {call.heads_kv} kv heads) not "
-                       "supported")
+        return f"head_dim {d} outside the supported range {caps.head_dim_min}..{top}"
+    if d % caps.head_dim_multiple:
+        return f"head_dim {d} is not a multiple of {caps.head_dim_multiple}"
+    return None
 
 
-def _masking_pattern(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
-    """Causal masking, its alignment where the lengths differ, and the sliding window."""
-    if call.causal and not caps.causal:
-        reasons.append("causal masking not supported")
+def _head_dim_v(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    if call.head_dim_v == call.head_dim:
+        return None
+    if not caps.head_dim_v_differs:
+        return f"v head_dim {call.head_dim_v} differs from q/k head_dim {call.head_dim} (not supported)"
+    if caps.head_dim_max is not None and call.head_dim_v > caps.head_dim_max:
+        return f"v head_dim {call.head_dim_v} above the supported maximum {caps.head_dim_max}"
+    return None
+
+
+def _alignment(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    """Causal masking's alignment where the lengths differ."""
     alignments = caps.causal_alignments or frozenset()
-    if call.alignment_matters and call.causal_alignment not in alignments:
-        reasons.append(f"causal_alignment {call.causal_alignment!r} with seqlen_q != seqlen_k not supported "
-                       f"(supported: {', '.join(sorted(alignments)) or 'none: equal lengths only'})")
-    if call.window is not None and not caps.window:
-        reasons.append(f"sliding window {call.window} not supported")
+    if not call.alignment_matters or call.causal_alignment in alignments:
+        return None
+    return (f"causal_alignment {call.causal_alignment!r} with seqlen_q != seqlen_k not supported "
+            f"(supported: {', '.join(sorted(alignments)) or 'none: equal lengths only'})")
 
 
-def _score_terms(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
-    """What changes the scores: softcap, ALiBi, dropout, the boolean mask and the additive bias (and its grad)."""
-    if call.softcap > 0 and not caps.softcap:
-        reasons.append(f"softcap={call.softcap:g} not supported")
-    if call.alibi_slopes is not None and not caps.alibi:
-        reasons.append("ALiBi slopes not supported")
-    if call.dropout_p > 0 and not caps.dropout:
-        reasons.append(f"dropout_p={call.dropout_p:g} not supported")
-    if call.attn_mask is not None and not caps.attn_mask:
-        reasons.append("boolean attn_mask not supported")
-    if call.attn_bias is not None:
-        if not caps.attn_bias:
-            reasons.append("additive attn_bias not supported")
-        elif call.attn_bias.requires_grad and call.requires_grad and not caps.bias_grad:
-            reasons.append("gradient with respect to attn_bias not supported")
+def _bias(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    """The additive bias, and its gradient."""
+    if call.attn_bias is None:
+        return None
+    if not caps.attn_bias:
+        return "additive attn_bias not supported"
+    if call.attn_bias.requires_grad and call.requires_grad and not caps.bias_grad:
+        return "gradient with respect to attn_bias not supported"
+    return None
 
 
-def _outputs_and_training(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
-    """The LSE output, the backward and determinism."""
-    if call.return_lse and not caps.lse:
-        reasons.append("return_lse=True not supported (no log-sum-exp output)")
-    if call.requires_grad and not caps.backward:
-        reasons.append("backward (inputs require grad) not supported: forward-only implementation")
-    if call.deterministic and not caps.deterministic_forward:
-        reasons.append("deterministic=True not supported: its forward is not bitwise reproducible")
+def _deterministic_backward(caps: AttentionCaps, call: AttentionCall) -> str | None:
     if call.deterministic and call.requires_grad and not caps.deterministic_backward:
-        reasons.append("deterministic=True not supported: its backward is not deterministic")
+        return "deterministic=True not supported: its backward is not deterministic"
+    return None
 
 
 def _lse_gradient_fix(impl: Any, call: Any) -> Any:
@@ -1542,16 +1533,24 @@ def _lse_gradient_fix(impl: Any, call: Any) -> Any:
     return lse_gradient_fix(impl, call)
 
 
-def _returned_lse_gradient(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
-    """A returned LSE under autograd: exact through `opdispatch._sinks.exact_lse` where the kernel's LSE has no
-    gradient, which reads the scores as scale * q.k — not with softcap, nor for an attn_bias gradient."""
-    if not (call.return_lse and call.requires_grad) or caps.lse_grad or call.sinks is not None:
-        return
-    if call.softcap > 0:
-        reasons.append("return_lse=True with softcap under autograd needs a differentiable LSE (caps.lse_grad): "
-                       "the exact LSE gradient opdispatch adds reads the scores as scale * q.k")
-    if call.attn_bias is not None and call.attn_bias.requires_grad:
-        reasons.append("return_lse=True with a gradient for attn_bias needs a differentiable LSE (caps.lse_grad)")
+def _lse_gradient_needed(call: AttentionCall) -> bool:
+    """A returned LSE under autograd where the kernel's LSE has no gradient: `opdispatch._sinks.exact_lse` adds
+    one, reading the scores as scale * q.k — not with softcap, nor for an attn_bias gradient."""
+    return call.return_lse and call.requires_grad and call.sinks is None
+
+
+def _returned_lse_softcap(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    if _lse_gradient_needed(call) and not caps.lse_grad and call.softcap > 0:
+        return ("return_lse=True with softcap under autograd needs a differentiable LSE (caps.lse_grad): the exact "
+                "LSE gradient opdispatch adds reads the scores as scale * q.k")
+    return None
+
+
+def _returned_lse_bias(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    if (_lse_gradient_needed(call) and not caps.lse_grad and call.attn_bias is not None
+            and call.attn_bias.requires_grad):
+        return "return_lse=True with a gradient for attn_bias needs a differentiable LSE (caps.lse_grad)"
+    return None
 
 
 def native_sinks_declared(caps: AttentionCaps, call: AttentionCall) -> bool:
@@ -1568,46 +1567,89 @@ def takes_sinks_natively(impl: Any, call: AttentionCall) -> bool:
     return limit is None or limit(call) is None
 
 
-def _sinks(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
-    """Attention sinks: taken by the kernel itself (`caps.native_sinks`: its own limits are its extra_reasons), or
-    computed by the shared epilogue from the implementation's LSE (`opdispatch._sinks`)."""
-    if call.sinks is None or native_sinks_declared(caps, call):
-        return
-    if not caps.lse:
-        reasons.append("attention sinks need the implementation's LSE (caps.lse) for the shared sink epilogue")
-    elif call.requires_grad and not caps.lse_grad:
-        # The epilogue's LSE gradient reads the scores as scale * q.k (+ constants): true without softcap, and a
-        # bias whose own gradient would come through the LSE is not covered.
-        if call.softcap > 0:
-            reasons.append("attention sinks with softcap and autograd need a differentiable LSE (caps.lse_grad)")
-        if call.attn_bias is not None and call.attn_bias.requires_grad:
-            reasons.append("attention sinks with a gradient for attn_bias need a differentiable LSE "
-                           "(caps.lse_grad)")
+def _epilogue_sinks(call: AttentionCall, caps: AttentionCaps) -> bool:
+    """Whether `call`'s sinks go through the shared epilogue (`opdispatch._sinks`), computed from the
+    implementation's LSE: sinks the kernel does not take itself (`caps.native_sinks`: its own limits are its
+    extra_reasons)."""
+    return call.sinks is not None and not native_sinks_declared(caps, call)
 
 
-def _kv_cache(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
+def _sinks_lse(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    if _epilogue_sinks(call, caps) and not caps.lse:
+        return "attention sinks need the implementation's LSE (caps.lse) for the shared sink epilogue"
+    return None
+
+
+# The epilogue's LSE gradient reads the scores as scale * q.k (+ constants): true without softcap, and a bias whose
+# own gradient would come through the LSE is not covered.
+def _sinks_softcap(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    if (_epilogue_sinks(call, caps) and caps.lse and call.requires_grad and not caps.lse_grad
+            and call.softcap > 0):
+        return "attention sinks with softcap and autograd need a differentiable LSE (caps.lse_grad)"
+    return None
+
+
+def _sinks_bias(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    if (_epilogue_sinks(call, caps) and caps.lse and call.requires_grad and not caps.lse_grad
+            and call.attn_bias is not None and call.attn_bias.requires_grad):
+        return "attention sinks with a gradient for attn_bias need a differentiable LSE (caps.lse_grad)"
+    return None
+
+
+def _kv_cache(caps: AttentionCaps, call: AttentionCall) -> str | None:
     """A KV cache (seqused_k) and a paged one (block_table), with the page sizes the kernel takes."""
     if call.block_table is not None:
         if not caps.paged_kv:
-            reasons.append("paged KV cache (block_table) not supported")
-        elif call.page_size % caps.page_size_multiple:
-            reasons.append(f"page size {call.page_size} is not a multiple of {caps.page_size_multiple}")
-    elif call.seqused_k is not None and not caps.kv_cache:
-        reasons.append("KV cache with per-sequence lengths (seqused_k) not supported")
+            return "paged KV cache (block_table) not supported"
+        if call.page_size % caps.page_size_multiple:
+            return f"page size {call.page_size} is not a multiple of {caps.page_size_multiple}"
+        return None
+    if call.seqused_k is not None and not caps.kv_cache:
+        return "KV cache with per-sequence lengths (seqused_k) not supported"
+    return None
+
+
+def _kv_cache_alibi(caps: AttentionCaps, call: AttentionCall) -> str | None:
     if call.seqused_k is not None and call.alibi_slopes is not None and caps.alibi and not caps.kv_cache_alibi:
-        reasons.append("ALiBi over a KV cache not supported (its distances follow each sequence's fill)")
+        return "ALiBi over a KV cache not supported (its distances follow each sequence's fill)"
+    return None
 
 
-def _sequence_limits(caps: AttentionCaps, call: AttentionCall, reasons: list[str]) -> None:
-    if caps.max_seqlen is not None and max(call.seqlen_q, call.seqlen_k) > caps.max_seqlen:
-        reasons.append(f"sequence length {max(call.seqlen_q, call.seqlen_k)} above the supported "
-                       f"maximum {caps.max_seqlen}")
+def _sequence_limit(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    longest = max(call.seqlen_q, call.seqlen_k)
+    if caps.max_seqlen is not None and longest > caps.max_seqlen:
+        return f"sequence length {longest} above the supported maximum {caps.max_seqlen}"
+    return None
 
 
-_CAPABILITY_STEPS: tuple[Callable[[AttentionCaps, AttentionCall, list[str]], None], ...] = (
-    _dtype_and_layout, _fp8_scaling, _head_dims_and_gqa, _masking_pattern, _score_terms, _outputs_and_training,
-    _returned_lse_gradient, _sinks,
-    _kv_cache, _sequence_limits)
+# `AttentionCaps` turned into reasons (`opdispatch._impl.unmet_capabilities`), in the order they are printed.
+ATTENTION_CAPABILITY_RULES: tuple[CapabilityRule, ...] = (
+    _dtype, _layout, _fp8_output, _fp8_descales,
+    _head_dim, _head_dim_v,
+    feature_rule("gqa", lambda call: call.heads_q != call.heads_kv,
+                 lambda call: f"grouped-query attention ({call.heads_q} q heads over {call.heads_kv} kv heads) not "
+                              "supported"),
+    feature_rule("causal", lambda call: call.causal, "causal masking not supported"),
+    _alignment,
+    feature_rule("window", lambda call: call.window is not None,
+                 lambda call: f"sliding window {call.window} not supported"),
+    feature_rule("softcap", lambda call: call.softcap > 0, lambda call: f"softcap={call.softcap:g} not supported"),
+    feature_rule("alibi", lambda call: call.alibi_slopes is not None, "ALiBi slopes not supported"),
+    feature_rule("dropout", lambda call: call.dropout_p > 0,
+                 lambda call: f"dropout_p={call.dropout_p:g} not supported"),
+    feature_rule("attn_mask", lambda call: call.attn_mask is not None, "boolean attn_mask not supported"),
+    _bias,
+    feature_rule("lse", lambda call: call.return_lse, "return_lse=True not supported (no log-sum-exp output)"),
+    feature_rule("backward", lambda call: call.requires_grad,
+                 "backward (inputs require grad) not supported: forward-only implementation"),
+    feature_rule("deterministic_forward", lambda call: call.deterministic,
+                 "deterministic=True not supported: its forward is not bitwise reproducible"),
+    _deterministic_backward,
+    _returned_lse_softcap, _returned_lse_bias,
+    _sinks_lse, _sinks_softcap, _sinks_bias,
+    _kv_cache, _kv_cache_alibi,
+    _sequence_limit,
+)
 
 
 # -- the op ---------------------------------------------------------------------------------------------------
