@@ -415,3 +415,186 @@ def test_nondeterministic_switch_is_read_at_construction(monkeypatch):
     assert m.deterministic and not DotProductAttention(HEADS, DIM).deterministic
     assert "deterministic" in str(m.explain(*_qkv())).split("chosen")[0]
 
+
+
+# -- NVTE_DEBUG / NVTE_DEBUG_LEVEL: TE's backend-selection log -----------------------------------------------------
+
+@pytest.fixture
+def te_debug(monkeypatch):
+    """A fresh selection log (process-wide, as TE's) and the switches on; returns a setter for NVTE_DEBUG/_LEVEL."""
+    from opdispatch.compat import te
+    te._SEEN_KEYS.clear()
+    te._LOGGED_CHOICE.clear()
+    for name in ("NVTE_DEBUG", "NVTE_DEBUG_LEVEL", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.delenv(name, raising=False)
+
+    def set_level(debug, level):
+        for name, value in (("NVTE_DEBUG", debug), ("NVTE_DEBUG_LEVEL", level)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, str(value))
+    yield set_level
+    te._SEEN_KEYS.clear()
+    te._LOGGED_CHOICE.clear()
+
+
+def _te_lines(caplog):
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "DotProductAttention"]
+    caplog.clear()
+    return lines
+
+
+def _gqa_bshd(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 5, HEADS, DIM, generator=gen)
+    k, v = torch.randn(2, 7, 2, DIM, generator=gen), torch.randn(2, 7, 2, DIM_V, generator=gen)
+    return q, k, v
+
+
+def _thd(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)  # an empty sequence in the middle
+    return (torch.randn(8, HEADS, DIM, generator=gen), torch.randn(8, HEADS, DIM, generator=gen),
+            torch.randn(8, HEADS, DIM_V, generator=gen), cu)
+
+
+@pytest.mark.parametrize("debug,level,expected", [
+    (None, None, "WARNING"), ("0", "2", "WARNING"), ("1", None, "WARNING"), ("1", "0", "WARNING"),
+    ("1", "1", "INFO"), ("1", "2", "DEBUG"), ("1", "3", "DEBUG"), ("2", "1", "DEBUG"), ("-1", "1", "DEBUG")])
+def test_debug_level_is_te_s(te_debug, debug, level, expected):
+    """TE's AttentionLogging: NVTE_DEBUG * NVTE_DEBUG_LEVEL, 0/1/2 → WARNING/INFO/DEBUG, any other product → DEBUG."""
+    import logging
+
+    from opdispatch.compat.te import te_log_level
+    te_debug(debug, level)
+    assert te_log_level() == getattr(logging, expected)
+    DotProductAttention(HEADS, DIM)
+    assert logging.getLogger("DotProductAttention").level == getattr(logging, expected)
+
+
+@pytest.mark.parametrize("name", ["NVTE_DEBUG", "NVTE_DEBUG_LEVEL"])
+def test_debug_level_not_an_integer_is_refused(te_debug, monkeypatch, name):
+    te_debug("1", "1")
+    monkeypatch.setenv(name, "verbose")
+    with pytest.raises(ValueError, match=f"{name}='verbose' is not an integer"):
+        DotProductAttention(HEADS, DIM)
+
+
+def test_switched_implementations_have_te_backend_families():
+    from opdispatch.compat.te import SWITCHES, TE_BACKENDS, te_backend
+    assert set(TE_BACKENDS) == {i for _, impls in SWITCHES for i in impls}
+    assert te_backend("nvidia.cudnn") == "FusedAttention (nvidia.cudnn)"
+    assert te_backend("nvidia.flash_attn3") == "FlashAttention (version 3, nvidia.flash_attn3)"
+    assert te_backend("reference.math") == "UnfusedDotProductAttention (reference.math)"
+    assert te_backend("cpu.flash") == "cpu.flash" and te_backend(None) == "NoBackend"
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_debug_logs_a_causal_bshd_gqa_call(te_debug, caplog, level):
+    from opdispatch.compat.te import te_backend
+    te_debug("1", str(level))
+    caplog.set_level(0)
+    m = DotProductAttention(HEADS, (DIM, DIM_V), num_gqa_groups=2, qkv_format="bshd", attention_type="cross")
+    q, k, v = _gqa_bshd()
+    decision = m.explain(q, k, v)
+    out = m(q, k, v)
+    lines = _te_lines(caplog)
+    chosen = decision.chosen_id
+    info = [msg for lvl, msg in lines if lvl == "INFO"]
+    assert len(info) == 1 and info[0].startswith("Running with ") and chosen in info[0], lines
+    debug = [msg for lvl, msg in lines if lvl == "DEBUG"]
+    if level == 1:
+        assert debug == []
+    else:
+        config = next(msg for msg in debug if msg.startswith("Running with config="))
+        for field in ("'qkv_dtype': torch.float32", "'qkv_format': 'bshd'", "'batch_size': 2", "'max_seqlen_q': 5",
+                      "'max_seqlen_kv': 7", "'num_heads': 4", "'num_gqa_groups': 2", f"'head_dim_qk': {DIM}",
+                      f"'head_dim_v': {DIM_V}", "'attn_mask_type': 'causal'", "'window_size': (-1, 0)",
+                      "'bottom_right_diagonal': False", "'core_attention_bias_type': 'no_bias'",
+                      "'deterministic': False", "'requires_grad': False", "'switches': []"):
+            assert field in config, (field, config)
+        disabled = {c.impl_id for c in decision.candidates if c.impl_id != chosen}
+        for c in decision.candidates:
+            if c.impl_id != chosen:
+                want = f"Disabling {te_backend(c.impl_id)} due to {c.status}"
+                assert any(msg.startswith(want) and all(r in msg for r in c.reasons) for msg in debug), (want, debug)
+        assert sum(msg.startswith("Disabling ") for msg in debug) == len(disabled)
+        assert f"Selected backend = {te_backend(chosen)}." in debug
+    with_debug_off = DotProductAttention(HEADS, (DIM, DIM_V), num_gqa_groups=2, qkv_format="bshd",
+                                         attention_type="cross")
+    assert torch.equal(out, with_debug_off(q, k, v))  # logging does not change the call
+
+
+def test_debug_logs_a_thd_padding_causal_call(te_debug, caplog):
+    from opdispatch.compat.te import TE_BACKENDS
+    te_debug("1", "2")
+    caplog.set_level(0)
+    m = DotProductAttention(HEADS, (DIM, DIM_V), qkv_format="thd", attn_mask_type="padding_causal")
+    q, k, v, cu = _thd()
+    chosen = m.explain(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu).chosen_id
+    m(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    lines = _te_lines(caplog)
+    config = next(msg for lvl, msg in lines if msg.startswith("Running with config="))
+    for field in ("'qkv_format': 'thd'", "'batch_size': 3", "'max_seqlen_q': 5", "'max_seqlen_kv': 5",
+                  "'attn_mask_type': 'padding_causal'", "'num_gqa_groups': 4", "'pad_between_seqs': False"):
+        assert field in config, (field, config)
+    family = TE_BACKENDS.get(chosen, chosen).split(" ")[0]
+    assert [msg for lvl, msg in lines if lvl == "INFO"] == [
+        next(msg for lvl, msg in lines if lvl == "INFO" and msg.startswith(f"Running with {family} backend")
+             and chosen in msg)]
+
+
+def test_debug_logs_once_per_class_and_again_when_the_choice_changes(te_debug, caplog):
+    te_debug("1", "1")
+    caplog.set_level(0)
+    m = DotProductAttention(HEADS, DIM, qkv_format="bshd")
+    q, k, v = _qkv()
+    first = m.explain(q, k, v).chosen_id
+    m(q, k, v)
+    assert len(_te_lines(caplog)) == 1
+    m(q, k, v)
+    DotProductAttention(HEADS, DIM, qkv_format="bshd")(q, k, v)  # another module, same class: TE's log is global
+    assert _te_lines(caplog) == []
+    m(q, k, v, attn_mask_type="no_mask", window_size=(-1, -1))  # another class: logged
+    assert [lvl for lvl, _ in _te_lines(caplog)] == ["INFO"]
+    m(q, k, v)  # back to the first class, same choice: nothing
+    assert _te_lines(caplog) == []
+    with opdispatch.policy_override(deny=[first]):  # same class, another choice: logged...
+        second = m.explain(q, k, v).chosen_id
+        m(q, k, v)
+        lines = _te_lines(caplog)
+        assert second != first and len(lines) == 1 and second in lines[0][1], lines
+        m(q, k, v)
+        assert _te_lines(caplog) == []
+    m(q, k, v)  # ...and again when it changes back
+    lines = _te_lines(caplog)
+    assert len(lines) == 1 and first in lines[0][1], lines
+
+
+def test_debug_names_the_switch_that_denied_a_backend(te_debug, monkeypatch, caplog):
+    te_debug("1", "2")
+    monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+    caplog.set_level(0)
+    m = DotProductAttention(HEADS, DIM, qkv_format="bshd")
+    m(*_qkv())
+    debug = [msg for lvl, msg in _te_lines(caplog) if lvl == "DEBUG"]
+    assert any(msg.startswith("Disabling UnfusedDotProductAttention (reference.math) due to NVTE_UNFUSED_ATTN=0 "
+                              "(denied by policy") for msg in debug), debug
+    assert "'switches': ['NVTE_UNFUSED_ATTN=0']" in next(msg for msg in debug if "config=" in msg)
+
+
+@pytest.mark.parametrize("debug,level", [(None, None), ("0", "2"), ("1", None), ("0", None)])
+def test_debug_off_is_silent_and_decides_nothing_extra(te_debug, monkeypatch, caplog, debug, level):
+    from opdispatch.compat import te
+    te_debug(debug, level)
+    caplog.set_level(0)
+
+    def must_not_run(*args):
+        raise AssertionError("the selection log ran with NVTE_DEBUG off")
+    monkeypatch.setattr(te, "_log_selection", must_not_run)
+    m = DotProductAttention(HEADS, (DIM, DIM_V), qkv_format="thd", attn_mask_type="padding_causal")
+    q, k, v, cu = _thd()
+    m(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    DotProductAttention(HEADS, DIM, qkv_format="bshd")(*_qkv())
+    assert _te_lines(caplog) == []

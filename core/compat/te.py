@@ -32,6 +32,21 @@ NVIDIA/TransformerEngine ``transformer_engine/pytorch/attention/dot_product_atte
 - TE's backend switches are a policy layer applied inside ``forward`` (see `te_switches`): ``NVTE_FLASH_ATTN=0``
   (and ``_V2``/``_V3``/``_V4``) deny the flash-attn family, ``NVTE_FUSED_ATTN=0`` cuDNN, ``NVTE_UNFUSED_ATTN=0``
   the unfused reference; ``explain`` shows them as a ``policy_override`` naming the variables.
+- ``NVTE_DEBUG=1`` with ``NVTE_DEBUG_LEVEL=1``/``2`` (read when the module is constructed; TE reads them once at
+  import, and sets the logger's level in every constructor): TE's ``AttentionLogging`` — the level is
+  ``NVTE_DEBUG * NVTE_DEBUG_LEVEL``, 0 → WARNING (silent), 1 → INFO, 2 → DEBUG, any other product → DEBUG (as TE; a
+  non-integer is refused), on the logger ``"DotProductAttention"`` with TE's format
+  ``[%(levelname)-8s | %(name)-19s]: %(message)s`` when no handler would see it otherwise. Logged when the
+  implementation opdispatch picks for a call's decision class (on its device) differs from the one last logged for
+  that class (TE: when the call's AttentionParams change), before the call runs: at INFO
+  ``Running with <backend> backend (opdispatch <id>)`` — ``nvidia.cudnn`` is TE's FusedAttention,
+  ``nvidia.flash_attn``/``nvidia.flash`` FlashAttention 2, ``nvidia.flash_attn3``/``4`` FlashAttention 3/4,
+  ``reference.math`` UnfusedDotProductAttention (`TE_BACKENDS`, the families TE's switches turn off), any other
+  implementation by its id; at DEBUG also ``Running with config={...}`` (dtype, format, sizes, heads, head dims,
+  mask, window, bias, dropout, deterministic, requires_grad, device, policy, switches), ``Disabling <backend>
+  due to <reason>`` for every other candidate (opdispatch's explain reasons, or the NVTE_* switch that denied it),
+  ``Available backends = {...}`` and ``Selected backend = ...``. With NVTE_DEBUG unset or 0, forward pays one
+  comparison.
 
 Refused with an error naming the argument (never dropped): context parallelism (``cp_group``,
 ``cp_global_ranks``, ``cp_stream``), ``return_max_logit=True``, an RNG tracker with dropout, KV caching
@@ -44,6 +59,7 @@ argument and switch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import warnings
@@ -54,11 +70,14 @@ import torch
 from torch import Tensor
 from torch.nn.parameter import Parameter
 
-from .._api import attention, explain
-from ..policies._overrides import policy_override, scope
+from .._api import attention, explain, get_manager
+from .._attention import validate_attention
+from .._decision import CHOSEN, DENIED, ELIGIBLE
+from .._state import bounded_put
+from ..policies._overrides import MODULE, OVERRIDES, policy_override, scope
 from ._padding import pad_input, unpad_input
 
-__all__ = ["DotProductAttention", "te_switches"]
+__all__ = ["DotProductAttention", "te_log_level", "te_switches"]
 
 MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
               "padding_causal_bottom_right", "arbitrary")
@@ -81,6 +100,27 @@ SWITCHES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 _NAME = "opdispatch.compat.te.DotProductAttention"
 
+# TE's backend families (what TE's log lines name) for the implementations its switches turn off; any other
+# opdispatch implementation is named by its id alone.
+TE_BACKENDS: dict[str, str] = {
+    "nvidia.flash_attn": "FlashAttention 2", "nvidia.flash": "FlashAttention 2",
+    "nvidia.flash_attn3": "FlashAttention 3", "nvidia.flash_attn4": "FlashAttention 4",
+    "nvidia.cudnn": "FusedAttention", "reference.math": "UnfusedDotProductAttention",
+}
+
+# TE's attention logging (utils.AttentionLogging; dot_product_attention.py's DotProductAttention.__init__): the
+# logger named "DotProductAttention", its level from NVTE_DEBUG * NVTE_DEBUG_LEVEL, and a stream handler with
+# TE's format when no handler would otherwise see its records.
+LOGGER_NAME = "DotProductAttention"
+LOG_FORMAT = "[%(levelname)-8s | %(name)-19s]: %(message)s"
+_LOG_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
+_stream_handler: logging.Handler | None = None
+
+# What has been logged, process-wide as TE's `_attention_backends`: the dispatch keys (decision class, device,
+# policy, overrides, scope) already looked at, and per (decision class, device) the implementation last logged.
+_SEEN_KEYS: dict[Any, None] = {}
+_LOGGED_CHOICE: dict[Any, str | None] = {}
+
 
 def _switch_off(name: str) -> bool:
     raw = os.environ.get(name, "1")
@@ -100,6 +140,52 @@ def te_switches() -> tuple[tuple[str, ...], tuple[str, ...]]:
             names.append(f"{name}=0")
             denied.extend(i for i in impls if i not in denied)
     return tuple(names), tuple(denied)
+
+
+def _env_int(name: str, default: str) -> int:
+    raw = os.environ.get(name, default)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{_NAME}: environment variable {name}={raw!r} is not an integer; TransformerEngine reads "
+                         f"it as int (NVTE_DEBUG 0/1, NVTE_DEBUG_LEVEL 0/1/2); unset it or give an integer") from None
+
+
+def te_log_level() -> int:
+    """The `logging` level TE's ``AttentionLogging.setup_logging`` derives from the environment now:
+    ``NVTE_DEBUG * NVTE_DEBUG_LEVEL`` (both default 0) as 0 → WARNING (silent), 1 → INFO, 2 → DEBUG, and — as TE —
+    any other product (``NVTE_DEBUG_LEVEL=3``, ``NVTE_DEBUG=2``) → DEBUG. A value that is not an integer is refused
+    (TE's ``int()`` fails on it at import)."""
+    debug, level = _env_int("NVTE_DEBUG", "0"), _env_int("NVTE_DEBUG_LEVEL", "0")
+    product = debug * level
+    return _LOG_LEVELS[product if product in _LOG_LEVELS else 2]
+
+
+def _te_logger(level: int) -> logging.Logger:
+    """TE's ``self.logger`` setup in ``DotProductAttention.__init__``: the "DotProductAttention" logger at `level`,
+    with TE's stream handler added when neither it nor an ancestor has a handler."""
+    global _stream_handler
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.setLevel(level)
+    if not logger.hasHandlers():
+        if _stream_handler is None:
+            _stream_handler = logging.StreamHandler()
+            _stream_handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logger.addHandler(_stream_handler)
+    return logger
+
+
+def te_backend(impl_id: str | None) -> str:
+    """How TE's log lines name the backend `impl_id` stands for: "FusedAttention (nvidia.cudnn)", "FlashAttention
+    (version 3, nvidia.flash_attn3)", "UnfusedDotProductAttention (reference.math)", or the id alone."""
+    if impl_id is None:
+        return "NoBackend"
+    family = TE_BACKENDS.get(impl_id)
+    if family is None:
+        return impl_id
+    if family.startswith("FlashAttention"):
+        return f"FlashAttention (version {family.split()[-1]}, {impl_id})"
+    return f"{family} ({impl_id})"
 
 
 @contextlib.contextmanager
@@ -316,6 +402,10 @@ class DotProductAttention(torch.nn.Module):
         self.deterministic = (not bool(int(os.getenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")))
                               or torch.are_deterministic_algorithms_enabled())
         self.attention_dropout = float(attention_dropout)
+        # NVTE_DEBUG / NVTE_DEBUG_LEVEL, read here (TE reads them once, at import, and sets this logger's level in
+        # every DotProductAttention.__init__); forward logs only below WARNING.
+        self._log_level = te_log_level()
+        self.logger = _te_logger(self._log_level)
         self.return_max_logit = False
         self.name = name
         self.softmax_type = softmax_type
@@ -376,6 +466,8 @@ class DotProductAttention(torch.nn.Module):
         if not isinstance(checkpoint_core_attention, bool):
             raise _refuse("checkpoint_core_attention", checkpoint_core_attention, "must be a bool")
         with self._scopes():
+            if self._log_level < logging.WARNING:  # NVTE_DEBUG on; off, this comparison is all forward pays
+                _log_selection(self.logger, plan)
             if checkpoint_core_attention and torch.is_grad_enabled():
                 # Recompute the attention in backward (torch's checkpoint restores the RNG state for dropout).
                 out = torch.utils.checkpoint.checkpoint(plan.run, *plan.tensors, use_reentrant=False)
@@ -506,13 +598,32 @@ class DotProductAttention(torch.nn.Module):
             options["alibi_slopes"] = (alibi_slopes if alibi_slopes is not None
                                        else default_alibi_slopes(q.shape[-2], q.device))
 
+        config = None
+        if self._log_level < logging.WARNING:  # TE's AttentionParams, for the "Running with config=" line
+            config = {
+                "qkv_dtype": q.dtype, "qkv_format": fmt, "num_heads": q.shape[-2], "num_gqa_groups": k.shape[-2],
+                "head_dim_qk": q.shape[-1], "head_dim_v": v.shape[-1], "attn_mask_type": mask_type,
+                "window_size": window, "bottom_right_diagonal": bottom_right,
+                "alibi_slopes_shape": None if alibi_slopes is None else tuple(alibi_slopes.shape),
+                "core_attention_bias_type": core_attention_bias_type,
+                "core_attention_bias_shape": (tuple(core_attention_bias.shape)
+                                              if isinstance(core_attention_bias, Tensor) else None),
+                "core_attention_bias_requires_grad": (isinstance(core_attention_bias, Tensor)
+                                                      and core_attention_bias.requires_grad),
+                "pad_between_seqs": bool(pad_between_seqs), "attention_dropout": options["dropout_p"],
+                "deterministic": self.deterministic, "is_training": self.training,
+                "requires_grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+                "softmax_type": self.softmax_type}
+
         sinks = self.softmax_offset
         if sinks is not None:
             options["sinks"] = sinks.to(device=q.device, dtype=torch.float32)  # TE: .to(float32); grad flows
 
         if fmt == "thd":
-            return self._plan_thd(q, k, v, options, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+            plan = self._plan_thd(q, k, v, options, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                   cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, pad_between_seqs)
+            plan.config = config
+            return plan
         for argument, value in (("cu_seqlens_q_padded", cu_seqlens_q_padded),
                                 ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
             if value is not None:
@@ -525,8 +636,11 @@ class DotProductAttention(torch.nn.Module):
                                                f"({tensor.shape[s_axis]}) in qkv_format={fmt!r}; TE requires them "
                                                "equal")
         if padding:
-            return self._plan_padded(q, k, v, fmt, options, attention_mask, cu_seqlens_q, cu_seqlens_kv)
-        return _Plan(_dense_run(fmt, options), (q, k, v), lambda: ((q, k, v), {"layout": fmt, **options}))
+            plan = self._plan_padded(q, k, v, fmt, options, attention_mask, cu_seqlens_q, cu_seqlens_kv)
+        else:
+            plan = _Plan(_dense_run(fmt, options), (q, k, v), lambda: ((q, k, v), {"layout": fmt, **options}))
+        plan.config = config
+        return plan
 
     def _check_qkv(self, q: Any, k: Any, v: Any, fmt: str) -> None:
         """TE's shape checks (dot_product_attention.py, 'checks for q/k/v shapes') and the heads it was built for."""
@@ -659,13 +773,90 @@ class DotProductAttention(torch.nn.Module):
 
 class _Plan:
     """A checked call: `run(*tensors)` computes TE's output; `describe()` gives the opdispatch call it makes,
-    (q, k, v) and its keyword arguments (what `explain` is asked about)."""
+    (q, k, v) and its keyword arguments (what `explain` is asked about); `config`: TE's run configuration of the
+    call (set with NVTE_DEBUG on only)."""
 
-    __slots__ = ("run", "tensors", "describe")
+    __slots__ = ("run", "tensors", "describe", "config")
 
     def __init__(self, run: Callable[..., Tensor], tensors: tuple[Tensor, ...],
                  describe: Callable[[], tuple[tuple[Tensor, ...], dict[str, Any]]]) -> None:
         self.run, self.tensors, self.describe = run, tensors, describe
+        self.config: dict[str, Any] | None = None
+
+
+_UNSET = object()
+
+
+def _longest(cu_seqlens: Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+
+
+def _log_selection(logger: logging.Logger, plan: _Plan) -> None:
+    """TE's backend-selection lines for the call `plan` makes, when the implementation opdispatch picks for the
+    call's decision class (on its device) is not the one last logged for that class: at DEBUG the run
+    configuration, "Disabling <impl> due to <reason>" for every candidate not chosen, the available and the
+    selected backend; at INFO "Running with <backend>". A dispatch key (class, device, policy, overrides, scope)
+    seen before costs no new decision."""
+    qkv, options = plan.describe()
+    call = validate_attention(*qkv, module=MODULE.get(), **options)
+    manager = get_manager()
+    device = manager.device_info(call.device)
+    klass = (manager.decision_class("attention", call), device.key)
+    key = (klass, manager.policy.hash, OVERRIDES.get(), MODULE.get())
+    seen = _SEEN_KEYS.get(key, _UNSET)
+    if seen is not _UNSET and _LOGGED_CHOICE.get(klass, _UNSET) == seen:
+        return
+    decision = manager.explain("attention", call)
+    chosen = decision.chosen_id
+    bounded_put(_SEEN_KEYS, key, chosen)
+    if _LOGGED_CHOICE.get(klass, _UNSET) == chosen:
+        return
+    bounded_put(_LOGGED_CHOICE, klass, chosen)
+
+    from .. import __version__
+    config: dict[str, Any] = {"opdispatch_version": __version__, "device": device.describe(),
+                              "policy": f"{decision.policy_source} (hash {decision.policy_hash})",
+                              "scope": MODULE.get(), "switches": list(te_switches()[0])}
+    q = plan.tensors[0]
+    te_config = dict(plan.config or {})
+    if te_config.get("qkv_format") == "thd":
+        cu_q, cu_k = options["cu_seqlens_q"], options["cu_seqlens_k"]
+        config["batch_size"] = cu_q.numel() - 1
+        config["max_seqlen_q"] = options.get("max_seqlen_q") or _longest(cu_q)
+        config["max_seqlen_kv"] = options.get("max_seqlen_k") or _longest(cu_k)
+    else:
+        b_axis, s_axis = (1, 0) if te_config.get("qkv_format") == "sbhd" else (0, 1)
+        config["batch_size"] = q.shape[b_axis]
+        config["max_seqlen_q"], config["max_seqlen_kv"] = q.shape[s_axis], plan.tensors[1].shape[s_axis]
+    config.update(te_config)
+    logger.debug("Running with config=%s", config)
+    for c in decision.candidates:
+        if c.impl_id == chosen:
+            continue
+        if c.status == ELIGIBLE:
+            why = f"preference for {chosen} (policy order: {c.decided_by})"
+        else:
+            why = c.status + (f": {'; '.join(c.reasons)}" if c.reasons else "")  # a denial's reason names its source
+            by_switch = [f"{name}=0" for name, impls in SWITCHES if c.impl_id in impls and _switch_off(name)]
+            if c.status == DENIED and by_switch:
+                why = f"{' or '.join(by_switch)} ({why})"  # TE: "Disabling FusedAttention due to NVTE_FUSED_ATTN=0"
+        logger.debug("Disabling %s due to %s", te_backend(c.impl_id), why)
+    available = [c.impl_id for c in decision.candidates if c.status in (CHOSEN, ELIGIBLE)]
+    families = ("FlashAttention", "FusedAttention", "UnfusedDotProductAttention")
+    shown = [f"{family}={any(TE_BACKENDS.get(i, '').startswith(family) for i in available)}" for family in families]
+    shown += [f"{i}=True" for i in available if i not in TE_BACKENDS]
+    logger.debug("Available backends = {%s}", ", ".join(shown))
+    logger.debug("Selected backend = %s.", te_backend(chosen))
+    if chosen is None:
+        return  # the call itself raises, as TE's "No dot product attention backend is available"
+    family = TE_BACKENDS.get(chosen)
+    if family is None:
+        logger.info("Running with %s backend (an opdispatch implementation TransformerEngine has no backend for)",
+                    chosen)
+    elif family.startswith("FlashAttention"):
+        logger.info("Running with FlashAttention backend (version %s, opdispatch %s)", family.split()[-1], chosen)
+    else:
+        logger.info("Running with %s backend (opdispatch %s)", family, chosen)
 
 
 def _dense_run(fmt: str, options: dict[str, Any]) -> Callable[..., Tensor]:
