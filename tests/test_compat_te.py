@@ -387,7 +387,9 @@ def test_switches_deny_their_families(monkeypatch):
     names, denied = te_switches()
     assert names == ("NVTE_FLASH_ATTN=0", "NVTE_FUSED_ATTN=0")
     assert set(denied) == {"nvidia.flash_attn", "nvidia.flash_attn3", "nvidia.flash_attn4", "nvidia.flash",
-                           "nvidia.cudnn"}
+                           "nvidia.vllm_flash_attn", "nvidia.cudnn", "nvidia.cudnn_frontend"}
+    manager = opdispatch.get_manager()  # every id a switch names is an implementation opdispatch registers
+    assert all(manager.implementation("attention", impl_id) is not None for impl_id in denied), denied
     monkeypatch.setenv("NVTE_FUSED_ATTN", "yes")
     with pytest.raises(ValueError, match="NVTE_FUSED_ATTN"):
         te_switches()

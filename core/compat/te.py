@@ -30,7 +30,8 @@ NVIDIA/TransformerEngine ``transformer_engine/pytorch/attention/dot_product_atte
 - ``attention_dropout`` in training mode only; ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` (read at construction, as
   TE) or ``torch.use_deterministic_algorithms`` → ``deterministic=True``.
 - TE's backend switches are a policy layer applied inside ``forward`` (see `te_switches`): ``NVTE_FLASH_ATTN=0``
-  (and ``_V2``/``_V3``/``_V4``) deny the flash-attn family, ``NVTE_FUSED_ATTN=0`` cuDNN, ``NVTE_UNFUSED_ATTN=0``
+  (and ``_V2``/``_V3``/``_V4``) deny the flash-attn family (vLLM's fork too), ``NVTE_FUSED_ATTN=0`` cuDNN (through
+  torch or its frontend), ``NVTE_UNFUSED_ATTN=0``
   the unfused reference; ``explain`` shows them as a ``policy_override`` naming the variables.
 - ``NVTE_DEBUG=1`` with ``NVTE_DEBUG_LEVEL=1``/``2`` (read when the module is constructed; TE reads them once at
   import, and sets the logger's level in every constructor): TE's ``AttentionLogging`` — the level is
@@ -90,11 +91,12 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 # TE's backend switches (utils.get_attention_backend reads each as int(os.environ.get(name, "1"))) and the
 # opdispatch implementations each one turns off when set to 0.
 SWITCHES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("NVTE_FLASH_ATTN", ("nvidia.flash_attn", "nvidia.flash_attn3", "nvidia.flash_attn4", "nvidia.flash")),
+    ("NVTE_FLASH_ATTN", ("nvidia.flash_attn", "nvidia.flash_attn3", "nvidia.flash_attn4", "nvidia.flash",
+                         "nvidia.vllm_flash_attn")),
     ("NVTE_FLASH_ATTN_V2", ("nvidia.flash_attn", "nvidia.flash")),  # torch's flash backend is FA2
-    ("NVTE_FLASH_ATTN_V3", ("nvidia.flash_attn3",)),
+    ("NVTE_FLASH_ATTN_V3", ("nvidia.flash_attn3", "nvidia.vllm_flash_attn")),  # vLLM's fork: FA3 on Hopper
     ("NVTE_FLASH_ATTN_V4", ("nvidia.flash_attn4",)),
-    ("NVTE_FUSED_ATTN", ("nvidia.cudnn",)),
+    ("NVTE_FUSED_ATTN", ("nvidia.cudnn", "nvidia.cudnn_frontend")),  # cuDNN, through torch or its own frontend
     ("NVTE_UNFUSED_ATTN", ("reference.math",)),
 )
 
@@ -105,7 +107,8 @@ _NAME = "opdispatch.compat.te.DotProductAttention"
 TE_BACKENDS: dict[str, str] = {
     "nvidia.flash_attn": "FlashAttention 2", "nvidia.flash": "FlashAttention 2",
     "nvidia.flash_attn3": "FlashAttention 3", "nvidia.flash_attn4": "FlashAttention 4",
-    "nvidia.cudnn": "FusedAttention", "reference.math": "UnfusedDotProductAttention",
+    "nvidia.vllm_flash_attn": "FlashAttention 3", "nvidia.cudnn": "FusedAttention",
+    "nvidia.cudnn_frontend": "FusedAttention", "reference.math": "UnfusedDotProductAttention",
 }
 
 # TE's attention logging (utils.AttentionLogging; dot_product_attention.py's DotProductAttention.__init__): the
