@@ -78,13 +78,22 @@ def may_fail_over(exc: BaseException) -> bool:
     """Whether an exception from a kernel may move the call to the next implementation.
 
     Out-of-memory is not a fault of the kernel: another implementation needs memory too (the reference needs
-    the most), so it is raised as is.
+    the most), so it is raised as is. Nor is torch.utils.checkpoint's early stop (`_StopRecomputationError`): it is
+    raised through the kernel on purpose, once a recomputation has every tensor the backward needs, and must reach
+    the checkpoint — a fail-over would demote the kernel and run the next one inside a stopped recomputation.
     """
     if not isinstance(exc, Exception) or isinstance(exc, RetryDue):
         return False
     import torch
 
-    return not isinstance(exc, torch.OutOfMemoryError)
+    return not isinstance(exc, torch.OutOfMemoryError) and not _is_checkpoint_stop(exc)
+
+
+def _is_checkpoint_stop(exc: BaseException) -> bool:
+    from torch.utils import checkpoint
+
+    stop = getattr(checkpoint, "_StopRecomputationError", None)  # private to torch; absent: nothing to tell apart
+    return stop is not None and isinstance(exc, stop)
 
 
 def _retry_at(failures: int, now: float) -> float | None:

@@ -389,3 +389,16 @@ def test_a_plan_whose_bind_raises_binds_the_next_candidate(basic_manager, clock,
     assert BindFails.binds == 1
     with pytest.raises(RuntimeError, match="cannot build a kernel"):
         opdispatch.plan(q, k, v, impl="bindfail.kernel")
+
+
+def test_checkpoints_early_stop_is_not_a_kernel_failure():
+    """torch.utils.checkpoint stops a recomputation by raising through the kernel once it has what the backward
+    needs: that must reach the checkpoint, not demote the kernel (a fail-over ran the next implementation inside
+    a stopped recomputation: compat.te's checkpoint_core_attention with cpu.flash on packed sequences)."""
+    from torch.utils import checkpoint
+
+    from opdispatch._breaker import may_fail_over
+
+    assert may_fail_over(RuntimeError("a kernel refused"))
+    assert not may_fail_over(checkpoint._StopRecomputationError())
+    assert not may_fail_over(torch.OutOfMemoryError("out of memory"))

@@ -517,9 +517,11 @@ def test_debug_logs_a_causal_bshd_gqa_call(te_debug, caplog, level):
                       "'deterministic': False", "'requires_grad': False", "'switches': []"):
             assert field in config, (field, config)
         disabled = {c.impl_id for c in decision.candidates if c.impl_id != chosen}
+        assert any(c.status == "eligible" for c in decision.candidates), "an eligible candidate not chosen"
         for c in decision.candidates:
             if c.impl_id != chosen:
-                want = f"Disabling {te_backend(c.impl_id)} due to {c.status}"
+                why = f"preference for {chosen}" if c.status == "eligible" else c.status
+                want = f"Disabling {te_backend(c.impl_id)} due to {why}"
                 assert any(msg.startswith(want) and all(r in msg for r in c.reasons) for msg in debug), (want, debug)
         assert sum(msg.startswith("Disabling ") for msg in debug) == len(disabled)
         assert f"Selected backend = {te_backend(chosen)}." in debug

@@ -250,6 +250,9 @@ def test_explain_cli_on_a_simulated_device(capsys, basic_manager):
 
 def test_explain_cli_varlen_and_pins(capsys, basic_manager):
     assert main(["explain", "--shape", "3,40,4,32", "--dtype", "fp32", "--varlen", "--causal"]) == 0
+    assert "chosen:  cpu.flash" in capsys.readouterr().out  # packed sequences, each through the kernel
+    assert main(["explain", "--shape", "3,40,4,32", "--dtype", "fp32", "--varlen", "--causal",
+                 "--impl", "reference.math"]) == 0
     assert "chosen:  reference.math" in capsys.readouterr().out
     assert main(["explain", "--shape", "1,8,2,16", "--dtype", "fp32", "--impl", "nope.x"]) == 2
     assert "'nope.x' pinned by impl= is not registered" in capsys.readouterr().err

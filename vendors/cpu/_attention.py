@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch.plugins.toolkit import (additive_bias, aten_sdpa_call, kv_cache_as_mask, layout_views, paged_as_dense,
-                                        shift_rows, size_generic)
+from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, validate_attention
+from opdispatch.plugins.toolkit import (additive_bias, aten_sdpa_call, gathered_pages, kv_cache_as_mask, layout_views,
+                                        paged_as_dense, shift_rows, size_generic)
 
 _aten_kernel = torch._scaled_dot_product_flash_attention_for_cpu
 # Its backward has no torch.* binding; the OpOverload is the direct entry (called once per compiled backward).
@@ -72,7 +72,10 @@ class CpuFlashAttention(AttentionImpl):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True, alibi=True, attn_mask=True,
         attn_bias=True, bias_grad=False, lse=True, backward=True, deterministic_backward=True,
-        layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True, deterministic_forward=True,
+        # thd: each packed sequence through the kernel on its own (`_run_varlen`: its lengths are host values on
+        # the CPU, read without a sync). A v head dim other than q/k's: the smaller side zero-padded (`_run_padded`).
+        layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}), head_dim_v_differs=True,
+        causal=True, deterministic_forward=True,
         # A dense cache, its fill folded into the mask (kv_cache_as_mask); a paged one read after gathering its
         # pages into a dense cache (paged_as_dense: vLLM's 16-key pages on CPU). Unbounded here, unlike the CUDA
         # kernels' PAGED_GATHER_MAX_BYTES: a bound reads sizes (a selection key), and any selection key makes a
@@ -84,6 +87,8 @@ class CpuFlashAttention(AttentionImpl):
     binds_attn_mask: ClassVar[bool] = True  # a padded batch's decode: `_bind_masked`
 
     def bind(self, call: AttentionCall) -> Callable[..., Any]:
+        if call.varlen or call.head_dim_v != call.head_dim:
+            return super().bind(call)  # run() per call: per sequence, or padded
         if call.attn_mask is not None and not (call.kv_cache or call.causal or call.positional_mask
                                                or call.attn_bias is not None or call.alibi_slopes is not None
                                                or call.return_lse):
@@ -118,7 +123,7 @@ class CpuFlashAttention(AttentionImpl):
         # The kernel's own backward from the saved out and LSE; calls with a folded mask (whose LSE run() adjusts)
         # recompute instead.
         if (call.kv_cache or call.positional_mask or call.attn_mask is not None or call.attn_bias is not None
-                or call.alibi_slopes is not None):
+                or call.alibi_slopes is not None or call.varlen or call.head_dim_v != call.head_dim):
             return None
         to_bhsd, from_bhsd = call.bhsd, call.from_bhsd
         q, k, v = (to_bhsd(t) for t in (call.q, call.k, call.v))
@@ -134,11 +139,17 @@ class CpuFlashAttention(AttentionImpl):
         return from_bhsd(grads[0]), from_bhsd(grads[1]), from_bhsd(grads[2])
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if call.varlen:
+            return self._run_varlen(call)
         if call.paged:
             call = paged_as_dense(call)
         if call.kv_cache:
             call = kv_cache_as_mask(call)
         q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+        dv = v.shape[3]
+        if q.shape[3] != dv:  # the kernel takes one head dim: zero columns change no score and no kept output
+            width = max(q.shape[3], dv)
+            q, k, v = (torch.nn.functional.pad(t, (0, width - t.shape[3])) for t in (q, k, v))
         alibi = call.alibi_slopes is not None
         # The kernel takes is_causal or a mask, not both: with a mask, bias or ALiBi, causal is folded into it too.
         additive, is_causal, _ = additive_bias(
@@ -148,7 +159,7 @@ class CpuFlashAttention(AttentionImpl):
         if alibi:
             additive, shift = shift_rows(additive, q.dtype)
         out, lse = _flash(q, k, v, is_causal, additive, call.scale)
-        out = call.from_bhsd(out)
+        out = call.from_bhsd(out[..., :dv] if out.shape[3] != dv else out)
         if not call.return_lse:
             return out
         if shift is not None:
@@ -160,6 +171,58 @@ class CpuFlashAttention(AttentionImpl):
             if blind.any():
                 lse = lse.masked_fill(blind.expand(lse.shape), float("-inf"))
         return out, lse
+
+
+    def _run_varlen(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Packed sequences, each as a dense (1, s, h, d) call through `run` with the call's flags, alignment,
+        window, scale and its own ALiBi row: the kernel has no varlen entry, and on the CPU the offsets are host
+        values (no sync). Outputs and LSEs concatenated back in the packed order; an empty sequence adds none."""
+        assert call.cu_seqlens_q is not None
+        cu_q = call.cu_seqlens_q.tolist()
+        keys = _sequence_keys(call)
+        slopes = call.alibi_slopes
+        lse_dtype = torch.float64 if call.dtype == torch.float64 else torch.float32
+        outs, lses = [], []
+        for b in range(len(cu_q) - 1):
+            q = call.q[cu_q[b]:cu_q[b + 1]].unsqueeze(0)
+            k, v = (t.unsqueeze(0) for t in keys(b))
+            if q.shape[1] == 0:
+                continue
+            row = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
+            if k.shape[1] == 0:  # a sequence without keys: every query sees none (zeros, LSE -inf)
+                outs.append(q.new_zeros(q.shape[1], q.shape[2], call.head_dim_v))
+                lses.append(torch.full((q.shape[2], q.shape[1]), float("-inf"), dtype=lse_dtype))
+                continue
+            one = validate_attention(q, k, v, causal=call.causal, causal_alignment=call.causal_alignment,
+                                     window=call.window, scale=call.scale, alibi_slopes=row,
+                                     dropout_p=call.dropout_p, return_lse=call.return_lse,
+                                     deterministic=call.deterministic)
+            result = self.run(one)
+            out, lse = result if call.return_lse else (result, None)
+            outs.append(out[0])
+            if lse is not None:
+                lses.append(lse[0])
+        out = torch.cat(outs) if outs else call.q.new_zeros(call.q.shape[0], call.heads_q, call.head_dim_v)
+        if not call.return_lse:
+            return out
+        lse = (torch.cat(lses, dim=1) if lses
+               else torch.full((call.heads_q, call.q.shape[0]), float("-inf"), dtype=lse_dtype))
+        return out, lse
+
+
+def _sequence_keys(call: AttentionCall) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """Sequence b's (keys, values) of a packed call, as (n, heads_kv, dim): its cu_seqlens_k span, cut to seqused_k
+    over a KV cache, or its block table's pages (gathered once for the call)."""
+    used = call.seqused_k.tolist() if call.seqused_k is not None else None
+    if call.block_table is not None:
+        assert used is not None
+        pool_k, pool_v = gathered_pages(call)
+        return lambda b: (pool_k[b, :used[b]], pool_v[b, :used[b]])
+    assert call.cu_seqlens_k is not None
+    cu_k = call.cu_seqlens_k.tolist()
+    if used is not None:
+        return lambda b: (call.k[cu_k[b]:cu_k[b] + used[b]], call.v[cu_k[b]:cu_k[b] + used[b]])
+    return lambda b: (call.k[cu_k[b]:cu_k[b + 1]], call.v[cu_k[b]:cu_k[b + 1]])
 
 
 # The additive mask `run` builds from a boolean one (`additive_bias`: 0 where True, -inf where False), as one op
