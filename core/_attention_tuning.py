@@ -81,7 +81,7 @@ class AttentionCase:
 
     def inputs(self, device: torch.device | str, generator: torch.Generator | None = None) -> dict[str, Any]:
         """Fresh random inputs: keyword arguments for `opdispatch.attention` / `validate_attention`."""
-        from opdispatch._attention import dtype_from_name
+        from opdispatch._dtypes import dtype_from_name
 
         dtype = dtype_from_name(self.dtype)
         device = torch.device(device)
@@ -205,7 +205,7 @@ SIZES = ("seqlen_q", "seqlen_k", "batch")
 
 
 def bucket_discrete(call: Any) -> tuple[Any, ...]:
-    from opdispatch._attention import dtype_name
+    from opdispatch._dtypes import dtype_name
 
     return (dtype_name(call.dtype), "varlen" if call.layout == "thd" else "dense", call.head_dim, call.heads_q,
             call.heads_kv, bool(call.causal), call.window is not None, call.softcap > 0, bool(call.requires_grad))

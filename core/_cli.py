@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     import torch
 
     from ._api import get_manager, resolve_device
-    from ._attention import dtype_from_name, validate_attention
+    from ._attention import validate_attention
+    from ._dtypes import dtype_from_name
     from ._device import DeviceInfo
     from ._ops import known_ops
     from ._rms_norm import validate_rms_norm
@@ -30,7 +31,8 @@ def _import_runtime() -> None:
     import torch
 
     from ._api import get_manager, resolve_device
-    from ._attention import dtype_from_name, validate_attention
+    from ._attention import validate_attention
+    from ._dtypes import dtype_from_name
     from ._ops import known_ops
     from ._rms_norm import validate_rms_norm
     from ._rotary import validate_rotary_embedding

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ._arguments import Arg, OpArguments
-from ._attention import caps_as_dict, caps_problems, dtype_from_name, dtype_name, dtype_reason
+from ._dtypes import caps_as_dict, caps_problems, dtype_from_name, dtype_name, dtype_reason
 from ._api import define_explain, define_front_door
 from ._impl import CapabilityRule, Impl, feature_rule, unmet_capabilities
 from ._ops import BucketFeature, OpSpec, TuningSpec, register_op

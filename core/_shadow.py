@@ -195,7 +195,7 @@ class Shadow:
                 self._queue.task_done()
 
     def _check(self, job: _Job) -> None:
-        from ._attention import dtype_name
+        from ._dtypes import dtype_name
         from ._ops import op_spec
         from ._tolerance import RELATIVE_NORM
 
@@ -301,7 +301,7 @@ class Shadow:
 
 
 def dtype_name_of(dtype: Any) -> str:
-    from ._attention import dtype_name
+    from ._dtypes import dtype_name
 
     return dtype_name(dtype)
 

@@ -8,7 +8,7 @@ Two kinds, for two kinds of check (each dtype's row of both is here, so they are
   every case of its conformance matrix (edge rows included: long rows, masks, windows), where a few outlying
   elements of a low-precision kernel are expected and an elementwise bound would quarantine correct kernels.
 
-Keyed by the short dtype names of `opdispatch._attention.dtype_name` (no torch import: the CLI reads this).
+Keyed by the short dtype names of `opdispatch._dtypes.dtype_name` (no torch import: the CLI reads this).
 """
 
 from __future__ import annotations

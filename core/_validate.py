@@ -388,7 +388,7 @@ def _tensors(case: Case, device: str, fill: bool = True) -> tuple[tuple[Any, ...
     """q, k, v and the keyword arguments of `case` (random, seeded by its index; `fill=False`: shapes only)."""
     import torch
 
-    from ._attention import dtype_from_name
+    from ._dtypes import dtype_from_name
 
     opts = dict(case.options)
     dtype = dtype_from_name(case.dtype)
@@ -996,7 +996,7 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
 
     import opdispatch
 
-    from ._attention import dtype_name
+    from ._dtypes import dtype_name
     from ._ops import known_ops
 
     manager = opdispatch.get_manager()

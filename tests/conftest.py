@@ -11,7 +11,7 @@ import torch
 
 import opdispatch
 from opdispatch import _native
-from opdispatch._attention import dtype_from_name
+from opdispatch._dtypes import dtype_from_name
 from opdispatch._errors import OpDispatchError
 from opdispatch._tolerance import ELEMENTWISE
 

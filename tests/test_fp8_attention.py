@@ -206,7 +206,7 @@ def test_caps_reasons_for_fp8_output_and_granularity():
 
 
 def test_policy_when_dtype_fp8_e4m3_matches_fp8_calls_only():
-    from opdispatch._attention import dtype_from_name
+    from opdispatch._dtypes import dtype_from_name
     from opdispatch.policies import parse_policy
 
     assert dtype_from_name("fp8_e4m3") is F8 and dtype_from_name("fp8_e4m3fn") is F8
