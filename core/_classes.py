@@ -14,6 +14,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._impl import Impl
 from ._ops import op_spec
 
 # Size fields a `when:` condition may compare; head dims and the GQA ratio are exact in the class key already.
@@ -72,11 +73,14 @@ class DecisionClasses:
 
 
 def _reads_more(impl: Any) -> bool:
-    from ._attention import AttentionImpl
-
+    """Whether `impl` overrides its op's default checks (`selection_key`, `extra_reasons`): the defaults are those
+    of its op's implementation base — the class in its MRO that derives from `Impl` directly (AttentionImpl for
+    attention) — found without importing any op (the engine sits below the ops)."""
     cls = type(impl)
-    return (getattr(cls, "selection_key", None) is not AttentionImpl.selection_key
-            or getattr(cls, "extra_reasons", None) is not AttentionImpl.extra_reasons)
+    base = next((c for c in cls.__mro__ if Impl in c.__bases__), None)
+    if base is None:  # not an Impl: assume it reads more
+        return True
+    return any(getattr(cls, name, None) is not getattr(base, name, None) for name in ("selection_key", "extra_reasons"))
 
 
 def _predicate(spec: Any) -> Callable[[int], bool]:

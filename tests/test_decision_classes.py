@@ -323,3 +323,29 @@ def test_no_cliff_when_a_cycling_working_set_exceeds_the_bound(basic_manager, rn
     misses = len(validated) / (3 * len(caches))
     assert misses < 0.25, f"{misses:.0%} of the calls missed the fast path (FIFO would miss 100%)"
     assert len(basic_manager.fast) <= 256 and basic_manager.state is state
+
+
+def test_reads_more_compares_with_the_ops_own_implementation_base():
+    """Whether an implementation's checks read more than the class key is judged against its op's base (the class
+    deriving from Impl directly), found without importing the op: attention's defaults read nothing more, an
+    override does, and a subclass of a vendor adapter inherits the adapter's answer."""
+    from opdispatch._classes import _reads_more
+    from opdispatch.vendors.cpu import CpuFlashAttention
+    from opdispatch.vendors.nvidia import TorchFlashAttention
+
+    assert not _reads_more(CpuFlashAttention())
+    assert _reads_more(TorchFlashAttention())  # its selection_key reads torch's determinism flag
+
+    class Plain(opdispatch.AttentionImpl):
+        vendor, name = "test", "plain"
+
+    class Reading(Plain):
+        def selection_key(self, call):
+            return call.seqlen_k > 4096
+
+    class Inherits(TorchFlashAttention):
+        pass
+
+    assert not _reads_more(Plain.__new__(Plain))
+    assert _reads_more(Reading.__new__(Reading)) and _reads_more(Inherits.__new__(Inherits))
+    assert _reads_more(object())  # not an implementation: assumed to read more
