@@ -27,11 +27,27 @@ How an argument enters the fast-path key (`Arg.key`):
 from __future__ import annotations
 
 import inspect
+import itertools
 import keyword
 import linecache
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+# The Python front doors' hit counters, one per op, process-wide (`opdispatch.stats()` reads them): `next()` on
+# an itertools.count is one C call that the GIL makes atomic (a `+= 1` on a Python int is not).
+_python_hits: dict[str, itertools.count[int]] = {}
+_hits_lock = threading.Lock()
+
+
+def python_hit_counter(op: str) -> Callable[[], int]:
+    """The function the Python front door of `op` calls on each fast-path hit (one C call)."""
+    with _hits_lock:
+        counter = _python_hits.get(op)
+        if counter is None:
+            counter = _python_hits[op] = itertools.count()
+    return counter.__next__
 
 __all__ = ["Arg", "OpArguments", "REQUIRED"]
 
@@ -187,8 +203,6 @@ class OpArguments:
           `context` and key helpers (``_grad_enabled``, ``_index_key``).
         manager: the expression that finds the manager (the default reads the defining module's global).
         """
-        from ._stats import python_hit_counter
-
         # The hit counter of `opdispatch.stats()` (one C call per hit: see opdispatch._stats).
         namespace[_hit_counter_name(self.op)] = python_hit_counter(self.op)
         source = self.front_door_source(compiled=compiled, slow=slow, failed=failed,

@@ -33,31 +33,20 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# The Python front doors' hit counters live with the doors that make them (`opdispatch._arguments`).
+from ._arguments import _hits_lock, _python_hits, python_hit_counter
 
 __all__ = ["ENV_STATS", "ClassUsage", "OpUsage", "UsageCounters", "UsageSnapshot", "class_text",
            "python_hit_counter", "stats"]
 
 ENV_STATS = "OPDISPATCH_STATS"
 
-# The Python front doors' hit counters, one per op, process-wide: `next()` on an itertools.count is one C call
-# that the GIL makes atomic (a `+= 1` on a Python int is not).
-_python_hits: dict[str, itertools.count[int]] = {}
-_hits_lock = threading.Lock()
 # What `stats(reset=True)` subtracts: C counters cannot be reset from here, so a reset records a baseline.
 _python_baseline: dict[str, int] = {}
 _door_baseline: dict[int, tuple[weakref.ref[Any], int]] = {}
-
-
-def python_hit_counter(op: str) -> Callable[[], int]:
-    """The function the Python front door of `op` calls on each fast-path hit (one C call)."""
-    with _hits_lock:
-        counter = _python_hits.get(op)
-        if counter is None:
-            counter = _python_hits[op] = itertools.count()
-    return counter.__next__
 
 
 def _count_value(counter: itertools.count[int]) -> int:
