@@ -37,17 +37,14 @@ def known_device_types() -> tuple[str, ...]:
     return tuple(sorted({*TORCH_DEVICE_TYPES, *extra}))
 
 
-# The entry-point group vendor plugins register under (pyproject's [project.entry-points."opdispatch.plugins"]):
-# defined here, below the plugin layer, which loads from it (`opdispatch.plugins._loader`).
-ENTRY_POINT_GROUP = "opdispatch.plugins"
-
-
 def known_vendors(*, plugins: bool = True) -> tuple[str, ...]:
     """Vendor names a device can report: the built-ins, torch's device types and (`plugins`) installed plugins'
     entry-point names — reading those scans every installed distribution, so callers try without first."""
     names = {*BUILTIN_VENDORS, *known_device_types()}
     if plugins:
         import importlib.metadata
+
+        from opdispatch.plugins._loader import ENTRY_POINT_GROUP
 
         names.update(ep.name.lower() for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
     return tuple(sorted(names))

@@ -19,10 +19,9 @@ from typing import Any
 
 import pluggy
 
-from opdispatch._device import ENTRY_POINT_GROUP
-
 from .hookspec import PLUGIN_API_CHANGES, PLUGIN_API_VERSION
 
+ENTRY_POINT_GROUP = "opdispatch.plugins"
 ENV_ALLOW = "OPDISPATCH_PLUGINS"
 ENV_DENY = "OPDISPATCH_DISABLE_PLUGINS"
 ENV_TIMEOUT = "OPDISPATCH_PLUGIN_TIMEOUT"
