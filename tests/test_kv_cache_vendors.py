@@ -19,6 +19,7 @@ from opdispatch.vendors.flagos import FlagGemsAttention
 from opdispatch.vendors.nvidia import CudnnAttention, FlashAttn2, FlashAttn3
 from opdispatch.vendors.rocm import RocmAiter, RocmFlashAttnCK
 from tests.conftest import device_descriptor
+from tests.fakes import _fa_math as fa_math
 from tests.fakes import aiter as fake_aiter
 from tests.fakes import flag_gems as fake_flag_gems
 from tests.fakes import flash_attn as fake_fa2
@@ -278,41 +279,26 @@ def test_rocm_ck_takes_a_dense_cache(manager, monkeypatch):
 
 
 def _fake_varlen_flash_forward(seen):
-    """aten._flash_attention_forward's packed path (cu_seqlens, seqused_k, block_table when the op has it) in
-    float64 per sequence: each sequence's queries over its first seqused_k keys — rows from its cu_seqlens_k
-    offset, or its block table's pages — causal and the window aligned bottom-right. Returns (out, lse packed
-    (heads, total_q), ...)."""
+    """aten._flash_attention_forward's packed path (cu_seqlens, seqused_k, block_table when the op has it), per
+    sequence through the fakes' shared math (`tests.fakes._fa_math`): each sequence's queries over its first
+    seqused_k keys — rows from its cu_seqlens_k offset, or its block table's used pages — causal and the window
+    aligned bottom-right. Returns (out, lse packed (heads, total_q), ...)."""
     def fake(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, return_debug, *, scale, seqused_k,
              window_size_left=-1, window_size_right=-1, block_table=None):
         seen.append("native" if block_table is not None else "rows")
-        out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
-        lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float64)
+        outs, lses = [], []
         for b in range(len(cu_q) - 1):
             n = int(seqused_k[b])
             assert n <= max_k
-            if block_table is not None:
-                pages = block_table[b, :-(-n // k.shape[1])].long()  # the kernel reads the used pages only
-                keys, values = k[pages].flatten(0, 1)[:n], v[pages].flatten(0, 1)[:n]
-            else:
-                keys, values = k[int(cu_k[b]):int(cu_k[b]) + n], v[int(cu_k[b]):int(cu_k[b]) + n]
-            qs = q[int(cu_q[b]):int(cu_q[b + 1])].double().transpose(0, 1)
-            group = qs.shape[0] // keys.shape[1]
-            kk = keys.double().transpose(0, 1).repeat_interleave(group, 0)
-            vv = values.double().transpose(0, 1).repeat_interleave(group, 0)
-            rel = torch.arange(n)[None, :] - torch.arange(qs.shape[1])[:, None] - (n - qs.shape[1])
-            keep = torch.ones_like(rel, dtype=torch.bool)
-            if causal:
-                keep &= rel <= 0
-            if window_size_left >= 0:
-                keep &= rel >= -window_size_left
-            if window_size_right >= 0:
-                keep &= rel <= window_size_right
-            scores = (qs @ kk.transpose(-1, -2) * scale).masked_fill(~keep, -math.inf)
-            row_lse = torch.logsumexp(scores, -1)
-            probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
-            out[int(cu_q[b]):int(cu_q[b + 1])] = (probs @ vv).transpose(0, 1)
-            lse[:, int(cu_q[b]):int(cu_q[b + 1])] = row_lse
-        return out.to(q.dtype), lse.float(), None, None, None
+            start = 0 if block_table is not None else int(cu_k[b])
+            keys, values = (fa_math.sequence_keys(t, b, n, block_table, start) for t in (k, v))
+            queries = q[int(cu_q[b]):int(cu_q[b + 1])]
+            out, lse = fa_math.attend(queries[None], keys[None], values[None], scale, causal,
+                                      (window_size_left, window_size_right), 0.0, None, n - queries.shape[0],
+                                      blind_lse=-math.inf)
+            outs.append(out[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=1), None, None, None
     return fake
 
 

@@ -17,6 +17,7 @@ from opdispatch.vendors.nvidia._probe import is_nvidia_torch
 from opdispatch._attention import allowed_positions
 
 from tests.conftest import device_descriptor, randn
+from tests.fakes import _fa_math as fa_math
 from tests.fakes import flash_attn as fake_fa2
 from tests.fakes import flash_attn_interface as fake_fa3
 
@@ -631,30 +632,17 @@ def test_alibi_routes_to_cudnn_forward_and_training(manager):
 
 
 def _fake_dense_flash_forward(seen):
-    """aten._flash_attention_forward on dense bshd tensors (cu_seqlens None), written as masked softmax in float64:
-    causal and the window aligned bottom-right, as FlashAttention aligns them; returns (out, lse, ...)."""
+    """aten._flash_attention_forward on dense bshd tensors (cu_seqlens None), through the fakes' shared math
+    (`tests.fakes._fa_math.attend`): causal and the window aligned bottom-right, as FlashAttention aligns them;
+    returns (out, lse, ...)."""
     def fake(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, return_debug, *, scale,
              window_size_left=-1, window_size_right=-1):
         assert cu_q is None and cu_k is None and dropout_p == 0.0 and not return_debug
         assert (max_q, max_k) == (q.shape[1], k.shape[1])
         seen.append((q.stride(-1), k.stride(-1), window_size_left, window_size_right, causal, scale))
-        qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
-        group = qh.shape[1] // kh.shape[1]
-        kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
-        sq, sk = qh.shape[2], kh.shape[2]
-        rel = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - (sk - sq)  # j - (i + offset)
-        keep = torch.ones(sq, sk, dtype=torch.bool)
-        if causal:
-            keep &= rel <= 0
-        if window_size_left >= 0:
-            keep &= rel >= -window_size_left
-        if window_size_right >= 0:
-            keep &= rel <= window_size_right
-        scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(~keep, -math.inf)
-        lse = torch.logsumexp(scores, -1)
-        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-        out = (probs @ vh).transpose(1, 2).to(q.dtype)
-        return out, lse.float(), None, None, None, None, None, None, None
+        out, lse = fa_math.attend(q, k, v, scale, causal, (window_size_left, window_size_right), 0.0, None,
+                                  k.shape[1] - q.shape[1], blind_lse=-math.inf)
+        return out, lse, None, None, None, None, None, None, None
     return fake
 
 
