@@ -167,6 +167,24 @@ def paged_as_dense(call: Any) -> Any:
     return dense
 
 
+def sequence_keys(call: Any, pool: torch.Tensor, b: int, cu_k: list[int] | None,
+                  used: list[int] | None) -> torch.Tensor:
+    """Sequence b's keys (or values) of `pool` (call.k or call.v) as (n, heads_kv, dim), for kernels that run one
+    sequence at a time: its block table's used pages, its cu_seqlens_k span (cut to seqused_k over a KV cache), or
+    its row of a dense cache. `cu_k` and `used` are cu_seqlens_k and seqused_k read once per call as lists (a host
+    read: CPU calls, or kernels that need the lengths on the host anyway)."""
+    if call.block_table is not None:
+        assert used is not None
+        n, size = used[b], call.page_size
+        pages = call.block_table[b, : (n + size - 1) // size].long()
+        return pool[pages].reshape(-1, pool.shape[2], pool.shape[3])[:n]
+    if cu_k is not None:
+        start, end = cu_k[b], cu_k[b + 1]
+        return pool[start:start + used[b] if used is not None else end]
+    keys: torch.Tensor = call.bshd(pool)[b]
+    return keys[: used[b]] if used is not None else keys
+
+
 def kv_cache_as_mask(call: Any) -> Any:
     """A dense KV-cache call as the same computation over the whole cache with the boolean mask of
     `kv_cache_allowed`, for kernels that take masks but no per-sequence lengths. ALiBi is not folded (its distance

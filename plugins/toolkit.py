@@ -64,6 +64,8 @@ KV caches (calls with ``seqused_k``, and ``block_table`` when paged), for FlashA
   names, as (batch, max_pages * page_size, heads_kv, dim)), `paged_as_dense(call)` (the call over that dense cache,
   in its layout), `gathered_bytes(call)` and `paged_gather_reason(call, kernel)` (declined past
   `PAGED_GATHER_MAX_BYTES`, 1 GiB per call, with the size and the fix).
+- One sequence at a time: `sequence_keys(call, pool, b, cu_k, used)` — sequence b's keys (or values) from its
+  block table's used pages, its cu_seqlens_k span or its dense-cache row, the lengths read once as lists.
 
 Layouts: the call record converts views itself — ``call.bhsd(t)``/``call.from_bhsd(t)`` and
 ``call.bshd(t)``/``call.from_bshd(t)`` (see `opdispatch.AttentionCall`); in a bound function use
@@ -92,6 +94,7 @@ from ._kernel_conventions import alibi_alignment_reason, aten_sdpa_call, empty_r
 from ._kv_cache import (PAGED_GATHER_MAX_BYTES, KvQueries, cache_as_pages, cache_as_pages_reason, cumulative_lengths,
                         flash_attn_kv_cache, gathered_bytes, gathered_pages, kv_cache_allowed, kv_cache_as_mask,
                         kv_cache_reasons, kv_lse_fix, packed_queries, paged_as_dense, paged_gather_reason,
+                        sequence_keys,
                         unpack_kv_out)
 from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlens, unpack_lse, unpack_out
 from ._signatures import unaccepted_keywords
@@ -103,7 +106,8 @@ __all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCa
            "causal_alibi_lse_reason", "cumulative_lengths", "dense_lse_fix", "empty_rows_to_neg_inf",
            "flash_attn_kv_cache", "installed_versions", "kernel_call", "kernel_window", "kv_cache_allowed",
            "kv_cache_as_mask", "kv_cache_reasons", "PAGED_GATHER_MAX_BYTES", "gathered_bytes", "gathered_pages",
-           "paged_as_dense", "paged_gather_reason", "kv_lse_fix", "layout_views", "pack_dense", "pack_padded_lse",
+           "paged_as_dense", "paged_gather_reason", "sequence_keys", "kv_lse_fix", "layout_views", "pack_dense",
+           "pack_padded_lse",
            "packed_queries", "shift_rows", "size_generic", "unaccepted_keywords", "uniform_cu_seqlens",
            "unpack_kv_out", "unpack_lse",
            "unpack_out", "varlen_lse_fix", "version_tuple"]

@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, validate_attention
-from opdispatch.plugins.toolkit import (additive_bias, aten_sdpa_call, gathered_pages, kv_cache_as_mask, layout_views,
-                                        paged_as_dense, shift_rows, size_generic)
+from opdispatch.plugins.toolkit import (additive_bias, aten_sdpa_call, kv_cache_as_mask, layout_views, paged_as_dense,
+                                        sequence_keys, shift_rows, size_generic)
 
 _aten_kernel = torch._scaled_dot_product_flash_attention_for_cpu
 # Its backward has no torch.* binding; the OpOverload is the direct entry (called once per compiled backward).
@@ -179,13 +179,14 @@ class CpuFlashAttention(AttentionImpl):
         values (no sync). Outputs and LSEs concatenated back in the packed order; an empty sequence adds none."""
         assert call.cu_seqlens_q is not None
         cu_q = call.cu_seqlens_q.tolist()
-        keys = _sequence_keys(call)
+        cu_k = call.cu_seqlens_k.tolist() if call.cu_seqlens_k is not None else None
+        used = call.seqused_k.tolist() if call.seqused_k is not None else None
         slopes = call.alibi_slopes
         lse_dtype = torch.float64 if call.dtype == torch.float64 else torch.float32
         outs, lses = [], []
         for b in range(len(cu_q) - 1):
             q = call.q[cu_q[b]:cu_q[b + 1]].unsqueeze(0)
-            k, v = (t.unsqueeze(0) for t in keys(b))
+            k, v = (sequence_keys(call, t, b, cu_k, used).unsqueeze(0) for t in (call.k, call.v))
             if q.shape[1] == 0:
                 continue
             row = slopes[b] if slopes is not None and slopes.dim() == 2 else slopes
@@ -208,21 +209,6 @@ class CpuFlashAttention(AttentionImpl):
         lse = (torch.cat(lses, dim=1) if lses
                else torch.full((call.heads_q, call.q.shape[0]), float("-inf"), dtype=lse_dtype))
         return out, lse
-
-
-def _sequence_keys(call: AttentionCall) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-    """Sequence b's (keys, values) of a packed call, as (n, heads_kv, dim): its cu_seqlens_k span, cut to seqused_k
-    over a KV cache, or its block table's pages (gathered once for the call)."""
-    used = call.seqused_k.tolist() if call.seqused_k is not None else None
-    if call.block_table is not None:
-        assert used is not None
-        pool_k, pool_v = gathered_pages(call)
-        return lambda b: (pool_k[b, :used[b]], pool_v[b, :used[b]])
-    assert call.cu_seqlens_k is not None
-    cu_k = call.cu_seqlens_k.tolist()
-    if used is not None:
-        return lambda b: (call.k[cu_k[b]:cu_k[b] + used[b]], call.v[cu_k[b]:cu_k[b] + used[b]])
-    return lambda b: (call.k[cu_k[b]:cu_k[b + 1]], call.v[cu_k[b]:cu_k[b + 1]])
 
 
 # The additive mask `run` builds from a boolean one (`additive_bias`: 0 where True, -inf where False), as one op

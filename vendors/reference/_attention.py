@@ -20,7 +20,8 @@ from typing import ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl
-from opdispatch.plugins.toolkit import FP8_DTYPES, FP8_OUT_DTYPES, LAYOUT_DIMS, alibi_bias, allowed_positions
+from opdispatch.plugins.toolkit import (FP8_DTYPES, FP8_OUT_DTYPES, LAYOUT_DIMS, alibi_bias, allowed_positions,
+                                        sequence_keys)
 
 _ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}) | FP8_DTYPES
 
@@ -98,7 +99,7 @@ class ReferenceAttention(AttentionImpl):
         outs, lses = [], []
         for b in range(call.batch):
             q = queries[cu_q[b]:cu_q[b + 1]] if cu_q is not None else queries[b]  # (s, h, d)
-            k, v = (_sequence_keys(call, t, b, cu_k, used) for t in (call.k, call.v))
+            k, v = (sequence_keys(call, t, b, cu_k, used) for t in (call.k, call.v))
             alibi = call.alibi_slopes
             if alibi is not None and alibi.dim() == 2:
                 alibi = alibi[b:b + 1]
@@ -156,18 +157,3 @@ def _own_pages(pool: torch.Tensor, table: torch.Tensor, descale: torch.Tensor) -
     pages = table.long().clamp(0, pool.shape[0] - 1)
     own = pool[pages].float() * descale[:, None, None, :, None]  # (batch, max_pages, page, heads, dim)
     return own.reshape(-1, *pool.shape[1:])
-
-
-def _sequence_keys(call: AttentionCall, pool: torch.Tensor, b: int, cu_k: list[int] | None,
-                   used: list[int] | None) -> torch.Tensor:
-    """Sequence b's keys (or values) of `pool` (call.k or call.v) as (n, heads_kv, dim)."""
-    if call.block_table is not None:
-        assert used is not None
-        n, size = used[b], call.page_size
-        pages = call.block_table[b, : (n + size - 1) // size].long()
-        return pool[pages].reshape(-1, pool.shape[2], pool.shape[3])[:n]
-    if cu_k is not None:
-        start, end = cu_k[b], cu_k[b + 1]
-        return pool[start:start + used[b] if used is not None else end]
-    keys = call.bshd(pool)[b]
-    return keys[: used[b]] if used is not None else keys
