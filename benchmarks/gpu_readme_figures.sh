@@ -27,6 +27,12 @@
 set -u
 source "$(dirname "$0")/_gpu_setup.sh" gpu-readme-figures-out
 parts=${*:-side serving}
+
+decode_loop() {  # the growing-cache decode loop: part decode, and the first half of part serving
+  timeout 150 python3 "$repo/benchmarks/decode_loop.py" --device cuda --dtype bf16 \
+    --out "$out/decode_loop-h100.json" > "$out/decode_loop-h100.log" 2>&1
+  echo "decode_loop exit $?"; tail -16 "$out/decode_loop-h100.log"
+}
 for part in $parts; do
   case $part in
     side)
@@ -35,9 +41,7 @@ for part in $parts; do
       echo "side_by_side exit $?" | tee -a "$out/side_by_side-h100.log"
       cat "$out/side_by_side-h100.md" ;;
     serving)
-      timeout 150 python3 "$repo/benchmarks/decode_loop.py" --device cuda --dtype bf16 \
-        --out "$out/decode_loop-h100.json" > "$out/decode_loop-h100.log" 2>&1
-      echo "decode_loop exit $?"; tail -16 "$out/decode_loop-h100.log"
+      decode_loop
       timeout "${GENERATE_TIMEOUT:-240}" python3 "$repo/benchmarks/generate_bench.py" --size 100m \
         --batches "${GENERATE_BATCHES:-1,8,32}" --out "$out/generate-h100.md" > "$out/generate-h100.log" 2>&1
       echo "generate_bench exit $?"; tail -20 "$out/generate-h100.log" ;;
@@ -73,9 +77,7 @@ for part in $parts; do
         "$repo/tests/gpu/test_flex_gpu.py" -k "long_call_stays_fused" > "$out/gpu-tests-flex-long-h100.txt" 2>&1
       echo "flexlong exit $?"; tail -8 "$out/gpu-tests-flex-long-h100.txt" ;;
     decode)
-      timeout 150 python3 "$repo/benchmarks/decode_loop.py" --device cuda --dtype bf16 \
-        --out "$out/decode_loop-h100.json" > "$out/decode_loop-h100.log" 2>&1
-      echo "decode_loop exit $?"; tail -16 "$out/decode_loop-h100.log" ;;
+      decode_loop ;;
     kvtests)
       timeout 150 python3 -m pytest -q -rxXsf -p no:cacheprovider --rootdir "$repo" \
         "$repo/tests/gpu/test_kv_index_checks_gpu.py" > "$out/gpu-tests-kv-index-checks-h100.txt" 2>&1
