@@ -594,11 +594,8 @@ class TorchFlexAttention(AttentionImpl):
             return super().bind(call)
         q_shape = (call.batch, call.heads_q, call.seqlen_q, call.head_dim)
         pos = self._dense_positions(call, call.seqlen_q, call.seqlen_k)
-        kwargs: dict[str, Any] = dict(block_mask=pos.block_mask, scale=call.scale,
-                                      enable_gqa=call.heads_q != call.heads_kv,
-                                      score_mod=_score_mod(call, pos, q_shape, call.seqlen_k, None))
-        if self.options.kernel_options:
-            kwargs["kernel_options"] = dict(self.options.kernel_options)
+        kwargs = dict(self._flex_kwargs(call, pos.block_mask),
+                      score_mod=_score_mod(call, pos, q_shape, call.seqlen_k, None))
         run_compiled = self._run_compiled
 
         def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
@@ -621,10 +618,7 @@ class TorchFlexAttention(AttentionImpl):
         block_mask = pos.block_mask
         if call.attn_mask is not None:
             block_mask = self._data_block_mask(call, pos, tuple(q.shape), k.shape[2])
-        kwargs: dict[str, Any] = dict(block_mask=block_mask, scale=call.scale,
-                                      enable_gqa=call.heads_q != call.heads_kv)
-        if self.options.kernel_options:
-            kwargs["kernel_options"] = dict(self.options.kernel_options)
+        kwargs = self._flex_kwargs(call, block_mask)
         aux = _aux_request() if call.return_lse else None
         if aux is not None:
             kwargs["return_aux"] = aux
@@ -651,6 +645,13 @@ class TorchFlexAttention(AttentionImpl):
             return self._layout_out(call, result)
         out, lse = result
         return self._layout_out(call, out), (lse[0] if call.varlen else lse)
+
+    def _flex_kwargs(self, call: AttentionCall, block_mask: Any) -> dict[str, Any]:
+        """flex_attention's arguments every call passes (run() and the bound functions alike)."""
+        kwargs: dict[str, Any] = dict(block_mask=block_mask, scale=call.scale, enable_gqa=call.heads_q != call.heads_kv)
+        if self.options.kernel_options:
+            kwargs["kernel_options"] = dict(self.options.kernel_options)
+        return kwargs
 
     def _run_compiled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         """The compiled kernel; where torch's split-KV decoding kernel (short queries) has no valid tile
