@@ -88,11 +88,15 @@ for part in $parts; do
       echo "first_pass_profile exit $?"; head -40 "$out/first_pass_profile-h100.txt" | cut -c1-160
       tail -16 "$out/first_pass_profile-h100.txt" ;;
     kvc)
-      for paged in 0 256; do
-        timeout 120 python3 "$repo/benchmarks/kvcache_decode.py" --device cuda --dtype bf16 --batch 8 --capacity 4096 \
-          --start 2048 --paged $paged --out "$out/kvcache_decode-paged$paged-h100.json" \
-          > "$out/kvcache_decode-paged$paged-h100.log" 2>&1
-        echo "kvcache_decode paged=$paged exit $?"; grep -E "^\|" "$out/kvcache_decode-paged$paged-h100.log" | tail -5
+      # The default (the check and append fused into two Triton kernels), then the same check as torch ops.
+      for append in triton torch; do
+        for paged in 0 256; do
+          name=kvcache_decode-paged$paged$([ $append = torch ] && echo -torch-ops)-h100
+          OPDISPATCH_KV_APPEND=$([ $append = torch ] && echo torch) timeout 120 python3 \
+            "$repo/benchmarks/kvcache_decode.py" --device cuda --dtype bf16 --batch 8 --capacity 4096 --start 2048 \
+            --paged $paged --out "$out/$name.json" > "$out/$name.log" 2>&1
+          echo "$name exit $?"; grep -E "^\||index checks" "$out/$name.log" | tail -6
+        done
       done ;;
     kv)
       timeout 240 python3 "$repo/benchmarks/kv_cache.py" > "$out/kv_cache-h100.md" 2>&1

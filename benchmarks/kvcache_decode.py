@@ -19,6 +19,9 @@ the host runs ahead within a round, as a serving loop does).
     python benchmarks/kvcache_decode.py --device cuda --dtype bf16 --batch 8 --capacity 4096 --start 2048 \\
         --out kvcache_decode-h100.json                                    # the H100 figure
     python benchmarks/kvcache_decode.py --paged 256 ...                   # a paged cache (256 keys per page)
+
+On a GPU the device-side check and the append run as two Triton kernels (core/compat/_kv_append.py);
+``OPDISPATCH_KV_APPEND=torch`` measures the same check written with torch ops.
 """
 
 from __future__ import annotations
@@ -156,6 +159,11 @@ def main() -> None:
     check_pending_errors()  # every step was valid
     raw = result["raw kernel + index_put_"]
     checks = "device-side" if args.kv_checks == "device" or device.type != "cpu" else "host"
+    if checks == "device-side":
+        from opdispatch.compat import _kv_append
+
+        fused = _kv_append.available(device, args.batch, 1, args.capacity // args.paged if args.paged else 0, False)
+        checks += ", fused into two Triton kernels" if fused else ", torch ops"
     shape = (f"batch {args.batch}, heads {args.heads}/{args.heads_k}, dim {args.dim}, "
              f"{'paged ' + str(args.paged) + ' keys/page' if args.paged else 'dense'} cache of {args.capacity}, "
              f"keys {args.start}..{args.start + args.steps}, {args.dtype}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,11 +10,16 @@ from typing import Any
 import pytest
 import torch
 
-import opdispatch
-from opdispatch import _native
-from opdispatch._dtypes import dtype_from_name
-from opdispatch._errors import OpDispatchError
-from opdispatch._tolerance import ELEMENTWISE
+# Triton kernels (the fused KV-cache append) run on CPU tensors only through Triton's interpreter, which has to be
+# chosen before Triton is first imported: on a machine without a GPU the suite runs them there.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import opdispatch  # noqa: E402
+from opdispatch import _native  # noqa: E402
+from opdispatch._dtypes import dtype_from_name  # noqa: E402
+from opdispatch._errors import OpDispatchError  # noqa: E402
+from opdispatch._tolerance import ELEMENTWISE  # noqa: E402
 
 
 def _build_the_compiled_fast_path() -> str | None:
@@ -21,7 +27,7 @@ def _build_the_compiled_fast_path() -> str | None:
     s), so the suite runs on it, as a user who ran `opdispatch build` does; tests/test_native.py compares it with
     the Python path case by case. OPDISPATCH_FAST_PATH=python runs the whole suite on the Python path. Returns why
     it did not build, or None."""
-    if __import__("os").environ.get(_native.ENV, "auto").strip().lower() == "python":
+    if os.environ.get(_native.ENV, "auto").strip().lower() == "python":
         return None
     try:
         _native.build()

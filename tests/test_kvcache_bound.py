@@ -7,6 +7,8 @@ written."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -39,14 +41,26 @@ def reference_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture(params=["host", "device"])
+@pytest.fixture(params=["host", "device", "fused"])
 def checks(request, monkeypatch):
-    """The host check (CPU's) and the device-side one (accelerators'), forced on CPU."""
-    if request.param == "device":
+    """The host check (CPU's), the device-side one written with torch ops, and the device-side one as the two
+    Triton kernels a GPU runs (core/compat/_kv_append.py, through Triton's interpreter), forced on CPU."""
+    if request.param in ("device", "fused"):
         monkeypatch.setenv("OPDISPATCH_KV_CHECKS", "device")
+    if request.param == "fused":
+        use_interpreted_kv_append(monkeypatch)
     check_pending_errors()
     yield request.param
     check_pending_errors()  # a valid loop leaves no error behind
+
+
+def use_interpreted_kv_append(monkeypatch):
+    """The fused check and append (two Triton kernels) on CPU tensors: run by Triton's interpreter, which
+    tests/conftest.py turns on where there is no GPU."""
+    pytest.importorskip("triton", reason="the fused KV append's kernels are Triton kernels")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton was imported without its interpreter: TRITON_INTERPRET=1 must precede it")
+    monkeypatch.setenv("OPDISPATCH_KV_APPEND", "triton")
 
 
 def _caches(layout, heads_k, gen):
@@ -178,12 +192,15 @@ def test_hostile_index_on_the_bound_path_raises_the_references_error_on_the_host
     assert torch.equal(kw["k_cache"], before[0]) and torch.equal(kw["v_cache"], before[1])  # bit for bit
 
 
+@pytest.mark.parametrize("append", ["torch", "fused"])
 @pytest.mark.parametrize("kind, change, when, error, match",
                          [case for case in HOSTILE if case[2] == "range"],
                          ids=[i for i, case in zip(_ids(), HOSTILE) if case[2] == "range"])
 def test_hostile_index_on_the_bound_device_path_writes_nothing_and_the_next_call_raises_the_references_error(
-        basic_manager, reference_calls, monkeypatch, kind, change, when, error, match):
+        basic_manager, reference_calls, monkeypatch, kind, change, when, error, match, append):
     monkeypatch.setenv("OPDISPATCH_KV_CHECKS", "device")
+    if append == "fused":
+        use_interpreted_kv_append(monkeypatch)
     check_pending_errors()
     reference = _with(_setup(kind, torch.Generator().manual_seed(0)), **change)
     fa._kvcache_reference(**_reference_args(reference))  # the reference device path: NaN, error deferred

@@ -41,6 +41,8 @@ from .._kv_checks import Bound, KvCacheIndexError, Rule, Unique, check_index_ten
     defer, defer_report, device_verdict, host_checks, poisoned, raise_first, raise_pending
 from .._rotary import rotary_embedding
 from .._state import bounded_put
+from . import _kv_append
+from ._kv_append import FusedAppend
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
@@ -549,7 +551,7 @@ class _KvcacheBound:
 
     __slots__ = ("fn", "decision", "signature", "described", "call", "batch", "new", "page", "capacity",
                  "cache_rows", "paged", "own_rows", "row_table", "steps", "columns", "page_starts", "no_lengths",
-                 "local", "interleaved", "recheck", "nan")
+                 "local", "interleaved", "recheck", "nan", "fused")
 
     def __init__(self, fn: Any, call: Any, q: Tensor, k_cache: Tensor, k: Tensor | None, block_table: Tensor | None,
                  cache_batch_idx: Tensor | None, cache_seqlens: Any, local: bool, interleaved: bool) -> None:
@@ -580,6 +582,12 @@ class _KvcacheBound:
         self.nan = torch.full((), _NAN, dtype=torch.float32, device=device)
         self.recheck = _Recheck(self.batch, self.cache_rows, self.page, self.new, cache_batch_idx is not None,
                                 width if self.paged else 0)
+        # The device-side check and append as two kernels where Triton can take the call (a GPU), else torch ops.
+        self.fused = (FusedAppend(self.batch, self.new, width if self.paged else 0, self.page, self.cache_rows,
+                                  self.capacity, cache_batch_idx is not None, self.paged, k_cache.shape[2],
+                                  k_cache.shape[3])
+                      if self.new and _kv_append.available(device, self.batch, self.new, width if self.paged else 0,
+                                                           cache_batch_idx is not None) else None)
 
     def __call__(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None,
                  v: Tensor | None, cos: Tensor | None, sin: Tensor | None, cache_seqlens: Any, rows: Any,
@@ -598,6 +606,14 @@ class _KvcacheBound:
             if not self._valid_on_host(lens, rows, table, type(cache_seqlens) is Tensor):
                 return _REFERENCE
             bad = report = index = None
+        elif self.fused is not None and k is not None and v is not None and cos is None:
+            # Checked and appended in two launches (core.compat._kv_append); the lengths come back grown.
+            lens, safe, bad, report = self.fused(lens, rows, table, k, v, k_cache, v_cache)
+            if self.paged:
+                table = safe
+            elif rows is not None:
+                rows = safe
+            k = v = None  # appended
         else:
             lens, rows, table, bad, report, index = self._checked_on_device(lens, rows, table, cache_seqlens)
         if cos is not None and sin is not None:

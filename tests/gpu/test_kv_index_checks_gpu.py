@@ -151,3 +151,56 @@ def test_a_long_bound_decode_loop_wraps_the_report_ring_and_a_bad_step_writes_no
     assert torch.equal(k_cache[:, :len(valid)], new_k[valid, :, 0].transpose(0, 1))
     assert torch.equal(v_cache[:, :len(valid)], new_k[valid, :, 0].transpose(0, 1))
     fa.check_pending_errors()
+
+
+@pytest.mark.parametrize("layout", ["dense", "spare_rows", "batch_idx", "paged"])
+@pytest.mark.parametrize("new", [1, 3])
+def test_the_fused_triton_append_matches_the_torch_op_check_bit_for_bit(manager, monkeypatch, layout, new):
+    """The check and append as two Triton kernels (the GPU default, core/compat/_kv_append.py) against the same
+    check written with torch ops (OPDISPATCH_KV_APPEND=torch): a decode loop of valid steps, then one step with a
+    bad index each kind of layout can have — caches and outputs equal bit for bit, the bad step NaN, nothing
+    written, the same error raised."""
+    from opdispatch.compat import _kv_append
+    from opdispatch.compat import flash_attn as fa
+
+    dev, i32, batch, heads_k, dim, page = "cuda", torch.int32, 5, 2, 64, 16
+    gen = torch.Generator(device=dev).manual_seed(new)
+    pool = {"dense": batch, "spare_rows": batch + 3, "batch_idx": batch + 3, "paged": 40}[layout]
+    keys = 4 * page if layout != "paged" else page
+    k_cache = torch.randn(pool, keys, heads_k, dim, device=dev, dtype=torch.float16, generator=gen)
+    index = {}
+    if layout == "batch_idx":
+        index["cache_batch_idx"] = torch.tensor([6, 0, 3, 7, 1], dtype=i32, device=dev)
+    if layout == "paged":
+        index["block_table"] = torch.randperm(pool, device=dev, generator=gen)[:batch * 4].view(batch, 4).to(i32)
+    steps = [(torch.randn(batch, 1, 8, dim, device=dev, dtype=torch.float16, generator=gen),
+              torch.randn(batch, new, heads_k, dim, device=dev, dtype=torch.float16, generator=gen),
+              torch.randn(batch, new, heads_k, dim, device=dev, dtype=torch.float16, generator=gen))
+             for _ in range(6)]
+    results = {}
+    for append in ("triton", "torch"):
+        monkeypatch.setenv("OPDISPATCH_KV_APPEND", append)
+        fa._api.get_manager().fast.clear()  # bind afresh under this append
+        caches = k_cache.clone(), k_cache.clone().mul_(-1)
+        lens = torch.tensor([0, 3, 17, 30, 9], dtype=i32, device=dev)
+        outs = []
+        for q, k, v in steps:
+            outs.append(fa.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lens, causal=True, **index))
+            lens += new
+        bound = [b for b in fa._api.get_manager().fast.values() if type(b).__name__ == "_KvcacheBound"]
+        assert [b.fused is not None for b in bound] == [append == "triton"]
+        bad = lens.clone()
+        bad[3] = 4 * page  # no room left for the append
+        before = caches[0].clone(), caches[1].clone()
+        poisoned = fa.flash_attn_with_kvcache(steps[0][0], *caches, steps[0][1], steps[0][2], cache_seqlens=bad,
+                                              causal=True, **index)
+        assert poisoned.isnan().all()
+        assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+        with pytest.raises(fa.KvCacheIndexError) as info:
+            fa.check_pending_errors()
+        results[append] = caches, outs, str(info.value)
+    assert _kv_append._triton() is not None
+    (fused_caches, fused_outs, fused_error), (torch_caches, torch_outs, torch_error) = results.values()
+    assert torch.equal(fused_caches[0], torch_caches[0]) and torch.equal(fused_caches[1], torch_caches[1])
+    assert all(torch.equal(a, b) for a, b in zip(fused_outs, torch_outs))
+    assert fused_error == torch_error and "cache_seqlens[3]=" in fused_error

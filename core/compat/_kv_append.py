@@ -1,0 +1,113 @@
+"""`flash_attn_with_kvcache`'s checked append as two Triton kernels, for the bound path on a GPU (issue 31).
+
+The device-side check written with torch ops (`_KvcacheBound._checked_on_device`, then the append) launches about
+a dozen small kernels per decode step — clamps, comparisons, a reduction, the report's concatenation, a gather and
+a `where` per cache so that an invalid call writes each slot's old value back, then an indexed store per cache —
+and a decode step is host-bound: on an H100 host each launch costs more than the attention kernel's work
+(benchmarks/results/h100-69e872f/kvcache_decode-paged0-h100.md: 405 µs per step against 181 for the raw kernel
+with its `index_put_`). Here the same check and append are two launches:
+
+- `_verdict` (one program): every index checked exactly as `_kvcache_indices` checks it — lengths within
+  ``0..capacity - new``, ``cache_batch_idx`` rows in range and distinct, the block table's used entries naming
+  existing pages, the appended slots distinct — writing the report row (verdict, then the lengths, rows and table
+  as given: what `_Recheck` turns into the reference path's message), the verdict as a bool, the lengths after
+  the append, and the rows or table clamped into range (what the attention kernel reads);
+- `_append` (a program per appended key and tile of heads × dim): stores the new key and value at their slots,
+  or nothing at all when the verdict is bad — all-or-nothing without reading the old values.
+
+Limits (the bound path keeps its torch-op check beyond them): at most `MAX_SLOTS` appended keys per call (the
+distinct-slot check compares every pair in one program) and `MAX_TABLE` block-table entries.
+
+Triton is optional (the `flagos` extra, or the one torch's CUDA wheels bring): `available()` says whether this path
+can run. ``OPDISPATCH_KV_APPEND=triton`` forces it on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+MODE_ENV = "OPDISPATCH_KV_APPEND"  # "triton": the kernels on CPU too (under TRITON_INTERPRET=1); "torch": never
+MAX_SLOTS = 256  # appended keys per call (batch × new)
+MAX_TABLE = 1 << 16  # block-table entries (batch × width)
+_TILE = 1024  # heads × dim elements one append program copies
+
+
+@functools.cache
+def _triton() -> Any:
+    try:
+        import triton
+        import triton.language  # noqa: F401  (the kernels' tl)
+    except ImportError:
+        return None
+    return triton
+
+
+def available(device: torch.device, batch: int, new: int, width: int, has_rows: bool) -> bool:
+    """Whether the fused check and append can take a call on `device` appending `new` keys to each of `batch`
+    sequences (`width`: the block table's, 0 for a dense cache; `has_rows`: a cache_batch_idx)."""
+    mode = os.environ.get(MODE_ENV, "")
+    if (mode == "torch" or new == 0 or batch * new > MAX_SLOTS or batch * max(width, 1) > MAX_TABLE
+            or (has_rows and width)):
+        return False
+    if device.type != "cuda" and mode != "triton":
+        return False
+    return _triton() is not None
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    """(verdict, append): the Triton kernels, imported at first use (Triton is optional)."""
+    from . import _kv_append_triton as kernels
+
+    return kernels.verdict, kernels.append
+
+
+class FusedAppend:
+    """The fused check and append of one bound signature: the launch constants worked out once, and
+    ``__call__(lens, rows, table, k, v, k_cache, v_cache)`` -> (lens after the append, the rows or table clamped,
+    bad (1,) bool, the report row) per call. A call has rows (``cache_batch_idx``) or a table, not both."""
+
+    __slots__ = ("batch", "new", "width", "page", "cache_rows", "max_len", "has_rows", "paged", "blocks",
+                 "heads_dim", "dim", "report_width")
+
+    def __init__(self, batch: int, new: int, width: int, page: int, cache_rows: int, capacity: int,
+                 has_rows: bool, paged: bool, heads_k: int, dim: int) -> None:
+        self.batch, self.new, self.width, self.page, self.cache_rows = batch, new, width, page, cache_rows
+        self.max_len, self.has_rows, self.paged = capacity - new, has_rows, paged
+        self.blocks = (_next_power_of_2(batch), _next_power_of_2(batch * new),
+                       min(_next_power_of_2(max(width, 1)), max(16, 4096 // _next_power_of_2(batch))))
+        self.heads_dim, self.dim = heads_k * dim, dim
+        self.report_width = 1 + batch + (batch if has_rows else 0) + (batch * width if paged else 0)
+
+    def __call__(self, lens: torch.Tensor, rows: torch.Tensor | None, table: torch.Tensor | None, k: torch.Tensor,
+                 v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        verdict, append = _kernels()
+        device, batch = lens.device, self.batch
+        report = torch.empty(self.report_width, dtype=torch.int32, device=device)
+        bad = torch.empty(1, dtype=torch.bool, device=device)
+        lens_out = torch.empty(batch, dtype=torch.int32, device=device)
+        safe = (torch.empty(batch, self.width, dtype=torch.int32, device=device) if self.paged
+                else torch.empty(batch, dtype=torch.int32, device=device) if self.has_rows else None)
+        block_b, block_s, block_w = self.blocks
+        verdict[(1,)](lens, rows if rows is not None else lens, table if table is not None else lens, report, bad,
+                      lens_out, safe if safe is not None else lens_out,
+                      batch, self.new, self.width, self.page, self.cache_rows, self.max_len,
+                      table.stride(0) if table is not None else 0, table.stride(1) if table is not None else 0,
+                      HAS_ROWS=self.has_rows, PAGED=self.paged,
+                      BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_W=block_w,
+                      W_BLOCKS=-(-self.width // block_w))
+        append[(batch * self.new, -(-self.heads_dim // _TILE))](
+            k, v, k_cache, v_cache, bad, lens_out, safe if safe is not None else lens_out,
+            self.new, self.heads_dim, self.dim, self.page, self.width,
+            *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+            HAS_ROWS=self.has_rows, PAGED=self.paged, BLOCK=min(_TILE, _next_power_of_2(self.heads_dim)))
+        return lens_out, safe, bad, report
