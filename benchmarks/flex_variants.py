@@ -75,12 +75,53 @@ def window_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     return out
 
 
+def host_us(fns: dict[str, Callable[[], Any]], device: torch.device, calls: int = 20,
+            samples: int = 15) -> dict[str, float]:
+    """Host microseconds per call of each callable: the time to issue `calls` calls after a sync, without waiting
+    for the device (its queue holds them), median over `samples` interleaved runs. Per-call timing counts this
+    time; back-to-back timing hides it behind the device."""
+    import statistics
+    import time
+
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(samples):
+        for name, fn in fns.items():
+            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            began = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - began) / calls * 1e6)
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def host_profile(fns: dict[str, Callable[[], Any]], out: Path, calls: int = 200) -> None:
+    """cProfile of `calls` calls of each callable (the device synchronised after each batch), the top functions
+    by own time, written to `out`: where host time goes, variant by variant."""
+    import cProfile
+    import io
+    import pstats
+
+    texts = []
+    for name, fn in fns.items():
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(calls):
+            fn()
+        profile.disable()
+        stream = io.StringIO()
+        pstats.Stats(profile, stream=stream).sort_stats("tottime").print_stats(30)
+        texts.append(f"## {name}: {calls} calls\n\n{stream.getvalue()}")
+    out.write_text("\n".join(texts))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (eager flex, fp32)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", type=Path, help="JSON here, markdown beside it")
+    p.add_argument("--profile", type=Path, help="write cProfile tables of each forward cell's variants here")
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -108,18 +149,25 @@ def main(argv: list[str] | None = None) -> int:
                 fns = {name: (lambda fn=fn: fn().backward(g)) for name, fn in fns.items()}
             times = interleaved_ms(fns, device, args.warmup, args.reps)
             back = back_to_back_ms(fns, device, 10)
-            rows.append({"cell": cell, "mode": mode, "ms": times, "back_to_back_ms": back})
+            host = host_us(fns, device)
+            if args.profile and not grad:
+                args.profile.mkdir(parents=True, exist_ok=True)
+                host_profile(fns, args.profile / f"{cell.split()[0]}-{mode}.txt")
+            rows.append({"cell": cell, "mode": mode, "ms": times, "back_to_back_ms": back, "host_us": host})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     env = environment(device)
     lines = ["# torch.flex vs torch's own compiled flex_attention, by how the call's numbers are captured", "",
              f"{env['device']}; torch {env['torch']}, triton {env.get('triton')}; {str(dtype)[6:]}; softcap cell "
              f"b{b} s{s} heads {hq}/{hkv} d{d}; window cell b1 s8192 heads 16/16 d128; commit {env.get('commit')}",
-             "", "per call: events around one call; back to back: events around 10 calls", "",
-             "| cell | mode | variant | per call ms | back to back ms |", "|---|---|---|---:|---:|"]
+             "", "per call: events around one call; back to back: events around 10 calls; host: µs to issue one call "
+             "(20 issued after a sync, the device not waited for)", "",
+             "| cell | mode | variant | per call ms | back to back ms | host µs |", "|---|---|---|---:|---:|---:|"]
     for row in rows:
         for name, ms in row["ms"].items():
             b2b = row["back_to_back_ms"].get(name)
-            lines.append(f"| {row['cell']} | {row['mode']} | {name} | {ms_text(ms)} | {ms_text(b2b)} |")
+            host = row["host_us"].get(name)
+            lines.append(f"| {row['cell']} | {row['mode']} | {name} | {ms_text(ms)} | {ms_text(b2b)} | "
+                         f"{ms_text(host, 1)} |")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     write_report(args.out, {"environment": env, "rows": rows}, text)
