@@ -46,7 +46,7 @@ for part in $parts; do
         --batches "${GENERATE_BATCHES:-1,8,32}" --out "$out/generate-h100.md" > "$out/generate-h100.log" 2>&1
       echo "generate_bench exit $?"; tail -20 "$out/generate-h100.log" ;;
     flex)
-      timeout 300 python3 "$repo/benchmarks/flex_variants.py" --out "$out/flex_variants-h100.json" \
+      timeout 300 python3 "$repo/benchmarks/flex_variants.py" --out "$out/flex_variants-h100.json" --profile "$out/flexprof" \
         > "$out/flex_variants-h100.log" 2>&1
       echo "flex_variants exit $?"; tail -14 "$out/flex_variants-h100.log" ;;
     determinism)
