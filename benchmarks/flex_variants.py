@@ -1,8 +1,9 @@
 """opdispatch's torch.flex against torch's own compiled flex_attention on the same call, and what the difference
 is made of: the softcap written as a Python float (a constant inductor folds), as a captured tensor divided by
 (how torch.flex captures it, so a new softcap value does not recompile), or as a captured reciprocal multiplied
-by. One cell (GQA softcap, causal, bf16 by default), forward and forward+backward, interleaved CUDA-event timing
-(side_by_side.interleaved_ms).
+by; and torch's flex as a caller holding bshd tensors writes it (the transposes in each call, beside the
+variants given bhsd views made once). Two cells (GQA softcap; a causal window), forward and forward+backward,
+interleaved CUDA-event timing (side_by_side.interleaved_ms), with each variant's host time per call.
 
     python benchmarks/flex_variants.py --out flex_variants.json        # GPU
     python benchmarks/flex_variants.py --tiny                          # CPU smoke run (eager flex, fp32)
@@ -48,7 +49,12 @@ def variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compile_flex: bo
     def bound(mod: Callable[..., Any]) -> Callable[[], Any]:
         return lambda: flex(qt, kt, vt, score_mod=mod, block_mask=block_mask, enable_gqa=gqa).transpose(1, 2)
 
-    return {name: bound(mod) for name, mod in mods.items()}
+    out = {name: bound(mod) for name, mod in mods.items()}
+    reciprocal = mods["flex, softcap a tensor (reciprocal)"]
+    out["flex, reciprocal, transposed per call"] = lambda: flex(  # what a caller with bshd tensors writes
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=reciprocal, block_mask=block_mask,
+        enable_gqa=gqa).transpose(1, 2)
+    return out
 
 
 def window_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
@@ -72,6 +78,9 @@ def window_variants(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     for name, mod in mods.items():
         mask = create_block_mask(mod, None, None, qt.shape[2], kt.shape[2], device=q.device, _compile=compile_flex)
         out[name] = (lambda mask=mask: flex(qt, kt, vt, block_mask=mask, enable_gqa=gqa).transpose(1, 2))
+    out["flex, tensors, transposed per call"] = (  # what a caller with bshd tensors writes
+        lambda mask=mask: flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                               enable_gqa=gqa).transpose(1, 2))
     return out
 
 

@@ -484,7 +484,7 @@ def test_compiled_flex_retries_with_the_regular_kernel_when_decoding_has_no_vali
 
     seen = []
 
-    def fake_compiled(q, k, v, kwargs):
+    def fake_compiled(q, k, v, kwargs, entry=None):
         seen.append(kwargs.get("kernel_options"))
         if not kwargs.get("kernel_options"):
             raise RuntimeError("LoweringException: NoValidChoicesError: No choices to select")
@@ -497,7 +497,7 @@ def test_compiled_flex_retries_with_the_regular_kernel_when_decoding_has_no_vali
     assert impl._run_compiled(q, k, k, {}) == "out"  # remembered: straight to the regular kernel
     assert seen == [None, {"FORCE_USE_FLEX_ATTENTION": True}, {"FORCE_USE_FLEX_ATTENTION": True}]
 
-    def other_failure(q, k, v, kwargs):
+    def other_failure(q, k, v, kwargs, entry=None):
         raise RuntimeError("CUDA out of memory")
 
     monkeypatch.setattr(flex_module, "_call_compiled", other_failure)
@@ -635,7 +635,9 @@ def test_a_sweep_of_new_lengths_compiles_a_bounded_number_of_graphs(manager, tmp
         out = opdispatch.attention(q, k, v, causal=True, softcap=30.0, impl="torch.flex")
         want, _ = oracle(*(t.transpose(1, 2).double() for t in (q, k, v)), scale=0.25, causal=True, softcap=30.0)
         assert_close(out.transpose(1, 2), want, torch.float32, f"length {length}")
-        graphs.append(flex_module._graphs_compiled())
+        # bshd calls bound after their first call run through the bshd entry: its graphs count too
+        graphs.append(flex_module._graphs_compiled()
+                      + flex_module._graphs_compiled(flex_module._flex_entry_bshd.__code__))
     assert graphs[-1] <= 3, f"graphs held after each new length: {graphs}"
     assert graphs[2:5] == [graphs[1]] * 3, f"lengths after the second compiled again: {graphs}"
 
@@ -653,9 +655,11 @@ def test_bound_compiled_call_equals_run_and_the_oracle(case, gen, untraced_flex,
 
     seen = []
 
-    def eager_kernel(q, k, v, kwargs):
+    def eager_kernel(q, k, v, kwargs, entry=None):
         seen.append(kwargs)
-        return flex_module._flex_api().flex_attention(q, k, v, **kwargs)
+        # A bshd call is bound through an entry of its own (its transposes inside the compiled graph): its
+        # uncompiled function, here.
+        return (flex_module._flex_api().flex_attention if entry is None else entry[2])(q, k, v, **kwargs)
 
     monkeypatch.setattr(flex_module, "_call_compiled", eager_kernel)
     name, layout, b, sq, sk, hq, hkv, d, dv, kw = case
@@ -681,3 +685,46 @@ def test_bound_compiled_call_equals_run_and_the_oracle(case, gen, untraced_flex,
         assert bound_calls[0] is bound_calls[1]
     else:  # ALiBi slopes are per-call values: run() each time, with its own arguments
         assert bound_calls[0] is not bound_calls[1]
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+def test_a_bound_call_with_room_under_the_recompile_limit_calls_its_compiled_entry_directly(layout, gen,
+                                                                                             untraced_flex, monkeypatch):
+    """The bound function's one-frame path: with the graph count as last seen and room under dynamo's limit it
+    calls the compiled entry itself — bshd tensors as they are (the entry transposes inside its graph), other
+    layouts as bhsd views — and gives run()'s result; a new graph count, or a shape family moved to the regular
+    kernel, goes through `_run_compiled` (which reads the limit again)."""
+    from opdispatch.vendors.torch_flex import _attention as flex_module
+
+    direct, slow = [], []
+
+    def entry_of(eager, code):
+        def compiled(q, k, v, **kwargs):
+            direct.append((code, tuple(q.shape)))
+            return eager(q, k, v, **kwargs)
+        return compiled
+
+    bshd_code, bhsd_code = flex_module._flex_entry_bshd.__code__, flex_module._flex_entry.__code__
+    monkeypatch.setattr(flex_module, "_compiled_flex_bshd", lambda: (
+        entry_of(flex_module._flex_entry_bshd, bshd_code), bshd_code, flex_module._flex_entry_bshd))
+    monkeypatch.setattr(flex_module, "_compiled_flex", lambda: entry_of(flex_module._flex_entry, bhsd_code))
+    counts = {bshd_code: [1, 2], bhsd_code: [1, 2, 3]}
+    monkeypatch.setattr(flex_module, "_cache_entry_reader", lambda: lambda code: counts[code])
+    original_call = flex_module._call_compiled
+    monkeypatch.setattr(flex_module, "_call_compiled", lambda *a: slow.append(a[4] is not None) or original_call(*a))
+    impl = flex_impl(compile=True)
+    q, k, v = make_dense(layout, 2, 24, 40, 4, 2, 16, 16, gen=gen)
+    call = validate_attention(q, k, v, layout=layout, causal=True, causal_alignment="bottom_right", softcap=20.0)
+    bound = impl.bind(call)
+    want = impl.run(call)
+    code = bshd_code if layout == "bshd" else bhsd_code
+    monkeypatch.setattr(flex_module, "_limit_read", [len(counts[code]), 8])  # as the last call left it
+    direct.clear(), slow.clear()  # (run() went through _call_compiled)
+    assert torch.equal(bound(q, k, v), want) and slow == []
+    assert direct == [(code, tuple(q.shape) if layout == "bshd" else (2, 4, 24, 16))]
+    counts[code].append(4)  # a graph more since the limit was read: the slow path, which reads it again
+    assert torch.equal(bound(q, k, v), want) and slow == [layout == "bshd"]
+    assert flex_module._limit_read[0] == len(counts[code])
+    assert torch.equal(bound(q, k, v), want) and len(slow) == 1  # read: direct again
+    impl._regular_kernel.add(("some", "family"))  # a family moved to the regular kernel: checked on the slow path
+    assert torch.equal(bound(q, k, v), want) and len(slow) == 2

@@ -133,12 +133,28 @@ def _flex_entry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
     return torch.nn.attention.flex_attention.flex_attention(q, k, v, **kwargs)
 
 
+def _flex_entry_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
+    """`_flex_entry` for (batch, seq, heads, dim) tensors, the layout's transposes inside the compiled graph: a bound
+    bshd call then pays no permute per tensor on the host (four per call were part of torch.flex's host time beyond
+    torch's own compiled flex on an H100, benchmarks/results/flex_variants-h100.md). Its own code object: dynamo's
+    graphs and recompile limit are counted per code object."""
+    flex = torch.nn.attention.flex_attention.flex_attention
+    return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs).transpose(1, 2)
+
+
 @functools.cache
 def _compiled_flex() -> Callable[..., Any]:
     """torch.compile(flex_attention), created once per process: that is how torch turns it into one fused kernel.
     dynamo then keeps one graph per variant of mods and flags (and goes dynamic over sequence lengths)."""
     _flex_api()  # imports torch.nn.attention.flex_attention, which _flex_entry reads as an attribute
     return torch.compile(_flex_entry)
+
+
+@functools.cache
+def _compiled_flex_bshd() -> tuple[Callable[..., Any], Any, Callable[..., Any]]:
+    """The bshd entry as `_call_compiled` takes it: (compiled, its code object, the same function uncompiled)."""
+    _flex_api()
+    return torch.compile(_flex_entry_bshd), _flex_entry_bshd.__code__, _flex_entry_bshd
 
 
 # dynamo keeps at most `recompile_limit` (8) graphs per function and runs anything beyond them eagerly — for
@@ -167,33 +183,38 @@ def _dynamo_names() -> tuple[str, str | None, type[BaseException] | None]:
 _limit_read = [-1, 0]  # [graphs held when dynamo's limit was last read, that limit]
 
 
-def _call_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+def _call_compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any],
+                   entry: tuple[Callable[..., Any], Any, Callable[..., Any]] | None = None) -> Any:
+    """The compiled flex on (batch, heads, seq, dim) tensors, or through `entry` — (compiled, code, uncompiled),
+    as `_compiled_flex_bshd` gives — on its layout."""
     limit_name, fail_name, fail_error = _dynamo_names()
     config = torch._dynamo.config
-    graphs = _graphs_compiled()
+    graphs = _graphs_compiled() if entry is None else _graphs_compiled(entry[1])
     if graphs != _limit_read[0]:  # reading torch's config costs ~1 µs: once per new graph count, not per call
         _limit_read[:] = graphs, getattr(config, limit_name)
+    compiled = _compiled_flex() if entry is None else entry[0]
     if graphs < _limit_read[1] - 1:
         # Room for another graph under the user's own limit: this call cannot reach it, whatever it compiles, so
         # neither the raised limit nor the fail switch matters (no config scope: its writes cost host time).
-        return _compiled_flex()(q, k, v, **kwargs)
+        return compiled(q, k, v, **kwargs)
     settings = {limit_name: max(getattr(config, limit_name), _RECOMPILE_LIMIT)}
     if fail_name:
         settings[fail_name] = True
     with _config_scope(config, settings):
         try:
-            return _compiled_flex()(q, k, v, **kwargs)
+            return compiled(q, k, v, **kwargs)
         except Exception as exc:
             if fail_error is None or not isinstance(exc, fail_error):
                 raise
             _warn_unfused(getattr(config, limit_name))
-            return _flex_api().flex_attention(q, k, v, **kwargs)
+            return (_flex_api().flex_attention if entry is None else entry[2])(q, k, v, **kwargs)
 
 
-def _graphs_compiled() -> int:
-    """How many graphs dynamo holds for the compiled flex (its cache entries on `_flex_entry`'s code)."""
+def _graphs_compiled(code: Any = None) -> int:
+    """How many graphs dynamo holds for a compiled flex entry (its cache entries on the entry's code; default
+    `_flex_entry`'s)."""
     entries = _cache_entry_reader()
-    return 1 << 30 if entries is None else len(entries(_flex_entry.__code__))
+    return 1 << 30 if entries is None else len(entries(_flex_entry.__code__ if code is None else code))
 
 
 @functools.cache
@@ -295,11 +316,9 @@ def retainable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def call(*tensors: torch.Tensor) -> Any:
-        if torch.compiler.is_compiling():
-            return fn(*tensors)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) and not torch.compiler.is_compiling():
             return _RetainableGraph.apply(fn, *tensors)
-        return fn(*tensors)  # no gradient: an inference graph, which donates nothing (no config scope to pay)
+        return fn(*tensors)  # no gradient (an inference graph donates nothing: no scope to pay), or traced
 
     return call
 
@@ -597,11 +616,21 @@ class TorchFlexAttention(AttentionImpl):
         kwargs = dict(self._flex_kwargs(call, pos.block_mask),
                       score_mod=_score_mod(call, pos, q_shape, call.seqlen_k, None))
         run_compiled = self._run_compiled
+        family = (call.heads_q, call.heads_kv, call.head_dim, call.head_dim_v, call.dtype, call.q.device.type)
+        bshd = call.layout == "bshd"  # its transposes inside the compiled graph (`_flex_entry_bshd`)
+        entry = _compiled_flex_bshd() if bshd else (_compiled_flex(), _flex_entry.__code__, None)
+        compiled, code, reader, regular = entry[0], entry[1], _cache_entry_reader(), self._regular_kernel
 
         def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            return run_compiled(q, k, v, kwargs)
+            # The common call in one frame: the graph count as last seen (so dynamo's limit as last read applies),
+            # room under it, and no shape family moved to the regular kernel. Anything else: `_run_compiled`.
+            if reader is not None and not regular:
+                graphs = len(reader(code))
+                if graphs == _limit_read[0] and graphs < _limit_read[1] - 1:
+                    return compiled(q, k, v, **kwargs)
+            return run_compiled(q, k, v, kwargs, family, entry if bshd else None)
 
-        return bind_dense(call, retainable(flex))
+        return retainable(flex) if bshd else bind_dense(call, retainable(flex))
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if call.dropout_p > 0:
@@ -653,22 +682,26 @@ class TorchFlexAttention(AttentionImpl):
             kwargs["kernel_options"] = dict(self.options.kernel_options)
         return kwargs
 
-    def _run_compiled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-        """The compiled kernel; where torch's split-KV decoding kernel (short queries) has no valid tile
-        configuration — measured on an H100, torch 2.11: GQA 8/2, d128, 100 queries over 333 keys fails with
-        inductor's NoValidChoicesError — run flex's regular kernel instead, and remember that shape family."""
-        if self._regular_kernel and "kernel_options" not in kwargs and self._family(q, k, v) in self._regular_kernel:
+    def _run_compiled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any],
+                      family: tuple[Any, ...] | None = None, entry: Any = None) -> Any:
+        """The compiled kernel (through `entry` for a layout of its own, see `_call_compiled`; `family`: the
+        call's, when the tensors are not bhsd); where torch's split-KV decoding kernel (short queries) has no valid
+        tile configuration — measured on an H100, torch 2.11: GQA 8/2, d128, 100 queries over 333 keys fails
+        with inductor's NoValidChoicesError — run flex's regular kernel instead, and remember that shape family."""
+        if self._regular_kernel and "kernel_options" not in kwargs and (
+                family or self._family(q, k, v)) in self._regular_kernel:
             kwargs = dict(kwargs, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
         try:
-            return _call_compiled(q, k, v, kwargs)
+            return _call_compiled(q, k, v, kwargs, entry)
         except Exception as exc:
             if "NoValidChoicesError" not in f"{type(exc).__name__}: {exc}" or "kernel_options" in kwargs:
                 raise
-            self._regular_kernel.add(self._family(q, k, v))
-            return _call_compiled(q, k, v, dict(kwargs, kernel_options={"FORCE_USE_FLEX_ATTENTION": True}))
+            self._regular_kernel.add(family or self._family(q, k, v))
+            return _call_compiled(q, k, v, dict(kwargs, kernel_options={"FORCE_USE_FLEX_ATTENTION": True}), entry)
 
     @staticmethod
     def _family(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[Any, ...]:
+        """(heads q/kv, head dims q/v, dtype, device type) of bhsd tensors: what `bind` states for a call."""
         return (q.shape[1], k.shape[1], q.shape[3], v.shape[3], q.dtype, q.device.type)
 
     @staticmethod
