@@ -60,8 +60,8 @@ def policy_override(*, prefer: Sequence[str] | str | None = None, deny: Sequence
     Outranks env vars and YAML; the per-call ``impl=`` still outranks it. Nested scopes stack, the innermost
     first. ``op=None`` applies to every op.
     """
-    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace ContextVar.set: opdispatch._compile records it
-        from opdispatch._compile import traced_policy_override
+    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace ContextVar.set: compile._compile records it
+        from opdispatch.compile._compile import traced_policy_override
 
         with traced_policy_override(prefer=prefer, deny=deny, require=require, pin=pin, op=op) as recorded:
             yield recorded
@@ -84,8 +84,8 @@ def scope(module: str) -> Iterator[str]:
     """Name the calling module (e.g. ``model.layers.3.self_attn``) so `when: {module: ...}` rules can target it."""
     if not isinstance(module, str) or not module:
         raise ValueError(f"scope(module={module!r}): give a non-empty dotted module name")
-    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace ContextVar.set: opdispatch._compile records it
-        from opdispatch._compile import traced_scope
+    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace ContextVar.set: compile._compile records it
+        from opdispatch.compile._compile import traced_scope
 
         with traced_scope(module):
             yield module

@@ -42,8 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from opdispatch._decision import Provenance
-from opdispatch._ops import op_spec
+from opdispatch.base._decision import Provenance
+from opdispatch.base._ops import op_spec
 
 if TYPE_CHECKING:
     from ._overrides import Override

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch import _native
-from opdispatch._dtypes import dtype_from_name
-from opdispatch._errors import OpDispatchError
-from opdispatch._tolerance import ELEMENTWISE
+from opdispatch.base import _native
+from opdispatch.base._dtypes import dtype_from_name
+from opdispatch.base._errors import OpDispatchError
+from opdispatch.base._tolerance import ELEMENTWISE
 
 
 def _build_the_compiled_fast_path() -> str | None:
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEVICES_DIR = REPO / "configs" / "devices"
 
 # Elementwise tolerances of an implementation against reference.math, by torch dtype: the library's one table
-# (`opdispatch._tolerance`, beside the relative-norm bounds `opdispatch validate` applies).
+# (`opdispatch.base._tolerance`, beside the relative-norm bounds `opdispatch validate` applies).
 TOLERANCES = {dtype_from_name(name): dict(tol) for name, tol in ELEMENTWISE.items()}
 
 

@@ -1,4 +1,4 @@
-"""The compiled per-call fast path (opdispatch._native) against the Python front doors it stands in for.
+"""The compiled per-call fast path (opdispatch.base._native) against the Python front doors it stands in for.
 
 Every front door — opdispatch.attention, rms_norm, rotary_embedding, the compat SDPA and flash_attn_func — is
 called through its Python path (`_native.python_of`) and through a compiled twin made from the same spec
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch import _native
-from opdispatch._errors import OpDispatchError
+from opdispatch.base import _native
+from opdispatch.base._errors import OpDispatchError
 from opdispatch.compat import flash_attn
 from opdispatch.compat import scaled_dot_product_attention as compat_sdpa
 from opdispatch.policies import parse_policy
@@ -422,7 +422,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_the_fast_path_mode_switch_and_doctor(loaded, tmp_path):
-    which = ("import opdispatch, sys; from opdispatch import _native, _cli; print(type(opdispatch.attention).__name__,"
+    which = ("import opdispatch, sys; from opdispatch.base import _native; from opdispatch.tools import _cli; print(type(opdispatch.attention).__name__,"
              " _native.status().describe()); sys.argv = ['opdispatch', 'doctor']; _cli.main()")
     cache = str(Path(_native.status().path or "").parents[2])  # where this process found it (…/native/<tag>/<so>)
     compiled = _run(which, OPDISPATCH_PLUGINS="cpu,reference", OPDISPATCH_CACHE_DIR=cache)
@@ -443,7 +443,7 @@ def test_the_fast_path_mode_switch_and_doctor(loaded, tmp_path):
 
 @pytest.mark.slow
 def test_build_without_a_compiler_says_what_is_missing_and_python_still_runs(tmp_path):
-    code = ("import sys; from opdispatch import _cli; sys.argv = ['opdispatch', 'build']; sys.exit(_cli.main())")
+    code = ("import sys; from opdispatch.tools import _cli; sys.argv = ['opdispatch', 'build']; sys.exit(_cli.main())")
     result = _run(code, OPDISPATCH_CACHE_DIR=str(tmp_path), CXX="/nonexistent/c++")
     assert result.returncode == 1
     assert "building opdispatch's compiled fast path failed" in result.stderr

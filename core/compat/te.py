@@ -71,10 +71,10 @@ import torch
 from torch import Tensor
 from torch.nn.parameter import Parameter
 
-from .._api import attention, explain, get_manager
-from .._attention import validate_attention
-from .._decision import CHOSEN, DENIED, ELIGIBLE
-from .._state import bounded_put
+from ..doors._api import attention, explain, get_manager
+from ..ops._attention import validate_attention
+from ..base._decision import CHOSEN, DENIED, ELIGIBLE
+from ..engine._state import bounded_put
 from ..policies._overrides import MODULE, OVERRIDES, policy_override, scope
 from ._padding import pad_input, unpad_input
 
