@@ -44,6 +44,8 @@ from .ops._rotary import (
 from .base._decision import (
     Candidate as Candidate,
     Decision as Decision,
+    NoImplementationError as NoImplementationError,
+    PinnedImplementationError as PinnedImplementationError,
     Provenance as Provenance,
 )
 from .base._device import (
@@ -52,9 +54,7 @@ from .base._device import (
 )
 from .base._errors import (
     DeviceDescriptorError as DeviceDescriptorError,
-    NoImplementationError as NoImplementationError,
     OpDispatchError as OpDispatchError,
-    PinnedImplementationError as PinnedImplementationError,
     PluginLoadError as PluginLoadError,
     PolicyError as PolicyError,
     RegistrationError as RegistrationError,

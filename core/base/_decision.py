@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._errors import OpDispatchError
+
 if TYPE_CHECKING:
     from ._device import DeviceInfo
     from ._impl import Impl
@@ -153,3 +155,18 @@ class Decision:
             by = "-" if c.decided_by is None else c.decided_by.short(c.impl_id) if width else str(c.decided_by)
             rows.append((str(i), c.impl_id, c.status, by, reasons))
         return "\n".join(head) + "\n\n" + "\n".join(format_table(rows, width=width, rule=True))
+
+
+class NoImplementationError(OpDispatchError, NotImplementedError):
+    """No implementation can take the call: the message lists every candidate with its reasons."""
+
+    def __init__(self, message: str, *, decision: Decision | None = None) -> None:
+        super().__init__(message)
+        self.decision = decision
+
+
+class PinnedImplementationError(NoImplementationError):
+    """The implementation pinned by `impl=`, an env var or the policy cannot take the call.
+
+    A pin never falls back silently; this error carries the pinned implementation's reasons.
+    """

@@ -44,7 +44,7 @@ def known_vendors(*, plugins: bool = True) -> tuple[str, ...]:
     if plugins:
         import importlib.metadata
 
-        from ..plugins._loader import ENTRY_POINT_GROUP
+        from ._entry_points import ENTRY_POINT_GROUP
 
         names.update(ep.name.lower() for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
     return tuple(sorted(names))

@@ -1,14 +1,13 @@
 """Exceptions raised by opdispatch.
 
 Every error carries the offending object and says what failed, the bad value, what is allowed and how to fix it.
+The two that carry a `Decision` (`NoImplementationError`, `PinnedImplementationError`) live beside it, in
+`_decision.py`: this module, at the bottom of the layers, imports nothing of opdispatch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._decision import Decision
+from typing import Any
 
 
 class OpDispatchError(Exception):
@@ -21,21 +20,6 @@ class RegistrationError(OpDispatchError, ValueError):
     def __init__(self, message: str, *, impl: Any = None) -> None:
         super().__init__(message)
         self.impl = impl
-
-
-class NoImplementationError(OpDispatchError, NotImplementedError):
-    """No implementation can take the call: the message lists every candidate with its reasons."""
-
-    def __init__(self, message: str, *, decision: Decision | None = None) -> None:
-        super().__init__(message)
-        self.decision = decision
-
-
-class PinnedImplementationError(NoImplementationError):
-    """The implementation pinned by `impl=`, an env var or the policy cannot take the call.
-
-    A pin never falls back silently; this error carries the pinned implementation's reasons.
-    """
 
 
 class PolicyError(OpDispatchError, ValueError):

@@ -17,7 +17,7 @@ from ..plugins._loader import (PluginRecord, check_hooks, check_plugin_api, load
                                         plugin_namespaces)
 
 from ..base._decision import (CHOSEN, DEMOTED, DENIED, ELIGIBLE, FAILED, REJECTED, UNAVAILABLE, Candidate, Decision,
-                        Provenance)
+                              NoImplementationError, PinnedImplementationError, Provenance)
 from ..policies._overrides import OVERRIDES
 
 from ..base import _native
@@ -28,7 +28,7 @@ from ._shadow import Shadow, shadow_from_environ
 from ._classes import DecisionClasses
 from ..base._device import DeviceInfo, probe_cpu, probe_generic
 from ._graphs import is_capturing, raise_if_capturing
-from ..base._errors import NoImplementationError, OpDispatchError, PinnedImplementationError, RegistrationError
+from ..base._errors import OpDispatchError, RegistrationError
 from ..base._impl import Impl, _template
 from ._registry import Origin, Registry
 from ._state import CACHE_LIMIT, DispatchState, bounded_put

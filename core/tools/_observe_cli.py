@@ -81,7 +81,7 @@ def cmd_decisions_export(args: argparse.Namespace) -> int:
     where = torch.device("meta") if info.simulated else torch.device(info.type, info.index or 0)
     entries: dict[Any, Any] = {}
     undecided = []
-    from ..base._errors import NoImplementationError, PinnedImplementationError
+    from ..base._decision import NoImplementationError, PinnedImplementationError
     from ._tuning import tuning_of
 
     for op in ops:  # every input is checked before anything is written
