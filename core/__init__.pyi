@@ -289,6 +289,32 @@ def explain(
     device: DeviceInfo | str | os.PathLike[str] | None = None,
 ) -> Decision: ...
 
+def explain_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-06,
+    residual: torch.Tensor | None = None,
+    *,
+    impl: str | None = None,
+    device: DeviceInfo | str | os.PathLike[str] | None = None,
+) -> Decision: ...
+
+def explain_rotary_embedding(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    seqlen_offsets: int | torch.Tensor | None = None,
+    interleaved: bool = False,
+    layout: str = 'bshd',
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    impl: str | None = None,
+    device: DeviceInfo | str | os.PathLike[str] | None = None,
+) -> Decision: ...
+
 def plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -319,16 +345,6 @@ def plan(
     deterministic: bool = False,
     impl: str | None = None,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any]: ...
-
-def explain_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    eps: float = 1e-06,
-    residual: torch.Tensor | None = None,
-    *,
-    impl: str | None = None,
-    device: DeviceInfo | str | os.PathLike[str] | None = None,
-) -> Decision: ...
 
 @overload
 def rms_norm(
@@ -366,22 +382,6 @@ def rms_norm(
     *,
     impl: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
-
-def explain_rotary_embedding(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    positions: torch.Tensor | None = None,
-    seqlen_offsets: int | torch.Tensor | None = None,
-    interleaved: bool = False,
-    layout: str = 'bshd',
-    cu_seqlens: torch.Tensor | None = None,
-    max_seqlen: int | None = None,
-    impl: str | None = None,
-    device: DeviceInfo | str | os.PathLike[str] | None = None,
-) -> Decision: ...
 
 def rotary_embedding(
     q: torch.Tensor,

@@ -112,7 +112,7 @@ class OpSpec:
     result_fix: given the chosen implementation and a validated call, None, or ``fix(result, call)`` that every run
       of that implementation for that signature passes its result through (bound or not; `call` holds that run's
       tensors). Decided once per signature, so a call that needs nothing pays nothing. Attention: a returned LSE
-      gets its exact gradient where the kernel's LSE has none (`opdispatch.ops._sinks.exact_lse`).
+      gets its exact gradient where the kernel's LSE has none (`opdispatch.ops._attention.exact_lse`).
     """
 
     name: str

@@ -35,12 +35,11 @@ from ..doors import _api
 from ..base import _native
 from ..base._arguments import REQUIRED
 from ..doors._api import (_deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides,
-                         _profiling, _run_and_remember, attention)
+                         _profiling, _run_and_remember, attention, rotary_embedding)
 from ..ops._attention import validate_attention
 from ..engine._graphs import raise_if_capturing
 from ..base._kv_checks import Bound, KvCacheIndexError, Rule, Unique, check_index_tensor, check_pending_errors, \
     defer, defer_report, device_verdict, host_checks, poisoned, raise_first, raise_pending
-from ..ops._rotary import rotary_embedding
 from ..engine._state import bounded_put
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",

@@ -581,7 +581,7 @@ def _recomputed_grads(impl: Any, call: Any, leaves: dict[str, Tensor], grad_out:
         if not getattr(impl.caps, "lse_grad", False) and call.softcap == 0 and not bias_grad:
             # A kernel's side output (it may require grad and still give none, as in eager mode): the LSE's
             # exact gradient, as OpSpec.result_fix gives it eagerly.
-            from ..ops._sinks import exact_lse
+            from ..ops._attention import exact_lse
 
             lse = exact_lse(impl, call, lse, replace=True)
         if lse.requires_grad:

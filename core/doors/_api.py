@@ -534,3 +534,31 @@ def _index_key(t: Any) -> Any:
 # The compiled fast path where built (opdispatch.base._native): the same front door with its hit path in C, handing
 # every other call to the Python one above.
 attention = _native.from_arguments(attention, ATTENTION_ARGS, globals(), _attention_failed)
+
+
+# The other built-in ops' front doors and explains, made from their argument definitions (RMS_NORM_ARGS,
+# ROTARY_ARGS in core/ops/); op_spec loads the op modules on first use.
+rms_norm = define_front_door("rms_norm", doc="""\
+    RMSNorm over the last dim by the best implementation the device and the policy allow.
+
+    ``y = x / sqrt(mean(x**2, -1) + eps) * weight``; with `residual`, normalises ``h = x + residual`` and returns
+    ``(y, h)`` (fused add-and-norm; the inputs are never modified). Statistics in float32 (float64 for float64);
+    `y` has x's dtype. `impl` pins an implementation id (an error if it cannot take the call). The policy section
+    is ``ops.rms_norm`` (`when:` keys dtype, hidden_size, tokens (rows of x), residual, weight, requires_grad, plus
+    device keys); the env pin ``OPDISPATCH_IMPL_RMS_NORM``.
+    """, return_annotation="torch.Tensor | tuple[torch.Tensor, torch.Tensor]")
+explain_rms_norm = define_explain("rms_norm")
+
+rotary_embedding = define_front_door("rotary_embedding", doc="""\
+    Rotary position embedding of q and k by the best implementation the device and the policy allow.
+
+    q/k: (batch, seqlen, heads, head_dim) for ``layout="bshd"``, or packed (total, heads, head_dim) for ``"thd"``
+    with int32 ``cu_seqlens`` and ``max_seqlen``; k may have fewer heads. cos/sin: (max_positions, rotary_dim / 2)
+    caches; the first rotary_dim channels rotate, the rest pass through. Pairs are (x[i], x[i + rotary_dim / 2])
+    (GPT-NeoX) or, with ``interleaved=True``, (x[2i], x[2i + 1]) (GPT-J). A token's position is its index in its
+    sequence plus ``seqlen_offsets`` (an int or one per sequence), or ``positions[token]``. Returns new
+    ``(q_out, k_out)``. The policy section is ``ops.rotary_embedding`` (`when:` keys dtype, head_dim, rotary_dim,
+    interleaved, varlen, positions, requires_grad, plus device keys); the env pin
+    ``OPDISPATCH_IMPL_ROTARY_EMBEDDING``.
+    """, return_annotation="tuple[torch.Tensor, torch.Tensor]")
+explain_rotary_embedding = define_explain("rotary_embedding")

@@ -331,7 +331,7 @@ def _case_call(entry: LockEntry, device: Any) -> Any:
     """The validated call of an entry's recorded case, on `device` (tensors without data for a simulated one)."""
     import torch
 
-    from ..tools._tuning import tuning_of
+    from ..base._cases import tuning_of
 
     tuning = tuning_of(entry.op)
     assert entry.case is not None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..base._arguments import Arg, OpArguments
-from ._attention_tuning import ATTENTION_TUNING
+from ._attention_tuning import attention_tuning
 from ..base._dtypes import (FP8_DTYPES, FP8_OUT_DTYPES, caps_as_dict, dtype_name,
                       dtype_reason)
 from ..base._impl import CapabilityRule, Impl, feature_rule, unmet_capabilities
@@ -1463,16 +1463,94 @@ def _deterministic_backward(caps: AttentionCaps, call: AttentionCall) -> str | N
     return None
 
 
-def _lse_gradient_fix(impl: Any, call: Any) -> Any:
-    """attention's OpSpec.result_fix (`opdispatch.ops._sinks.lse_gradient_fix`: imported late, it builds on this
-    module)."""
-    from ._sinks import lse_gradient_fix
+# -- the exact LSE gradient (attention's OpSpec.result_fix; the sinks epilogue, `_sinks`, uses it too) ----------
 
-    return lse_gradient_fix(impl, call)
+
+def out_rows(per_row: torch.Tensor, layout: str) -> torch.Tensor:
+    """A per-row value shaped like the LSE ((batch, heads, seq), or (heads, tokens) for thd) as a tensor that
+    broadcasts over the output of `layout` (a trailing unit head dim)."""
+    if layout == "thd":
+        return per_row.transpose(0, 1).unsqueeze(-1)  # (heads, tokens) -> (tokens, heads, 1)
+    return layout_views(layout)[1](per_row.unsqueeze(-1))  # (batch, heads, seq, 1) in the layout's order
+
+
+class _LseGradient(torch.autograd.Function):
+    """Identity on the LSE whose backward gives q and k the LSE's gradient (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                probabilities_times: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                scale: float, layout: str) -> torch.Tensor:
+        ctx.save_for_backward(q, k)
+        ctx.probabilities_times, ctx.scale, ctx.layout = probabilities_times, scale, layout
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_lse: torch.Tensor) -> tuple[Any, ...]:
+        q, k = ctx.saved_tensors
+        weight = out_rows(grad_lse * ctx.scale, ctx.layout)
+        with torch.enable_grad():
+            # A copy of k as v: kernels given aliased k and v, or a dO whose strides differ from O's (cuDNN: its
+            # backward reads dO with O's strides), may compute wrong gradients.
+            k_as_v = k.detach().clone().requires_grad_()
+            pk = ctx.probabilities_times(q.detach(), k.detach(), k_as_v)  # sum_j P_ij k_j, in q's layout
+            grad_pk = torch.empty_like(pk).copy_(weight * q.detach())
+            (dk,) = torch.autograd.grad(pk, k_as_v, grad_pk)
+        dq = (weight * pk.detach()).to(q.dtype)
+        return grad_lse, dq if ctx.needs_input_grad[1] else None, dk if ctx.needs_input_grad[2] else None, \
+            None, None, None
+
+
+def exact_lse(impl: Any, call: AttentionCall, lse: torch.Tensor, *, replace: bool = False) -> torch.Tensor:
+    """`lse` as returned by `impl` for `call` (run with return_lse), made to carry its exact gradient with
+    respect to q and k when the implementation's does not (a kernel's side output); unchanged otherwise.
+    `replace`: the implementation declares no LSE gradient (`caps.lse_grad` False), so whatever gradient its LSE
+    seems to carry is dropped for the exact one (an aten kernel's LSE output may require grad and still give
+    none)."""
+    q, k = call.q, call.k
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        return lse
+    if replace:
+        lse = lse.detach()
+    elif lse.requires_grad:
+        return lse
+    if call.softcap > 0 or (call.attn_bias is not None and call.attn_bias.requires_grad):
+        raise RuntimeError(f"attention: {impl.id}'s LSE carries no gradient and the exact LSE gradient does not "
+                           "cover softcap or an attn_bias gradient; capability reasons should have refused this "
+                           "call — report it")
+    # The same call with v = k: its output is sum_j P_ij k_j; no dropout (the LSE is the pre-dropout softmax's).
+    template = call.stripped()
+    template.head_dim_v, template.dropout_p, template.return_lse = call.head_dim, 0.0, False
+    template.requires_grad = True
+
+    def probabilities_times(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = impl.run(impl.conform(template.with_tensors(q_, k_, v_)))
+        return result
+
+    out: torch.Tensor = _LseGradient.apply(  # type: ignore[no-untyped-call]
+        lse, q, k, probabilities_times, call.scale, call.layout)
+    return out
+
+
+def lse_gradient_fix(impl: Any, call: AttentionCall) -> Callable[[Any, Any], Any] | None:
+    """attention's `OpSpec.result_fix`: for a call that returns its LSE under autograd, on an implementation whose
+    LSE has no gradient of its own (`caps.lse_grad` False), the returned LSE gets its exact gradient (`exact_lse`).
+    Without it a loss that reads the LSE (a merged context-parallel block, a user's own logsumexp term) would get
+    gradients silently missing that term. A call with sinks gets it on its inner call (without sinks, with LSE)."""
+    if not (call.return_lse and call.requires_grad) or call.sinks is not None:
+        return None
+    if getattr(getattr(impl, "caps", None), "lse_grad", True):
+        return None
+
+    def fix(result: Any, run_call: Any) -> Any:
+        out, lse = result
+        return out, exact_lse(impl, run_call, lse, replace=True)
+
+    return fix
 
 
 def _lse_gradient_needed(call: AttentionCall) -> bool:
-    """A returned LSE under autograd where the kernel's LSE has no gradient: `opdispatch.ops._sinks.exact_lse` adds
+    """A returned LSE under autograd where the kernel's LSE has no gradient: `opdispatch.ops._attention.exact_lse` adds
     one, reading the scores as scale * q.k — not with softcap, nor for an attn_bias gradient."""
     return call.return_lse and call.requires_grad and call.sinks is None
 
@@ -1610,10 +1688,10 @@ def attention_features(call: AttentionCall) -> dict[str, Any]:
 
 ATTENTION = register_op(OpSpec(
     name="attention", impl_base=AttentionImpl, call_features=attention_features, arguments=ATTENTION_ARGS,
-    validator=validate_attention, tuning=ATTENTION_TUNING,
+    validator=validate_attention, tuning=attention_tuning(validate_attention),
     description="scaled dot-product attention (dense layouts and packed varlen)",
     vocabularies={"layout": LAYOUTS, "causal_alignment": CAUSAL_ALIGNMENTS}, expected_outputs=attention_outputs,
-    result_fix=_lse_gradient_fix,
+    result_fix=lse_gradient_fix,
     features={"dtype": "dtype", "layout": "name", "causal_alignment": "name", **dict.fromkeys(
         ("head_dim", "head_dim_v", "seqlen_q", "seqlen_k", "batch", "heads_q", "heads_kv", "gqa_ratio", "page_size"),
         "int"),

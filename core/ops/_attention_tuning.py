@@ -1,21 +1,22 @@
 """How `opdispatch tune` and `bench` time the attention op: its case (a call signature without data), presets and
 tuned-table buckets — the `TuningSpec` of attention's `OpSpec` (core/ops/_attention.py registers it).
 
-Imports of `opdispatch.ops._attention` are lazy: that module imports this one to register the op.
+It sits below `_attention`: the op's validator comes in as an argument (`attention_tuning(validate_attention)`,
+called where the op registers), so nothing here imports the op's module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from ..base._ops import BucketFeature, TuningSpec
-from ..tools._tuning import grid, known_fields, random_tensor
+from ..base._cases import grid, known_fields, random_tensor
 
-__all__ = ["ATTENTION_TUNING", "AttentionCase", "PRESETS", "attention_bucket", "attention_preset"]
+__all__ = ["AttentionCase", "PRESETS", "attention_bucket", "attention_preset", "attention_tuning"]
 
 
 @dataclass(frozen=True)
@@ -227,12 +228,8 @@ def describe_bucket(discrete: tuple[Any, ...], sizes: tuple[int, ...]) -> str:
             f"{' ' + ','.join(flags) if flags else ''} q{sizes[0]} k{sizes[1]} b{sizes[2]}")
 
 
-def _validate(**inputs: Any) -> Any:
-    from ._attention import validate_attention
-
-    return validate_attention(**inputs)
-
-
-ATTENTION_TUNING = TuningSpec(case=AttentionCase, presets=PRESETS, preset=attention_preset, validate=_validate,
-                              discrete=DISCRETE, bucket_discrete=bucket_discrete, sizes=SIZES,
-                              bucket_sizes=bucket_sizes, describe_bucket=describe_bucket)
+def attention_tuning(validate: Callable[..., Any]) -> TuningSpec:
+    """Attention's `TuningSpec`, with `validate` (`validate_attention`) as the validator cases are called with."""
+    return TuningSpec(case=AttentionCase, presets=PRESETS, preset=attention_preset, validate=validate,
+                      discrete=DISCRETE, bucket_discrete=bucket_discrete, sizes=SIZES, bucket_sizes=bucket_sizes,
+                      describe_bucket=describe_bucket)

@@ -17,13 +17,11 @@ import torch
 
 from ..base._arguments import Arg, OpArguments
 from ..base._dtypes import caps_as_dict, caps_problems, dtype_from_name, dtype_name, dtype_reason
-from ..doors._api import define_explain, define_front_door
 from ..base._impl import CapabilityRule, Impl, feature_rule, unmet_capabilities
 from ..base._ops import BucketFeature, OpSpec, TuningSpec, register_op
-from ..tools._tuning import grid, known_fields, random_tensor
+from ..base._cases import grid, known_fields, random_tensor
 
-__all__ = ["RmsNormCall", "RmsNormCaps", "RmsNormCase", "RmsNormImpl", "explain_rms_norm", "rms_norm",
-           "validate_rms_norm"]
+__all__ = ["RmsNormCall", "RmsNormCaps", "RmsNormCase", "RmsNormImpl", "validate_rms_norm"]
 
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -299,15 +297,3 @@ RMS_NORM = register_op(OpSpec(
     features={"dtype": "dtype", "hidden_size": "int", "tokens": "int", "residual": "bool", "weight": "bool",
               "requires_grad": "bool"},
 ))
-
-
-rms_norm = define_front_door("rms_norm", doc="""\
-    RMSNorm over the last dim by the best implementation the device and the policy allow.
-
-    ``y = x / sqrt(mean(x**2, -1) + eps) * weight``; with `residual`, normalises ``h = x + residual`` and returns
-    ``(y, h)`` (fused add-and-norm; the inputs are never modified). Statistics in float32 (float64 for float64);
-    `y` has x's dtype. `impl` pins an implementation id (an error if it cannot take the call). The policy section
-    is ``ops.rms_norm`` (`when:` keys dtype, hidden_size, tokens (rows of x), residual, weight, requires_grad, plus
-    device keys); the env pin ``OPDISPATCH_IMPL_RMS_NORM``.
-    """, return_annotation="torch.Tensor | tuple[torch.Tensor, torch.Tensor]")
-explain_rms_norm = define_explain("rms_norm")

@@ -18,13 +18,11 @@ import torch
 
 from ..base._arguments import Arg, OpArguments
 from ..base._dtypes import caps_as_dict, caps_problems, dtype_from_name, dtype_name, dtype_reason
-from ..doors._api import define_explain, define_front_door
 from ..base._impl import CapabilityRule, Impl, feature_rule, unmet_capabilities
 from ..base._ops import BucketFeature, OpSpec, TuningSpec, register_op
-from ..tools._tuning import known_fields, random_tensor
+from ..base._cases import known_fields, random_tensor
 
-__all__ = ["RotaryCall", "RotaryCaps", "RotaryCase", "RotaryImpl", "explain_rotary_embedding", "rotary_embedding",
-           "validate_rotary_embedding"]
+__all__ = ["RotaryCall", "RotaryCaps", "RotaryCase", "RotaryImpl", "validate_rotary_embedding"]
 
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _INDEX = frozenset({torch.int32, torch.int64})
@@ -487,18 +485,3 @@ ROTARY_EMBEDDING = register_op(OpSpec(
     features={"dtype": "dtype", "head_dim": "int", "rotary_dim": "int", "interleaved": "bool",
               "varlen": "bool", "positions": "bool", "requires_grad": "bool"},
 ))
-
-
-rotary_embedding = define_front_door("rotary_embedding", doc="""\
-    Rotary position embedding of q and k by the best implementation the device and the policy allow.
-
-    q/k: (batch, seqlen, heads, head_dim) for ``layout="bshd"``, or packed (total, heads, head_dim) for ``"thd"``
-    with int32 ``cu_seqlens`` and ``max_seqlen``; k may have fewer heads. cos/sin: (max_positions, rotary_dim / 2)
-    caches; the first rotary_dim channels rotate, the rest pass through. Pairs are (x[i], x[i + rotary_dim / 2])
-    (GPT-NeoX) or, with ``interleaved=True``, (x[2i], x[2i + 1]) (GPT-J). A token's position is its index in its
-    sequence plus ``seqlen_offsets`` (an int or one per sequence), or ``positions[token]``. Returns new
-    ``(q_out, k_out)``. The policy section is ``ops.rotary_embedding`` (`when:` keys dtype, head_dim, rotary_dim,
-    interleaved, varlen, positions, requires_grad, plus device keys); the env pin
-    ``OPDISPATCH_IMPL_ROTARY_EMBEDDING``.
-    """, return_annotation="tuple[torch.Tensor, torch.Tensor]")
-explain_rotary_embedding = define_explain("rotary_embedding")

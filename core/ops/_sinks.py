@@ -16,7 +16,8 @@ where the implementation's `native_sinks_limit(call)` gives a reason (`_attentio
 (The compiled op, `_compile.py`, always runs the epilogue around the op: exact either way.)
 
 The backward needs the LSE's gradient with respect to q and k. Where the implementation's LSE is a kernel's
-side output without one (`caps.lse_grad` False), `exact_lse` supplies it: with P the attention probabilities,
+side output without one (`caps.lse_grad` False), `exact_lse` supplies it (in `_attention`, as attention's
+`OpSpec.result_fix` for a returned LSE uses it too): with P the attention probabilities,
 
     d lse_i / d q_i = scale * sum_j P_ij k_j             = scale * attention(q, k, v=k)_i
     sum_i g_i d lse_i / d k_j = scale * sum_i P_ij g_i q_i = the v-gradient of attention(q, k, v=k) for
@@ -34,17 +35,9 @@ from typing import Any
 
 import torch
 
-from ._attention import AttentionCall, layout_views, takes_sinks_natively
+from ._attention import AttentionCall, layout_views, out_rows, takes_sinks_natively
 
-__all__ = ["apply_sinks", "exact_lse", "lse_gradient_fix", "out_rows"]
-
-
-def out_rows(per_row: torch.Tensor, layout: str) -> torch.Tensor:
-    """A per-row value shaped like the LSE ((batch, heads, seq), or (heads, tokens) for thd) as a tensor that
-    broadcasts over the output of `layout` (a trailing unit head dim)."""
-    if layout == "thd":
-        return per_row.transpose(0, 1).unsqueeze(-1)  # (heads, tokens) -> (tokens, heads, 1)
-    return layout_views(layout)[1](per_row.unsqueeze(-1))  # (batch, heads, seq, 1) in the layout's order
+__all__ = ["apply_sinks", "run_with_sinks"]
 
 
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
@@ -55,64 +48,6 @@ def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
     weight = torch.sigmoid(lse - sink)  # the share of each row's mass on real keys; 0 for a row that sees none
     scaled = (out * out_rows(weight, layout)).to(out.dtype)
     return scaled, torch.logaddexp(lse, sink)
-
-
-class _LseGradient(torch.autograd.Function):
-    """Identity on the LSE whose backward gives q and k the LSE's gradient (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx: Any, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                probabilities_times: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                scale: float, layout: str) -> torch.Tensor:
-        ctx.save_for_backward(q, k)
-        ctx.probabilities_times, ctx.scale, ctx.layout = probabilities_times, scale, layout
-        return lse.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad_lse: torch.Tensor) -> tuple[Any, ...]:
-        q, k = ctx.saved_tensors
-        weight = out_rows(grad_lse * ctx.scale, ctx.layout)
-        with torch.enable_grad():
-            # A copy of k as v: kernels given aliased k and v, or a dO whose strides differ from O's (cuDNN: its
-            # backward reads dO with O's strides), may compute wrong gradients.
-            k_as_v = k.detach().clone().requires_grad_()
-            pk = ctx.probabilities_times(q.detach(), k.detach(), k_as_v)  # sum_j P_ij k_j, in q's layout
-            grad_pk = torch.empty_like(pk).copy_(weight * q.detach())
-            (dk,) = torch.autograd.grad(pk, k_as_v, grad_pk)
-        dq = (weight * pk.detach()).to(q.dtype)
-        return grad_lse, dq if ctx.needs_input_grad[1] else None, dk if ctx.needs_input_grad[2] else None, \
-            None, None, None
-
-
-def exact_lse(impl: Any, call: AttentionCall, lse: torch.Tensor, *, replace: bool = False) -> torch.Tensor:
-    """`lse` as returned by `impl` for `call` (run with return_lse), made to carry its exact gradient with
-    respect to q and k when the implementation's does not (a kernel's side output); unchanged otherwise.
-    `replace`: the implementation declares no LSE gradient (`caps.lse_grad` False), so whatever gradient its LSE
-    seems to carry is dropped for the exact one (an aten kernel's LSE output may require grad and still give
-    none)."""
-    q, k = call.q, call.k
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-        return lse
-    if replace:
-        lse = lse.detach()
-    elif lse.requires_grad:
-        return lse
-    if call.softcap > 0 or (call.attn_bias is not None and call.attn_bias.requires_grad):
-        raise RuntimeError(f"attention: {impl.id}'s LSE carries no gradient and the exact LSE gradient does not "
-                           "cover softcap or an attn_bias gradient; capability reasons should have refused this "
-                           "call — report it")
-    # The same call with v = k: its output is sum_j P_ij k_j; no dropout (the LSE is the pre-dropout softmax's).
-    template = call.stripped()
-    template.head_dim_v, template.dropout_p, template.return_lse = call.head_dim, 0.0, False
-    template.requires_grad = True
-
-    def probabilities_times(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
-        result: torch.Tensor = impl.run(impl.conform(template.with_tensors(q_, k_, v_)))
-        return result
-
-    out: torch.Tensor = _LseGradient.apply(  # type: ignore[no-untyped-call]
-        lse, q, k, probabilities_times, call.scale, call.layout)
-    return out
 
 
 def _per_row(in_layout: torch.Tensor, layout: str) -> torch.Tensor:
@@ -234,20 +169,3 @@ def run_with_sinks(manager: Any, call: AttentionCall, impl: str | None) -> Any:
             decision = manager._next_decision("attention", call, impl, decision, exc)
     out, lse = apply_sinks(out, lse, call.sinks, call.layout)
     return (out, lse) if call.return_lse else out
-
-
-def lse_gradient_fix(impl: Any, call: AttentionCall) -> Callable[[Any, Any], Any] | None:
-    """attention's `OpSpec.result_fix`: for a call that returns its LSE under autograd, on an implementation whose
-    LSE has no gradient of its own (`caps.lse_grad` False), the returned LSE gets its exact gradient (`exact_lse`).
-    Without it a loss that reads the LSE (a merged context-parallel block, a user's own logsumexp term) would get
-    gradients silently missing that term. A call with sinks gets it on its inner call (without sinks, with LSE)."""
-    if not (call.return_lse and call.requires_grad) or call.sinks is not None:
-        return None
-    if getattr(getattr(impl, "caps", None), "lse_grad", True):
-        return None
-
-    def fix(result: Any, run_call: Any) -> Any:
-        out, lse = result
-        return out, exact_lse(impl, run_call, lse, replace=True)
-
-    return fix
