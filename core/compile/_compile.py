@@ -30,8 +30,8 @@ stack active when the graph was traced, as a context token (a small int constant
 kernel runs eagerly on every call: when the overrides or module active then differ from the token's, it decides
 again for the current context (outputs never depend on which implementation runs, so the graph stays valid),
 with no re-trace. `scope()`/`policy_override()` entered *inside* a traced function defer, while Dynamo traces
-(Dynamo cannot trace ``ContextVar.set``), to stand-ins that record their arguments (`traced_scope`,
-`traced_policy_override`); the decision and the kernel enter the real context managers around each call,
+(Dynamo cannot trace ``ContextVar.set``), to stand-ins that record their arguments (policies/_overrides.py:
+`traced_scope`, `traced_policy_override`); the decision and the kernel enter the real context managers around each call,
 stacked over the caller's context. The backward recomputes the
 implementation the latest forward of the same token ran (it may run outside the scope): two forwards of one
 graph under different contexts, both before their backwards, recompute with the latter's implementation (the
@@ -73,9 +73,9 @@ import torch
 from torch import Tensor
 
 from ..ops._attention import LAYOUT_DIMS
-from ._compile_ops import constant_result
+from ._compile_ops import autograd_reenabled, constant_result
 from ..engine._profiling import call_range, profiling, range_name
-from ..policies._overrides import MODULE, OVERRIDES
+from ..policies._overrides import MODULE, OVERRIDES, TRACED_SCOPES, entered
 
 __all__ = ["attention_for_compile", "compiled_attention", "decide_for_compile", "fake_outputs",
            "invalidate_compiled_decisions"]
@@ -181,7 +181,7 @@ class _TraceContext(NamedTuple):
 
     overrides: Any  # OVERRIDES and MODULE around the compiled function when it was traced
     module: Optional[str]
-    inner: tuple[Any, ...]  # scope()/policy_override() entered inside the traced function (see _inner_scopes)
+    inner: tuple[Any, ...]  # scope()/policy_override() entered inside the traced function (TRACED_SCOPES)
     requires_grad: bool
     impl: Optional[str]
     recheck: bool  # the decision may depend on sizes beyond the guarded predicates: re-check every call
@@ -211,7 +211,7 @@ _EXPORTED: dict[int, _TraceContext] = {}
 
 def _as_inner(overrides: tuple[Any, ...], module: Optional[str]) -> tuple[Any, ...]:
     """The overrides and scope active while a program was exported (around or inside the exported function: non-
-    strict export sets them for real), as `_entered` enters them again, outermost first: the program keeps them."""
+    strict export sets them for real), as `entered` enters them again, outermost first: the program keeps them."""
     entries: list[tuple[str, Any]] = [
         ("override", (("prefer", o.prefer or None), ("deny", o.deny or None), ("require", o.require or None),
                       ("pin", o.pin), ("op", o.op))) for o in reversed(overrides)]
@@ -296,7 +296,7 @@ def _decide(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad
         kwargs["max_seqlen_q"], kwargs["max_seqlen_k"] = values["seqlen_q"], values["seqlen_k"]
     q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
     outer = (OVERRIDES.get(), MODULE.get())
-    with torch.set_grad_enabled(grad_enabled), _entered(inner):
+    with torch.set_grad_enabled(grad_enabled), entered(inner):
         call = opdispatch.validate_attention(q, k, v, check_values=False, module=MODULE.get(), **kwargs)
         manager = opdispatch.get_manager()
         device = manager.device_info(torch.device(tensors[0][2]))
@@ -321,17 +321,6 @@ def _untraced() -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def _entered(inner: tuple[Any, ...]) -> Iterator[None]:
-    """Enter, for real, the scopes and overrides a traced function entered (recorded by `_inner_scopes`)."""
-    from ..policies._overrides import policy_override, scope
-
-    with contextlib.ExitStack() as stack:
-        for kind, args in inner:
-            stack.enter_context(scope(args) if kind == "scope" else policy_override(**dict(args)))
-        yield
-
-
 def _runtime_choice(token: int, impl_id: str, call: Any) -> str:
     """The implementation for this run: the traced one, unless the overrides or scope now active differ from
     the trace's (or the decision may read more of the sizes than the graph guards); then decide again."""
@@ -339,7 +328,7 @@ def _runtime_choice(token: int, impl_id: str, call: Any) -> str:
     if context.recheck or OVERRIDES.get() != context.overrides or MODULE.get() != context.module:
         import opdispatch
 
-        with _entered(context.inner):
+        with entered(context.inner):
             call.module = MODULE.get()
             call.requires_grad = context.requires_grad  # compiled forwards run without autograd; the trace knew
             if token >= _EXPORT_MARK and not call.requires_grad:
@@ -503,18 +492,6 @@ def _(*args):  # type: ignore[no-untyped-def]
     return fake_outputs(a["q"], a["v"], a["layout"], a["return_lse"] or a["save_lse"])
 
 
-@contextlib.contextmanager
-def autograd_reenabled() -> Iterator[None]:
-    """Record autograd again inside a custom op's kernel (which runs below the Autograd dispatch key)."""
-    C = torch._C
-    keys = C.DispatchKey
-    exclude = C._dispatch_tls_local_exclude_set()
-    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
-        exclude = exclude.remove(key)
-    with C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
-        yield
-
-
 def _check_grads(impl_id: str, grads: Any, inputs: tuple[Tensor, Tensor, Tensor]) -> None:
     if not (isinstance(grads, (tuple, list)) and len(grads) == 3 and all(
             isinstance(g, Tensor) and g.shape == x.shape and g.dtype == x.dtype for g, x in zip(grads, inputs))):
@@ -628,38 +605,6 @@ def _backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple[A
 
 
 compiled_attention.register_autograd(_backward, setup_context=_setup_context)
-
-
-# -- scope() and policy_override() inside a traced function --------------------------------------------------
-
-# Dynamo cannot trace ContextVar.set, so while it traces, `scope` and `policy_override` (policies/_overrides.py)
-# defer to these stand-ins, which record their arguments here (a plain list Dynamo tracks); each attention call
-# passes the record to the decision, which enters the real context managers around it (`_entered`).
-_inner_scopes: list[tuple[str, Any]] = []
-
-
-@contextlib.contextmanager
-def traced_scope(module: str) -> Iterator[str]:
-    """`opdispatch.scope` while Dynamo traces: recorded for the attention calls traced inside it."""
-    _inner_scopes.append(("scope", module))
-    try:
-        yield module
-    finally:
-        _inner_scopes.pop()
-
-
-@contextlib.contextmanager
-def traced_policy_override(*, prefer: Any = None, deny: Any = None, require: Any = None, pin: Any = None,
-                           op: Any = None) -> Iterator[None]:
-    """`opdispatch.policy_override` while Dynamo traces: recorded for the attention calls traced inside it. Its
-    arguments are checked when a decision enters the real override; the ``as`` target is None here."""
-    args = tuple((name, tuple(value) if isinstance(value, list) else value) for name, value in (
-        ("prefer", prefer), ("deny", deny), ("require", require), ("pin", pin), ("op", op)))
-    _inner_scopes.append(("override", args))
-    try:
-        yield None
-    finally:
-        _inner_scopes.pop()
 
 
 # -- the entry point ---------------------------------------------------------------------------------------
@@ -879,7 +824,7 @@ def attention_for_compile(
                ("window", tuple(_static(w) if isinstance(w, int) and not isinstance(w, bool) else w for w in window)
                 if isinstance(window, (tuple, list)) else window))
     impl_id, token, save_lse = decide_for_compile(keys, options, grad_enabled, impl, DECISION_EPOCH, sizes,
-                                                  tuple(_inner_scopes), exporting)
+                                                  tuple(TRACED_SCOPES), exporting)
     head_dim = _static(q.shape[-1])
     if window is None:
         left, right = -1, -1

@@ -22,14 +22,16 @@ memory-bound ops.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..base._arguments import OpArguments
+from ..policies._overrides import TRACED_SCOPES, entered
 
 __all__ = ["opaque_compiled_op"]
 
@@ -56,11 +58,21 @@ def _schema_entries(arguments: OpArguments) -> list[tuple[str, str, str]]:
     return out
 
 
+@contextlib.contextmanager
+def autograd_reenabled() -> Iterator[None]:
+    """Record autograd again inside a custom op's kernel (which runs below the Autograd dispatch key)."""
+    C = torch._C
+    keys = C.DispatchKey
+    exclude = C._dispatch_tls_local_exclude_set()
+    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
+
 def _grads(forward: Callable[..., Sequence[Tensor]], inputs: list[Tensor | None], needs: list[bool],
            grad_outputs: Sequence[Tensor | None]) -> list[Tensor | None]:
     """Gradients of `forward(*inputs)` for the inputs in `needs`, recomputing it eagerly under autograd."""
-    from ._compile import autograd_reenabled
-
     leaves = [t.detach().requires_grad_(need) if t is not None else None for t, need in zip(inputs, needs)]
     with autograd_reenabled():  # a custom op's kernel runs below the Autograd dispatch key
         outputs = forward(*leaves)
@@ -101,9 +113,7 @@ def _scopes_token(inner: tuple[Any, ...]) -> int:
 
 
 def _entered_scopes(token: int) -> Any:
-    from ._compile import _entered
-
-    return _entered(_SCOPES[token])
+    return entered(_SCOPES[token])
 
 
 def _as_list(result: Any) -> list[Tensor]:
@@ -240,13 +250,11 @@ def opaque_compiled_op(arguments: OpArguments, front_door: Callable[..., Any],
     kernel.register_autograd(backward, setup_context=setup_context)
 
     def compiled(*args: Any, **kwargs: Any) -> Any:
-        from ._compile import _inner_scopes
-
         given = dict(zip(names, args))
         given.update(kwargs)
         for a in arguments.args:
             given.setdefault(a.name, a.default)
-        outputs = kernel(*lower(given), _scopes_token(tuple(_inner_scopes)))
+        outputs = kernel(*lower(given), _scopes_token(tuple(TRACED_SCOPES)))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     compiled.__name__ = compiled.__qualname__ = f"{op}_for_compile"
