@@ -12,8 +12,9 @@ from .plugins.hookspec import hookimpl  # plugin modules use it at import time; 
 # `--version` and plugin modules that only need `hookimpl` start without importing torch.
 _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("Attention", "attention", "define_explain", "define_front_door", "explain", "explain_rms_norm",
-                     "explain_rotary_embedding", "get_manager", "plan", "plan_op", "rms_norm", "rotary_embedding",
-                     "set_manager"), ".doors._api"),
+                     "explain_rotary_embedding", "plan", "plan_op", "rms_norm", "rotary_embedding"), ".doors._api"),
+    **dict.fromkeys(("diff_decisions", "export_decisions", "get_manager", "set_manager", "shadow_flush", "stats"),
+                    ".engine._current"),
     **dict.fromkeys(("AttentionCall", "AttentionCaps", "AttentionImpl", "validate_attention"), ".ops._attention"),
     **dict.fromkeys(("OpSpec", "known_ops", "op_spec", "register_op"), ".base._ops"),
     **dict.fromkeys(("RmsNormCall", "RmsNormCaps", "RmsNormImpl", "validate_rms_norm"), ".ops._rms_norm"),
@@ -31,9 +32,6 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("context_parallel_attention", "shard_sequence", "unshard_sequence"),
                     ".distributed._context_parallel"),
     "AgreementError": ".engine._agreement",
-    "stats": ".engine._stats",
-    "shadow_flush": ".engine._shadow",
-    **dict.fromkeys(("diff_decisions", "export_decisions"), ".engine._decisions_lock"),
 }
 _SUBMODULES = ("distributed",)  # `opdispatch.distributed.consistent()` after a plain `import opdispatch`
 
@@ -62,7 +60,7 @@ def __dir__() -> list[str]:
 # Type checkers read __init__.pyi instead of this file: the same names, with the front doors typed from the ops'
 # argument definitions (generated: `opdispatch stubs > core/__init__.pyi`; tests/test_stubs.py checks it).
 
-__version__ = "0.1.0"
+from .base import __version__  # noqa: E402  (defined at the bottom of the layers, which every layer may read)
 
 __all__ = [
     "AgreementError", "Attention", "AttentionCall", "AttentionCaps", "AttentionImpl", "Candidate", "Decision",

@@ -13,9 +13,15 @@ from .doors._api import (
     Attention as Attention,
     define_explain as define_explain,
     define_front_door as define_front_door,
-    get_manager as get_manager,
     plan_op as plan_op,
+)
+from .engine._current import (
+    diff_decisions as diff_decisions,
+    export_decisions as export_decisions,
+    get_manager as get_manager,
     set_manager as set_manager,
+    shadow_flush as shadow_flush,
+    stats as stats,
 )
 from .ops._attention import (
     AttentionCall as AttentionCall,
@@ -85,16 +91,6 @@ from .distributed._context_parallel import (
 )
 from .engine._agreement import (
     AgreementError as AgreementError,
-)
-from .engine._stats import (
-    stats as stats,
-)
-from .engine._shadow import (
-    shadow_flush as shadow_flush,
-)
-from .engine._decisions_lock import (
-    diff_decisions as diff_decisions,
-    export_decisions as export_decisions,
 )
 
 __version__: str

@@ -12,7 +12,8 @@ import yaml
 
 import opdispatch
 from opdispatch.tools._cli import main
-from opdispatch.engine._decisions_lock import LOCKFILE, diff_decisions, load_lock
+from opdispatch.engine._current import diff_decisions
+from opdispatch.engine._decisions_lock import LOCKFILE, load_lock
 from opdispatch.base._errors import OpDispatchError
 
 

@@ -4,3 +4,5 @@ doors (Python, and compiled: `_native.py` with `_native.cpp`), dtype names, KV-c
 
 Imports nothing of opdispatch outside this folder (see docs/architecture.md, "The layer map").
 """
+
+__version__ = "0.1.0"  # the package version (pyproject.toml [project] version); `opdispatch.__version__`

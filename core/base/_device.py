@@ -234,3 +234,10 @@ def probe_generic(device: Any) -> DeviceInfo:
         pass
     return DeviceInfo(vendor=device.type, type=device.type, arch=device.type, name=name, index=device.index,
                       libraries={"torch": torch.__version__.split("+")[0]})
+
+
+def resolve_device(device: DeviceInfo | str | os.PathLike[str] | None) -> DeviceInfo | None:
+    """A DeviceInfo from a DeviceInfo, a descriptor path, or None (the tensors' own device)."""
+    if device is None or isinstance(device, DeviceInfo):
+        return device
+    return load_device_descriptor(device)

@@ -249,7 +249,7 @@ def compiled_front_door(python: Callable[..., Any], *, name: str, names: Sequenc
                         failed: Callable[..., Any], bound: Sequence[str], bound_optional: Sequence[str] = (),
                         context: Sequence[Any] = (), exact: Sequence[str] = (), grad: Sequence[str] | None = None,
                         result: Callable[..., Any] | None = None, result_arg: str | None = None,
-                        flag: Any = None, api_globals: dict[str, Any] | None = None) -> Callable[..., Any]:
+                        flag: Any = None, api_globals: dict[str, Any]) -> Callable[..., Any]:
     """`python` (a front door) as a C builtin with a compiled hit path, or `python` itself where the extension
     is not loaded.
 
@@ -261,7 +261,9 @@ def compiled_front_door(python: Callable[..., Any], *, name: str, names: Sequenc
     device type: the Python door applies it) or zero-argument callables; exact: tensors that must
     be ``torch.Tensor`` itself (not a Parameter); grad: the tensors whose requires_grad makes the grad field
     (default: every tensor); result(out, arguments[result_arg]) shapes the output when that argument is true;
-    flag: a `thread_flag()` set while the kernel runs (calls made meanwhile go to Python).
+    flag: a `thread_flag()` set while the kernel runs (calls made meanwhile go to Python); api_globals: the
+    namespace whose ``_manager`` a hit reads (the front doors' module, whose ``_manager`` follows the process-wide
+    manager: core/engine/_current.py).
     """
     spec = dict(name=name, names=names, n_positional=n_positional, defaults=defaults, kinds=kinds, key_of=key_of,
                 failed=failed, bound=bound, bound_optional=bound_optional, context=context, exact=exact, grad=grad,
@@ -270,8 +272,6 @@ def compiled_front_door(python: Callable[..., Any], *, name: str, names: Sequenc
     native = native_module()
     if native is None:
         return python
-    from ..doors import _api
-
     index = {n: i for i, n in enumerate(names)}
     tensors = [n for n, k in zip(names, kinds) if k in ("tensor", "strided", "tensor?")]
     grad_names = set(tensors if grad is None else grad)
@@ -281,7 +281,7 @@ def compiled_front_door(python: Callable[..., Any], *, name: str, names: Sequenc
         required=REQUIRED, kinds=[KIND_CODES[k] for k in kinds], exact=[int(n in exact) for n in names],
         grad=[int(n in grad_names) for n in names], bound=[index[n] for n in bound],
         bound_optional=[index[n] for n in bound_optional], context=list(context), python=python, key_of=key_of,
-        failed=failed, api_globals=_api.__dict__ if api_globals is None else api_globals,
+        failed=failed, api_globals=api_globals,
         compiler_globals=torch.compiler.__dict__, result=result,
         result_arg=-1 if result_arg is None else index[result_arg], flag=flag)
     _doors[:] = [(ref, fn) for ref, fn in _doors if ref() is not None]  # doors gone (tests' twins) drop out
@@ -313,13 +313,15 @@ def twin(front_door: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def from_arguments(python: Callable[..., Any], arguments: OpArguments, namespace: dict[str, Any],
-                   failed: Callable[..., Any]) -> Callable[..., Any]:
-    """The compiled front door of an op's generated one (`OpArguments.front_door`), keyed exactly as it is."""
+                   failed: Callable[..., Any], api_globals: dict[str, Any]) -> Callable[..., Any]:
+    """The compiled front door of an op's generated one (`OpArguments.front_door`, made in `namespace`), keyed
+    exactly as it is; `api_globals`: see `compiled_front_door`."""
     return compiled_front_door(
         python, name=arguments.op, names=arguments.names, n_positional=sum(a.positional for a in arguments.args),
         defaults=[a.default for a in arguments.args], kinds=arguments.native_kinds(),
         key_of=arguments.key_function(namespace), failed=failed, bound=arguments.bound,
-        bound_optional=arguments.bound_optional, context=context_sources(*(namespace[c] for c in arguments.context)))
+        bound_optional=arguments.bound_optional, context=context_sources(*(namespace[c] for c in arguments.context)),
+        api_globals=api_globals)
 
 
 AUTOCAST = "autocast"  # a context marker: see compiled_front_door

@@ -413,7 +413,7 @@ scaled_dot_product_attention = _native.compiled_front_door(
     kinds=("strided", "strided", "strided", "bypass", "zero", "value", "value", "value"), key_of=_fast_key,
     failed=_failed_hit, bound=("query", "key", "value"),
     context=_native.context_sources(_overrides, _module, _deterministic, _profiling, _native.AUTOCAST),
-    exact=("query", "key", "value"), flag=_state)
+    exact=("query", "key", "value"), flag=_state, api_globals=_api.__dict__)
 
 
 # TorchScript cannot compile this function (keyword-only arguments, opdispatch's Python underneath); scripted code

@@ -203,7 +203,7 @@ flash_attn_func = _native.compiled_front_door(
            "value"),
     key_of=_fast_key, failed=_failed_hit, bound=("q", "k", "v"),
     context=_native.context_sources(_overrides, _module, _deterministic, _profiling), exact=("q", "k", "v"),
-    flag=_inside, result=_result, result_arg="return_attn_probs")
+    flag=_inside, result=_result, result_arg="return_attn_probs", api_globals=_api.__dict__)
 
 
 def _remembered(manager: Any, fast_key: Any, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None,

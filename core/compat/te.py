@@ -71,7 +71,8 @@ import torch
 from torch import Tensor
 from torch.nn.parameter import Parameter
 
-from ..doors._api import attention, explain, get_manager
+from ..doors._api import attention, explain
+from ..engine._current import get_manager
 from ..ops._attention import validate_attention
 from ..base._decision import CHOSEN, DENIED, ELIGIBLE
 from ..engine._state import bounded_put
@@ -816,7 +817,7 @@ def _log_selection(logger: logging.Logger, plan: _Plan) -> None:
         return
     bounded_put(_LOGGED_CHOICE, klass, chosen)
 
-    from .. import __version__
+    from ..base import __version__
     config: dict[str, Any] = {"opdispatch_version": __version__, "device": device.describe(),
                               "policy": f"{decision.policy_source} (hash {decision.policy_hash})",
                               "scope": MODULE.get(), "switches": list(te_switches()[0])}

@@ -72,7 +72,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..ops._attention import LAYOUT_DIMS
+from ..engine._current import get_manager
+from ..ops._attention import LAYOUT_DIMS, validate_attention
 from ._compile_ops import autograd_reenabled, constant_result
 from ..engine._profiling import call_range, profiling, range_name
 from ..policies._overrides import MODULE, OVERRIDES, TRACED_SCOPES, entered
@@ -110,11 +111,9 @@ def size_predicates(device: str, epoch: int = 0) -> tuple[tuple[tuple[str, str, 
     (an autotune table's buckets, an implementation's own `selection_key`, an op without classes): the kernel
     then re-checks the decision on every call. Heads and head dims are specialised, so their rules need no atom.
     """
-    import opdispatch
-
     from ..engine._classes import DecisionClasses
 
-    manager = opdispatch.get_manager()
+    manager = get_manager()
     manager.ensure_initialized()
     classes = DecisionClasses(_OP, manager.policy, [r.impl for r in manager.registry.for_op(_OP)])
     # 0 and 1 are special to validation and canonicalisation (one query); on symbolic sizes (>= 2) they are
@@ -276,8 +275,6 @@ def decide_for_compile(tensors: tuple[Any, ...], options: tuple[tuple[str, Any],
 def _decide(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad_enabled: bool,
             impl: Optional[str], epoch: int, sizes: tuple[Any, ...], inner: tuple[Any, ...],
             exported: bool) -> tuple[str, int, bool]:
-    import opdispatch
-
     symbolic, outcomes = sizes
     values = _representative(tuple(symbolic), tuple(outcomes)) if symbolic else {}
     values.setdefault("tokens_q", values.get("batch", 1) * values.get("seqlen_q", 1))
@@ -297,8 +294,8 @@ def _decide(tensors: tuple[Any, ...], options: tuple[tuple[str, Any], ...], grad
     q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
     outer = (OVERRIDES.get(), MODULE.get())
     with torch.set_grad_enabled(grad_enabled), entered(inner):
-        call = opdispatch.validate_attention(q, k, v, check_values=False, module=MODULE.get(), **kwargs)
-        manager = opdispatch.get_manager()
+        call = validate_attention(q, k, v, check_values=False, module=MODULE.get(), **kwargs)
+        manager = get_manager()
         device = manager.device_info(torch.device(tensors[0][2]))
         decision = manager.resolve(_OP, call, device=device, impl=impl)
     assert decision.chosen_id is not None
@@ -326,8 +323,6 @@ def _runtime_choice(token: int, impl_id: str, call: Any) -> str:
     the trace's (or the decision may read more of the sizes than the graph guards); then decide again."""
     context = _context(token, impl_id)
     if context.recheck or OVERRIDES.get() != context.overrides or MODULE.get() != context.module:
-        import opdispatch
-
         with entered(context.inner):
             call.module = MODULE.get()
             call.requires_grad = context.requires_grad  # compiled forwards run without autograd; the trace knew
@@ -336,7 +331,7 @@ def _runtime_choice(token: int, impl_id: str, call: Any) -> str:
                 # kernel sees them as given, with grad mode off below autograd.
                 call.requires_grad = any(t is not None and t.requires_grad
                                          for t in (call.q, call.k, call.v, call.attn_bias))
-            chosen = opdispatch.get_manager().resolve(_OP, call, impl=context.impl).chosen_id
+            chosen = get_manager().resolve(_OP, call, impl=context.impl).chosen_id
             assert chosen is not None  # resolve raises when nothing fits
             impl_id = chosen
     _LAST_CHOICE[token] = impl_id
@@ -424,7 +419,6 @@ def _named(args: tuple[Any, ...], offset: int = 0) -> dict[str, Any]:
 
 def _rebuild_call(a: dict[str, Any], *, return_lse: bool, **tensors: Tensor) -> Any:
     """The validated call the op's lowered arguments `a` stand for (`tensors` replacing some of them)."""
-    import opdispatch
     from ..ops._attention import ATTENTION_ARGS
 
     given = {name: a[name] for name in ATTENTION_ARGS.names if name in a}
@@ -432,14 +426,12 @@ def _rebuild_call(a: dict[str, Any], *, return_lse: bool, **tensors: Tensor) -> 
     left, right = a["window_left"], a["window_right"]
     given.update(window=None if left == -1 and right == -1 else (left, right), scale=a["scale"],
                  return_lse=return_lse)
-    return opdispatch.validate_attention(**given, check_values=False)
+    return validate_attention(**given, check_values=False)
 
 
 def _impl(impl_id: str) -> Any:
     """The implementation the trace chose, as the installed policy configures it."""
-    import opdispatch
-
-    impl = opdispatch.get_manager().implementation(_OP, impl_id)
+    impl = get_manager().implementation(_OP, impl_id)
     if impl is None:
         raise RuntimeError(f"opdispatch::attention: implementation {impl_id!r} was chosen when the graph was "
                            "traced but is not registered in this process; re-trace (torch._dynamo.reset()) "

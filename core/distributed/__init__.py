@@ -11,7 +11,8 @@ Importing this module does not import torch.distributed; its functions do.
 """
 
 from ._context_parallel import MODES, SHARDINGS, context_parallel_attention, shard_sequence, unshard_sequence
-from ..engine._agreement import ENV_DISTRIBUTED, AgreementError, GroupAgreement, agree_tuned_table, consistent, local
+from ..engine._agreement import ENV_DISTRIBUTED, AgreementError, GroupAgreement, agree_tuned_table
+from ._consistent import consistent, local
 
 __all__ = ["ENV_DISTRIBUTED", "MODES", "SHARDINGS", "AgreementError", "GroupAgreement", "agree_tuned_table",
            "consistent", "context_parallel_attention", "local", "shard_sequence", "unshard_sequence"]

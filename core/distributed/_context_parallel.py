@@ -512,7 +512,7 @@ def _allgather_settle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: t
 
 
 def _agreeing() -> bool:
-    from ..doors._api import get_manager
+    from ..engine._current import get_manager
 
     return get_manager().agreement is not None
 
@@ -523,7 +523,7 @@ def _settle(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]],
     decision is collective, but ranks compute different blocks (rank 0 of a causal ring never sees an earlier
     shard): each rank deciding all the blocks any rank computes, in one order, keeps the collectives aligned.
     Cache hits after the first step."""
-    from ..doors._api import get_manager
+    from ..engine._current import get_manager
     from ..policies._overrides import MODULE
 
     manager = get_manager()
@@ -733,7 +733,7 @@ def _block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     """(dq, dk, dv) of one block given the merged out and LSE of its queries (FlashAttention's backward: it reads
     the softmax only through them, so each block's share is exact). The chosen implementation's own `backward`
     where it has one; the same formula in torch otherwise."""
-    from ..doors._api import get_manager
+    from ..engine._current import get_manager
     from ..policies._overrides import MODULE
 
     manager = get_manager()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -14,8 +13,9 @@ from ..base._arguments import OpArguments
 from ..engine._breaker import RetryDue
 from ..ops._attention import ATTENTION_ARGS, AttentionCall, revalidate_sizes, validate_attention
 from ..base._decision import Decision
-from ..base._device import DeviceInfo, load_device_descriptor
+from ..base._device import DeviceInfo, resolve_device
 from ..engine._graphs import is_capturing, raise_if_capturing
+from ..engine._current import get_manager, on_manager_change
 from ..engine._manager import OpManager, _raise_for_structure
 from ..base import _native
 from ..base._ops import op_spec
@@ -24,33 +24,17 @@ from ..ops._sinks import run_with_sinks
 from ..engine._state import bounded_put
 from ..policies._overrides import MODULE, OVERRIDES
 
+# The process-wide manager lives in core/engine/_current.py; the front doors read it as this module's `_manager`
+# (one global read per call, in Python and in the compiled doors' C), which `_mirror` keeps equal to it.
 _manager: OpManager | None = None
-_manager_lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):  # a thread holding it at fork time does not exist in the child
-    os.register_at_fork(after_in_child=lambda: globals().__setitem__("_manager_lock", threading.Lock()))
-
-
-def get_manager() -> OpManager:
-    """The process-wide OpManager (created on first use; plugins load lazily)."""
+def _mirror(manager: OpManager | None) -> None:
     global _manager
-    manager = _manager
-    if manager is None:
-        with _manager_lock:
-            if _manager is None:
-                _manager = OpManager()
-            manager = _manager
-    return manager
+    _manager = manager
 
 
-def set_manager(manager: OpManager | None) -> OpManager | None:
-    """Replace the process-wide manager (tests, embedding); returns the previous one."""
-    global _manager
-    with _manager_lock:
-        previous, _manager = _manager, manager
-    _native.forget()  # the compiled front doors' entries hold the old manager's kernels
-    return previous
+on_manager_change(_mirror)
 
 
 _is_compiling = torch.compiler.is_compiling
@@ -372,13 +356,6 @@ class Attention(torch.nn.Module):
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
 
 
-def resolve_device(device: DeviceInfo | str | os.PathLike[str] | None) -> DeviceInfo | None:
-    """A DeviceInfo from a DeviceInfo, a descriptor path, or None (the tensors' own device)."""
-    if device is None or isinstance(device, DeviceInfo):
-        return device
-    return load_device_descriptor(device)
-
-
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str | None = None,
             device: DeviceInfo | str | os.PathLike[str] | None = None, **kwargs: Any) -> Decision:
     """Which implementation `attention(q, k, v, **kwargs)` would use, and why — for every candidate.
@@ -472,7 +449,7 @@ def define_front_door(op: str, *, doc: str = "", compiled: Callable[..., Any] | 
             return slow(get_manager(), None, *given.values())
 
         namespace["_compiled"] = eager
-    return _native.from_arguments(python_front_door, arguments, namespace, failed)
+    return _native.from_arguments(python_front_door, arguments, namespace, failed, globals())
 
 
 def define_explain(op: str) -> Callable[..., Decision]:
@@ -533,7 +510,7 @@ def _index_key(t: Any) -> Any:
 
 # The compiled fast path where built (opdispatch.base._native): the same front door with its hit path in C, handing
 # every other call to the Python one above.
-attention = _native.from_arguments(attention, ATTENTION_ARGS, globals(), _attention_failed)
+attention = _native.from_arguments(attention, ATTENTION_ARGS, globals(), _attention_failed, globals())
 
 
 # The other built-in ops' front doors and explains, made from their argument definitions (RMS_NORM_ARGS,

@@ -30,7 +30,7 @@ import struct
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..base._decision import CHOSEN, ELIGIBLE, Decision, Provenance
 from ..base._errors import OpDispatchError
@@ -38,15 +38,26 @@ from ..base._errors import OpDispatchError
 if TYPE_CHECKING:
     from ..policies._tuned_table import TunedTable
 
-    from ._manager import OpManager
-
 log = logging.getLogger("opdispatch")
 
 ENV_DISTRIBUTED = "OPDISPATCH_DISTRIBUTED"
 _ENV_VALUES = ("consistent", "local")
 
 __all__ = ["AgreementError", "ENV_DISTRIBUTED", "GroupAgreement", "SignatureField", "agree_call", "agree_tuned_table",
-           "collective_op", "consistent", "explained", "from_environ", "local", "torchrun_group"]
+           "collective_op", "explained", "forget_local", "from_environ", "torchrun_group"]
+
+
+class AgreeingManager(Protocol):
+    """What agreement reads of the manager (`opdispatch.OpManager`, which builds on this module: a protocol, not an
+    import): the state's configured implementations, the fast path's bound functions, the agreement in force."""
+
+    @property
+    def state(self) -> Any: ...
+
+    @property
+    def fast(self) -> dict[Any, Any]: ...
+
+    agreement: GroupAgreement | None
 
 
 class AgreementError(OpDispatchError, RuntimeError):
@@ -127,7 +138,7 @@ class GroupAgreement:
             return "torch.distributed was not initialised when it was decided"
         return None
 
-    def agree(self, manager: OpManager, op: str, call: Any, decision: Decision) -> Decision:
+    def agree(self, manager: AgreeingManager, op: str, call: Any, decision: Decision) -> Decision:
         """The group's decision for `call`: this rank's `decision` when every rank made the same, else rank 0's
         choice where every rank can run it, with its `agreement` line; AgreementError on every rank when no
         implementation suits them all."""
@@ -135,13 +146,13 @@ class GroupAgreement:
         assert agreed is not None
         return agreed
 
-    def agree_failed(self, manager: OpManager, op: str, call: Any, error: BaseException) -> None:
+    def agree_failed(self, manager: AgreeingManager, op: str, call: Any, error: BaseException) -> None:
         """This rank could not decide (`error`: a pin that cannot take the call, ...): take part in the
         collective all the same, so the others do not wait; they then raise AgreementError, and so does this rank
         when the others could decide (the caller re-raises `error` otherwise)."""
         self._agree(manager, op, call, None, error)
 
-    def _agree(self, manager: OpManager, op: str, call: Any, decision: Decision | None,
+    def _agree(self, manager: AgreeingManager, op: str, call: Any, decision: Decision | None,
                error: BaseException | None) -> Decision | None:
         inactive = self._inactive()
         if inactive is not None:
@@ -212,7 +223,7 @@ def _record(rank: int, op: str, call: Any, decision: Decision | None, error: Bas
                    statuses)
 
 
-def _use(manager: OpManager, decision: Decision, target: str, text: str) -> None:
+def _use(manager: AgreeingManager, decision: Decision, target: str, text: str) -> None:
     """Make `decision` choose `target` (eligible here), the group's choice."""
     impl = manager.state.implementation(decision.op, target)
     assert impl is not None, f"{target} is eligible here, so it is registered"
@@ -259,28 +270,7 @@ def from_environ(environ: Mapping[str, str]) -> GroupAgreement | None:
     return GroupAgreement(None, require_initialized=False)
 
 
-class _Switch:
-    """What `consistent()`/`local()` return: the setting is on at once; as a context manager it is undone on
-    exit."""
-
-    def __init__(self, manager: OpManager, previous: GroupAgreement | None) -> None:
-        self._manager, self._previous = manager, previous
-
-    @property
-    def agreement(self) -> GroupAgreement | None:
-        agreement: GroupAgreement | None = self._manager.agreement
-        return agreement
-
-    def __enter__(self) -> GroupAgreement | None:
-        return self.agreement
-
-    def __exit__(self, *exc: object) -> None:
-        self._manager.agreement = self._previous
-        if self._previous is not None:
-            _forget_local(self._manager)
-
-
-def _forget_local(manager: OpManager) -> None:
+def forget_local(manager: AgreeingManager) -> None:
     """Drop the per-call fast path's functions bound to decisions this rank made alone: a hit would skip the
     group's collective for their classes, which the other ranks then wait for. (Cached decisions need nothing:
     `resolve` decides an unagreed one again under agreement.)"""
@@ -291,38 +281,7 @@ def _forget_local(manager: OpManager) -> None:
             fast.pop(key, None)
 
 
-def consistent(group: Any = None, *, manager: OpManager | None = None) -> _Switch:
-    """Agree every new decision of this process's manager across `group` (None: the default group) from now on
-    — or inside ``with consistent(...):``. Call it on every rank of the group: agreement is collective (every
-    rank must make the same new decisions in the same order). Also ``OPDISPATCH_DISTRIBUTED=consistent``.
-
-    Decisions made before (or inside `local()`) are decided again, collectively, at their class's next call;
-    plans (`opdispatch.plan`, `opdispatch.Attention`) bound before keep their kernel. Raises AgreementError when
-    torch.distributed is not initialised."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise AgreementError("opdispatch.distributed.consistent(): torch.distributed is not initialised in this "
-                             "process. Fix: call torch.distributed.init_process_group(...) first (or launch with "
-                             "torchrun)")
-    manager = manager if manager is not None else _default_manager()
-    previous = manager.agreement
-    manager.agreement = GroupAgreement(group)
-    _forget_local(manager)
-    return _Switch(manager, previous)
-
-
-def local(*, manager: OpManager | None = None) -> _Switch:
-    """Decide on this rank alone from now on, or inside ``with local():`` (rank-specific code: evaluation on
-    rank 0, ...). What is decided there stays out of the group's decisions: on leaving the block (or at the next
-    `consistent()`) those classes are decided again, collectively, at their next call."""
-    manager = manager if manager is not None else _default_manager()
-    switch = _Switch(manager, manager.agreement)
-    manager.agreement = None
-    return switch
-
-
-def explained(manager: OpManager, decision: Decision, agreed: Decision | None) -> None:
+def explained(manager: AgreeingManager, decision: Decision, agreed: Decision | None) -> None:
     """Give `explain()`'s fresh `decision` the group's verdict: that of the cached (agreed) decision of its class
     — explain never communicates, so a class not decided yet says so."""
     if agreed is not None and not agreed.agreed and agreed.agreement is not None:
@@ -337,12 +296,6 @@ def explained(manager: OpManager, decision: Decision, agreed: Decision | None) -
             c.impl_id == target and c.status in (CHOSEN, ELIGIBLE) for c in decision.candidates):
         _use(manager, decision, target, agreed.agreement)
     decision.agreement = agreed.agreement
-
-
-def _default_manager() -> OpManager:
-    from ..doors._api import get_manager
-
-    return get_manager()
 
 
 # -- tuned tables -----------------------------------------------------------------------------------------------

@@ -158,13 +158,9 @@ def write_lock(path: str | os.PathLike[str], entries: list[LockEntry], device: A
     return target
 
 
-def export_decisions(path: str | os.PathLike[str], manager: Any = None) -> list[LockEntry]:
-    """Write every class this process decided (see `lock_entries`) to the lockfile `path`; returns the entries.
-    ValueError when nothing was decided yet (an empty lockfile would replay nothing)."""
-    if manager is None:
-        from ..doors._api import get_manager
-
-        manager = get_manager()
+def export_decisions(path: str | os.PathLike[str], manager: Any) -> list[LockEntry]:
+    """`opdispatch.export_decisions` for a given `manager` (the public one, whose default is the process-wide
+    manager, is core/engine/_current.py's)."""
     entries = lock_entries(manager)
     if not entries:
         raise ValueError(f"export_decisions({str(path)!r}): this process has decided no call class yet; run the "
@@ -341,16 +337,13 @@ def _case_call(entry: LockEntry, device: Any) -> Any:
     return tuning.validate(**case.inputs(where, None))
 
 
-def diff_decisions(path: str | os.PathLike[str], manager: Any = None, device: Any = None) -> list[Drift]:
-    """The drift of lockfile `path` against this process, without replaying it: recorded implementations that
-    are gone, unavailable on `device` (a DeviceInfo or descriptor path; default: the local accelerator, else the
-    CPU) or changed version, and — for entries with a recorded case — classes the policy decides differently now
-    (or that fall into another class). Entries of another device type than `device`'s are not compared."""
-    from ..doors._api import get_manager, resolve_device
+def diff_decisions(path: str | os.PathLike[str], manager: Any, device: Any = None) -> list[Drift]:
+    """`opdispatch.diff_decisions` for a given `manager` (the public one, whose default is the process-wide
+    manager, is core/engine/_current.py's)."""
+    from ..base._device import resolve_device
     from ..policies._overrides import OVERRIDES
 
     lock = load_lock(path)
-    manager = manager if manager is not None else get_manager()
     manager.ensure_initialized()
     info: Any = resolve_device(device) if device is not None else manager.device_info(_local_device())
     saved, manager.lock = manager.lock, None  # what the policy decides without the file

@@ -71,7 +71,7 @@ class OpManager:
 
     def __init__(self, *, load_entry_points: bool = True, entry_points: Iterable[Any] | None = None,
                  policy: Any = None, environ: dict[str, str] | None = None) -> None:
-        from ..policies import Policy
+        from ..policies._policy import Policy
 
         self._load_entry_points = load_entry_points
         self._entry_points = entry_points
@@ -127,7 +127,7 @@ class OpManager:
             if self._initialized:
                 return
             _configure_logging()
-            register_exit_summary(self.environ)
+            register_exit_summary(self.environ, self)
             self.shadow  # OPDISPATCH_SHADOW checked here: a bad value is a setting's error, not a kernel's
             self.lock = lock_from_environ(self.environ)
             if self._load_entry_points:
@@ -229,7 +229,7 @@ class OpManager:
         return self.state.policy
 
     def _load_policy(self) -> Any:
-        from ..policies import load_policy
+        from ..policies._policy import load_policy
         from ..policies._policy import EnvOverrides
 
         if self._policy_object is not None:
@@ -243,7 +243,7 @@ class OpManager:
         same file (e.g. OPDISPATCH_QUARANTINE's)."""
         if not self._added_quarantines:
             return policy
-        from ..policies import Policy
+        from ..policies._policy import Policy
         from ..policies._policy import read_quarantine_file
 
         from ..base._errors import PolicyError
@@ -289,7 +289,7 @@ class OpManager:
 
         A path is re-read by `reload()`; a Policy object is kept (reload re-reads only the env vars over it).
         """
-        from ..policies import Policy
+        from ..policies._policy import Policy
 
         if isinstance(policy, Policy):
             self._policy_object, self._policy_path = policy, None

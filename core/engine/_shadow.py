@@ -75,11 +75,11 @@ def shadow_from_environ(manager: Any, environ: Any) -> Shadow | None:
         return None
     path = None
     if raw_path is not None:
-        from ..tools._validate import _read_existing_quarantine
+        from ..policies._quarantine import read_existing_quarantine
 
         path = Path(raw_path)
         try:
-            _read_existing_quarantine(path)  # a file there must be a quarantine: its rules are merged, never lost
+            read_existing_quarantine(path)  # a file there must be a quarantine: its rules are merged, never lost
         except ValueError as exc:  # PolicyError is one
             raise ValueError(f"{ENV_SHADOW_QUARANTINE}={raw_path!r}: {exc}") from None
     return Shadow(manager, rate, path)
@@ -259,8 +259,8 @@ class Shadow:
         import hashlib
         import json
 
-        from ..tools._validate import (_read_existing_quarantine, _rule_name, env_conditions, merge_quarantine,
-                                quarantine_text, rule_libraries, write_quarantine)
+        from ..policies._quarantine import (env_conditions, merge_quarantine, quarantine_text, read_existing_quarantine,
+                                            rule_libraries, rule_name, write_quarantine)
 
         assert self.quarantine is not None
         decision = job.decision
@@ -268,10 +268,10 @@ class Shadow:
         when = {**env_conditions(decision.device, rule_libraries(decision.chosen, decision.device)),
                 **class_conditions(job.features)}
         digest = hashlib.sha256(json.dumps(when, sort_keys=True, default=str).encode()).hexdigest()[:6]
-        rule = {"name": _rule_name(impl_id, f"shadow-{digest}"), "when": when, "deny": [impl_id],
+        rule = {"name": rule_name(impl_id, f"shadow-{digest}"), "when": when, "deny": [impl_id],
                 "reason": f"shadow check: {error} > {limit:g} against {reference_id} on [{decision.call}]"}
         with self._lock:  # one writer per process (a rule of another process written meanwhile is kept)
-            existing = _read_existing_quarantine(self.quarantine)
+            existing = read_existing_quarantine(self.quarantine)
             body = merge_quarantine(existing, {impl_id: {decision.op: [rule]}}, {})
             write_quarantine(self.quarantine, quarantine_text(body, decision.device,
                                                               f"{ENV_SHADOW}={self.rate:g} (shadow check)"))
@@ -337,12 +337,8 @@ def class_conditions(features: dict[str, Any]) -> dict[str, Any]:
     return when
 
 
-def shadow_flush(timeout: float | None = None, manager: Any = None) -> bool:
-    """Wait until the shadow checks queued so far have finished (``OPDISPATCH_SHADOW``), at most `timeout`
-    seconds (None: as long as they take); returns whether all have. True at once when shadow checks are off."""
-    if manager is None:
-        from ..doors._api import get_manager
-
-        manager = get_manager()
+def shadow_flush(timeout: float | None, manager: Any) -> bool:
+    """`opdispatch.shadow_flush` for a given `manager` (the public one, whose default is the process-wide manager,
+    is core/engine/_current.py's)."""
     shadow: Shadow | None = manager.shadow
     return True if shadow is None else shadow.flush(timeout)

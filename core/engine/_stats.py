@@ -292,15 +292,11 @@ def _python_door_hits(reset: bool) -> dict[str, int]:
     return out
 
 
-def stats(reset: bool = False, manager: Any = None) -> UsageSnapshot:
-    """A snapshot of the usage counters of `manager` (default: the process-wide one) and of the front doors'
-    fast-path hits; `reset=True` starts every counter over after taking it (see the module docstring)."""
+def stats(reset: bool, manager: Any) -> UsageSnapshot:
+    """`opdispatch.stats` for a given `manager` (the public one, whose default is the process-wide manager, is
+    core/engine/_current.py's)."""
     if not isinstance(reset, bool):
         raise TypeError(f"stats(reset={reset!r}): reset must be True or False")
-    if manager is None:
-        from ..doors._api import get_manager
-
-        manager = get_manager()
     slow, classes = manager.usage.snapshot(reset)
     compiled, python = _door_hits(reset), _python_door_hits(reset)
     ops: dict[str, OpUsage] = {}
@@ -322,18 +318,22 @@ def stats_enabled(environ: Any = None) -> bool:
 _summary_registered = False
 
 
-def register_exit_summary(environ: Any = None) -> None:
-    """With OPDISPATCH_STATS=1: print `stats()` to stderr when the process exits (registered once)."""
+def register_exit_summary(environ: Any, manager: Any) -> None:
+    """With OPDISPATCH_STATS=1: print `manager`'s `stats()` to stderr when the process exits (registered once, by
+    the first manager to start with it on: the process-wide one, in a program that calls opdispatch's functions)."""
     global _summary_registered
     if _summary_registered or not stats_enabled(environ):
         return
     _summary_registered = True
-    atexit.register(_print_summary)
+    atexit.register(_print_summary, weakref.ref(manager))
 
 
-def _print_summary() -> None:
+def _print_summary(manager_ref: Any) -> None:
     try:
-        text = stats().format()
+        manager = manager_ref()
+        if manager is None:
+            raise RuntimeError("the manager it counted for was deleted before exit")
+        text = stats(False, manager).format()
     except Exception as exc:  # at exit: say what failed, never raise
         text = f"opdispatch stats: unavailable at exit ({type(exc).__name__}: {exc})"
     print("opdispatch usage (OPDISPATCH_STATS=1):\n" + text, file=sys.stderr)

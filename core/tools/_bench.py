@@ -203,7 +203,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace, rank: int | None) -> int:
-    from ..doors._api import get_manager
+    from ..engine._current import get_manager
     from ..engine._agreement import agree_tuned_table
 
     device = _device(args)
@@ -240,7 +240,7 @@ def _device_specific(device: torch.device, patterns: list[str] | None, op: str =
     """Ids of `op`'s implementations made for this device type (not portable ones such as the references)."""
     import fnmatch
 
-    from ..doors._api import get_manager
+    from ..engine._current import get_manager
 
     manager = get_manager()
     manager.ensure_initialized()
@@ -251,7 +251,7 @@ def _device_specific(device: torch.device, patterns: list[str] | None, op: str =
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..doors._api import get_manager
+    from ..engine._current import get_manager
 
     problem = _check_op_and_preset(args)
     if problem:

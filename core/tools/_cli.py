@@ -17,7 +17,9 @@ from ..base._errors import OpDispatchError
 if TYPE_CHECKING:
     import torch
 
-    from ..doors._api import get_manager, resolve_device
+    from ..base._device import resolve_device
+
+    from ..engine._current import get_manager
     from ..ops._attention import validate_attention
     from ..base._dtypes import dtype_from_name
     from ..base._device import DeviceInfo
@@ -30,7 +32,9 @@ def _import_runtime() -> None:
     """Bind the names above for real (the commands use them as module globals); run once arguments parsed."""
     import torch
 
-    from ..doors._api import get_manager, resolve_device
+    from ..base._device import resolve_device
+
+    from ..engine._current import get_manager
     from ..ops._attention import validate_attention
     from ..base._dtypes import dtype_from_name
     from ..base._ops import known_ops
@@ -473,7 +477,7 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
 
 def ops_markdown() -> str:
     """Every registered op: its front door's arguments (from the op's one definition) and its `when:` keys."""
-    from ..doors._api import get_manager
+    from ..engine._current import get_manager
     from ..base._ops import known_ops, op_spec
 
     get_manager().ensure_initialized()  # plugins may register ops

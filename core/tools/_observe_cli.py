@@ -46,7 +46,9 @@ def _device_args(p: argparse.ArgumentParser) -> None:
 def _device(args: argparse.Namespace) -> Any:
     import torch
 
-    from ..doors._api import get_manager, resolve_device
+    from ..base._device import resolve_device
+
+    from ..engine._current import get_manager
 
     if args.device:
         return resolve_device(args.device)
@@ -59,7 +61,7 @@ def _device(args: argparse.Namespace) -> Any:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from ..engine._stats import stats
+    from ..engine._current import stats
 
     snapshot = stats()
     print(json.dumps(snapshot.to_dict(), indent=2) if args.json else snapshot.format())
@@ -69,7 +71,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_decisions_export(args: argparse.Namespace) -> int:
     import torch
 
-    from ..doors._api import get_manager
+    from ..engine._current import get_manager
     from ..engine._decisions_lock import _entry, write_lock
     from ._tuning import load_cases, preset
 
@@ -107,7 +109,8 @@ def cmd_decisions_export(args: argparse.Namespace) -> int:
 
 
 def cmd_decisions_diff(args: argparse.Namespace) -> int:
-    from ..engine._decisions_lock import diff_decisions, load_lock
+    from ..engine._current import diff_decisions
+    from ..engine._decisions_lock import load_lock
 
     lock = load_lock(args.file)
     info = _device(args)
