@@ -498,3 +498,31 @@ def test_the_build_message_names_the_standard_torch_compiles_with():
 
     standard = _native.cxx_standard()
     assert standard.startswith("C++") and f"-std=c++{standard[3:]}" in inspect.getsource(cpp_extension)
+
+
+def test_every_compiled_door_states_the_parameters_of_the_python_door_it_wraps(loaded):
+    """inspect.signature of a compiled door (a builtin: its text signature) gives the real parameters — names,
+    kinds, defaults — of the Python front door behind it (`python_of`), whose own signature carries the
+    annotations; the ops' doors match their argument definitions."""
+    import inspect
+
+    from opdispatch.compat import flash_attn, scaled_dot_product_attention
+    from opdispatch.ops._attention import ATTENTION_ARGS
+    from opdispatch.ops._rms_norm import RMS_NORM_ARGS
+    from opdispatch.ops._rotary import ROTARY_ARGS
+
+    def bare(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    doors = {opdispatch.attention: ATTENTION_ARGS, opdispatch.rms_norm: RMS_NORM_ARGS,
+             opdispatch.rotary_embedding: ROTARY_ARGS, scaled_dot_product_attention: None,
+             flash_attn.flash_attn_func: None}
+    for door, arguments in doors.items():
+        python = _native.python_of(door)
+        assert python is not door and inspect.isbuiltin(door) and inspect.isfunction(python), door
+        assert bare(door) == bare(python), door.__name__
+        annotated = inspect.signature(python)
+        assert all(p.annotation is not inspect.Parameter.empty for p in annotated.parameters.values()), door.__name__
+        if arguments is not None:
+            assert [p.name for p in annotated.parameters.values()] == list(arguments.names)
+            assert annotated == arguments.signature(return_annotation=annotated.return_annotation)
