@@ -15,7 +15,8 @@ from ..ops._attention import ATTENTION_ARGS, AttentionCall, revalidate_sizes, va
 from ..base._decision import Decision
 from ..base._device import DeviceInfo, resolve_device
 from ..engine._graphs import is_capturing, raise_if_capturing
-from ..engine._current import get_manager, on_manager_change
+from ..engine._current import get_manager as get_manager  # also the compat doors' (they read `_api._manager` too)
+from ..engine._current import on_manager_change
 from ..engine._manager import OpManager, _raise_for_structure
 from ..base import _native
 from ..base._ops import op_spec
