@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from opdispatch import _context_parallel as cp  # noqa: E402
+from opdispatch.distributed import _context_parallel as cp  # noqa: E402
 from opdispatch import distributed as od  # noqa: E402
 
 

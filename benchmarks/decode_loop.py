@@ -67,7 +67,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    from opdispatch import _native
+    from opdispatch.base import _native
 
     env["fast_path"] = "compiled" if _native.status().active else "python"  # `opdispatch build` ran, or not
     # The GPU machine's copy of the repo may carry a stale .git: the caller can name the commit it sent.
@@ -191,7 +191,7 @@ def _timed_pass(loop: Callable[[float], int], device: torch.device, budget: floa
 def _fresh_signatures(manager: Any) -> None:
     """Forget every exact signature and size template the per-call fast path remembered (the Python path's and the
     compiled front doors'), keeping the decisions: the next pass of a growing loop meets every length anew."""
-    from opdispatch import _native
+    from opdispatch.base import _native
 
     manager.fast.clear()
     manager.size_generic.clear()
@@ -203,7 +203,7 @@ def _path_counts() -> Iterator[dict[str, int]]:
     """Counts, while open, of the slow path's branches a call takes once the exact-signature fast path missed:
     full validations, size-generic template hits (`_sized_reuse`), and binds (`_run_and_remember`: every full
     path and every template hit whose function could not be reused). A diagnosis of a first pass's cost."""
-    from opdispatch import _api
+    from opdispatch.doors import _api
 
     counts = {"full validations": 0, "template hits": 0, "binds": 0}
     originals = {name: getattr(_api, name) for name in ("validate_attention", "_sized_reuse", "_run_and_remember")}
@@ -307,7 +307,7 @@ def markdown(result: dict[str, Any]) -> str:
               f"- growing, over the floor (kernels bound before the loop): {result['overhead_over_floor_us']:+.1f} µs",
               f"- decisions made in the {args['steps']}-step loop: **{result['decisions_in_loop']}**; INFO log "
               f"lines: {result['info_log_lines_in_loop']}",
-              "- that loop's first pass, by path (opdispatch._api): " + ", ".join(
+              "- that loop's first pass, by path (opdispatch.doors._api): " + ", ".join(
                   f"{k} {v}" for k, v in result.get("first_pass_paths", {}).items())]
     if "first_pass_over_repeated" in result:
         lines.append(f"- first pass (every length new; median of {args['repeat'] + 1} first passes) / "

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 import opdispatch
-from opdispatch import _native
+from opdispatch.base import _native
 
 SIZES_CPU = [(1, 1, 1, 8), (1, 1, 16, 32), (1, 8, 64, 64), (2, 8, 256, 64)]
 SIZES_CUDA = [(1, 1, 1, 64), (1, 8, 128, 64), (4, 16, 1024, 128), (8, 32, 4096, 128)]
@@ -242,7 +242,7 @@ def markdown(device: torch.device, sizes: list[tuple[int, int, int, int]], repea
         "own `F.scaled_dot_product_attention` (its own backend choice); compat.flash_attn = `opdispatch.compat."
         "flash_attn.flash_attn_func` on bshd views of the same tensors, and policy bshd = `opdispatch.attention` on "
         "those views (the kernel reads views slower than the contiguous tensors of `direct`: compare the two); "
-        "(py) = the same front door's Python path (`opdispatch._native.python_of`), measured in the same rounds: "
+        "(py) = the same front door's Python path (`opdispatch.base._native.python_of`), measured in the same rounds: "
         "without the compiled fast path every front door is that", "",
         "| size (b,h,s,d) | impl | " + " | ".join(f"{c} µs" for c in COLUMNS) + " | "
         + " | ".join(f"{c} - direct" for c in OVERHEAD_COLUMNS) + " |",

@@ -17,7 +17,7 @@ for name in ("flag_gems", "pydantic", "transformers"):
 PY
 if [ "$step" = validate ]; then
   cp "$repo/configs/quarantine.yaml" "$out/quarantine-before.yaml"
-  timeout "${VALIDATE_TIMEOUT:-540}" python3 -m opdispatch._cli validate --on cuda --jobs "${JOBS:-4}" --split "${SPLIT:-1}" \
+  timeout "${VALIDATE_TIMEOUT:-540}" python3 -m opdispatch.tools._cli validate --on cuda --jobs "${JOBS:-4}" --split "${SPLIT:-1}" \
     --timeout "${CASE_TIMEOUT:-120}" ${IMPLS:+--impl "$IMPLS"} \
     --budget "$(( ${VALIDATE_TIMEOUT:-540} - 40 ))" \
     --quarantine "$repo/configs/quarantine.yaml" --report "$out/validate-h100.md" --json "$out/validate-h100.json" \

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_loop import environment  # noqa: E402  (one environment block for every benchmark)
 
 import opdispatch  # noqa: E402
-from opdispatch import _native  # noqa: E402
+from opdispatch.base import _native  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,7 +61,7 @@ import opdispatch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_loop import environment as _base_environment  # noqa: E402  (one environment block for every benchmark)
 from side_by_side import samples_ms  # noqa: E402  (one timing loop for every benchmark)
-from opdispatch._decision import _short_path
+from opdispatch.base._decision import _short_path
 from opdispatch.policies._plan import rule_matches
 
 KV_GROWTH = 2048  # decode forward cases: the kv lengths sk .. sk + KV_GROWTH - 1, one per call, then again

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import opdispatch  # noqa: E402
-from opdispatch._errors import PolicyError  # noqa: E402
+from opdispatch.base._errors import PolicyError  # noqa: E402
 
 
 def bad_inputs() -> tuple[list[str], dict[str, int]]:

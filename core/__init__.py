@@ -11,29 +11,27 @@ from .plugins.hookspec import hookimpl  # plugin modules use it at import time; 
 # The public names, by the module that defines them. They load on first use (PEP 562), so `opdispatch --help`,
 # `--version` and plugin modules that only need `hookimpl` start without importing torch.
 _EXPORTS: dict[str, str] = {
-    **dict.fromkeys(("Attention", "attention", "define_explain", "define_front_door", "explain", "get_manager",
-                     "plan", "plan_op", "set_manager"), "._api"),
-    **dict.fromkeys(("AttentionCall", "AttentionCaps", "AttentionImpl", "validate_attention"), "._attention"),
-    **dict.fromkeys(("OpSpec", "known_ops", "op_spec", "register_op"), "._ops"),
-    **dict.fromkeys(("RmsNormCall", "RmsNormCaps", "RmsNormImpl", "explain_rms_norm", "rms_norm",
-                     "validate_rms_norm"), "._rms_norm"),
-    **dict.fromkeys(("RotaryCall", "RotaryCaps", "RotaryImpl", "explain_rotary_embedding", "rotary_embedding",
-                     "validate_rotary_embedding"), "._rotary"),
-    **dict.fromkeys(("Candidate", "Decision", "Provenance"), "._decision"),
-    **dict.fromkeys(("DeviceInfo", "load_device_descriptor"), "._device"),
-    **dict.fromkeys(("DeviceDescriptorError", "NoImplementationError", "OpDispatchError",
-                     "PinnedImplementationError", "PluginLoadError", "PolicyError", "RegistrationError"),
-                    "._errors"),
-    **dict.fromkeys(("Impl", "Requirement"), "._impl"),
-    "OpManager": "._manager",
-    **dict.fromkeys(("PACKED_LAYOUTS", "attention_packed", "packed_views"), "._packed"),
-    **dict.fromkeys(("Origin", "Registry"), "._registry"),
+    **dict.fromkeys(("Attention", "attention", "define_explain", "define_front_door", "explain", "explain_rms_norm",
+                     "explain_rotary_embedding", "plan", "plan_op", "rms_norm", "rotary_embedding"), ".doors._api"),
+    **dict.fromkeys(("diff_decisions", "export_decisions", "get_manager", "set_manager", "shadow_flush", "stats"),
+                    ".engine._current"),
+    **dict.fromkeys(("AttentionCall", "AttentionCaps", "AttentionImpl", "validate_attention"), ".ops._attention"),
+    **dict.fromkeys(("OpSpec", "known_ops", "op_spec", "register_op"), ".base._ops"),
+    **dict.fromkeys(("RmsNormCall", "RmsNormCaps", "RmsNormImpl", "validate_rms_norm"), ".ops._rms_norm"),
+    **dict.fromkeys(("RotaryCall", "RotaryCaps", "RotaryImpl", "validate_rotary_embedding"), ".ops._rotary"),
+    **dict.fromkeys(("Candidate", "Decision", "NoImplementationError", "PinnedImplementationError", "Provenance"),
+                    ".base._decision"),
+    **dict.fromkeys(("DeviceInfo", "load_device_descriptor"), ".base._device"),
+    **dict.fromkeys(("DeviceDescriptorError", "OpDispatchError", "PluginLoadError", "PolicyError",
+                     "RegistrationError"), ".base._errors"),
+    **dict.fromkeys(("Impl", "Requirement"), ".base._impl"),
+    "OpManager": ".engine._manager",
+    **dict.fromkeys(("PACKED_LAYOUTS", "attention_packed", "packed_views"), ".doors._packed"),
+    **dict.fromkeys(("Origin", "Registry"), ".engine._registry"),
     **dict.fromkeys(("policy_override", "scope"), ".policies._overrides"),
-    **dict.fromkeys(("context_parallel_attention", "shard_sequence", "unshard_sequence"), "._context_parallel"),
-    "AgreementError": "._distributed",
-    "stats": "._stats",
-    "shadow_flush": "._shadow",
-    **dict.fromkeys(("diff_decisions", "export_decisions"), "._decisions_lock"),
+    **dict.fromkeys(("context_parallel_attention", "shard_sequence", "unshard_sequence"),
+                    ".distributed._context_parallel"),
+    "AgreementError": ".engine._agreement",
 }
 _SUBMODULES = ("distributed",)  # `opdispatch.distributed.consistent()` after a plain `import opdispatch`
 
@@ -62,7 +60,7 @@ def __dir__() -> list[str]:
 # Type checkers read __init__.pyi instead of this file: the same names, with the front doors typed from the ops'
 # argument definitions (generated: `opdispatch stubs > core/__init__.pyi`; tests/test_stubs.py checks it).
 
-__version__ = "0.1.0"
+from .base import __version__  # noqa: E402  (defined at the bottom of the layers, which every layer may read)
 
 __all__ = [
     "AgreementError", "Attention", "AttentionCall", "AttentionCaps", "AttentionImpl", "Candidate", "Decision",

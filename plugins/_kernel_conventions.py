@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from opdispatch._native import kernel_call
+from opdispatch.base._native import kernel_call
 
 
 def kernel_window(call: Any) -> tuple[int, int]:

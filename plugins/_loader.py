@@ -19,9 +19,9 @@ from typing import Any
 
 import pluggy
 
-from .hookspec import PLUGIN_API_CHANGES, PLUGIN_API_VERSION
+from opdispatch.base._entry_points import ENTRY_POINT_GROUP
 
-ENTRY_POINT_GROUP = "opdispatch.plugins"
+from .hookspec import PLUGIN_API_CHANGES, PLUGIN_API_VERSION
 ENV_ALLOW = "OPDISPATCH_PLUGINS"
 ENV_DENY = "OPDISPATCH_DISABLE_PLUGINS"
 ENV_TIMEOUT = "OPDISPATCH_PLUGIN_TIMEOUT"

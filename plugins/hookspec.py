@@ -39,8 +39,8 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
-    from opdispatch._device import DeviceInfo
-    from opdispatch._impl import Impl
+    from opdispatch.base._device import DeviceInfo
+    from opdispatch.base._impl import Impl
 
 PROJECT_NAME = "opdispatch"
 # The plugin contract's version: what a plugin module's OPDISPATCH_PLUGIN_API must equal (when it sets one). It

@@ -84,10 +84,10 @@ Library versions (device probes, version checks):
 
 from __future__ import annotations
 
-from opdispatch._attention import (LAYOUT_DIMS, additive_bias, alibi_bias, allowed_positions, bind_dense,
+from opdispatch.ops._attention import (LAYOUT_DIMS, additive_bias, alibi_bias, allowed_positions, bind_dense,
                                    layout_views, shift_rows, size_generic)
-from opdispatch._dtypes import FP8_DTYPES, FP8_OUT_DTYPES
-from opdispatch._native import kernel_call
+from opdispatch.base._dtypes import FP8_DTYPES, FP8_OUT_DTYPES
+from opdispatch.base._native import kernel_call
 
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, aten_sdpa_call, empty_rows_to_neg_inf, kernel_window

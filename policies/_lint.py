@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opdispatch._errors import PolicyError
+from opdispatch.base._errors import PolicyError
 
 from ._plan import rule_matches
 from ._policy import PolicyLayer, read_policy_file

@@ -290,7 +290,7 @@ class DTypeSpec(_Spec):
     def parse(cls, value: Any) -> DTypeSpec | None:
         if value is None or isinstance(value, DTypeSpec):
             return value
-        from opdispatch._dtypes import dtype_from_name
+        from opdispatch.base._dtypes import dtype_from_name
 
         dtypes = set()
         items = _items(value, "dtype list")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from typing import Any
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -60,9 +61,7 @@ def policy_override(*, prefer: Sequence[str] | str | None = None, deny: Sequence
     Outranks env vars and YAML; the per-call ``impl=`` still outranks it. Nested scopes stack, the innermost
     first. ``op=None`` applies to every op.
     """
-    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace ContextVar.set: opdispatch._compile records it
-        from opdispatch._compile import traced_policy_override
-
+    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace ContextVar.set: recorded instead (below)
         with traced_policy_override(prefer=prefer, deny=deny, require=require, pin=pin, op=op) as recorded:
             yield recorded
         return
@@ -84,9 +83,7 @@ def scope(module: str) -> Iterator[str]:
     """Name the calling module (e.g. ``model.layers.3.self_attn``) so `when: {module: ...}` rules can target it."""
     if not isinstance(module, str) or not module:
         raise ValueError(f"scope(module={module!r}): give a non-empty dotted module name")
-    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace ContextVar.set: opdispatch._compile records it
-        from opdispatch._compile import traced_scope
-
+    if torch.compiler.is_dynamo_compiling():  # Dynamo cannot trace ContextVar.set: recorded instead (below)
         with traced_scope(module):
             yield module
         return
@@ -95,3 +92,44 @@ def scope(module: str) -> Iterator[str]:
         yield module
     finally:
         MODULE.reset(token)
+
+
+# -- scope() and policy_override() inside a function torch.compile traces -------------------------------------
+
+# Dynamo cannot trace ContextVar.set, so while it traces, `scope` and `policy_override` defer to these stand-ins,
+# which record their arguments here (a plain list Dynamo tracks); each compiled op's call (core/compile/) passes the
+# record to its decision and kernel, which enter the real context managers around it (`entered`).
+TRACED_SCOPES: list[tuple[str, Any]] = []
+
+
+@contextmanager
+def traced_scope(module: str) -> Iterator[str]:
+    """`scope` while Dynamo traces: recorded for the op calls traced inside it."""
+    TRACED_SCOPES.append(("scope", module))
+    try:
+        yield module
+    finally:
+        TRACED_SCOPES.pop()
+
+
+@contextmanager
+def traced_policy_override(*, prefer: Any = None, deny: Any = None, require: Any = None, pin: Any = None,
+                           op: Any = None) -> Iterator[None]:
+    """`policy_override` while Dynamo traces: recorded for the op calls traced inside it. Its arguments are
+    checked when a decision enters the real override; the ``as`` target is None here."""
+    args = tuple((name, tuple(value) if isinstance(value, list) else value) for name, value in (
+        ("prefer", prefer), ("deny", deny), ("require", require), ("pin", pin), ("op", op)))
+    TRACED_SCOPES.append(("override", args))
+    try:
+        yield None
+    finally:
+        TRACED_SCOPES.pop()
+
+
+@contextmanager
+def entered(inner: tuple[Any, ...]) -> Iterator[None]:
+    """Enter, for real, the scopes and overrides a traced function entered (as `TRACED_SCOPES` recorded them)."""
+    with ExitStack() as stack:
+        for kind, args in inner:
+            stack.enter_context(scope(args) if kind == "scope" else policy_override(**dict(args)))
+        yield

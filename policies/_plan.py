@@ -38,17 +38,17 @@ takes the first candidate, in the plan's order, that is available on the device 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-from opdispatch._decision import Provenance
-from opdispatch._ops import op_spec
+from opdispatch.base._decision import Provenance
+from opdispatch.base._ops import op_spec
 
 if TYPE_CHECKING:
     from ._overrides import Override
-    from ._policy import Policy, PolicyLayer
-    from ._schema import Rule, When
+    from ._schema import OpPolicy, Rule, When
 
 ENV_PREFER = "OPDISPATCH_PREFER"
 ENV_DENY = "OPDISPATCH_DENY"
@@ -113,7 +113,7 @@ class _Collected:
     """The actions of every layer for one call, and the `order` list of the highest YAML layer that sets one."""
 
     actions: list[Action] = field(default_factory=list)
-    order: tuple[list[str], PolicyLayer, Layer] | None = None
+    order: tuple[list[str], PlannedLayer, Layer] | None = None
     matched_rules: list[str] = field(default_factory=list)
 
     def add(self, layer: Layer, source: Override | Rule, prov: Provenance) -> None:
@@ -129,9 +129,47 @@ class _Collected:
         return [a for a in self.actions if a.verb == verb]
 
 
+# -- what a plan reads of a policy -------------------------------------------------------------------------
+# Protocols, so this module sits below `_policy`, whose `Policy.plan` builds plans with it.
+
+
+class PlannedLayer(Protocol):
+    """One policy file as a plan reads it (`_policy.PolicyLayer`)."""
+
+    def where(self, *path: Any) -> str: ...
+
+    def op(self, op: str) -> OpPolicy | None: ...
+
+
+class PlannedEnv(Protocol):
+    """The OPDISPATCH_* env vars as a plan reads them (`_policy.EnvOverrides`)."""
+
+    @property
+    def pins(self) -> Mapping[str, str]: ...
+
+    @property
+    def prefer(self) -> tuple[str, ...]: ...
+
+    @property
+    def deny(self) -> tuple[str, ...]: ...
+
+
+class PlannedPolicy(Protocol):
+    """A policy as a plan reads it (`_policy.Policy`): its YAML layers, highest first, its env layer and where
+    its autotune table is."""
+
+    @property
+    def yaml_layers(self) -> Sequence[tuple[Layer, PlannedLayer]]: ...
+
+    @property
+    def env(self) -> PlannedEnv: ...
+
+    def autotune_table(self, op: str) -> tuple[Path, str] | None: ...
+
+
 # -- the plan, step by step ---------------------------------------------------------------------------------
 
-def build_plan(policy: Policy, op: str, impl_ids: Sequence[str], call: Any = None, device: Any = None,
+def build_plan(policy: PlannedPolicy, op: str, impl_ids: Sequence[str], call: Any = None, device: Any = None,
                overrides: Sequence[Override] = (), impl: str | None = None) -> PolicyPlan:
     """Order `impl_ids` (given highest priority first) for `call` on `device`: pin, deny, require and rank, with
     provenance for each. Without a call (lint) every rule counts as matching and no autotune table is read."""
@@ -149,7 +187,7 @@ def build_plan(policy: Policy, op: str, impl_ids: Sequence[str], call: Any = Non
     return plan
 
 
-def standing_plan(policy: Policy, op: str, impl_ids: Sequence[str]) -> PolicyPlan:
+def standing_plan(policy: PlannedPolicy, op: str, impl_ids: Sequence[str]) -> PolicyPlan:
     """The order the policy gives `op` before any `when:` rule (rules depend on the call): the env pin, prefer and
     deny, each YAML layer's deny list and the highest `order`, then priority — what `opdispatch list` shows."""
     collected = collect_actions(policy, op, None, None, (), None, rules=False)
@@ -162,7 +200,7 @@ def standing_plan(policy: Policy, op: str, impl_ids: Sequence[str]) -> PolicyPla
     return plan
 
 
-def collect_actions(policy: Policy, op: str, call: Any, device: Any, overrides: Sequence[Override],
+def collect_actions(policy: PlannedPolicy, op: str, call: Any, device: Any, overrides: Sequence[Override],
                     impl: str | None, rules: bool = True) -> _Collected:
     """Every layer's actions for this call, highest layer first (`rules=False`: leave the `when:` rules out)."""
     out = _Collected()
@@ -178,7 +216,7 @@ def collect_actions(policy: Policy, op: str, call: Any, device: Any, overrides: 
     return out
 
 
-def _env_actions(policy: Policy, op: str, out: _Collected) -> None:
+def _env_actions(policy: PlannedPolicy, op: str, out: _Collected) -> None:
     env = policy.env
     pin = env.pins.get(op)
     if pin:
@@ -190,7 +228,7 @@ def _env_actions(policy: Policy, op: str, out: _Collected) -> None:
         out.actions.append(Action(ENV.name, "deny", env.deny, Provenance(ENV.provenance, ENV_DENY)))
 
 
-def _yaml_actions(layer: Layer, policy_layer: PolicyLayer, op: str, call: Any, device: Any,
+def _yaml_actions(layer: Layer, policy_layer: PlannedLayer, op: str, call: Any, device: Any,
                   out: _Collected, rules: bool = True) -> None:
     """One YAML layer's `order`, top-level `deny` entries and matching rules (file order)."""
     spec = policy_layer.op(op)
@@ -265,7 +303,7 @@ def _by_autotune(impl_id: str, tuned: tuple[list[str], Provenance] | None) -> _P
     return (RANK_TIERS.index("autotune"), 0, tuned[0].index(impl_id)), tuned[1]
 
 
-def _by_order(op: str, impl_id: str, order: tuple[list[str], PolicyLayer, Layer] | None) -> _Placed | None:
+def _by_order(op: str, impl_id: str, order: tuple[list[str], PlannedLayer, Layer] | None) -> _Placed | None:
     if order is None:
         return None
     patterns, policy_layer, layer = order
@@ -277,12 +315,12 @@ def _by_order(op: str, impl_id: str, order: tuple[list[str], PolicyLayer, Layer]
         layer.provenance, policy_layer.where("ops", op, "order", i), note=f"order {hit!r}")
 
 
-def _by_priority(order: tuple[list[str], PolicyLayer, Layer] | None) -> _Placed:
+def _by_priority(order: tuple[list[str], PlannedLayer, Layer] | None) -> _Placed:
     return (RANK_TIERS.index("priority"), 0, 0), Provenance(
         PRIORITY.provenance, "implementation priority", note="not named by the policy" if order else None)
 
 
-def autotune_order(policy: Policy, op: str, call: Any, device: Any,
+def autotune_order(policy: PlannedPolicy, op: str, call: Any, device: Any,
                    policy_order: list[tuple[str, Provenance]]) -> tuple[list[str], Provenance] | None:
     """The measured order for `call` from the policy's `autotune:` table, ranking the plan's `policy_order`
     (near-ties keep it), or None: no table, one of another device or versions (ignored with one warning), or no

@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from opdispatch._errors import PolicyError
-from opdispatch._ops import known_ops, op_spec
+from opdispatch.base._errors import PolicyError
+from opdispatch.base._ops import known_ops, op_spec
 
 from ._overrides import Override
 from ._plan import (DEFAULT, ENV_DENY, ENV_PIN_PREFIX, ENV_PREFER, QUARANTINE, USER, Layer, PolicyPlan,

@@ -64,7 +64,7 @@ class ConditionError(ValueError):
         self.value = value
 
 
-# How each feature kind (opdispatch._ops.FEATURE_KINDS) is parsed into a matcher.
+# How each feature kind (opdispatch.base._ops.FEATURE_KINDS) is parsed into a matcher.
 _PARSERS: dict[str, Any] = {"int": IntSpec.parse, "bool": BoolSpec.parse, "name": NameSpec.parse,
                             "dtype": DTypeSpec.parse, "glob": GlobSpec.parse}
 
@@ -73,7 +73,7 @@ class When(_Strict):
     """Conditions of a rule: all given keys must match (AND); a list value matches any of its items (OR).
 
     The device keys and `module` are declared here; every other key is a call feature of some op (each op's spec,
-    `opdispatch._ops.OpSpec.features`, names its keys and their kinds), parsed by its kind. Whether a key belongs
+    `opdispatch.base._ops.OpSpec.features`, names its keys and their kinds), parsed by its kind. Whether a key belongs
     to the op of the section it is in is checked when the file is read (`parse_policy_layer`).
     """
 
@@ -94,7 +94,7 @@ class When(_Strict):
     def _op_features(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        from opdispatch._ops import all_features, all_vocabularies
+        from opdispatch.base._ops import all_features, all_vocabularies
 
         kinds = all_features()
         vocabularies = all_vocabularies()
@@ -121,7 +121,7 @@ class When(_Strict):
     @field_validator("vendor", mode="before")
     @classmethod
     def _vendor(cls, value: Any) -> Any:
-        from opdispatch._device import known_vendors
+        from opdispatch.base._device import known_vendors
 
         try:
             return NameSpec.parse(value, known_vendors(plugins=False), "vendor")
@@ -131,7 +131,7 @@ class When(_Strict):
     @field_validator("device_type", mode="before")
     @classmethod
     def _device_type(cls, value: Any) -> Any:
-        from opdispatch._device import known_device_types
+        from opdispatch.base._device import known_device_types
 
         return NameSpec.parse(value, known_device_types(), "device_type")
 
@@ -171,7 +171,7 @@ class When(_Strict):
 
     def __getattr__(self, name: str) -> Any:
         # An op feature the rule does not test reads as None, like a declared key left out.
-        from opdispatch._ops import all_features
+        from opdispatch.base._ops import all_features
 
         if name.startswith("_") or name not in all_features():
             return super().__getattr__(name)  # type: ignore[misc]

@@ -1,4 +1,4 @@
-"""The tuned table: a policy input (``ops.<op>.autotune: <path>``) written by `opdispatch tune` (core/_tuning.py).
+"""The tuned table: a policy input (``ops.<op>.autotune: <path>``) written by `opdispatch tune` (core/tools/_tuning.py).
 
 It lives with the policy because the plan reads it (policies/_plan.py, the ``autotune`` layer); measuring lives
 next to the bench command. A table records its op (tables without one are attention's, as before the field) and
@@ -23,8 +23,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from opdispatch._fingerprint import device_fingerprint, fingerprint_hash
-from opdispatch._ops import REQUIRED, TuningSpec, known_ops, op_spec, tunable_ops
+from opdispatch.base._fingerprint import device_fingerprint, fingerprint_hash
+from opdispatch.base._ops import REQUIRED, TuningSpec, known_ops, op_spec, tunable_ops
 
 log = logging.getLogger("opdispatch")
 

@@ -338,8 +338,8 @@ def context_parallel_sinks(rank: int, world: int) -> dict[str, Any]:
 def _block_calls() -> Iterator[list[dict[str, Any]]]:
     """Records the (causal, alignment, query length, key length) of every block call context-parallel attention
     makes: forward through `opdispatch.attention`, backward through its block gradients."""
-    from opdispatch import _api
-    from opdispatch import _context_parallel as cp
+    from opdispatch.doors import _api
+    from opdispatch.distributed import _context_parallel as cp
 
     calls: list[dict[str, Any]] = []
     attention, block_grads = _api.attention, cp._block_grads
@@ -453,7 +453,7 @@ def cp_mismatch(rank: int, world: int) -> dict[str, Any]:
     """Every kind of disagreement between the ranks of one context-parallel call, then an agreed call that must
     still be right (the group is intact after each error)."""
     _fresh()
-    from opdispatch import _distributed
+    from opdispatch.engine import _agreement as _distributed
 
     results: dict[str, Any] = {name: _cp_call(rank, differs, **change)
                                for name, (differs, change) in CP_MISMATCHES.items()}

@@ -16,10 +16,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import opdispatch  # noqa: E402
-from opdispatch import _native  # noqa: E402
-from opdispatch._dtypes import dtype_from_name  # noqa: E402
-from opdispatch._errors import OpDispatchError  # noqa: E402
-from opdispatch._tolerance import ELEMENTWISE  # noqa: E402
+from opdispatch.base import _native  # noqa: E402
+from opdispatch.base._dtypes import dtype_from_name  # noqa: E402
+from opdispatch.base._errors import OpDispatchError  # noqa: E402
+from opdispatch.base._tolerance import ELEMENTWISE  # noqa: E402
 
 
 def _build_the_compiled_fast_path() -> str | None:
@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEVICES_DIR = REPO / "configs" / "devices"
 
 # Elementwise tolerances of an implementation against reference.math, by torch dtype: the library's one table
-# (`opdispatch._tolerance`, beside the relative-norm bounds `opdispatch validate` applies).
+# (`opdispatch.base._tolerance`, beside the relative-norm bounds `opdispatch validate` applies).
 TOLERANCES = {dtype_from_name(name): dict(tol) for name, tol in ELEMENTWISE.items()}
 
 

@@ -13,9 +13,9 @@ import torch
 
 import opdispatch
 from opdispatch import Impl
-from opdispatch import _native, _ops
-from opdispatch._arguments import Arg, OpArguments
-from opdispatch._cli import ops_markdown
+from opdispatch.base import _native, _ops
+from opdispatch.base._arguments import Arg, OpArguments
+from opdispatch.tools._cli import ops_markdown
 
 from .conftest import randn
 
@@ -256,7 +256,7 @@ def test_a_validator_that_disagrees_with_the_definition_is_refused_at_registrati
 
 @pytest.mark.parametrize("op", ["attention", "rms_norm", "rotary_embedding"])
 def test_every_entry_point_takes_exactly_the_defined_arguments(op):
-    from opdispatch._compile import attention_for_compile
+    from opdispatch.compile._compile import attention_for_compile
 
     spec = opdispatch.op_spec(op)
     if op == "attention":  # its trace-time decision has a hand-written entry, checked here
@@ -301,8 +301,8 @@ def oracle_rms(x, w, eps):
 
 
 def test_the_compiled_attention_schema_derives_from_the_definition(monkeypatch):
-    import opdispatch._attention as attention_module
-    from opdispatch import _compile
+    import opdispatch.ops._attention as attention_module
+    from opdispatch.compile import _compile
 
     tensors, scalars = _compile._lowered_arguments()
     assert tensors[:3] == ["Tensor q", "Tensor k", "Tensor v"] and "Tensor? attn_mask" in tensors

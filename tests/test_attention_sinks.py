@@ -223,7 +223,7 @@ def test_sinks_are_validated_with_clear_errors(basic_manager):
 
 
 def test_capability_reasons_name_sinks(basic_manager):
-    from opdispatch._attention import AttentionCaps, capability_reasons
+    from opdispatch.ops._attention import AttentionCaps, capability_reasons
 
     q = torch.randn(1, 3, 2, 8, requires_grad=True)
     sinks = torch.zeros(2)
@@ -338,7 +338,7 @@ def test_a_kernel_that_raises_fails_over_with_sinks_too(manager, monkeypatch):
 def test_sinks_calls_take_the_fast_path_with_their_values_per_call(basic_manager, grad, monkeypatch):
     """Sinks are keyed by shape, dtype and device: a decode or training loop validates its signature once, and
     each later call's sinks (a trained parameter whose values change) reach the result and get their gradient."""
-    from opdispatch import _api
+    from opdispatch.doors import _api
 
     validations = []
     validate = _api.validate_attention

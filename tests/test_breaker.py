@@ -1,6 +1,6 @@
 """The runtime breaker: a kernel that raises is demoted for the failing call's signature, then for its call class
 once it failed on two distinct signatures; the next one takes the call, and the demoted one is retried a bounded
-number of times (opdispatch._breaker). Time is the breaker's injected clock: no test reads the wall clock."""
+number of times (opdispatch.engine._breaker). Time is the breaker's injected clock: no test reads the wall clock."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 import opdispatch
 from opdispatch import AttentionCaps, AttentionImpl, NoImplementationError
-from opdispatch._breaker import CLASS, RETRY_AFTER_S, SIGNATURE, Breaker
+from opdispatch.engine._breaker import CLASS, RETRY_AFTER_S, SIGNATURE, Breaker
 from opdispatch.policies import parse_policy
 from tests.conftest import randn
 
@@ -397,7 +397,7 @@ def test_checkpoints_early_stop_is_not_a_kernel_failure():
     a stopped recomputation: compat.te's checkpoint_core_attention with cpu.flash on packed sequences)."""
     from torch.utils import checkpoint
 
-    from opdispatch._breaker import may_fail_over
+    from opdispatch.engine._breaker import may_fail_over
 
     assert may_fail_over(RuntimeError("a kernel refused"))
     assert not may_fail_over(checkpoint._StopRecomputationError())

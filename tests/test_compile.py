@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch import _compile
-from opdispatch._compile import attention_for_compile, fake_outputs
+from opdispatch.compile import _compile
+from opdispatch.compile._compile import attention_for_compile, fake_outputs
 
 from .conftest import TOLERANCES, randn
 
@@ -337,7 +337,7 @@ def test_a_backward_returning_the_wrong_shapes_is_a_clear_error(basic_manager, m
 
 def test_constant_result_marks_functions_as_torch_does():
     """opdispatch marks its trace-time constants without importing Dynamo; the marker must be torch's own."""
-    from opdispatch._compile_ops import constant_result
+    from opdispatch.compile._compile_ops import constant_result
 
     def by_torch():
         return 0

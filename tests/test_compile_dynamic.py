@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 import opdispatch
 from opdispatch import AttentionCaps
-from opdispatch import _compile
+from opdispatch.compile import _compile
 
 from tests._test_impls import EvenKeysOnly, ShortOnly, prefer_test_impls
 from .conftest import TOLERANCES, randn
@@ -377,7 +377,7 @@ def test_invalid_window_is_reported_while_tracing():
 
 @pytest.mark.slow
 def test_scope_inside_a_compiled_fn_works_in_a_fresh_process(tmp_path):
-    """The first thing Dynamo traces is scope(), before opdispatch._compile was ever imported."""
+    """The first thing Dynamo traces is scope(), before opdispatch.compile._compile was ever imported."""
     import os
     import subprocess
     import sys
@@ -388,7 +388,7 @@ def test_scope_inside_a_compiled_fn_works_in_a_fresh_process(tmp_path):
                       "        prefer: [reference.math]\n")
     script = f"""
 import sys, torch, opdispatch
-assert "opdispatch._compile" not in sys.modules
+assert "opdispatch.compile._compile" not in sys.modules
 opdispatch.get_manager().set_policy({str(policy)!r})
 def layer(q):
     with opdispatch.scope("model.attn.0"):
@@ -397,7 +397,7 @@ def layer(q):
 q = torch.randn(3, 8, 2, 16)
 a, b = torch.compile(layer, backend="eager", fullgraph=True)(q)
 torch.testing.assert_close(a, b)
-from opdispatch import _compile
+from opdispatch.compile import _compile
 print(sorted(set(_compile._LAST_CHOICE.values())))
 """
     env = dict(os.environ, OPDISPATCH_PLUGINS="cpu,reference")

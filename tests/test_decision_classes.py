@@ -11,7 +11,7 @@ import torch
 
 import opdispatch
 from opdispatch import AttentionCaps
-from opdispatch import _state as state_module
+from opdispatch.engine import _state as state_module
 from opdispatch.policies import parse_policy
 
 from tests._vendor_helpers import real_device
@@ -259,7 +259,7 @@ def test_deterministic_requests_exclude_nondeterministic_forwards(basic_manager,
 def test_policy_parse_keeps_thresholds_readable():
     policy = parse_policy("version: 1\nops:\n  attention:\n    rules:\n      - name: r\n"
                           "        when: {batch: '>=8', heads_kv: [1, 2]}\n        prefer: [cpu.flash]\n")
-    from opdispatch._classes import DecisionClasses
+    from opdispatch.engine._classes import DecisionClasses
 
     classes = DecisionClasses("attention", policy, [])
     # The user's layer first, then the shipped default's rules (its decode rule reads seqlen_q).
@@ -272,7 +272,7 @@ def test_policy_parse_keeps_thresholds_readable():
 def test_compiled_size_tests_agree_with_the_policy_matcher(text):
     import yaml
 
-    from opdispatch._classes import _predicate
+    from opdispatch.engine._classes import _predicate
     from opdispatch.policies._match import IntSpec
 
     spec = IntSpec.parse(yaml.safe_load(text))
@@ -281,7 +281,7 @@ def test_compiled_size_tests_agree_with_the_policy_matcher(text):
 
 
 def test_every_builtin_with_extra_checks_declares_what_they_read(manager):
-    from opdispatch._attention import AttentionImpl as Base
+    from opdispatch.ops._attention import AttentionImpl as Base
 
     manager.ensure_initialized()
     exact = [r.impl.id for r in manager.registry.for_op("attention")
@@ -315,8 +315,8 @@ def test_no_cliff_when_a_cycling_working_set_exceeds_the_bound(basic_manager, rn
         opdispatch.attention(q, k, v)
     state = basic_manager.state
     validated = []
-    monkeypatch.setattr(opdispatch._api, "validate_attention",
-                        lambda *a, _real=opdispatch._api.validate_attention, **kw: validated.append(1) or _real(*a, **kw))
+    monkeypatch.setattr(opdispatch.doors._api, "validate_attention",
+                        lambda *a, _real=opdispatch.doors._api.validate_attention, **kw: validated.append(1) or _real(*a, **kw))
     for _ in range(3):
         for k, v in caches:
             opdispatch.attention(q, k, v)
@@ -329,7 +329,7 @@ def test_reads_more_compares_with_the_ops_own_implementation_base():
     """Whether an implementation's checks read more than the class key is judged against its op's base (the class
     deriving from Impl directly), found without importing the op: attention's defaults read nothing more, an
     override does, and a subclass of a vendor adapter inherits the adapter's answer."""
-    from opdispatch._classes import _reads_more
+    from opdispatch.engine._classes import _reads_more
     from opdispatch.vendors.cpu import CpuFlashAttention
     from opdispatch.vendors.nvidia import TorchFlashAttention
 

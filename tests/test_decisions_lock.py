@@ -11,9 +11,10 @@ import torch
 import yaml
 
 import opdispatch
-from opdispatch._cli import main
-from opdispatch._decisions_lock import LOCKFILE, diff_decisions, load_lock
-from opdispatch._errors import OpDispatchError
+from opdispatch.tools._cli import main
+from opdispatch.engine._current import diff_decisions
+from opdispatch.engine._decisions_lock import LOCKFILE, load_lock
+from opdispatch.base._errors import OpDispatchError
 
 
 def calls(gen):

@@ -368,7 +368,7 @@ def test_tune_under_torchrun_agrees_one_table(tmp_path: Path) -> None:
 def test_ranks_compare_a_calls_class_whatever_gpu_each_holds() -> None:
     """Rank 0 computes on cuda:0, rank 1 on cuda:1: the same call's class must compare equal across them (the
     first NCCL run on two H100s raised 'decided different calls' for that alone)."""
-    from opdispatch._distributed import _rank_independent
+    from opdispatch.engine._agreement import _rank_independent
 
     key = ("bshd", torch.bfloat16, torch.device("cuda", 1), 128, (torch.device("cuda", 1), True))
     assert _rank_independent(key) == ("bshd", torch.bfloat16, "cuda", 128, ("cuda", True))
@@ -381,9 +381,9 @@ def test_ranks_compare_a_calls_class_whatever_gpu_each_holds() -> None:
 def test_context_parallel_refuses_a_cuda_graph_capture_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     """The agreement reads its collective's result on the host, which a capture cannot hold: a clear refusal
     before anything runs, not a CUDA error from inside the capture."""
-    from opdispatch import _context_parallel as cp
+    from opdispatch.distributed import _context_parallel as cp
     from opdispatch import distributed as od
-    from opdispatch._distributed import agree_call
+    from opdispatch.engine._agreement import agree_call
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     q = torch.zeros(1, 4, 2, 8)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.export import Dim
 
 import opdispatch
-from opdispatch import _compile
+from opdispatch.compile import _compile
 from opdispatch.compat import routed_sdpa, torch_sdpa
 
 from tests._test_impls import ShortOnly, prefer_test_impls
@@ -236,7 +236,7 @@ def test_saved_program_runs_in_a_fresh_process(basic_manager, tmp_path):
     torch.export.save(ep, path)
     script = textwrap.dedent(f"""
         import math, torch, opdispatch
-        import opdispatch._compile  # registers opdispatch::attention (a plain `import opdispatch` does not yet)
+        import opdispatch.compile._compile  # registers opdispatch::attention (a plain `import opdispatch` does not yet)
         program = torch.export.load({str(path)!r}).module()
         gen = torch.Generator().manual_seed(6)
         q, k, v = (torch.randn(3, {HEADS}, 11, {DIM}, generator=gen) for _ in range(3))

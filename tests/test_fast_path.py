@@ -160,7 +160,7 @@ def test_a_plugin_bind_override_still_gets_the_arguments_it_was_written_for(basi
     """Plugin API 2: an overridden bind takes (q, k, v) and, for a KV cache, (q, k, v, seqused_k, block_table).
     A masked call is served by the default bind (the mask passed per call); a KV-cache call's function gets its
     five tensors, never the mask's slot."""
-    from opdispatch._attention import AttentionImpl
+    from opdispatch.ops._attention import AttentionImpl
 
     got: list[int] = []
     reference = [i for i in basic_manager.implementations("attention") if i.id == "reference.math"][0]

@@ -186,7 +186,7 @@ def test_descales_and_out_dtype_are_refused_for_non_fp8_inputs():
 
 def test_caps_reasons_for_fp8_output_and_granularity():
     from opdispatch import AttentionCaps
-    from opdispatch._attention import capability_reasons, validate_attention
+    from opdispatch.ops._attention import capability_reasons, validate_attention
 
     gen = torch.Generator().manual_seed(2)
     q, k, v = (_quantized((2, 3, 2, 8), gen) for _ in range(3))
@@ -206,7 +206,7 @@ def test_caps_reasons_for_fp8_output_and_granularity():
 
 
 def test_policy_when_dtype_fp8_e4m3_matches_fp8_calls_only():
-    from opdispatch._dtypes import dtype_from_name
+    from opdispatch.base._dtypes import dtype_from_name
     from opdispatch.policies import parse_policy
 
     assert dtype_from_name("fp8_e4m3") is F8 and dtype_from_name("fp8_e4m3fn") is F8
@@ -229,7 +229,7 @@ def test_policy_when_dtype_fp8_e4m3_matches_fp8_calls_only():
 
 
 def test_cli_explain_takes_fp8_e4m3(capsys):
-    from opdispatch._cli import main
+    from opdispatch.tools._cli import main
 
     assert main(["explain", "--dtype", "fp8_e4m3", "--shape", "1,16,2,8", "--causal"]) == 0
     text = capsys.readouterr().out
@@ -239,7 +239,7 @@ def test_cli_explain_takes_fp8_e4m3(capsys):
 
 @pytest.mark.parametrize("per_head,out_dtype", list(itertools.product((False, True), (None, torch.float16))))
 def test_fp8_calls_are_refused_under_compile_with_the_fix(per_head, out_dtype):
-    from opdispatch._compile import attention_for_compile
+    from opdispatch.compile._compile import attention_for_compile
 
     gen = torch.Generator().manual_seed(5)
     q, k, v = (_quantized((1, 3, 2, 8), gen) for _ in range(3))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch import _graphs
-from opdispatch._graphs import CaptureError, ensure_capture_safe, is_capturing, raise_if_capturing
+from opdispatch.engine import _graphs
+from opdispatch.engine._graphs import CaptureError, ensure_capture_safe, is_capturing, raise_if_capturing
 
 
 def _call(seq: int = 4) -> opdispatch.AttentionCall:
@@ -71,7 +71,7 @@ def test_uses_the_managers_cache_peek_when_it_has_one(monkeypatch):
 
 
 def test_a_new_signature_inside_capture_raises_even_when_its_class_is_decided(basic_manager, monkeypatch):
-    from opdispatch import _graphs as graphs
+    from opdispatch.engine import _graphs as graphs
 
     q = torch.randn(1, 6, 2, 8)
     opdispatch.attention(q, q, q)  # warm-up: this exact signature is bound, its class decided

@@ -275,7 +275,7 @@ def test_a_decode_loop_takes_the_fast_path_with_each_steps_lengths(paged, basic_
     """On an accelerator a KV-cache call's lengths and pages join the fast-path key by shape (their values are not
     read); the bound function gets each step's tensors. The CPU checks values per call instead, so this test lets
     CPU index tensors into the key the way an accelerator's are."""
-    from opdispatch import _api
+    from opdispatch.doors import _api
 
     monkeypatch.setattr(_api, "_index_key", lambda t: (t.shape, t.dtype, t.device))
     gen = torch.Generator().manual_seed(5 + paged)

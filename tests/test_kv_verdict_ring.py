@@ -12,7 +12,7 @@ import torch
 
 from opdispatch.compat import flash_attn as fa
 from opdispatch.compat.flash_attn import KvCacheIndexError, check_pending_errors
-from opdispatch import _kv_checks
+from opdispatch.base import _kv_checks
 from tests.test_compat_flash_attn import oracle
 
 I32 = torch.int32

@@ -10,7 +10,7 @@ import pytest
 
 import opdispatch
 
-from opdispatch._cli import main
+from opdispatch.tools._cli import main
 from opdispatch.policies._lint import lint_policy_file
 from tests.conftest import REPO, device_descriptor
 
@@ -217,7 +217,7 @@ def test_list_shows_each_op_in_the_order_its_policy_ranks_it(tmp_path, capsys, m
 
 @pytest.mark.parametrize("command", [("explain",), ("list",), ("doctor",), ("demo",), ("policy", "lint")])
 def test_help_explains_every_flag_with_its_values_and_default(command):
-    parser = __import__("opdispatch._cli", fromlist=["build_parser"]).build_parser()
+    parser = __import__("opdispatch.tools._cli", fromlist=["build_parser"]).build_parser()
     for name in command:
         parser = parser._subparsers._group_actions[0].choices[name]
     for action in parser._actions:
@@ -391,7 +391,7 @@ def test_cli_flags_are_validated(capsys, basic_manager):
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["tune", "--help"], ["explain"]])
 def test_help_version_and_argument_errors_do_not_import_torch(argv):
-    code = ("import sys\nfrom opdispatch._cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+    code = ("import sys\nfrom opdispatch.tools._cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
             "heavy = sorted(m for m in ('torch', 'pydantic', 'yaml') if m in sys.modules)\n"
             "print('imported:', heavy)\n" % (argv,))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -430,7 +430,7 @@ def test_tables_fit_the_terminal_unless_wide(argv, capsys, monkeypatch):
 
 
 def test_format_table_wraps_only_the_last_column():
-    from opdispatch._table import format_table
+    from opdispatch.base._table import format_table
 
     rows = [("id", "reason"), ("a.b", "word " * 40), ("c.dd", "short")]
     lines = format_table(rows, width=50)

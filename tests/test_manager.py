@@ -11,7 +11,7 @@ import torch
 
 import opdispatch
 from opdispatch import AttentionCaps, AttentionImpl, Origin, Registry, RegistrationError
-from opdispatch._decision import CHOSEN, DENIED, ELIGIBLE, REJECTED, UNAVAILABLE
+from opdispatch.base._decision import CHOSEN, DENIED, ELIGIBLE, REJECTED, UNAVAILABLE
 
 F32 = frozenset({torch.float32})
 DENSE = frozenset({"bshd", "bhsd", "sbhd"})

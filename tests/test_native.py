@@ -1,4 +1,4 @@
-"""The compiled per-call fast path (opdispatch._native) against the Python front doors it stands in for.
+"""The compiled per-call fast path (opdispatch.base._native) against the Python front doors it stands in for.
 
 Every front door — opdispatch.attention, rms_norm, rotary_embedding, the compat SDPA and flash_attn_func — is
 called through its Python path (`_native.python_of`) and through a compiled twin made from the same spec
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch import _native
-from opdispatch._errors import OpDispatchError
+from opdispatch.base import _native
+from opdispatch.base._errors import OpDispatchError
 from opdispatch.compat import flash_attn
 from opdispatch.compat import scaled_dot_product_attention as compat_sdpa
 from opdispatch.policies import parse_policy
@@ -422,7 +422,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_the_fast_path_mode_switch_and_doctor(loaded, tmp_path):
-    which = ("import opdispatch, sys; from opdispatch import _native, _cli; print(type(opdispatch.attention).__name__,"
+    which = ("import opdispatch, sys; from opdispatch.base import _native; from opdispatch.tools import _cli; print(type(opdispatch.attention).__name__,"
              " _native.status().describe()); sys.argv = ['opdispatch', 'doctor']; _cli.main()")
     cache = str(Path(_native.status().path or "").parents[2])  # where this process found it (…/native/<tag>/<so>)
     compiled = _run(which, OPDISPATCH_PLUGINS="cpu,reference", OPDISPATCH_CACHE_DIR=cache)
@@ -443,7 +443,7 @@ def test_the_fast_path_mode_switch_and_doctor(loaded, tmp_path):
 
 @pytest.mark.slow
 def test_build_without_a_compiler_says_what_is_missing_and_python_still_runs(tmp_path):
-    code = ("import sys; from opdispatch import _cli; sys.argv = ['opdispatch', 'build']; sys.exit(_cli.main())")
+    code = ("import sys; from opdispatch.tools import _cli; sys.argv = ['opdispatch', 'build']; sys.exit(_cli.main())")
     result = _run(code, OPDISPATCH_CACHE_DIR=str(tmp_path), CXX="/nonexistent/c++")
     assert result.returncode == 1
     assert "building opdispatch's compiled fast path failed" in result.stderr
@@ -498,3 +498,31 @@ def test_the_build_message_names_the_standard_torch_compiles_with():
 
     standard = _native.cxx_standard()
     assert standard.startswith("C++") and f"-std=c++{standard[3:]}" in inspect.getsource(cpp_extension)
+
+
+def test_every_compiled_door_states_the_parameters_of_the_python_door_it_wraps(loaded):
+    """inspect.signature of a compiled door (a builtin: its text signature) gives the real parameters — names,
+    kinds, defaults — of the Python front door behind it (`python_of`), whose own signature carries the
+    annotations; the ops' doors match their argument definitions."""
+    import inspect
+
+    from opdispatch.compat import flash_attn, scaled_dot_product_attention
+    from opdispatch.ops._attention import ATTENTION_ARGS
+    from opdispatch.ops._rms_norm import RMS_NORM_ARGS
+    from opdispatch.ops._rotary import ROTARY_ARGS
+
+    def bare(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    doors = {opdispatch.attention: ATTENTION_ARGS, opdispatch.rms_norm: RMS_NORM_ARGS,
+             opdispatch.rotary_embedding: ROTARY_ARGS, scaled_dot_product_attention: None,
+             flash_attn.flash_attn_func: None}
+    for door, arguments in doors.items():
+        python = _native.python_of(door)
+        assert python is not door and inspect.isbuiltin(door) and inspect.isfunction(python), door
+        assert bare(door) == bare(python), door.__name__
+        annotated = inspect.signature(python)
+        assert all(p.annotation is not inspect.Parameter.empty for p in annotated.parameters.values()), door.__name__
+        if arguments is not None:
+            assert [p.name for p in annotated.parameters.values()] == list(arguments.names)
+            assert annotated == arguments.signature(return_annotation=annotated.return_annotation)

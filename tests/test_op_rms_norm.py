@@ -230,10 +230,10 @@ def test_repeated_calls_take_the_fast_path_and_a_policy_swap_resets_it(basic_man
 
 
 def test_every_rms_norm_capability_refuses_with_its_reason_in_order():
-    """`RmsNormCaps` through the op's rule table (`opdispatch._impl.unmet_capabilities`): a call that uses every
+    """`RmsNormCaps` through the op's rule table (`opdispatch.base._impl.unmet_capabilities`): a call that uses every
     feature against caps that declare none gets each reason once, in the table's order; declared, none."""
-    from opdispatch._rms_norm import RMS_NORM_CAPABILITY_RULES, RmsNormCall, RmsNormCaps
-    from opdispatch._impl import unmet_capabilities
+    from opdispatch.ops._rms_norm import RMS_NORM_CAPABILITY_RULES, RmsNormCall, RmsNormCaps
+    from opdispatch.base._impl import unmet_capabilities
 
     x = torch.randn(3, 40, dtype=torch.bfloat16, requires_grad=True)
     residual = torch.randn(3, 40, dtype=torch.bfloat16)

@@ -318,10 +318,10 @@ def test_repeated_calls_take_the_fast_path_but_cpu_positions_are_checked_every_c
 
 
 def test_every_rotary_capability_refuses_with_its_reason_in_order():
-    """`RotaryCaps` through the op's rule table (`opdispatch._impl.unmet_capabilities`): a call that uses every
+    """`RotaryCaps` through the op's rule table (`opdispatch.base._impl.unmet_capabilities`): a call that uses every
     feature against caps that declare none gets each reason once, in the table's order; declared, none."""
-    from opdispatch._impl import unmet_capabilities
-    from opdispatch._rotary import ROTARY_CAPABILITY_RULES, RotaryCall, RotaryCaps
+    from opdispatch.base._impl import unmet_capabilities
+    from opdispatch.ops._rotary import ROTARY_CAPABILITY_RULES, RotaryCall, RotaryCaps
 
     q = torch.randn(10, 4, 64, dtype=torch.float16, requires_grad=True)  # thd: 10 tokens, 4 heads
     k = torch.randn(10, 2, 64, dtype=torch.float16)

@@ -1,5 +1,5 @@
 """The output guard: a kernel's result must be the op's result for the call — structure always (on the slow path
-and each signature's first call), values and inputs under OPDISPATCH_CHECK_OUTPUTS (opdispatch._output_guard)."""
+and each signature's first call), values and inputs under OPDISPATCH_CHECK_OUTPUTS (opdispatch.engine._output_guard)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import opdispatch
 from opdispatch import AttentionCaps, AttentionImpl
-from opdispatch._output_guard import ImplementationOutputError, same_bits, structure_problems, value_problems
+from opdispatch.engine._output_guard import ImplementationOutputError, same_bits, structure_problems, value_problems
 from opdispatch.policies import parse_policy
 from tests.conftest import randn
 

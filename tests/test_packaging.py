@@ -63,11 +63,13 @@ def test_a_real_wheel_ships_everything(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for package in PACKAGES:
         assert "/".join(package.split(".")) + "/__init__.py" in names, package
-    assert "opdispatch/py.typed" in names and "opdispatch/_native.cpp" in names  # opdispatch build compiles it
+    assert "opdispatch/py.typed" in names and "opdispatch/base/_native.cpp" in names  # opdispatch build compiles it
+    for source in (REPO / "core").rglob("*.py"):  # every module of every layer, moved ones included
+        assert "opdispatch/" + source.relative_to(REPO / "core").as_posix() in names, source
     assert "opdispatch/configs/default.yaml" in names
     assert {f"opdispatch/configs/devices/{d}.yaml" for d in ("h100", "mi300x", "bi-v150", "p800", "cpu")} <= names
     assert "opdispatch/plugins/hookspec.py" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[opdispatch.plugins]" in text and "reference = opdispatch.vendors.reference" in text
-    assert "opdispatch = opdispatch._cli:main" in text
+    assert "opdispatch = opdispatch.tools._cli:main" in text

@@ -217,7 +217,7 @@ def test_real_installed_plugin_is_discovered_and_selected_by_yaml_policy(install
 def test_real_installed_plugin_can_be_disabled_and_doctor_shows_it(installed_plugin):
     result = _run_with(installed_plugin, """
         import sys
-        from opdispatch._cli import main
+        from opdispatch.tools._cli import main
         sys.exit(main(["doctor"]))
     """, {"OPDISPATCH_DISABLE_PLUGINS": "fakevendor"})
     assert result.returncode == 0, result.stderr
@@ -231,7 +231,7 @@ def test_an_installed_plugin_written_for_api_1_is_refused_with_what_changed(tmp_
     site = _install_plugin_pkg(tmp_path_factory, plugin_api=1)
     result = _run_with(site, """
         import torch, opdispatch
-        from opdispatch._cli import main
+        from opdispatch.tools._cli import main
         code = main(["doctor"])
         q = torch.randn(1, 4, 2, 16)
         torch.testing.assert_close(opdispatch.attention(q, q, q), opdispatch.attention(q, q, q, impl="reference.math"))

@@ -1,4 +1,4 @@
-"""Shadow checks (OPDISPATCH_SHADOW, opdispatch._shadow): sampled calls recomputed on the reference off the caller's
+"""Shadow checks (OPDISPATCH_SHADOW, opdispatch.engine._shadow): sampled calls recomputed on the reference off the caller's
 path. A plugin that drifts on causal calls only is caught — one WARNING, counted, quarantined for that class alone —
 while a correct one never is; sampling is an exact count; bad settings are refused; with shadow off nothing wraps
 the fast path. Every wait is `shadow_flush`: no test reads the clock."""
@@ -14,7 +14,7 @@ import yaml
 
 import opdispatch
 from opdispatch import AttentionCaps, AttentionImpl
-from opdispatch._shadow import QUEUE_SIZE, Sampler, Shadow
+from opdispatch.engine._shadow import QUEUE_SIZE, Sampler, Shadow
 from opdispatch.policies import parse_policy
 from opdispatch.policies._policy import read_quarantine_file
 from tests.conftest import randn

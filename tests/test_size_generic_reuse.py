@@ -1,4 +1,4 @@
-"""Size-generic reuse (opdispatch._api `_sized_reuse`): a call differing from a remembered one only in sizes takes
+"""Size-generic reuse (opdispatch.doors._api `_sized_reuse`): a call differing from a remembered one only in sizes takes
 its template. Its results and errors must be the full path's, bit for bit, and the float64 oracle's within
 tolerance; what changes the decision (a policy threshold, a demotion, a pin) must still change it."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch import _api
+from opdispatch.doors import _api
 from opdispatch.policies import parse_policy
 from tests.test_numerics import naive_attention
 
@@ -300,7 +300,7 @@ def test_masked_calls_the_bound_path_does_not_take_go_through_run(basic_manager,
 def test_the_size_generic_key_reduces_exactly_the_shapes():
     """`size_generic_key` reads shape positions from the argument definition: every item but the shapes is kept,
     the shapes reduced to rank and head dim (a mask's to its rank and broadcast pattern)."""
-    python_door = __import__("opdispatch._native", fromlist=["python_of"]).python_of(opdispatch.attention)
+    python_door = __import__("opdispatch.base._native", fromlist=["python_of"]).python_of(opdispatch.attention)
     source = python_door.__opdispatch_source__
     expression = "(" + source.split("key = (", 1)[1].split("\n", 1)[0]
     q, k = torch.randn(2, 1, 8, 64), torch.randn(2, 10, 2, 64)
@@ -361,7 +361,7 @@ def test_a_gqa_decode_step_packs_its_query_heads_alike_on_every_path(basic_manag
 def test_the_compiled_backward_of_a_packed_decode_step_is_autograds(layout):
     """cpu.flash's `backward` (the compiled path's, from the saved out and LSE) of a GQA decode step: autograd's
     gradients through run()'s packed forward, bit for bit."""
-    from opdispatch._attention import validate_attention
+    from opdispatch.ops._attention import validate_attention
     from opdispatch.vendors.cpu._attention import CpuFlashAttention
 
     gen = torch.Generator().manual_seed(11)
@@ -474,7 +474,7 @@ def test_revalidating_a_dense_calls_sizes_gives_full_validations_call(case, grad
     """`revalidate_sizes` (its dense branch: no KV cache, no mask) against `validate_attention` of the same
     arguments: every field of the call, canonicalization and its rewrites included, and the same refusal where the
     sizes do not validate."""
-    from opdispatch._attention import revalidate_sizes, validate_attention
+    from opdispatch.ops._attention import revalidate_sizes, validate_attention
 
     layout, first, new, options = DENSE_REVALIDATIONS[case]
     gen = torch.Generator().manual_seed(case)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch import AttentionCaps, AttentionImpl, DeviceInfo, _native
+from opdispatch import AttentionCaps, AttentionImpl, DeviceInfo
+from opdispatch.base import _native
 from opdispatch.policies import parse_policy
 from tests.conftest import NATIVE_BUILD_ERROR, REPO
 

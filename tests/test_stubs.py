@@ -45,14 +45,14 @@ BAD = {
 
 
 def test_the_checked_in_stub_is_generated_from_the_definitions():
-    from opdispatch._stubs import init_stub
+    from opdispatch.tools._stubs import init_stub
 
     assert STUB.read_text() == init_stub(), \
         "core/__init__.pyi is stale: regenerate it with `opdispatch stubs > core/__init__.pyi`"
 
 
 def test_every_door_made_from_an_op_definition_is_typed_in_the_stub():
-    from opdispatch._stubs import stub_functions
+    from opdispatch.tools._stubs import stub_functions
 
     typed = set(stub_functions())
     assert {"attention", "attention_packed", "rms_norm", "rotary_embedding", "explain", "explain_rms_norm",

@@ -10,11 +10,11 @@ import torch
 import yaml
 
 import opdispatch
-from opdispatch._cli import main
-from opdispatch._attention_tuning import AttentionCase, attention_bucket
-from opdispatch._fingerprint import device_fingerprint
-from opdispatch._timing import time_fn
-from opdispatch._tuning import load_cases, measure, preset, preset_names, tune
+from opdispatch.tools._cli import main
+from opdispatch.ops._attention_tuning import AttentionCase, attention_bucket
+from opdispatch.base._fingerprint import device_fingerprint
+from opdispatch.tools._timing import time_fn
+from opdispatch.tools._tuning import load_cases, measure, preset, preset_names, tune
 from opdispatch.policies._tuned_table import TunedEntry, TunedTable, tuned_table_for
 
 PRESETS = preset_names("attention")
@@ -327,7 +327,7 @@ def test_an_autotune_table_is_read_inside_one_plan(basic_manager, tmp_path, monk
 
 
 def test_spread_and_noise():
-    from opdispatch._timing import Spread
+    from opdispatch.tools._timing import Spread
 
     steady = Spread.of([1.00, 1.01, 0.99, 1.00, 1.02, 1.00])
     assert (steady.min, steady.max) == (0.99, 1.02) and steady.median == 1.0 and not steady.noisy
@@ -336,8 +336,8 @@ def test_spread_and_noise():
 
 
 def test_measure_records_every_timing_spread_and_the_summary_reports_noise_and_skips(basic_manager):
-    from opdispatch._bench import timing_summary
-    from opdispatch._timing import Spread
+    from opdispatch.tools._bench import timing_summary
+    from opdispatch.tools._timing import Spread
 
     results = measure(TINY[:1], manager=basic_manager, device="cpu", warmup=1, reps=4, progress=False)
     (m,) = results

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch._cli import main
-from opdispatch._fingerprint import device_fingerprint
-from opdispatch._ops import op_spec, tunable_ops
-from opdispatch._rms_norm import RmsNormCase
-from opdispatch._rotary import RotaryCase
-from opdispatch._tuning import load_cases, measure, preset, preset_names, tune, tuning_of
+from opdispatch.tools._cli import main
+from opdispatch.base._fingerprint import device_fingerprint
+from opdispatch.base._ops import op_spec, tunable_ops
+from opdispatch.ops._rms_norm import RmsNormCase
+from opdispatch.ops._rotary import RotaryCase
+from opdispatch.tools._tuning import load_cases, measure, preset, preset_names, tune, tuning_of
 from opdispatch.policies._tuned_table import TunedEntry, TunedTable, tuned_table_for
 
 FAST = dict(warmup=1, reps=2, progress=False)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch._validate import CaseResult, attention_cases, covering_rows, quarantine_rules, quarantine_yaml
+from opdispatch.tools._validate import CaseResult, attention_cases, covering_rows, quarantine_rules, quarantine_yaml
 from tests.conftest import REPO
 
 FAKES = REPO / "tests" / "validate_fakes"
@@ -39,7 +39,7 @@ def test_validate_isolates_crashes_and_hangs_and_quarantines_exactly_the_failing
     impls = "vfake.right,vfake.shape,vfake.nan,vfake.corrupt,vfake.abort,vfake.hang,vfake.bottom,vfake.norm"
     quarantine.write_text("version: 1\nops:\n  attention:\n    rules:\n      - name: keep-me-other-host\n"
                           "        when: {device_name: 'another host'}\n        deny: [cpu.flash]\n")
-    result = subprocess.run([sys.executable, "-m", "opdispatch._cli", "validate", "--impl", impls, "--on", "cpu",
+    result = subprocess.run([sys.executable, "-m", "opdispatch.tools._cli", "validate", "--impl", impls, "--on", "cpu",
                              "--quick", "--timeout", "6", "--jobs", "2", "--quarantine", str(quarantine), "--json", str(report)],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stdout + result.stderr  # failures found, the run itself finished
@@ -132,7 +132,7 @@ def test_covering_rows_cover_every_allowed_pair_and_depend_on_the_seed_alone():
 def test_the_matrix_combines_declared_features_and_adds_the_edge_rows(fakes):
     import itertools
 
-    from opdispatch._validate import BASELINE, FACTORS
+    from opdispatch.tools._validate import BASELINE, FACTORS
 
     info = fakes.device_info("cpu")
     reference = fakes.implementation("attention", "reference.math")
@@ -159,7 +159,7 @@ def test_the_matrix_combines_declared_features_and_adds_the_edge_rows(fakes):
 def test_validate_quarantines_exactly_the_three_combination_bugs_of_a_plugin(fakes, tmp_path, monkeypatch):
     """The done-when: thd bottom-right, GQA backward, NaN on a row that sees no key — each caught and denied for
     exactly its calls; other calls still reach the plugin."""
-    from opdispatch._validate import env_conditions, in_process, merge_quarantine, quarantine_text, validate_one
+    from opdispatch.tools._validate import env_conditions, in_process, merge_quarantine, quarantine_text, validate_one
     from opdispatch.policies import parse_policy
 
     info = fakes.device_info("cpu")
@@ -206,7 +206,7 @@ def test_validate_quarantines_exactly_the_three_combination_bugs_of_a_plugin(fak
 
 def test_a_quarantine_applies_on_its_device_and_versions_only(basic_manager, tmp_path):
     from opdispatch import load_device_descriptor
-    from opdispatch._validate import BASELINE, make_case
+    from opdispatch.tools._validate import BASELINE, make_case
     from opdispatch.policies import parse_policy
 
     cpu = basic_manager.device_info("cpu")
@@ -230,7 +230,7 @@ def test_a_quarantine_applies_on_its_device_and_versions_only(basic_manager, tmp
 
 
 def test_quarantine_files_are_merged_never_replaced(basic_manager):
-    from opdispatch._validate import merge_quarantine
+    from opdispatch.tools._validate import merge_quarantine
 
     def rule(name, impl, host):
         return {"name": name, "when": {"vendor": "cpu", "arch": "x86_64", "device_name": host}, "deny": [impl]}
@@ -274,7 +274,7 @@ def test_a_bad_quarantine_file_is_a_warning_and_is_skipped(tmp_path, caplog):
 def test_validating_nothing_exits_non_zero_and_writes_nothing(fakes, tmp_path):
     import io
 
-    from opdispatch._validate import run_validation
+    from opdispatch.tools._validate import run_validation
 
     target = tmp_path / "q.yaml"
     target.write_text("version: 1\n")
@@ -308,7 +308,7 @@ def test_a_budget_writes_the_reports_and_keeps_an_unfinished_implementations_rul
     earlier = ("version: 1\nops:\n  attention:\n    rules:\n      - name: earlier-hang-rule\n"
                "        when: {vendor: cpu}\n        deny: [vfake.hang]\n        reason: an earlier run\n")
     quarantine.write_text(earlier)
-    result = subprocess.run([sys.executable, "-m", "opdispatch._cli", "validate", "--impl", "vfake.hang", "--on", "cpu",
+    result = subprocess.run([sys.executable, "-m", "opdispatch.tools._cli", "validate", "--impl", "vfake.hang", "--on", "cpu",
                              "--quick", "--timeout", "300", "--budget", "20", "--quarantine", str(quarantine),
                              "--json", str(report), "--report", str(md)],
                             env=env, capture_output=True, text=True, timeout=280)
@@ -329,7 +329,7 @@ def test_a_split_run_gives_every_case_the_result_of_a_single_worker_run(tmp_path
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPDISPATCH_")}
     env.update(PYTHONPATH=f"{site}{os.pathsep}{REPO}", OPDISPATCH_PLUGINS="cpu,reference,vfake")
     report = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, "-m", "opdispatch._cli", "validate", "--impl", "vfake.abort,vfake.bottom",
+    result = subprocess.run([sys.executable, "-m", "opdispatch.tools._cli", "validate", "--impl", "vfake.abort,vfake.bottom",
                              "--on", "cpu", "--quick", "--timeout", "120", "--split", "3", "--no-quarantine",
                              "--json", str(report)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stdout + result.stderr

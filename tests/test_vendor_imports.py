@@ -46,6 +46,6 @@ def test_the_rule_catches_a_private_and_a_cross_vendor_import(tmp_path):
     pkg = tmp_path / "vendors" / "acme"
     pkg.mkdir(parents=True)
     bad = pkg / "_attention.py"
-    bad.write_text("from opdispatch._attention import shift_rows\nimport opdispatch.vendors.nvidia._attention\n"
+    bad.write_text("from opdispatch.ops._attention import shift_rows\nimport opdispatch.vendors.nvidia._attention\n"
                    "from ..nvidia import x\nfrom opdispatch.plugins.toolkit import shift_rows\nfrom ._rms import y\n")
     assert [line for line, _ in _violations(bad)] == [1, 2, 3]

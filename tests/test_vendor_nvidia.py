@@ -14,7 +14,7 @@ from opdispatch import validate_attention
 from opdispatch.vendors.nvidia import FlashAttn2, FlashAttn3, probe_nvidia
 from opdispatch.plugins.toolkit import blind_rows
 from opdispatch.vendors.nvidia._probe import is_nvidia_torch
-from opdispatch._attention import allowed_positions
+from opdispatch.ops._attention import allowed_positions
 
 from tests.conftest import device_descriptor, randn
 from tests.fakes import _fa_math as fa_math
@@ -360,7 +360,7 @@ def _fake_efficient_with_bias(q, k, v, bias, need_lse, dropout_p, is_causal, sca
 
 def test_mem_efficient_alibi_keeps_bf16_precision(monkeypatch, rng):
     from opdispatch.vendors.nvidia import _attention as nv
-    from opdispatch._attention import additive_bias
+    from opdispatch.ops._attention import additive_bias
     from tests.test_numerics import naive_attention
 
     monkeypatch.setattr(nv, "_efficient_sdpa", _fake_efficient_with_bias)
@@ -655,7 +655,7 @@ def test_flash_window_binds_size_generic_and_equals_run(monkeypatch, rng, layout
     serves new lengths both ways (queries that see no key included) and new batch sizes, bit for bit with run()
     and within float32 rounding of the float64 oracle; strided q/k/v too."""
     import opdispatch.vendors.nvidia._attention as nv
-    from opdispatch._attention import layout_views
+    from opdispatch.ops._attention import layout_views
     from tests.test_numerics import naive_attention
 
     seen = []

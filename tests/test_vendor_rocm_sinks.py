@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch._attention import takes_sinks_natively
+from opdispatch.ops._attention import takes_sinks_natively
 from opdispatch.vendors.rocm import RocmAiter
 
 from tests.conftest import device_descriptor

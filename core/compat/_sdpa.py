@@ -36,11 +36,12 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.attention import SDPBackend
 
-from .. import _api, _native
-from .._arguments import REQUIRED
-from .._api import _NOT_REUSED, _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, \
-    _profiling, _run_and_remember, _sized_reuse, attention, size_generic_key
-from .._attention import validate_attention
+from ..doors import _api
+from ..base import _native
+from ..base._arguments import REQUIRED
+from ..doors._api import (_NOT_REUSED, _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module,
+                         _overrides, _profiling, _run_and_remember, _sized_reuse, attention, size_generic_key)
+from ..ops._attention import validate_attention
 
 __all__ = ["SdpaError", "route_sdpa", "routed_sdpa", "scaled_dot_product_attention", "torch_sdpa", "unroute_sdpa"]
 
@@ -230,7 +231,7 @@ def _remembered(manager: Any, fast_key: Any, q: Tensor, k: Tensor, v: Tensor, ca
                 scale: float | None) -> Tensor:
     """A common maskless call (4-D, one batch, heads that divide, a scale the op takes) through opdispatch.attention's
     slow path — validate, decide, bind — remembering the bound kernel under the drop-in's own `fast_key`; a call
-    that differs from a remembered one only in sizes takes its template (opdispatch._api's `_sized_reuse`)."""
+    that differs from a remembered one only in sizes takes its template (opdispatch.doors._api's `_sized_reuse`)."""
     _state.active = 1
     try:
         template = manager.size_generic.get(size_generic_key(fast_key)) if manager.size_generic else None
@@ -412,7 +413,7 @@ scaled_dot_product_attention = _native.compiled_front_door(
     kinds=("strided", "strided", "strided", "bypass", "zero", "value", "value", "value"), key_of=_fast_key,
     failed=_failed_hit, bound=("query", "key", "value"),
     context=_native.context_sources(_overrides, _module, _deterministic, _profiling, _native.AUTOCAST),
-    exact=("query", "key", "value"), flag=_state)
+    exact=("query", "key", "value"), flag=_state, api_globals=_api.__dict__)
 
 
 # TorchScript cannot compile this function (keyword-only arguments, opdispatch's Python underneath); scripted code

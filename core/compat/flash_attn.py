@@ -31,16 +31,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .. import _api, _native
-from .._arguments import REQUIRED
-from .._api import _deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides, _profiling, \
-    _run_and_remember, attention
-from .._attention import validate_attention
-from .._graphs import raise_if_capturing
-from .._kv_checks import Bound, KvCacheIndexError, Rule, Unique, check_index_tensor, check_pending_errors, \
+from ..doors import _api
+from ..base import _native
+from ..base._arguments import REQUIRED
+from ..doors._api import (_deterministic, _fast_path_failed, _grad_enabled, _is_compiling, _module, _overrides,
+                         _profiling, _run_and_remember, attention, rotary_embedding)
+from ..ops._attention import validate_attention
+from ..engine._graphs import raise_if_capturing
+from ..base._kv_checks import Bound, KvCacheIndexError, Rule, Unique, check_index_tensor, check_pending_errors, \
     defer, defer_report, device_verdict, host_checks, poisoned, raise_first, raise_pending
-from .._rotary import rotary_embedding
-from .._state import bounded_put
+from ..engine._state import bounded_put
 from . import _kv_append
 from ._kv_append import FusedAppend
 
@@ -205,7 +205,7 @@ flash_attn_func = _native.compiled_front_door(
            "value"),
     key_of=_fast_key, failed=_failed_hit, bound=("q", "k", "v"),
     context=_native.context_sources(_overrides, _module, _deterministic, _profiling), exact=("q", "k", "v"),
-    flag=_inside, result=_result, result_arg="return_attn_probs")
+    flag=_inside, result=_result, result_arg="return_attn_probs", api_globals=_api.__dict__)
 
 
 def _remembered(manager: Any, fast_key: Any, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None,

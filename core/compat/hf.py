@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._api import attention
+from ..doors._api import attention
 from ..policies._overrides import MODULE, scope
 
 __all__ = ["NAME", "attention_forward", "name_modules", "register"]

@@ -71,10 +71,11 @@ import torch
 from torch import Tensor
 from torch.nn.parameter import Parameter
 
-from .._api import attention, explain, get_manager
-from .._attention import validate_attention
-from .._decision import CHOSEN, DENIED, ELIGIBLE
-from .._state import bounded_put
+from ..doors._api import attention, explain
+from ..engine._current import get_manager
+from ..ops._attention import validate_attention
+from ..base._decision import CHOSEN, DENIED, ELIGIBLE
+from ..engine._state import bounded_put
 from ..policies._overrides import MODULE, OVERRIDES, policy_override, scope
 from ._padding import pad_input, unpad_input
 
@@ -816,7 +817,7 @@ def _log_selection(logger: logging.Logger, plan: _Plan) -> None:
         return
     bounded_put(_LOGGED_CHOICE, klass, chosen)
 
-    from .. import __version__
+    from ..base import __version__
     config: dict[str, Any] = {"opdispatch_version": __version__, "device": device.describe(),
                               "policy": f"{decision.policy_source} (hash {decision.policy_hash})",
                               "scope": MODULE.get(), "switches": list(te_switches()[0])}

@@ -12,7 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import opdispatch
-from opdispatch import _compile
+from opdispatch.compile import _compile
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

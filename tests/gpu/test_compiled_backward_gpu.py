@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch._compile import attention_for_compile
+from opdispatch.compile._compile import attention_for_compile
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

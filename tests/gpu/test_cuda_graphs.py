@@ -1,7 +1,7 @@
 """Capture and replay a small model that calls opdispatch.attention inside a CUDA graph (needs CUDA).
 
 The last two tests are the acceptance tests of the manager integration: `opdispatch.attention` must call
-`opdispatch._graphs.raise_if_capturing` on a decision-cache miss, and skip cu_seqlens value checks (a host
+`opdispatch.engine._graphs.raise_if_capturing` on a decision-cache miss, and skip cu_seqlens value checks (a host
 sync) during capture.
 """
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import opdispatch
-from opdispatch._graphs import CaptureError, ensure_capture_safe, is_capturing
+from opdispatch.engine._graphs import CaptureError, ensure_capture_safe, is_capturing
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -108,7 +108,7 @@ def test_a_long_bound_decode_loop_wraps_the_report_ring_and_a_bad_step_writes_no
     """flash_attn_with_kvcache's bound device path over more steps than the report ring has rows (issue 31: rows
     and their events reused): every valid step's key lands where it belongs; one bad step in the middle is NaN,
     writes nothing, and its error (the values it was given) is raised once, however far the host ran ahead."""
-    from opdispatch import _kv_checks
+    from opdispatch.base import _kv_checks
     from opdispatch.compat import flash_attn as fa
 
     torch.manual_seed(0)

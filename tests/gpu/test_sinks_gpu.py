@@ -54,7 +54,7 @@ def test_sinks_on_fused_kernels_match_the_oracle(impl, pattern):
 @pytest.mark.parametrize("pattern", ["causal", "window"])
 def test_sinks_training_on_the_output_alone_from_saved_results(impl, pattern):
     """GPT-OSS's training call (the output only): kernels with a backward of their own are differentiated from
-    their saved results with the sink folded in (opdispatch._sinks._SinksFromSaved); the others by autograd over
+    their saved results with the sink folded in (opdispatch.ops._sinks._SinksFromSaved); the others by autograd over
     the epilogue. Both against the float64 oracle, backward twice."""
     gen = torch.Generator().manual_seed(3)
     b, s, hq, hk, d = 2, 96, 8, 2, 64

@@ -79,8 +79,8 @@ class CpuFlashAttention(AttentionImpl):
         # A dense cache, its fill folded into the mask (kv_cache_as_mask); a paged one read after gathering its
         # pages into a dense cache (paged_as_dense: vLLM's 16-key pages on CPU). Unbounded here, unlike the CUDA
         # kernels' PAGED_GATHER_MAX_BYTES: a bound reads sizes (a selection key), and any selection key makes a
-        # torch.compile'd model re-check its decision on every call (opdispatch._compile.size_predicates); on CPU
-        # the copy is host memory, as large as the block table the caller sized.
+        # torch.compile'd model re-check its decision on every call (opdispatch.compile._compile.size_predicates); on
+        # CPU the copy is host memory, as large as the block table the caller sized.
         kv_cache=True, paged_kv=True,
     )
 
