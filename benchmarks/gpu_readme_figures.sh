@@ -94,7 +94,7 @@ for part in $parts; do
           name=kvcache_decode-paged$paged$([ $append = torch ] && echo -torch-ops)-h100
           OPDISPATCH_KV_APPEND=$([ $append = torch ] && echo torch) timeout 120 python3 \
             "$repo/benchmarks/kvcache_decode.py" --device cuda --dtype bf16 --batch 8 --capacity 4096 --start 2048 \
-            --paged $paged --out "$out/$name.json" > "$out/$name.log" 2>&1
+            --paged $paged --out "$out/$name.json" --profile "$out/$name-profile.txt" > "$out/$name.log" 2>&1
           echo "$name exit $?"; grep -E "^\||index checks" "$out/$name.log" | tail -6
         done
       done ;;

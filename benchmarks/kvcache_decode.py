@@ -126,6 +126,26 @@ def measure(variants: dict[str, Callable[[], None]], device: torch.device, repea
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def profile_loops(variants: dict[str, Callable[[], None]], device: torch.device, out: Path) -> None:
+    """cProfile of one loop of each variant, the top functions by own time: where a step's host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    texts = []
+    for name, loop in variants.items():
+        _sync(device)
+        profile = cProfile.Profile()
+        profile.enable()
+        loop()
+        _sync(device)
+        profile.disable()
+        stream = io.StringIO()
+        pstats.Stats(profile, stream=stream).sort_stats("tottime").print_stats(25)
+        texts.append(f"## {name}\n\n{stream.getvalue()}")
+    out.write_text("\n".join(texts))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -144,6 +164,7 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true", help="skip the reference-path variant")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--out", type=Path, help="write the results as JSON, and a Markdown table beside it")
+    parser.add_argument("--profile", type=Path, help="write a cProfile table of one loop of each variant here")
     args = parser.parse_args()
     if args.kv_checks == "device":
         os.environ["OPDISPATCH_KV_CHECKS"] = "device"
@@ -154,6 +175,8 @@ def main() -> None:
         parser.error("--start + --steps must fit --capacity, and --capacity be a multiple of --paged")
     variants, picked = build(args, device)
     result = measure(variants, device, args.repeat, args.steps)
+    if args.profile:
+        profile_loops(variants, device, args.profile)
     from opdispatch.compat.flash_attn import check_pending_errors
 
     check_pending_errors()  # every step was valid
