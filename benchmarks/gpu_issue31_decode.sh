@@ -6,7 +6,7 @@
 set -u
 source "$(dirname "$0")/_gpu_setup.sh" gpu-issue31-out
 export OPDISPATCH_CACHE_DIR=/tmp/opdispatch-cache
-python3 -c "import sys; from opdispatch import _cli; sys.argv = ['opdispatch', 'build']; sys.exit(_cli.main())" \
+python3 -c "import sys; from opdispatch.tools import _cli; sys.argv = ['opdispatch', 'build']; sys.exit(_cli.main())" \
   2>&1 | tail -2 | tee "$out/build.txt"
 taskset -c 2 python3 "$repo/benchmarks/decode_loop.py" --device cuda --dtype bf16 --out "$out/decode_loop.json" \
   2>&1 | tail -16

@@ -8,7 +8,7 @@ set -u
 source "$(dirname "$0")/_gpu_setup.sh" gpu-native-out
 export OPDISPATCH_CACHE_DIR=/tmp/opdispatch-cache
 start=$(date +%s)
-python3 -c "import sys; from opdispatch import _cli; sys.argv = ['opdispatch', 'build']; sys.exit(_cli.main())" \
+python3 -c "import sys; from opdispatch.tools import _cli; sys.argv = ['opdispatch', 'build']; sys.exit(_cli.main())" \
   2>&1 | tee "$out/build.txt"
 echo "build took $(( $(date +%s) - start )) s" | tee -a "$out/build.txt"
 timeout 300 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" "$repo/tests/test_native.py" \
