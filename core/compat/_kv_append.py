@@ -106,7 +106,7 @@ class FusedAppend:
                       BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_W=block_w,
                       W_BLOCKS=-(-self.width // block_w))
         append[(batch * self.new, -(-self.heads_dim // _TILE))](
-            k, v, k_cache, v_cache, bad, lens_out, safe if safe is not None else lens_out,
+            k, v, k_cache, v_cache, report, lens_out, safe if safe is not None else lens_out,
             self.new, self.heads_dim, self.dim, self.page, self.width,
             *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
             HAS_ROWS=self.has_rows, PAGED=self.paged, BLOCK=min(_TILE, _next_power_of_2(self.heads_dim)))

@@ -54,7 +54,7 @@ def verdict(lens_ptr, rows_ptr, table_ptr, report_ptr, bad_ptr, lens_out_ptr, sa
     tl.store(bad_ptr, bad != 0)
 
 @triton.jit
-def append(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bad_ptr, lens_out_ptr, safe_ptr,
+def append(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, verdict_ptr, lens_out_ptr, safe_ptr,
             new, heads_dim, dim, page, width,
             k_sb, k_st, k_sh, k_sd, v_sb, v_st, v_sh, v_sd,
             kc_sr, kc_sp, kc_sh, kc_sd, vc_sr, vc_sp, vc_sh, vc_sd,
@@ -71,7 +71,9 @@ def append(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bad_ptr, lens_out_ptr, safe_p
     else:
         row = seq.to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = (i < heads_dim) & (tl.load(bad_ptr) == 0)  # an invalid call writes nothing
+    # An invalid call writes nothing: its verdict (0 or 1, the report's first word) leaves no element inside.
+    # (A comparison alone: Triton 3.9's interpreter refuses a mask combined with a loaded bool.)
+    inside = i < heads_dim * (1 - tl.load(verdict_ptr))
     h, d = i // dim, i % dim
     src = seq.to(tl.int64) * k_sb + step * k_st + h * k_sh + d * k_sd
     dst = row * kc_sr + pos.to(tl.int64) * kc_sp + h * kc_sh + d * kc_sd
