@@ -6,6 +6,8 @@ fake process group), the refusals of what opdispatch's context parallelism canno
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -148,3 +150,28 @@ def test_context_parallel_hierarchical_a2a_is_refused_and_all_gather_needs_no_ra
     m = DotProductAttention(HEADS, DIM, cp_group=fake_pair, cp_global_ranks=[0, 1])
     m.set_context_parallel_group(None, None, None)  # off again: the default sbhd call on the whole sequence
     assert m.cp_group is None and m(*_qkv("sbhd")).shape == (4, 2, HEADS * DIM)
+
+
+def test_context_parallel_debug_config_names_it_as_te(fake_pair, monkeypatch, caplog):
+    """NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2: the config line carries TE's AttentionParams fields context_parallel,
+    cp_comm_type and cp_size (a refused call logs nothing: the checks run first)."""
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    from opdispatch.compat import te
+    monkeypatch.setattr(te, "_SEEN_KEYS", {})
+    monkeypatch.setattr(te, "_LOGGED_CHOICE", {})
+    m = DotProductAttention(HEADS, DIM, qkv_format="bshd", cp_group=fake_pair, cp_global_ranks=[0, 1],
+                            cp_comm_type="all_gather")
+    caplog.set_level(logging.DEBUG, logger="DotProductAttention")
+    with pytest.raises(ValueError, match="window_size"):
+        m(*_qkv(), window_size=(1, 0))
+    assert not [r for r in caplog.records if r.name == "DotProductAttention"]
+    q, k, v = _qkv()
+    assert m.explain(q, k, v).chosen_id is not None  # this rank's diagonal block, planned without an exchange
+    from opdispatch.compat.te import _log_selection
+    plan = m._plan(q, k, v, None, None, None, None, None, None, None, None, None, None, None, "no_bias", None, None,
+                   None, None, False, None, None, None, None, None, None, -3)
+    _log_selection(m.logger, plan)
+    config = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Running with config="))
+    assert "'context_parallel': True" in config and "'cp_comm_type': 'all_gather'" in config \
+        and "'cp_size': 2" in config, config

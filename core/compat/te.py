@@ -714,7 +714,8 @@ class DotProductAttention(torch.nn.Module):
                 "pad_between_seqs": bool(pad_between_seqs), "attention_dropout": options["dropout_p"],
                 "deterministic": self.deterministic, "is_training": self.training,
                 "requires_grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-                "softmax_type": self.softmax_type}
+                "softmax_type": self.softmax_type, "context_parallel": cp is not None,
+                "cp_comm_type": self.cp_comm_type, "cp_size": 1 if cp is None else cp.size}
 
         sinks = self.softmax_offset
         if sinks is not None:
