@@ -299,7 +299,7 @@ def _qkv(fmt="bshd"):
 
 
 @pytest.mark.parametrize("kwargs,argument", [
-    ({"cp_group": object()}, "cp_group"), ({"cp_global_ranks": [0, 1]}, "cp_global_ranks"),
+    ({"cp_group": object()}, "cp_group"), ({"cp_group": [object(), object()], "cp_comm_type": "a2a+p2p"}, "cp_group"),
     ({"cp_stream": object()}, "cp_stream"), ({"cp_comm_type": "ring"}, "cp_comm_type"),
     ({"return_max_logit": True}, "return_max_logit"), ({"softmax_type": "sigmoid"}, "softmax_type"),
     ({"attn_mask_type": "sliding"}, "attn_mask_type"), ({"qkv_format": "bhsd"}, "qkv_format"),
@@ -602,3 +602,4 @@ def test_debug_off_is_silent_and_decides_nothing_extra(te_debug, monkeypatch, ca
     m(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
     DotProductAttention(HEADS, DIM, qkv_format="bshd")(*_qkv())
     assert _te_lines(caplog) == []
+

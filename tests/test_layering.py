@@ -46,7 +46,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "compile": frozenset({"base", "ops", "policies", "engine"}),
     "doors": frozenset({"base", "ops", "policies", "engine", "compile"}),
     "distributed": frozenset({"base", "ops", "policies", "engine", "doors"}),
-    "compat": frozenset({"base", "ops", "policies", "engine", "doors"}),
+    "compat": frozenset({"base", "ops", "policies", "engine", "doors", "distributed"}),
     "tools": frozenset({"base", "ops", "plugins", "policies", "engine", "compile", "doors", "distributed", "compat",
                         "face"}),
     "face": frozenset({"base", "ops", "plugins", "policies", "engine", "compile", "doors", "distributed", "compat",

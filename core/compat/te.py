@@ -49,12 +49,25 @@ NVIDIA/TransformerEngine ``transformer_engine/pytorch/attention/dot_product_atte
   ``Available backends = {...}`` and ``Selected backend = ...``. With NVTE_DEBUG unset or 0, forward pays one
   comparison.
 
-Refused with an error naming the argument (never dropped): context parallelism (``cp_group``,
-``cp_global_ranks``, ``cp_stream``), ``return_max_logit=True``, an RNG tracker with dropout, KV caching
-(``inference_params``), FP8 (``fp8_output=True``; this module has no FP8 autocast), the experimental cuDNN
-``score_mod*`` callbacks, a bias with packed or padded sequences, and any argument a mask type does not use
-(``attention_mask`` with ``causal``, ``cu_seqlens_*`` without a padding mask). ``docs/te.md`` maps every
-argument and switch.
+- Context parallelism (``cp_group``, ``cp_global_ranks``, ``cp_stream``, ``cp_comm_type``, in the constructor or
+  ``set_context_parallel_group``; read at every forward, as TE): with a group of more than one rank each rank passes
+  its shard of the sequence and gets its shard of the output, through
+  ``opdispatch.distributed.context_parallel_attention`` with ``sharding="zigzag"`` — TE's DualChunkSwap layout
+  (context_parallel.py ``attn_forward_func_with_cp``: 2·cp_size chunks, rank r holding chunks r and 2·cp_size−1−r,
+  for every mask type). ``cp_comm_type`` ``"p2p"`` → ``mode="ring"``, ``"all_gather"`` → ``mode="allgather"``
+  (the same attention); ``"a2a+p2p"`` whose a2a group has one rank is ``"p2p"`` over the other, as TE. A group of
+  one rank is no context parallelism (TE's cp_size 1). ``cp_global_ranks`` must be the group's global ranks
+  (TE's ring peers; required for p2p); ``cp_stream`` (TE's second stream for overlapping kernels) is None or a
+  CUDA stream and does not change the result. Refused with context parallelism, each naming the argument:
+  ``cp_comm_type`` ``"a2a"`` (and ``"a2a+p2p"`` with an a2a group of several ranks), ``qkv_format="thd"``, any
+  mask type but ``no_mask``/``causal``, a sliding window, any bias, dropout in training, ``softmax_type`` other
+  than ``vanilla`` (TE: a2a only), ``deterministic``, and keys of another length than the queries.
+
+Refused with an error naming the argument (never dropped): ``return_max_logit=True``, an RNG tracker with
+dropout, KV caching (``inference_params``), FP8 (``fp8_output=True``; this module has no FP8 autocast), the
+experimental cuDNN ``score_mod*`` callbacks, a bias with packed or padded sequences, and any argument a mask
+type does not use (``attention_mask`` with ``causal``, ``cu_seqlens_*`` without a padding mask). ``docs/te.md``
+maps every argument and switch.
 """
 
 from __future__ import annotations
@@ -71,6 +84,7 @@ import torch
 from torch import Tensor
 from torch.nn.parameter import Parameter
 
+from ..distributed import context_parallel_attention
 from ..doors._api import attention, explain
 from ..engine._current import get_manager
 from ..ops._attention import validate_attention
@@ -88,6 +102,13 @@ BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias", "alibi")
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 ATTENTION_TYPES = ("self", "cross")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+# TE's cp_comm_type -> opdispatch.distributed.context_parallel_attention's mode computing the same attention:
+# TE's AttnFuncWithCPAndKVP2P passes K/V around the ring, AttnFuncWithCPAndKVAllGather all-gathers them. TE's
+# "a2a" (Ulysses: heads scattered, the full sequence gathered) has no opdispatch mode and is refused.
+CP_MODES = {"p2p": "ring", "all_gather": "allgather"}
+# The masks TE's context parallelism takes for bshd/sbhd (utils.get_attention_backend, "Filter: Context
+# parallelism") that opdispatch's also takes: none, or causal over the whole sequence.
+CP_MASK_TYPES = ("no_mask", "causal")
 
 # TE's backend switches (utils.get_attention_backend reads each as int(os.environ.get(name, "1"))) and the
 # opdispatch implementations each one turns off when set to 0.
@@ -303,6 +324,74 @@ def _thd_padded_index(cu: Tensor, cu_padded: Tensor, tokens: int, name: str) -> 
     return torch.cat(pieces).to(cu.device) if pieces else torch.zeros(0, dtype=torch.long, device=cu.device)
 
 
+class _ContextParallel:
+    """A resolved context-parallel setting: the group the sequence is sharded across (size > 1) and the
+    `context_parallel_attention` mode TE's cp_comm_type maps to."""
+
+    __slots__ = ("group", "size", "mode", "comm_type")
+
+    def __init__(self, group: Any, size: int, mode: str, comm_type: str) -> None:
+        self.group, self.size, self.mode, self.comm_type = group, size, mode, comm_type
+
+
+def _context_parallel(cp_group: Any, cp_global_ranks: Any, cp_stream: Any,
+                      cp_comm_type: Any) -> _ContextParallel | None:
+    """TE's context-parallel arguments checked and resolved (None: no context parallelism, as TE's cp_size 1).
+
+    As TE (dot_product_attention.py forward, context_parallel.attn_forward_func_with_cp): the size is the group's
+    (the product of both groups' for "a2a+p2p", which takes ``[a2a_group, p2p_group]``); "a2a+p2p" whose a2a group
+    has one rank is "p2p" over the other, whose p2p group has one rank is "a2a". ``cp_global_ranks`` are the ring's
+    peers (TE's p2p sends to ``cp_global_ranks[(rank + 1) % cp_size]``), so they must be the group's global ranks
+    in group order. ``cp_stream`` only lets TE overlap two attention kernels of a ring step: None or a CUDA stream,
+    accepted, not used (the result is the same; opdispatch overlaps the exchange on the current stream)."""
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise _refuse("cp_comm_type", cp_comm_type, f"is not supported; allowed: {', '.join(CP_COMM_TYPES)}")
+    if cp_stream is not None and not isinstance(cp_stream, torch.cuda.Stream):
+        raise _refuse("cp_stream", cp_stream, "must be None or a torch.cuda.Stream (TE overlaps two attention "
+                                              "kernels on it; the result does not depend on it)")
+    if cp_group is None:
+        return None  # TE: cp_size 1, cp_global_ranks and cp_stream unread
+    import torch.distributed as dist
+
+    if cp_comm_type == "a2a+p2p":
+        if not (isinstance(cp_group, (list, tuple)) and len(cp_group) == 2
+                and all(isinstance(g, dist.ProcessGroup) for g in cp_group)):
+            raise _refuse("cp_group", cp_group, "must be [a2a_group, p2p_group] (two ProcessGroups) with "
+                                                "cp_comm_type='a2a+p2p', as TE")
+        a2a_size, p2p_size = (dist.get_world_size(g) for g in cp_group)
+        if a2a_size * p2p_size == 1:
+            return None
+        if a2a_size > 1:
+            raise _refuse("cp_comm_type", cp_comm_type, f"with an a2a group of {a2a_size} ranks is not supported: "
+                                                        "opdispatch has no all-to-all (Ulysses) context "
+                                                        "parallelism; use cp_comm_type='p2p' or 'all_gather' over "
+                                                        "one group (the same attention)")
+        group, comm_type = cp_group[1], "p2p"  # TE: an a2a group of one rank is p2p over the other
+    else:
+        if not isinstance(cp_group, dist.ProcessGroup):
+            raise _refuse("cp_group", cp_group, f"must be a torch.distributed ProcessGroup with "
+                                                f"cp_comm_type={cp_comm_type!r} (a [a2a, p2p] list is for 'a2a+p2p')")
+        group, comm_type = cp_group, cp_comm_type
+    size = dist.get_world_size(group)
+    if size == 1:
+        return None
+    if comm_type == "a2a":
+        raise _refuse("cp_comm_type", comm_type, "is not supported: opdispatch has no all-to-all (Ulysses) context "
+                                                 "parallelism; allowed: 'p2p' (ring) or 'all_gather', which compute "
+                                                 "the same attention over the same shards")
+    ranks = [dist.get_global_rank(group, r) for r in range(size)]
+    if cp_global_ranks is None:
+        if comm_type == "p2p":
+            raise _refuse("cp_global_ranks", None, "is required with cp_comm_type='p2p' (TE sends to "
+                                                   "cp_global_ranks[(rank + 1) % cp_size]); pass "
+                                                   f"torch.distributed.get_process_group_ranks(cp_group) = {ranks}")
+    elif not isinstance(cp_global_ranks, (list, tuple)) or list(cp_global_ranks) != ranks:
+        raise _refuse("cp_global_ranks", cp_global_ranks, f"must be cp_group's global ranks in group order, {ranks} "
+                                                          "(TE's ring peers); pass "
+                                                          "torch.distributed.get_process_group_ranks(cp_group)")
+    return _ContextParallel(group, size, CP_MODES[comm_type], comm_type)
+
+
 class DotProductAttention(torch.nn.Module):
     """TransformerEngine's ``DotProductAttention`` (module docstring: what is honoured and refused)."""
 
@@ -369,13 +458,7 @@ class DotProductAttention(torch.nn.Module):
             raise _refuse("get_rng_state_tracker", get_rng_state_tracker,
                           "is not honoured: dropout draws from torch's default generator, not the tracker's forked "
                           "states; pass get_rng_state_tracker=None (or attention_dropout=0)")
-        for argument, value in (("cp_group", cp_group), ("cp_global_ranks", cp_global_ranks),
-                                ("cp_stream", cp_stream)):
-            if value is not None:
-                raise _refuse(argument, value, "(context parallelism) is not supported by this drop-in yet; shard "
-                                               "with opdispatch.distributed instead, or leave it None")
-        if cp_comm_type not in CP_COMM_TYPES:
-            raise _refuse("cp_comm_type", cp_comm_type, f"is not supported; allowed: {', '.join(CP_COMM_TYPES)}")
+        _context_parallel(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         if softmax_scale is not None and (isinstance(softmax_scale, bool)
                                           or not isinstance(softmax_scale, (int, float))):
             raise _refuse("softmax_scale", softmax_scale, "must be a float or None (1/sqrt(kv_channels))")
@@ -397,6 +480,7 @@ class DotProductAttention(torch.nn.Module):
         self.num_attention_heads = num_attention_heads
         self.layer_number = 1 if layer_number is None else layer_number
         self.attention_type = attention_type
+        self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
         self.cp_comm_type = cp_comm_type
         self.hidden_size_per_attention_head_k = head_k
         self.hidden_size_per_attention_head_v = head_v
@@ -421,6 +505,14 @@ class DotProductAttention(torch.nn.Module):
             self.register_buffer("softmax_offset", torch.zeros(heads), persistent=False)  # TE: not in state_dict
         else:
             self.softmax_offset = None
+
+    def set_context_parallel_group(self, cp_group: Any, cp_global_ranks: list[int] | None, cp_stream: Any,
+                                   cp_comm_type: str = "p2p") -> None:
+        """TE's ``set_context_parallel_group``: the context-parallel attributes for the next forwards (checked
+        first, then set; None turns context parallelism off). The mapping and what is refused: module docstring."""
+        _context_parallel(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
+        self.cp_comm_type = cp_comm_type
 
     # -- forward -------------------------------------------------------------------------------------------------
 
@@ -552,6 +644,11 @@ class DotProductAttention(torch.nn.Module):
             "window": None if window in ((-1, -1), (-1, 0)) else window, "scale": self.softmax_scale,
             "dropout_p": self.attention_dropout if self.training else 0.0, "deterministic": self.deterministic}
 
+        # Context parallelism (TE reads cp_* at every forward): what opdispatch's cannot honour is refused here.
+        cp = _context_parallel(self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type)
+        if cp is not None:
+            self._check_context_parallel(cp, q, k, fmt, mask_type, window, core_attention_bias_type, options)
+
         # Masks: TE's attention_mask is only read by padding and arbitrary types; elsewhere it must be None.
         if mask_type == "arbitrary":
             if fmt == "thd":
@@ -617,7 +714,8 @@ class DotProductAttention(torch.nn.Module):
                 "pad_between_seqs": bool(pad_between_seqs), "attention_dropout": options["dropout_p"],
                 "deterministic": self.deterministic, "is_training": self.training,
                 "requires_grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-                "softmax_type": self.softmax_type}
+                "softmax_type": self.softmax_type, "context_parallel": cp is not None,
+                "cp_comm_type": self.cp_comm_type, "cp_size": 1 if cp is None else cp.size}
 
         sinks = self.softmax_offset
         if sinks is not None:
@@ -639,12 +737,56 @@ class DotProductAttention(torch.nn.Module):
                 raise _refuse(argument, value, f"differs from the tensor's sequence dimension "
                                                f"({tensor.shape[s_axis]}) in qkv_format={fmt!r}; TE requires them "
                                                "equal")
-        if padding:
+        if cp is not None:
+            plan = _plan_context_parallel(cp, q, k, v, fmt, options)
+        elif padding:
             plan = self._plan_padded(q, k, v, fmt, options, attention_mask, cu_seqlens_q, cu_seqlens_kv)
         else:
             plan = _Plan(_dense_run(fmt, options), (q, k, v), lambda: ((q, k, v), {"layout": fmt, **options}))
         plan.config = config
         return plan
+
+    def _check_context_parallel(self, cp: _ContextParallel, q: Tensor, k: Tensor, fmt: str, mask_type: str,
+                                window: tuple[int, int], bias_type: Any, options: dict[str, Any]) -> None:
+        """Refuse what TE's context parallelism takes but opdispatch's (`context_parallel_attention`: dense
+        zigzag shards of one sequence, no mask or causal, no window, bias, dropout or sinks) cannot honour."""
+        where = f"with context parallelism (cp_group of {cp.size} ranks, cp_comm_type={cp.comm_type!r})"
+        if fmt == "thd":
+            raise _refuse("qkv_format", fmt, f"is not supported {where}: opdispatch shards dense sequences only "
+                                             "(TE's thd shards each packed sequence); allowed: 'bshd', 'sbhd' — pad "
+                                             "the sequences into a dense batch, or run without cp_group")
+        if mask_type not in CP_MASK_TYPES:
+            fix = ("use 'causal', the same mask for self-attention of equal lengths (TE's context parallelism "
+                   "refuses bottom-right masks too)" if mask_type == "causal_bottom_right"
+                   else "padding and arbitrary masks are not sharded by opdispatch; run without cp_group")
+            raise _refuse("attn_mask_type", mask_type, f"is not supported {where}; allowed: "
+                                                       f"{', '.join(CP_MASK_TYPES)}; {fix}")
+        if window not in ((-1, -1), (-1, 0)):
+            raise _refuse("window_size", window, f"is not supported {where}: opdispatch's context parallelism has "
+                                                 "no sliding window; allowed: (-1, -1) or (-1, 0) (None)")
+        if bias_type != "no_bias":
+            raise _refuse("core_attention_bias_type", bias_type, f"is not supported {where}: opdispatch's context "
+                                                                 "parallelism takes no bias; allowed: 'no_bias'")
+        if options["dropout_p"] > 0:
+            raise _refuse("attention_dropout", options["dropout_p"], f"is not supported in training {where}: "
+                                                                     "opdispatch's context parallelism has no "
+                                                                     "dropout; build the module with "
+                                                                     "attention_dropout=0.0 or call it in eval()")
+        if self.softmax_type != "vanilla":
+            raise _refuse("softmax_type", self.softmax_type, f"is not supported {where}: TE takes it only with "
+                                                             "cp_comm_type='a2a', which opdispatch does not have; "
+                                                             "allowed: 'vanilla'")
+        if self.deterministic:
+            raise _refuse("deterministic", True, f"(NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or "
+                                                 f"torch.use_deterministic_algorithms) is not supported {where}: "
+                                                 "opdispatch's context parallelism cannot ask its blocks for "
+                                                 "deterministic kernels; unset the switch or run without cp_group")
+        s_axis = 0 if fmt == "sbhd" else 1
+        if q.shape[s_axis] != k.shape[s_axis]:
+            raise _refuse("key_layer", k, f"has a shard of {k.shape[s_axis]} tokens but query_layer has "
+                                          f"{q.shape[s_axis]}: cross-attention of other lengths is not supported "
+                                          f"{where} (opdispatch shards one sequence for q, k and v); run without "
+                                          "cp_group")
 
     def _check_qkv(self, q: Any, k: Any, v: Any, fmt: str) -> None:
         """TE's shape checks (dot_product_attention.py, 'checks for q/k/v shapes') and the heads it was built for."""
@@ -861,6 +1003,24 @@ def _log_selection(logger: logging.Logger, plan: _Plan) -> None:
         logger.info("Running with FlashAttention backend (version %s, opdispatch %s)", family.split()[-1], chosen)
     else:
         logger.info("Running with %s backend (opdispatch %s)", family, chosen)
+
+
+def _plan_context_parallel(cp: _ContextParallel, q: Tensor, k: Tensor, v: Tensor, fmt: str,
+                           options: dict[str, Any]) -> _Plan:
+    """This rank's shards through `context_parallel_attention` with ``sharding="zigzag"``: TE's DualChunkSwap
+    (context_parallel.attn_forward_func_with_cp's docstring: the sequence in 2·cp_size chunks, rank r holding
+    chunks r and 2·cp_size−1−r, "applied to all attn_mask_types and all qkv_formats"; get_batch_on_this_cp_rank
+    takes the same slices) is opdispatch's zigzag (`shard_sequence`). ``causal`` is over the whole sequence,
+    top-left, as TE's "causal". `describe` gives this rank's diagonal block (its shard against its own K/V), one
+    of the calls the exchange makes."""
+    causal, scale = options["causal"], options["scale"]
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = context_parallel_attention(q, k, v, group=cp.group, causal=causal, mode=cp.mode, sharding="zigzag",
+                                         layout=fmt, scale=scale)
+        return out.reshape(*out.shape[:2], -1)  # type: ignore[no-any-return]  # (s, b, h*d) / (b, s, h*d)
+
+    return _Plan(run, (q, k, v), lambda: ((q, k, v), {"layout": fmt, "causal": causal, "scale": scale}))
 
 
 def _dense_run(fmt: str, options: dict[str, Any]) -> Callable[..., Tensor]:
