@@ -79,7 +79,7 @@ def old_torch_reason(call: AttentionCall, device: DeviceInfo) -> str | None:
 # and left PrivateUse1 open). What each vendor publishes about it (read 2026-11):
 _FLEX_REFUSED_DEVICE_TYPES = {
     "npu": ("Ascend's torch_npu does not lift it (Ascend/pytorch#147, open: 'torch_npu不支持flex_attention'); "
-            "training there needs an adapter for torch_npu.npu_fusion_attention"),
+            "training there runs on ascend.fusion_attention (torch_npu.npu_fusion_attention)"),
     "mlu": "torch_mlu publishes no flex support; training there needs an adapter for torch_mlu's own flash attention",
     "musa": "torch_musa publishes no flex support",
 }
