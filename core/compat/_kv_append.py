@@ -5,7 +5,8 @@ a dozen small kernels per decode step — clamps, comparisons, a reduction, the 
 a `where` per cache so that an invalid call writes each slot's old value back, then an indexed store per cache —
 and a decode step is host-bound: on an H100 host each launch costs more than the attention kernel's work
 (benchmarks/results/h100-69e872f/kvcache_decode-paged0-h100.md: 405 µs per step against 181 for the raw kernel
-with its `index_put_`). Here the same check and append are two launches:
+with its `index_put_`). Here the same check and append are two launches (1.96x dense, 1.38x paged against 2.32x /
+2.43x with torch ops in the same run: benchmarks/results/h100-43848a0/):
 
 - `_verdict` (one program): every index checked exactly as `_kvcache_indices` checks it — lengths within
   ``0..capacity - new``, ``cache_batch_idx`` rows in range and distinct, the block table's used entries naming
