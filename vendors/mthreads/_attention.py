@@ -22,7 +22,7 @@ Sources (MooreThreads/torch_musa, tags v1.2.1 … v2.7.1):
 
 What this adapter therefore claims: float16/bfloat16, head dims up to 128 (q = v) forward and 64 or 128 with
 gradients; causal as `is_causal` only with equal lengths (muDNN's alignment for unequal ones is untested), every
-other pattern and any mask folded into a float mask (vendors/_torch_sdpa.py: GQA expanded, rows without keys).
+other pattern and any mask folded into a float mask (mthreads/_sdpa_call.py: GQA expanded, rows without keys).
 The default scale is passed as None (the kernel's own), so only a non-default scale meets `CheckScale`.
 Not claimed: dropout (no flash test covers it), varlen, softcap, ALiBi, LSE, KV caches, a bias with grad.
 """
@@ -37,7 +37,7 @@ import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 
-from .._torch_sdpa import sdpa_call
+from ._sdpa_call import sdpa_call
 
 MIN_TORCH_MUSA = "1.3.0"  # the flash op takes `scale` (v1.2.1's backward came with a flash op that dropped it)
 MIN_MP_ARCH = 22  # check_musa_arch: (major > 2) || (major == 2 && minor > 1)

@@ -1,5 +1,5 @@
-"""Shared by the adapters that call `torch.nn.functional.scaled_dot_product_attention` on a vendor's PrivateUse1
-device (Cambricon `mlu`, Moore Threads `musa`), whose torch extension routes it to the vendor's fused kernels and
+"""How this vendor's adapter calls `torch.nn.functional.scaled_dot_product_attention` on its PrivateUse1
+device, whose torch extension routes it to the vendor's fused kernels and
 autograd to their backward.
 
 What every such adapter passes, and why (each vendor's module says which of it its kernels take):
