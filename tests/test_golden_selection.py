@@ -119,11 +119,12 @@ def test_varlen_goes_to_torch_flash_on_h100(manager, max_len, grad, expected, ru
 @pytest.mark.parametrize("device,forward,training", [
     # FlagGems' generic Triton kernels serve inference; training takes torch.flex where torch's inductor has a
     # Triton backend for the device type (cuda); torch's flex_attention refuses npu/mlu/musa tensors itself, and
-    # FlagGems has no usable backward there: Ascend trains on torch_npu's fused op, the others on the reference
+    # FlagGems has no usable backward there: Ascend trains on torch_npu's fused op; Cambricon and Moore Threads
+    # run their torch builds' fused F.sdpa (vendor kernels, ahead of FlagGems' generic ones) both ways
     ("metax-c500", "flagos.triton", "torch.flex"), ("hygon-k100", "flagos.triton", "torch.flex"),
     ("ascend-910b", "flagos.triton", "ascend.fusion_attention"),
-    ("cambricon-mlu590", "flagos.triton", "reference.math"),
-    ("mthreads-s4000", "flagos.triton", "reference.math"),
+    ("cambricon-mlu590", "cambricon.sdpa", "cambricon.sdpa"),
+    ("mthreads-s4000", "mthreads.sdpa", "mthreads.sdpa"),
     # vendors with their own kernels keep them first; their training goes to flex, not the reference
     ("bi-v150", "iluvatar.ixformer", "torch.flex"), ("p800", "kunlunxin.prefill", "torch.flex"),
 ])

@@ -80,8 +80,8 @@ def old_torch_reason(call: AttentionCall, device: DeviceInfo) -> str | None:
 _FLEX_REFUSED_DEVICE_TYPES = {
     "npu": ("Ascend's torch_npu does not lift it (Ascend/pytorch#147, open: 'torch_npu不支持flex_attention'); "
             "training there runs on ascend.fusion_attention (torch_npu.npu_fusion_attention)"),
-    "mlu": "torch_mlu publishes no flex support; training there needs an adapter for torch_mlu's own flash attention",
-    "musa": "torch_musa publishes no flex support",
+    "mlu": "torch_mlu publishes no flex support; training there goes to cambricon.sdpa (torch_mlu's fused SDPA)",
+    "musa": "torch_musa publishes no flex support; training there goes to mthreads.sdpa (torch_musa's fused SDPA)",
 }
 
 
