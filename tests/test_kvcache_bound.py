@@ -255,3 +255,65 @@ def test_half_a_rotary_table_is_refused_before_anything_is_written(basic_manager
     with pytest.raises(ValueError, match=f"pass rotary_cos and rotary_sin together .*got only {given}"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new, cache_seqlens=1, **{given: torch.ones(8, 4)})
     assert torch.equal(k_cache, before)
+
+
+def test_a_fused_kernel_that_fails_to_compile_hands_its_signature_to_the_torch_ops(basic_manager, monkeypatch,
+                                                                                   caplog):
+    """A Triton kernel that cannot compile or launch (a synchronous error, before anything of the caches is
+    written) makes its bound signature keep the torch-op check from then on, with one warning; the step itself
+    appends and attends as the reference path does."""
+    from opdispatch.compat import _kv_append
+
+    monkeypatch.setenv("OPDISPATCH_KV_CHECKS", "device")
+    use_interpreted_kv_append(monkeypatch)
+    launches = []
+
+    class Unbuildable:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(grid)
+                raise RuntimeError("PassManager::run failed (a kernel this Triton cannot build)")
+            return launch
+
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, index, where = _caches("paged", 2, gen)
+    lens = torch.tensor(START, dtype=I32)
+    q = torch.randn(BATCH, 1, HEADS, DIM, generator=gen)
+    k_new, v_new = (torch.randn(BATCH, 1, 2, DIM, generator=gen) for _ in range(2))
+    fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, **index)  # binds (fused)
+    monkeypatch.setattr(_kv_append, "_kernels", lambda: (Unbuildable(), Unbuildable()))
+    lens += 1
+    want_k, ref_caches = k_cache.clone(), (k_cache.clone(), v_cache.clone())
+    for b in range(BATCH):
+        want_k[where(b, int(lens[b]))] = k_new[b, 0]
+    ref = fa._kvcache_reference(None, q, *ref_caches, k_new, v_new, None, None, lens.clone(), None, None,
+                                index["block_table"], None, False, (-1, -1), 0.0, True, None, False)
+    with caplog.at_level("WARNING", logger="opdispatch"):
+        out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, **index)
+        fa.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, cache_seqlens=lens, **index)
+    assert torch.equal(k_cache, want_k) and torch.equal(out, ref)
+    assert len(launches) == 1, "after the failure the signature keeps the torch ops"
+    warnings = [r.getMessage() for r in caplog.records if "fused KV-cache check" in r.getMessage()]
+    assert len(warnings) == 1 and "PassManager::run failed" in warnings[0] and "OPDISPATCH_KV_APPEND" in warnings[0]
+    check_pending_errors()
+
+
+@pytest.mark.parametrize("batch, new, width, rows, fused", [
+    (256, 1, 0, False, True),     # dense decode: no pairwise check
+    (257, 1, 0, False, False),    # past MAX_SLOTS
+    (64, 1, 0, True, True),       # cache_batch_idx: 64 x 64 pairs
+    (65, 1, 0, True, False),
+    (16, 4, 8, False, True),      # pages: 64 appended keys compared pairwise
+    (16, 5, 8, False, False),
+    (4, 1, 8, True, False),       # cache_batch_idx with pages: the torch ops
+    (8, 0, 0, False, False),      # nothing appended
+])
+def test_the_fused_append_takes_the_sizes_its_kernels_were_built_for(monkeypatch, batch, new, width, rows, fused):
+    from opdispatch.compat import _kv_append
+
+    pytest.importorskip("triton")
+    monkeypatch.delenv("OPDISPATCH_KV_APPEND", raising=False)
+    assert _kv_append.available(torch.device("cuda"), batch, new, width, rows) is fused
+    assert not _kv_append.available(torch.device("cpu"), batch, new, width, rows)  # CPU: only when asked
+    monkeypatch.setenv("OPDISPATCH_KV_APPEND", "torch")
+    assert not _kv_append.available(torch.device("cuda"), batch, new, width, rows)

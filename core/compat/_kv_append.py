@@ -16,8 +16,10 @@ with its `index_put_`). Here the same check and append are two launches (1.96x d
 - `_append` (a program per appended key and tile of heads × dim): stores the new key and value at their slots,
   or nothing at all when the verdict is bad — all-or-nothing without reading the old values.
 
-Limits (the bound path keeps its torch-op check beyond them): at most `MAX_SLOTS` appended keys per call (the
-distinct-slot check compares every pair in one program) and `MAX_TABLE` block-table entries.
+Limits (the bound path keeps its torch-op check beyond them): at most `MAX_SLOTS` appended keys per call,
+`MAX_PAIRS` sequences with ``cache_batch_idx`` or appended keys into pages (those checks compare every pair in one
+program) and `MAX_TABLE` block-table entries. A kernel that fails to compile or launch hands its signature back
+to the torch ops, with one warning (nothing is written before the append kernel runs).
 
 Triton is optional (the `flagos` extra, or the one torch's CUDA wheels bring): `available()` says whether this path
 can run. ``OPDISPATCH_KV_APPEND=triton`` forces it on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
@@ -33,6 +35,9 @@ import torch
 
 MODE_ENV = "OPDISPATCH_KV_APPEND"  # "triton": the kernels on CPU too (under TRITON_INTERPRET=1); "torch": never
 MAX_SLOTS = 256  # appended keys per call (batch × new)
+# The distinct-rows and distinct-slots checks compare every pair in one program's registers: at most 64 x 64
+# (the sizes the GPU tests compiled and ran; 256 x 256 would spill every thread's registers).
+MAX_PAIRS = 64
 MAX_TABLE = 1 << 16  # block-table entries (batch × width)
 _TILE = 1024  # heads × dim elements one append program copies
 
@@ -52,7 +57,7 @@ def available(device: torch.device, batch: int, new: int, width: int, has_rows: 
     sequences (`width`: the block table's, 0 for a dense cache; `has_rows`: a cache_batch_idx)."""
     mode = os.environ.get(MODE_ENV, "")
     if (mode == "torch" or new == 0 or batch * new > MAX_SLOTS or batch * max(width, 1) > MAX_TABLE
-            or (has_rows and width)):
+            or (has_rows and width) or (has_rows and batch > MAX_PAIRS) or (width and batch * new > MAX_PAIRS)):
         return False
     if device.type != "cuda" and mode != "triton":
         return False

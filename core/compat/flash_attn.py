@@ -25,6 +25,7 @@ sync on accelerators), one indexed store per cache, then the kernel bound for it
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any, NamedTuple
 
@@ -465,6 +466,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
                               rotary_interleaved, alibi_slopes, return_softmax_lse)
 
 
+_log = logging.getLogger("opdispatch")
 _KV_BOUND = "compat.flash_attn_with_kvcache"  # its keys' first field: never one of an op's
 _REFERENCE: Any = object()  # a bound call handing itself to the reference path (which raises the error)
 
@@ -606,9 +608,10 @@ class _KvcacheBound:
             if not self._valid_on_host(lens, rows, table, type(cache_seqlens) is Tensor):
                 return _REFERENCE
             bad = report = index = None
-        elif self.fused is not None and k is not None and v is not None and cos is None:
+        elif self.fused is not None and k is not None and v is not None and cos is None and (
+                fused := self._fused_append(lens, rows, table, k, v, k_cache, v_cache)) is not None:
             # Checked and appended in two launches (core.compat._kv_append); the lengths come back grown.
-            lens, safe, bad, report = self.fused(lens, rows, table, k, v, k_cache, v_cache)
+            lens, safe, bad, report = fused
             if self.paged:
                 table = safe
             elif rows is not None:
@@ -649,6 +652,21 @@ class _KvcacheBound:
         if type(result) is tuple:
             return tuple(torch.where(bad, self.nan, r) if r.is_floating_point() else r for r in result)
         return torch.where(bad, self.nan, result)
+
+    def _fused_append(self, lens: Tensor, rows: Tensor | None, table: Tensor | None, k: Tensor, v: Tensor,
+                      k_cache: Tensor, v_cache: Tensor) -> Any:
+        """The fused check and append, or None where its kernels fail to compile or launch (synchronous errors:
+        the verdict kernel writes only its own outputs, so nothing of the caches was written) — this signature
+        then keeps the torch ops, with one warning naming the error."""
+        assert self.fused is not None
+        try:
+            return self.fused(lens, rows, table, k, v, k_cache, v_cache)
+        except Exception as exc:  # a Triton compile or launch error, never a bad index (those are data)
+            self.fused = None
+            _log.warning("flash_attn_with_kvcache: the fused KV-cache check and append failed (%s: %s); this "
+                         "signature uses the torch-op check from now on (OPDISPATCH_KV_APPEND=torch does so "
+                         "everywhere)", type(exc).__name__, exc)
+            return None
 
     def _attend_again(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
                       table: Tensor | None) -> Any:
