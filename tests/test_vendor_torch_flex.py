@@ -728,3 +728,196 @@ def test_a_bound_call_with_room_under_the_recompile_limit_calls_its_compiled_ent
     assert torch.equal(bound(q, k, v), want) and len(slow) == 1  # read: direct again
     impl._regular_kernel.add(("some", "family"))  # a family moved to the regular kernel: checked on the slow path
     assert torch.equal(bound(q, k, v), want) and len(slow) == 2
+
+
+# -- KV caches: dense (seqused_k) and paged (block_table) -------------------------------------------------------
+
+def kv_oracle(q, k, v, used, *, slopes=None, **kw):
+    """q (b, hq, sq, d), a dense cache k/v (b, hkv, capacity, d) float64 and each sequence's fill `used` -> out
+    (b, hq, sq, dv), lse (b, hq, sq): each sequence through `oracle` over its first used[b] keys only (so ALiBi
+    distances and the bottom-right alignment count from its own fill); an empty cache gives zeros and -inf."""
+    outs, lses = [], []
+    for b, n in enumerate(used.tolist()):
+        if n == 0:
+            outs.append(torch.zeros(q.shape[1], q.shape[2], v.shape[3], dtype=q.dtype))
+            lses.append(torch.full((q.shape[1], q.shape[2]), -math.inf, dtype=q.dtype))
+            continue
+        sl = slopes if slopes is None or slopes.dim() == 1 else slopes[b:b + 1]
+        o, l = oracle(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], slopes=sl, **kw)
+        outs.append(o[0])
+        lses.append(l[0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+def paged_cache(used, page_size, hkv, dims, gen, shared_pages=0):
+    """Page pools holding sequences of `used` keys, and their block table: pages in shuffled pool order, sequence
+    1 sharing sequence 0's first `shared_pages` pages (a common prefix), spare pool pages, one unused table entry
+    per row past the used pages, the unused entries junk (an out-of-range index, never read), and the table a
+    non-contiguous view (every other column of a wider tensor). Returns (k pool, v pool, table, k dense, v dense):
+    the dense cache (b, max_pages * page_size, hkv, dim) holds each sequence's keys at the same positions, and
+    other random values past its fill."""
+    needed = [-(-n // page_size) for n in used]
+    max_pages = max(needed) + 1
+    fresh = sum(needed) - min(shared_pages, needed[1]) + 3
+    order = torch.randperm(fresh, generator=gen).tolist()
+    wide = torch.full((len(used), 2 * max_pages), 10**6, dtype=torch.int32)
+    table = wide[:, ::2]
+    for b, count in enumerate(needed):
+        for p in range(count):
+            table[b, p] = table[0, p] if b == 1 and p < shared_pages else order.pop()
+    pools = [rand(fresh, page_size, hkv, dim, gen=gen) for dim in dims]
+    capacity = max_pages * page_size
+    dense = []
+    for pool in pools:
+        rows = rand(len(used), capacity, hkv, pool.shape[3], gen=gen)
+        for b, (n, count) in enumerate(zip(used, needed)):
+            if count:
+                rows[b, :n] = pool[table[b, :count].long()].reshape(-1, hkv, pool.shape[3])[:n]
+        dense.append(rows)
+    assert not table.is_contiguous()
+    return pools[0], pools[1], table, dense[0], dense[1]
+
+
+PAGED_CASES = [
+    # name, hq, hkv, kwargs: all bottom-right (a decode step / a chunked prefill over the cache)
+    ("causal_gqa2", 4, 2, dict(causal=True)),
+    ("window_softcap_alibi_gqa4", 4, 1, dict(causal=True, window=(7, 0), softcap=4.0, alibi="bh")),
+    ("window_both_sides_no_causal", 2, 2, dict(window=(5, 2))),
+]
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 5], ids=["decode", "chunked_prefill"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("case", PAGED_CASES, ids=[c[0] for c in PAGED_CASES])
+def test_paged_cache_matches_oracle_and_the_dense_cache_its_pages_hold(case, page_size, seqlen_q, gen,
+                                                                      untraced_flex):
+    name, hq, hkv, kw = case
+    kw = dict(kw, causal_alignment="bottom_right")
+    used = [37 + 2 * page_size, 20 + page_size, 0, 3]  # an empty cache; fewer keys than queries (blind rows)
+    b, d, dv = len(used), 32, 24
+    slopes = _alibi(kw.pop("alibi", None), b, hq, gen)
+    k_pool, v_pool, table, k_dense, v_dense = paged_cache(used, page_size, hkv, (d, dv), gen,
+                                                         shared_pages=max(1, 16 // page_size))
+    seqused = torch.tensor(used, dtype=torch.int32)
+    q = rand(b, seqlen_q, hq, d, gen=gen)
+    impl = flex_impl()
+    paged = validate_attention(q, k_pool, v_pool, seqused_k=seqused, block_table=table, alibi_slopes=slopes,
+                               return_lse=True, **kw)
+    cpu = opdispatch.DeviceInfo(vendor="cpu", type="cpu", arch="x86_64", name="cpu")
+    assert impl.not_supported_reasons(paged, cpu) == []
+    out, lse = impl.run(paged)
+    assert out.shape == (b, seqlen_q, hq, dv) and lse.shape == (b, hq, seqlen_q)
+    want_out, want_lse = kv_oracle(q.transpose(1, 2).double(), k_dense.transpose(1, 2).double(),
+                                   v_dense.transpose(1, 2).double(), seqused, slopes=slopes, scale=paged.scale,
+                                   causal=kw.get("causal", False), alignment="bottom_right", window=paged.window,
+                                   softcap=kw.get("softcap", 0.0))
+    assert_close(out.transpose(1, 2), want_out, torch.float32, f"{name} out")
+    assert_close(lse, want_lse, torch.float32, f"{name} lse")
+    assert torch.all(out[2] == 0) and torch.all(lse[2] == -math.inf), "an empty cache: zeros and -inf"
+    # the same call over the dense cache the pages hold (other values past each fill): the same numbers
+    dense = validate_attention(q, k_dense, v_dense, seqused_k=seqused, alibi_slopes=slopes, return_lse=True, **kw)
+    dense_out, dense_lse = impl.run(dense)
+    assert torch.equal(out, dense_out) and torch.equal(lse, dense_lse)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "sbhd"])
+def test_kv_cache_in_other_layouts_and_top_left(layout, gen, untraced_flex):
+    """A dense cache in bhsd/sbhd, and top-left alignment (each sequence's queries at its cache's start)."""
+    used = torch.tensor([9, 0, 30], dtype=torch.int32)
+    q, k, v = make_dense(layout, 3, 6, 30, 4, 2, 16, 16, gen=gen)
+    for alignment in ("bottom_right", "top_left"):
+        call = validate_attention(q, k, v, layout=layout, seqused_k=used, causal=True, causal_alignment=alignment,
+                                  return_lse=True)
+        out, lse = flex_impl().run(call)
+        want_out, want_lse = kv_oracle(*(to_bhsd(t, layout).double() for t in (q, k, v)), used, scale=call.scale,
+                                       causal=True, alignment=alignment)
+        assert_close(to_bhsd(out, layout), want_out, torch.float32, f"{layout} {alignment} out")
+        assert_close(lse, want_lse, torch.float32, f"{layout} {alignment} lse")
+
+
+def test_packed_queries_over_paged_and_dense_caches(gen, untraced_flex):
+    """thd queries (one sequence without queries) over 16-key pages, and over a packed dense cache whose
+    sequences use the first seqused_k keys of their cu_seqlens_k spans."""
+    used, lens_q, hq, hkv, d = [40, 21, 0, 17], [3, 1, 2, 0], 4, 2, 32
+    slopes = _alibi("bh", 4, hq, gen)
+    k_pool, v_pool, table, k_dense, v_dense = paged_cache(used, 16, hkv, (d, d), gen, shared_pages=1)
+    cu_q = torch.tensor([0, 3, 4, 6, 6], dtype=torch.int32)
+    q = rand(6, hq, d, gen=gen)
+    seqused = torch.tensor(used, dtype=torch.int32)
+    # no causal and a right window side: keys past each sequence's fill are only hidden by its length
+    kw = dict(causal_alignment="bottom_right", window=(9, 3), alibi_slopes=slopes, return_lse=True)
+    call = validate_attention(q, k_pool, v_pool, layout="thd", cu_seqlens_q=cu_q, max_seqlen_q=3,
+                              seqused_k=seqused, block_table=table, **kw)
+    out, lse = flex_impl().run(call)
+    outs, lses = [], []
+    for b, (start, n_q) in enumerate(zip(cu_q.tolist(), lens_q)):
+        o, l = kv_oracle(q[start:start + n_q].transpose(0, 1).unsqueeze(0).double(),
+                         k_dense[b:b + 1].transpose(1, 2).double(), v_dense[b:b + 1].transpose(1, 2).double(),
+                         seqused[b:b + 1], slopes=slopes[b:b + 1], scale=call.scale, alignment="bottom_right",
+                         window=(9, 3))
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    want_out, want_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    assert_close(out, want_out, torch.float32, "paged thd out")
+    assert_close(lse, want_lse, torch.float32, "paged thd lse")
+    # the same sequences as a packed dense cache: spans of capacity 48, each using its first seqused_k keys
+    capacity = k_dense.shape[1]
+    cu_k = torch.arange(5, dtype=torch.int32) * capacity
+    packed = validate_attention(q, k_dense.flatten(0, 1), v_dense.flatten(0, 1), layout="thd", cu_seqlens_q=cu_q,
+                                cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=capacity, seqused_k=seqused, **kw)
+    packed_out, packed_lse = flex_impl().run(packed)
+    assert_close(packed_out, want_out, torch.float32, "packed dense cache out")
+    assert_close(packed_lse, want_lse, torch.float32, "packed dense cache lse")
+
+
+def test_paged_backward_reaches_shared_pages(gen, cpu_backward):
+    """Gradients flow through the gather into the page pools: a page two sequences share (their common prefix)
+    gets both sequences' gradients, pages no sequence uses get zeros."""
+    used, page_size, hq, hkv, d = [21, 13, 0], 4, 4, 2, 16
+    k_pool, v_pool, table, _, _ = paged_cache(used, page_size, hkv, (d, d), gen, shared_pages=2)
+    seqused = torch.tensor(used, dtype=torch.int32)
+    q = rand(3, 3, hq, d, gen=gen).requires_grad_()
+    k_pool.requires_grad_()
+    v_pool.requires_grad_()
+    kw = dict(causal=True, causal_alignment="bottom_right", softcap=3.0)
+    call = validate_attention(q, k_pool, v_pool, seqused_k=seqused, block_table=table, **kw)
+    assert call.requires_grad
+    impl = flex_impl()
+    grad_out = rand(3, 3, hq, d, gen=gen)
+    got = _grads(lambda q_, k_, v_: impl.run(call.with_tensors(q_, k_, v_)), (q, k_pool, v_pool), grad_out)
+
+    def ref(q_, k_, v_):
+        rows = table.clamp(0, k_.shape[0] - 1).long()
+        kd, vd = (t[rows].reshape(3, -1, hkv, d).transpose(1, 2) for t in (k_, v_))
+        out, _ = kv_oracle(q_.transpose(1, 2), kd, vd, seqused, scale=call.scale, causal=True,
+                           alignment="bottom_right", softcap=3.0)
+        return out.transpose(1, 2)
+
+    want = _grads(ref, tuple(t.detach().double().requires_grad_() for t in (q, k_pool, v_pool)), grad_out.double())
+    for name_, g, w in zip("qkv", got, want):
+        assert_close(g, w, torch.float32, f"paged d{name_}")
+    shared = table[0, :2].long()
+    assert torch.equal(table[1, :2].long(), shared) and got[1][shared].abs().sum() > 0
+    named = {int(p) for b, n in enumerate(used) for p in table[b, : -(-n // page_size)].tolist()}
+    unused = [p for p in range(k_pool.shape[0]) if p not in named]
+    assert unused and torch.all(got[1][unused] == 0) and torch.all(got[2][unused] == 0)
+
+
+def test_paged_selection_on_simulated_devices(manager, monkeypatch):
+    """vLLM's 16-key pages: torch.flex is chosen on Hygon K100 and KunLunXin P800 (no fused paged kernel there);
+    a block table whose gather would pass the bound is declined with the gather's reason."""
+    def paged(device, pages_per_seq, grad=False):
+        q = torch.empty(4, 1, 16, 128, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+        k = torch.empty(1024, 16, 2, 128, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+        v = torch.empty(1024, 16, 2, 128, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+        return opdispatch.explain(q, k, v, device=DEVICES_DIR / f"{device}.yaml", causal=True,
+                                  causal_alignment="bottom_right",
+                                  seqused_k=torch.empty(4, dtype=torch.int32, device="meta"),
+                                  block_table=torch.empty(4, pages_per_seq, dtype=torch.int32, device="meta"))
+
+    for device in ("hygon-k100", "p800"):
+        d = paged(device, 256)
+        assert d.chosen_id == "torch.flex", (device, [(c.impl_id, c.reasons) for c in d.candidates])
+    # 4 x 65536 pages of 16 keys, 2 heads x (128 + 128) bf16: 4 GiB of gather
+    reasons = _flex_candidate(paged("p800", 65536)).reasons
+    assert any("paged cache: torch.flex" in r and "4096 MiB" in r and "1024 MiB bound" in r for r in reasons), reasons

@@ -1,5 +1,6 @@
 """`torch.flex` on CUDA: the compiled flex kernel against a float64 oracle (tests/test_vendor_torch_flex.py's, run on
-the CPU), forward with LSE and backward, bf16 and fp16; bitwise repeats for the determinism it declares; that a
+the CPU), forward with LSE and backward, bf16 and fp16; paged KV caches (gathered pages, forward and backward into the
+pools, equal to the dense cache the pages hold); bitwise repeats for the determinism it declares; that a
 long call stays fused (no score matrix in memory); and that the dispatcher picks it for softcap training.
 
 Skipped without CUDA. Run: pytest -q -rxXs tests/gpu/test_flex_gpu.py
@@ -16,7 +17,7 @@ import torch
 import opdispatch
 from opdispatch import validate_attention
 from opdispatch.vendors.torch_flex import TorchFlexAttention
-from tests.test_vendor_torch_flex import oracle, varlen_oracle
+from tests.test_vendor_torch_flex import kv_oracle, oracle, paged_cache, varlen_oracle
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -256,3 +257,47 @@ def test_dispatch_picks_flex_for_softcap_and_cudnn_for_alibi_training():
     out = opdispatch.attention(q, k, v, causal=True, softcap=30.0)
     out.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 64], ids=["decode", "chunked_prefill"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_cache_compiled_forward_and_backward(page_size, seqlen_q):
+    """The compiled kernel over a paged cache (its pages gathered, a block mask of each sequence's fill): GQA 4,
+    a window, an empty cache and a prefix page shared by two sequences; forward and LSE against the float64
+    oracle, the same numbers as over the dense cache the pages hold, and gradients into q and the page pools."""
+    dtype, hq, hkv, d = torch.bfloat16, 16, 4, 128
+    gen = torch.Generator().manual_seed(1000 * page_size + seqlen_q)
+    used = [700, 333, 0, 65]
+    pools_and_dense = paged_cache(used, page_size, hkv, (d, d), gen, shared_pages=max(1, 32 // page_size))
+    k_pool, v_pool, k_dense, v_dense = (t.to("cuda", dtype) for t in (pools_and_dense[i] for i in (0, 1, 3, 4)))
+    table, seqused = pools_and_dense[2].cuda(), torch.tensor(used, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(used), seqlen_q, hq, d, generator=gen).to("cuda", dtype)
+    kw = dict(causal=True, causal_alignment="bottom_right", window=(256, 0))
+    impl = _impl()
+    device = opdispatch.get_manager().device_info(torch.device("cuda"))
+    call = validate_attention(q, k_pool, v_pool, seqused_k=seqused, block_table=table, return_lse=True, **kw)
+    assert impl.not_supported_reasons(call, device) == []
+    out, lse = impl.run(call)
+    ref_out, ref_lse = kv_oracle(*(t.cpu().double().transpose(1, 2) for t in (q, k_dense, v_dense)), seqused.cpu(),
+                                 scale=call.scale, causal=True, alignment="bottom_right", window=(256, 0))
+    err = _rel(out.transpose(1, 2), ref_out)
+    assert err <= TOL[dtype][0], f"forward rel err {err:.3g}"
+    seen = torch.isfinite(ref_lse)
+    assert (lse.cpu().double()[seen] - ref_lse[seen]).abs().max().item() <= LSE_ATOL
+    assert torch.all(lse.cpu()[~seen] == -math.inf) and torch.all(out[2] == 0)
+    dense_out, dense_lse = impl.run(validate_attention(q, k_dense, v_dense, seqused_k=seqused, return_lse=True, **kw))
+    assert torch.equal(out, dense_out) and torch.equal(lse, dense_lse)
+    # backward: through the gather into the pools
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k_pool, v_pool))
+    grad_out = torch.randn(out.shape, generator=gen).to("cuda", dtype)
+    got = torch.autograd.grad(impl.run(validate_attention(qg, kg, vg, seqused_k=seqused, block_table=table, **kw)),
+                              (qg, kg, vg), grad_out)
+    leaves = tuple(t.detach().cpu().double().requires_grad_() for t in (q, k_pool, v_pool))
+    rows = table.cpu().clamp(0, k_pool.shape[0] - 1).long()
+    kd, vd = (t[rows].reshape(len(used), -1, hkv, d).transpose(1, 2) for t in leaves[1:])
+    ref, _ = kv_oracle(leaves[0].transpose(1, 2), kd, vd, seqused.cpu(), scale=call.scale, causal=True,
+                       alignment="bottom_right", window=(256, 0))
+    want = torch.autograd.grad(ref.transpose(1, 2), leaves, grad_out.cpu().double())
+    for name, g, w in zip(("dq", "dk_pool", "dv_pool"), got, want):
+        e = _rel(g, w)
+        assert e <= TOL[dtype][1], f"{name} rel err {e:.3g}"

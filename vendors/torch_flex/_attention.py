@@ -6,7 +6,12 @@ Every feature is expressed the way FlexAttention wants it, so the whole call sta
 - positions (causal, either alignment, windows, varlen documents) as a block mask from `create_block_mask`,
   whose fully masked tiles the kernel skips; dense masks are cached in a bounded LRU keyed on everything they
   depend on;
-- softcap, ALiBi and an additive bias as a `score_mod`; a boolean `attn_mask` as a `mask_mod`.
+- softcap, ALiBi and an additive bias as a `score_mod`; a boolean `attn_mask` as a `mask_mod`;
+- KV caches (`seqused_k`) as a block mask of each sequence's fill, built per call (it depends on the lengths'
+  values), causal/window/ALiBi aligned at that fill; paged caches (`block_table`, pages of any size) by gathering
+  the pages each block table names into a dense cache first (the plugins toolkit's `gathered_pages`, declined past
+  its `PAGED_GATHER_MAX_BYTES`), then the same path. Packed (thd) queries over a cache use the varlen document
+  tables with a per-token "key within its sequence's fill" table.
 Numbers the mods read (alignment offset, window sides, softcap, per-token document tables) are captured as
 tensors, never Python scalars: dynamo guards a captured Python number by value and would recompile for every new
 window or softcap, while a captured tensor is guarded only by its metadata (checked on torch 2.13: new closures
@@ -42,7 +47,8 @@ from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import bind_dense, kernel_window
+from opdispatch.plugins.toolkit import (bind_dense, gathered_pages, kernel_window, paged_as_dense, paged_gather_reason,
+                                        uniform_cu_seqlens)
 
 _MIN_HEAD_DIM = 16  # tl.dot's minimum K; flex raises NotImplementedError below it on every GPU backend
 _MIN_TORCH = "2.5"  # flex_attention public, with enable_gqa, return_lse and backward
@@ -344,12 +350,14 @@ def _aux_request() -> Any:
 class _Positions:
     """The positional pattern of one call, as tensors the mods capture.
 
-    Dense calls: query i sits at aligned position i + offset, key j at j. Varlen calls: per-token tables of the
-    document, the aligned position within the document (i - start_q + offset_doc) and the key position within
-    its document (j - start_k).
+    Dense calls: query i sits at aligned position i + offset, key j at j. Dense KV caches: the offset is per
+    sequence (`batch_offset`, from its fill `used`). Varlen calls: per-token tables of the document, the aligned
+    position within the document (i - start_q + offset_doc) and the key position within its document
+    (j - start_k); over a KV cache also `kvalid`, whether a key lies within its sequence's fill.
     """
 
-    __slots__ = ("offset", "left", "right", "doc_q", "doc_k", "qpos", "kpos", "mask_mod", "block_mask")
+    __slots__ = ("offset", "left", "right", "doc_q", "doc_k", "qpos", "kpos", "mask_mod", "block_mask",
+                 "batch_offset", "used", "kvalid")
 
     def __init__(self) -> None:
         # Set by the builders: dense calls fill offset/left/right, varlen calls also the per-token tables.
@@ -362,11 +370,16 @@ class _Positions:
         self.kpos: torch.Tensor | None = None
         self.mask_mod: Callable[..., Any] | None = None
         self.block_mask: Any = None
+        self.batch_offset: torch.Tensor | None = None
+        self.used: torch.Tensor | None = None
+        self.kvalid: torch.Tensor | None = None
 
-    def distance(self, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+    def distance(self, b: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
         """j - (i + o): negative for keys before the aligned diagonal."""
         if self.qpos is not None:
             return self.kpos[ki] - self.qpos[qi]
+        if self.batch_offset is not None:
+            return ki - qi - self.batch_offset[b]
         return ki - qi - self.offset
 
 
@@ -378,11 +391,15 @@ def _positional_mask_mod(pos: _Positions, causal: bool, has_left: bool, has_righ
     if not varlen:
         return _dense_mask_mod(pos.offset, pos.left, pos.right, causal, has_left, has_right)
 
+    kvalid = pos.kvalid
+
     def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
-        rel = pos.distance(qi, ki)
+        rel = pos.distance(b, qi, ki)
         clauses = []
         if varlen:
             clauses.append(pos.doc_q[qi] == pos.doc_k[ki])
+        if kvalid is not None:
+            clauses.append(kvalid[ki])
         if causal:
             clauses.append(rel <= 0)
         if has_left:
@@ -412,6 +429,27 @@ def _dense_mask_mod(offset: torch.Tensor, left: torch.Tensor, right: torch.Tenso
             keep = rel >= -left if keep is None else keep & (rel >= -left)
         if has_right:
             keep = rel <= right if keep is None else keep & (rel <= right)
+        return keep
+
+    return mask_mod
+
+
+def _kv_mask_mod(used: torch.Tensor, batch_offset: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
+                 causal: bool, has_left: bool, has_right: bool) -> Callable[..., Any]:
+    """The positional mask of a dense KV cache: key j of sequence b exists when j < used[b]; causal/window are
+    aligned by that sequence's own offset."""
+    has_right = has_right and not causal
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        keep = ki < used[b]
+        if causal or has_left or has_right:
+            rel = ki - qi - batch_offset[b]
+            if causal:
+                keep = keep & (rel <= 0)
+            if has_left:
+                keep = keep & (rel >= -left)
+            if has_right:
+                keep = keep & (rel <= right)
         return keep
 
     return mask_mod
@@ -503,7 +541,7 @@ def _score_mod(call: AttentionCall, pos: _Positions, q_bhsd_shape: tuple[int, ..
                 slope = slopes[pos.doc_q[qi] if varlen else b, h]
             else:
                 slope = slopes[h]
-            score = score - slope * pos.distance(qi, ki).abs().to(torch.float32)
+            score = score - slope * pos.distance(b, qi, ki).abs().to(torch.float32)
         if bias is not None:
             score = score + bias(b, h, qi, ki)
         return score
@@ -552,6 +590,10 @@ class TorchFlexAttention(AttentionImpl):
         # atomic_add), declined for deterministic calls in extra_reasons.
         deterministic_forward=True, deterministic_backward=True,
         causal=True,
+        # KV caches: each sequence's fill as a block mask (ALiBi distances from that fill too); paged caches of
+        # any page size by gathering their pages into a dense cache first (bounded: extra_reasons). Backward as
+        # for any call: autograd through the mods, and through the gather into the page pools.
+        kv_cache=True, paged_kv=True, kv_cache_alibi=True,
     )
 
     def device_reasons(self, device: DeviceInfo) -> list[str]:
@@ -593,12 +635,17 @@ class TorchFlexAttention(AttentionImpl):
                 and call.attn_bias.requires_grad):
             reasons.append("deterministic=True with a gradient for attn_bias: flex accumulates the gradient of a "
                            "captured tensor with atomic adds")
+        if call.paged:
+            too_large = paged_gather_reason(call, "torch.flex (flex_attention takes no block table)")
+            if too_large:
+                reasons.append(too_large)
         return reasons
 
     def selection_key(self, call: AttentionCall) -> Any:
-        # extra_reasons reads the device, the options (both part of every decision key), head dims, flags and
-        # whether attn_bias requires grad — no sizes.
-        return (call.attn_bias is not None and call.attn_bias.requires_grad,)
+        # extra_reasons reads the device, the options (both part of every decision key), head dims, flags,
+        # whether attn_bias requires grad and, for a paged call, whether its gather passes the bound (sizes).
+        return (call.attn_bias is not None and call.attn_bias.requires_grad,
+                call.paged and paged_gather_reason(call, "") is not None)
 
     # -- running ---------------------------------------------------------------------------------------------
     def bind(self, call: AttentionCall) -> Callable[..., Any]:
@@ -636,11 +683,24 @@ class TorchFlexAttention(AttentionImpl):
         if call.dropout_p > 0:
             raise ValueError(f"torch.flex: dropout_p={call.dropout_p:g} is not supported (flex_attention has no "
                              "dropout); use dropout_p=0 or another implementation")
+        if call.paged and not call.varlen:
+            # The pages each block table names, gathered into a dense cache (a copy, differentiable into the
+            # pools): flex_attention takes no block table. Then the dense KV-cache path.
+            call = paged_as_dense(call)
         if call.varlen:
             # (total, heads, dim) -> (1, heads, total, dim): views; packed sequences are one batch row with a
             # document mask.
-            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (call.q, call.k, call.v))
-            pos = self._varlen_positions(call)
+            keys, values, cu_k = call.k, call.v, None
+            if call.paged:  # packed queries over pages: sequence b's keys are row b of the gathered cache
+                gathered = gathered_pages(call)
+                capacity = gathered[0].shape[1]
+                keys, values = (t.flatten(0, 1) for t in gathered)
+                cu_k = uniform_cu_seqlens(call.batch, capacity, keys.device)
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (call.q, keys, values))
+            pos = self._varlen_positions(call, cu_k, k.shape[2])
+        elif call.kv_cache:
+            q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
+            pos = self._kv_positions(call, q.shape[2], k.shape[2])
         else:
             q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
             pos = self._dense_positions(call, q.shape[2], k.shape[2])
@@ -736,31 +796,55 @@ class TorchFlexAttention(AttentionImpl):
             return _Positions()  # nothing positional: no mask, no offset needed
         return self._masks.get(key, build, self.options.block_mask_cache)
 
-    def _varlen_positions(self, call: AttentionCall) -> _Positions:
+    def _kv_positions(self, call: AttentionCall, sq: int, sk: int) -> _Positions:
+        """A dense KV cache's pattern: each sequence's fill `seqused_k[b]`, causal/window aligned there
+        (bottom-right: offset fill - seqlen_q) or at its start (top-left). Built per call, with the batch in the
+        block mask: it depends on the lengths' values, which change every decode step."""
+        assert call.seqused_k is not None
+        device = call.q.device
+        pos = _Positions()
+        pos.used = call.seqused_k.to(torch.int32)
+        pos.batch_offset = (pos.used - sq if call.causal_alignment == "bottom_right"
+                            else torch.zeros_like(pos.used))
+        left, right = kernel_window(call)
+        pos.left, pos.right = _int_scalar(left, device), _int_scalar(right, device)
+        pos.mask_mod = _kv_mask_mod(pos.used, pos.batch_offset, pos.left, pos.right, call.causal, left >= 0,
+                                    right >= 0)
+        pos.block_mask = self._create_block_mask(pos.mask_mod, call.batch, None, sq, sk, device)
+        return pos
+
+    def _varlen_positions(self, call: AttentionCall, cu_seqlens_k: torch.Tensor | None = None,
+                          total_k: int | None = None) -> _Positions:
         """Document tables from cu_seqlens, rebuilt on every call: they depend on the values of cu_seqlens (which
         a caller may rewrite in place), so no cache key can stand for them. Cost per call: a few O(total tokens)
         kernels for the tables, then create_block_mask, which evaluates the mask on every (query, key) pair —
         O(total_q · total_k) work, fused and without that memory when compiled — and writes
         O(total_q · total_k / 128²) block indices. The attention kernel then visits only the tiles that touch a
-        document's own keys."""
-        assert call.cu_seqlens_q is not None and call.cu_seqlens_k is not None
+        document's own keys. Over a KV cache each document's keys are its first seqused_k of its span (the
+        call's cu_seqlens_k, or `cu_seqlens_k` given here for gathered pages) and alignment counts from there."""
+        cu_k_given = call.cu_seqlens_k if cu_seqlens_k is None else cu_seqlens_k
+        assert call.cu_seqlens_q is not None and cu_k_given is not None
         device = call.q.device
         cu_q = call.cu_seqlens_q.to(torch.int64)
-        cu_k = call.cu_seqlens_k.to(torch.int64)
-        total_q, total_k = call.q.shape[0], call.k.shape[0]
+        cu_k = cu_k_given.to(torch.int64)
+        total_q, total_k = call.q.shape[0], call.k.shape[0] if total_k is None else total_k
         pos = _Positions()
         tok_q = torch.arange(total_q, device=device)
         tok_k = torch.arange(total_k, device=device)
         # The document of a token: how many sequence ends lie at or before it (empty sequences own no token).
         doc_q = torch.searchsorted(cu_q[1:], tok_q, right=True)
         doc_k = torch.searchsorted(cu_k[1:], tok_k, right=True)
+        used = None if call.seqused_k is None else call.seqused_k.to(torch.int64)
         if call.causal_alignment == "bottom_right":
-            offset = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])
+            offset = (cu_k[1:] - cu_k[:-1] if used is None else used) - (cu_q[1:] - cu_q[:-1])
         else:
             offset = torch.zeros_like(cu_q[1:])
         pos.doc_q, pos.doc_k = doc_q.to(torch.int32), doc_k.to(torch.int32)
         pos.qpos = (tok_q - cu_q[doc_q] + offset[doc_q]).to(torch.int32)
-        pos.kpos = (tok_k - cu_k[doc_k]).to(torch.int32)
+        kpos = tok_k - cu_k[doc_k]
+        pos.kpos = kpos.to(torch.int32)
+        if used is not None:
+            pos.kvalid = kpos < used[doc_k]
         left, right = kernel_window(call)
         pos.left, pos.right = _int_scalar(left, device), _int_scalar(right, device)
         pos.mask_mod = _positional_mask_mod(pos, call.causal, left >= 0, right >= 0, varlen=True)
