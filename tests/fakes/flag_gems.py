@@ -124,9 +124,10 @@ def flash_mla(q, block_table, blocked_k, max_seqlen_pad, block_size, b, s_q, cac
         n = int(cache_seqlens[i])
         pos = torch.arange(n)
         slots = block_table[i, pos // block_size].long() * block_size + pos % block_size
+        if n == 0:
+            continue  # the kernel's acc / e_sum is 0 / 0: NaN, left as o's NaN fill
         kv = rows[slots]
-        p = torch.softmax((q[i].double() @ kv.T) / math.sqrt(d), dim=-1) if n else torch.zeros(head_num, 0)
-        o[i] = p @ kv[:, :dv] if n else float("nan")
+        o[i] = torch.softmax((q[i].double() @ kv.T) / math.sqrt(d), dim=-1) @ kv[:, :dv]
     return o.to(q.dtype).view([b, s_q, h_q, dv])
 
 
