@@ -67,7 +67,8 @@ def paged_call(mla: bool) -> dict:
     batch, page, pages_per_seq = 8, 16, 256
     pool = batch * pages_per_seq
     if mla:
-        q, k, v = meta(batch, 1, H, 576), meta(pool, page, 1, 576), meta(pool, page, 1, 512)
+        q, k = meta(batch, 1, H, 576), meta(pool, page, 1, 576)
+        v = k[..., :512]  # absorbed MLA: the values are the latent, the first 512 columns of the key cache
     else:
         q, k, v = meta(batch, 1, 4 * 8, D), meta(pool, page, 8, D), meta(pool, page, 8, D)
     return dict(q=q, k=k, v=v, causal=True, causal_alignment="bottom_right",
@@ -79,15 +80,15 @@ def paged_call(mla: bool) -> dict:
 BEFORE = ("Before issue 35 (same devices and calls): 80 of 140 training, 71 of 140 forward and 25 of 28 paged cells "
           "went to reference.math.")
 
-# What a fused paged MLA decode would take, read from FlagGems 5.0.2 (src/flag_gems/fused/flash_mla.py; the
-# _cambricon, _kunlunxin and _metax backends carry their own). No opdispatch adapter wraps it yet.
+# Paged MLA decode: flagos.flash_mla (vendors/flagos/_flash_mla.py) adapts FlagGems 5.0.2's flash_mla.
 PAGED_MLA_NOTE = (
-    "paged16 MLA everywhere: FlagGems ships `flag_gems.fused.flash_mla(q, block_table, blocked_k, max_seqlen_pad, "
-    "block_size, b, s_q, cache_seqlens, h_q, h_kv, d, dv, causal)` (any page size). An adapter would have to "
-    "require what it assumes: v is the first dv columns of the k cache (it reads V from blocked_k: absorbed MLA, "
-    "v = k[..., :512]), scale exactly 1/sqrt(d) (it ignores any other), one query per sequence, causal=True, no "
-    "LSE returned; the generic kernel picks its tiles by compute capability major 9 or 8, 7 on Iluvatar, 3 on Moore "
-    "Threads and raises `error.backend_not_support` otherwise; the _ascend backend has no flash_mla in 5.0.2.")
+    "paged16 MLA: flagos.flash_mla runs FlagGems' `flash_mla(q, block_table, blocked_k, max_seqlen_pad, "
+    "block_size, b, s_q, cache_seqlens, h_q, h_kv, d, dv, causal)` (any page size) where 5.0.2 has tiles for the "
+    "chip (capability major 9/8, 7 on Iluvatar, 3 on Moore Threads; any Cambricon; 9/8 in _kunlunxin and _metax; "
+    "black-listed on Hygon; none on Ascend; AMD refused: Hopper tiles over a 64 KiB LDS). It claims only what it "
+    "computes: v = k[..., :512] of the same storage (it reads V from blocked_k), scale 1/sqrt(576), one query per "
+    "sequence, one KV head, bf16, no LSE, forward only; a chip whose descriptor declares no capability is refused "
+    "until it does.")
 
 FEATURES = ["dense", "causal", "gqa", "window", "softcap", "alibi", "bias", "mask", "varlen", "mla"]
 COLUMNS = ([(f"{f} fwd", f, False) for f in FEATURES] + [(f"{f} train", f, True) for f in FEATURES]
@@ -136,7 +137,7 @@ def main() -> None:
               f"{total['fwd']} forward cells, {count['paged']} of {total['paged']} paged cells.", "", BEFORE, "",
               "## Why each reference.math cell has no fused implementation", "",
               "(each fused candidate that runs on the device, with its first reason)", ""] + notes + [
-                 "", "## Fused kernels that exist but have no adapter", "", f"- {PAGED_MLA_NOTE}"]
+                 "", "## Paged MLA", "", f"- {PAGED_MLA_NOTE}"]
     text = "\n".join(lines) + "\n"
     if args.out:
         args.out.write_text(text)

@@ -376,3 +376,168 @@ def test_sliced_cache_with_window_softcap_alibi(manager, gems, rng, features):
         k_buf[:, n:] = 0.25
         v_buf[:, n:] = 0.25
     assert not _compile_keys("_attn_fwd") and len(_compile_keys("flash_varlen_fwd_kernel")) == 1
+
+
+# -- flagos.flash_mla: FlagGems' paged absorbed-MLA decode (5.0.2 src/flag_gems/fused/flash_mla.py) ----------------
+
+def _mla_cache(rng, lengths, page, heads_q=16, heads_kv=1, dims=(576, 512), dtype=torch.bfloat16, layout="bshd"):
+    """One-query decode over a shuffled page pool: q, k pool, v = k[..., :dv] (the same storage), lengths, table."""
+    d, dv = dims
+    pages_per_seq = max(-(-n // page) for n in lengths) + 1
+    pool = len(lengths) * pages_per_seq + 3
+    table = torch.randperm(pool, generator=rng)[:len(lengths) * pages_per_seq].view(len(lengths), pages_per_seq)
+    k = randn(pool, page, heads_kv, d, dtype=dtype, gen=rng)
+    q = randn(len(lengths), 1, heads_q, d, dtype=dtype, gen=rng)
+    if layout == "bhsd":
+        q = q.transpose(1, 2)
+    return q, k, k[..., :dv], torch.tensor(lengths, dtype=torch.int32), table.to(torch.int32).contiguous()
+
+
+def _mla_call(q, k, v, used, table, layout="bshd", **kw):
+    kw.setdefault("causal", True)
+    kw.setdefault("causal_alignment", "bottom_right")
+    return validate_attention(q, k, v, layout=layout, seqused_k=used, block_table=table, **kw)
+
+
+ILUVATAR = dict(vendor="iluvatar", capability=(7, 1))
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("lengths", [[700, 1, 130], [64, 65, 3, 0]])
+@pytest.mark.parametrize("heads_q", [16, 20, 128])
+@pytest.mark.parametrize("causal,layout", [(True, "bshd"), (False, "bshd"), (True, "bhsd")])
+def test_flash_mla_against_the_oracle(manager, monkeypatch, rng, page, lengths, heads_q, causal, layout):
+    """Pages of 16 and 64 keys, sequences of different lengths (one key, an empty one: 0/0 in the kernel, zeros
+    here), h_q:1 GQA with head counts the kernel's BLOCK_H does not divide, bf16: against reference.math on the
+    same paged cache. The fake reads V from blocked_k as the real kernel does."""
+    from opdispatch.vendors.flagos import FlagGemsFlashMLA
+
+    fake_flag_gems.install(monkeypatch, vendor="iluvatar")
+    q, k, v, used, table = _mla_cache(rng, lengths, page, heads_q=heads_q, layout=layout)
+    call = _mla_call(q, k, v, used, table, layout=layout, causal=causal)
+    impl = FlagGemsFlashMLA()
+    assert impl.not_supported_reasons(call, _device(**ILUVATAR)) == []
+    out = impl.run(call)
+    name, kw = fake_flag_gems.calls[-1]
+    assert name == "flash_mla" and kw == dict(b=len(lengths), s_q=1, h_q=heads_q, h_kv=1, d=576, dv=512,
+                                              block_size=page, max_seqlen_pad=table.shape[1] * page)
+    ref = _ref(manager).run(call)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16 and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    if 0 in lengths:
+        assert (out[lengths.index(0)] == 0).all()
+
+
+def test_flash_mla_never_runs_with_a_separate_v(manager, monkeypatch, rng):
+    """A v cache of its own (equal values, or other values) is refused: the kernel would read k's columns."""
+    from opdispatch.vendors.flagos import FlagGemsFlashMLA
+
+    fake_flag_gems.install(monkeypatch, vendor="iluvatar")
+    q, k, v, used, table = _mla_cache(rng, [40, 17], 16)
+    for other in (v.clone(), randn(*v.shape, dtype=v.dtype, gen=rng), k[..., 64:], k.clone()[..., :512]):
+        call = _mla_call(q, k, other, used, table)
+        reasons = FlagGemsFlashMLA().not_supported_reasons(call, _device(**ILUVATAR))
+        assert any("v is not k[..., :512] of the same storage" in r for r in reasons), reasons
+        with pytest.raises(ValueError, match="reads V from k"):
+            FlagGemsFlashMLA().run(call)
+    # and the refusal is not cached across the two: the prefix view of the same call class is taken
+    assert FlagGemsFlashMLA().not_supported_reasons(_mla_call(q, k, v, used, table), _device(**ILUVATAR)) == []
+
+
+def test_flash_mla_refuses_each_broken_assumption(manager, monkeypatch, rng):
+    from opdispatch.vendors.flagos import FlagGemsFlashMLA
+
+    fake_flag_gems.install(monkeypatch, vendor="iluvatar")
+    impl, dev = FlagGemsFlashMLA(), _device(**ILUVATAR)
+    q, k, v, used, table = _mla_cache(rng, [40, 17], 16)
+
+    def reasons(*args, **kw):
+        call = _mla_call(*args, **kw)
+        assert impl.selection_key(call) is not None
+        return " | ".join(impl.not_supported_reasons(call, dev))
+
+    assert "scale 0.1" in reasons(q, k, v, used, table, scale=0.1)
+    assert reasons(q, k, v, used, table, scale=576 ** -0.5) == ""  # the kernel's own scale, given explicitly
+    assert "causal_alignment='top_left'" in reasons(q, k, v, used, table, causal_alignment="top_left")
+    assert "return_lse" in reasons(q, k, v, used, table, return_lse=True)
+    assert "window" in reasons(q, k, v, used, table, window=(8, 0))
+    assert "softcap" in reasons(q, k, v, used, table, softcap=5.0)
+    q2 = randn(2, 2, 16, 576, dtype=torch.bfloat16, gen=rng)
+    assert "seqlen_q 2" in reasons(q2, k, v, used, table)
+    qg = q.clone().requires_grad_(True)
+    assert "backward" in reasons(qg, k, v, used, table)
+    for dtype in (torch.float16, torch.float32):
+        assert "dtype" in reasons(q.to(dtype), k.to(dtype), k.to(dtype)[..., :512], used, table)
+    q192, k192, v128, _, _ = _mla_cache(rng, [40, 17], 16, dims=(192, 128))
+    assert "head_dim 192" in reasons(q192, k192, v128, used, table)
+    q576, k576, v448, _, _ = _mla_cache(rng, [40, 17], 16, dims=(576, 448))
+    assert "v head_dim 448" in reasons(q576, k576, v448, used, table)
+    q2h, k2h, v2h, _, _ = _mla_cache(rng, [40, 17], 16, heads_kv=2)
+    assert "heads_kv 2" in reasons(q2h, k2h, v2h, used, table)
+    wide = randn(k.shape[0], 16, 1, 640, dtype=torch.bfloat16, gen=rng)[..., :576]  # rows 640 apart
+    assert "not contiguous" in reasons(q, wide, wide[..., :512], used, table)
+    dense_k = randn(2, 48, 1, 576, dtype=torch.bfloat16, gen=rng)  # a dense cache: no block_table
+    call = validate_attention(q, dense_k, dense_k[..., :512], causal=True, causal_alignment="bottom_right",
+                              seqused_k=used)
+    assert any("needs a paged KV cache" in r for r in impl.not_supported_reasons(call, dev))
+    call = validate_attention(q, dense_k, dense_k[..., :512])  # no cache at all
+    assert any("needs a paged KV cache" in r for r in impl.not_supported_reasons(call, dev))
+
+
+@pytest.mark.parametrize("vendor,type_,capability,refusal", [
+    ("nvidia", "cuda", (9, 0), None), ("nvidia", "cuda", (8, 0), None),
+    ("nvidia", "cuda", (10, 0), "major 8 or 9"), ("iluvatar", "cuda", (7, 1), None),
+    ("mthreads", "musa", (3, 1), None), ("mthreads", "musa", None, "major 3"), ("mthreads", "musa", (2, 2), "2.2"),
+    ("cambricon", "mlu", None, None), ("kunlunxin", "cuda", None, "major 8 or 9"),
+    ("metax", "cuda", None, "reports none"), ("hygon", "cuda", None, "op_black_list.yaml"),
+    ("ascend", "npu", None, "_ascend backend has no flash_mla"), ("amd", "cuda", (9, 4), "LDS"),
+])
+def test_flash_mla_devices_where_flag_gems_has_tiles(monkeypatch, vendor, type_, capability, refusal):
+    from opdispatch.vendors.flagos import FlagGemsFlashMLA
+
+    fake_flag_gems.install(monkeypatch, vendor=vendor)
+    reason = FlagGemsFlashMLA().availability(_device(vendor, type_, capability))
+    if refusal is None:
+        assert reason is None
+    else:
+        assert reason is not None and refusal in reason
+
+
+def test_flash_mla_availability_follows_flag_gems(monkeypatch):
+    from opdispatch.vendors.flagos import FlagGemsFlashMLA
+
+    fake = fake_flag_gems.install(monkeypatch, vendor="nvidia")
+    reason = FlagGemsFlashMLA().availability(_device(**ILUVATAR))
+    assert "flag_gems detected vendor 'nvidia'" in reason and "GEMS_VENDOR=iluvatar" in reason
+    fake.vendor_name = "iluvatar"
+    monkeypatch.delattr(fake, "flash_mla")
+    assert "no flash_mla" in FlagGemsFlashMLA().availability(_device(**ILUVATAR))
+
+
+def test_paged_mla_selection_on_simulated_devices(manager):
+    """explain on the shipped descriptors: FlagGems' kernel takes paged16 MLA decode where it has tiles for the
+    declared chip (Iluvatar 7.x, Cambricon), NVIDIA keeps nvidia.mem_efficient (flash_mla is after it in the
+    default order), the rest say why; a separate v cache is refused everywhere."""
+    import opdispatch
+    from tests.conftest import device_descriptor
+
+    batch, page, pages_per_seq = 8, 16, 256
+
+    def meta(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    q, k = meta(batch, 1, 16, 576), meta(batch * pages_per_seq, page, 1, 576)
+    kw = dict(causal=True, causal_alignment="bottom_right",
+              seqused_k=torch.empty(batch, dtype=torch.int32, device="meta"),
+              block_table=torch.empty(batch, pages_per_seq, dtype=torch.int32, device="meta"))
+    expected = {"bi-v150": "flagos.flash_mla", "cambricon-mlu590": "flagos.flash_mla",
+                "h100": "nvidia.mem_efficient", "a100": "nvidia.mem_efficient", "hygon-k100": "reference.math",
+                "mthreads-s4000": "reference.math", "p800": "reference.math", "mi300x": "reference.math"}
+    for name, chosen in expected.items():
+        assert opdispatch.explain(q, k, k[..., :512], device=device_descriptor(name), **kw).chosen_id == chosen, name
+        separate = opdispatch.explain(q, k, meta(batch * pages_per_seq, page, 1, 512),
+                                      device=device_descriptor(name), **kw)
+        assert separate.chosen_id != "flagos.flash_mla"
+        if name == "bi-v150":
+            said = [c.reasons for c in separate.candidates if c.impl_id == "flagos.flash_mla"][0]
+            assert any("v is not k[..., :512]" in r for r in said)

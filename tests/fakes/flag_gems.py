@@ -9,6 +9,7 @@ head counts, head dim, flags, the window after mha_varlan_fwd's rewrites, page s
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 
@@ -104,6 +105,32 @@ def scaled_dot_product_attention_forward(query, key, value, attn_mask=None, drop
     return o.transpose(1, 2), lse
 
 
+def flash_mla(q, block_table, blocked_k, max_seqlen_pad, block_size, b, s_q, cache_seqlens, h_q, h_kv, d, dv,
+              causal):
+    """5.0.2's flash_mla in float64: q viewed (-1, h, d) with a grid of q.shape[0] rows, the cache viewed (-1, d)
+    and addressed ``page * block_size + i``, V = those rows' first dv columns (no v argument exists), scale
+    1/sqrt(d), every one of cache_seqlens[b] keys seen, 0/0 for an empty sequence; rows past q.shape[0] are left
+    as torch.empty leaves them (NaN here)."""
+    assert causal, "causal False not supported"
+    assert d > dv, "mla with rope dim should be larger than no rope dim"
+    assert block_table.dtype == torch.int32 and cache_seqlens.dtype == torch.int32
+    batch_size, s_q, head_num, d = list(q.shape)
+    calls.append(("flash_mla", dict(b=b, s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, dv=dv, block_size=block_size,
+                                    max_seqlen_pad=max_seqlen_pad)))
+    q = q.view([-1, head_num, d]).contiguous()
+    rows = blocked_k.view([-1, d]).contiguous().double()
+    o = torch.full([b * s_q, h_q, dv], float("nan"), dtype=torch.float64)
+    for i in range(batch_size):
+        n = int(cache_seqlens[i])
+        pos = torch.arange(n)
+        slots = block_table[i, pos // block_size].long() * block_size + pos % block_size
+        if n == 0:
+            continue  # the kernel's acc / e_sum is 0 / 0: NaN, left as o's NaN fill
+        kv = rows[slots]
+        o[i] = torch.softmax((q[i].double() @ kv.T) / math.sqrt(d), dim=-1) @ kv[:, :dv]
+    return o.to(q.dtype).view([b, s_q, h_q, dv])
+
+
 def _rms(x, weight, eps):
     """RMSNorm as FlagGems' kernel computes it: float32 statistics, weight applied in float32, cast back."""
     xf = x.float()
@@ -163,6 +190,7 @@ def install(monkeypatch, vendor: str = "nvidia") -> types.ModuleType:
     fake = types.ModuleType("flag_gems")
     fake.__version__ = __version__
     fake.flash_attn_varlen_func = flash_attn_varlen_func
+    fake.flash_mla = flash_mla
     fake.vendor_name = vendor
     if vendor == "kunlunxin":
         def output_only(*args, **kwargs):

@@ -5,12 +5,13 @@ from __future__ import annotations
 from opdispatch import Impl, hookimpl
 
 from ._attention import FlagGemsAttention
+from ._flash_mla import FlagGemsFlashMLA
 from ._rms_norm import FlagGemsRmsNorm
 from ._rotary import FlagGemsRotary
 
-__all__ = ["FlagGemsAttention", "FlagGemsRmsNorm", "FlagGemsRotary"]
+__all__ = ["FlagGemsAttention", "FlagGemsFlashMLA", "FlagGemsRmsNorm", "FlagGemsRotary"]
 
 
 @hookimpl
 def opdispatch_impls() -> list[Impl]:
-    return [FlagGemsAttention(), FlagGemsRmsNorm(), FlagGemsRotary()]
+    return [FlagGemsAttention(), FlagGemsFlashMLA(), FlagGemsRmsNorm(), FlagGemsRotary()]

@@ -81,6 +81,21 @@ SDPA_NO_LSE = frozenset({"kunlunxin"})
 _NVIDIA_MIN_CAPABILITY = (8, 0)
 
 
+def gems_vendor_mismatch(device: DeviceInfo) -> str | None:
+    """Why flag_gems cannot serve `device` here (None when it can): it fails to import, or it detected another
+    vendor, whose kernels and configs would then be used."""
+    try:
+        import flag_gems
+    except Exception as exc:  # "No device were detected on your machine !" and friends
+        return f"flag_gems failed to import: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    detected = getattr(flag_gems, "vendor_name", None)
+    if detected != GEMS_VENDORS.get(device.vendor):
+        return (f"flag_gems detected vendor {detected!r}, but this device is {device.vendor!r}: its kernels and "
+                f"configs would be the wrong backend's; set GEMS_VENDOR={GEMS_VENDORS.get(device.vendor)} "
+                "(FlagGems' runtime/backend/device.py reads it first)")
+    return None
+
+
 def uses_varlen_kernel(call: AttentionCall) -> bool:
     """Whether the call goes to flash_attn_varlen_func (else to the dense SDPA kernel)."""
     return (call.varlen or call.kv_cache or call.positional_mask or call.softcap > 0
@@ -126,16 +141,7 @@ class FlagGemsAttention(AttentionImpl):
         return reasons
 
     def extra_availability(self, device: DeviceInfo) -> str | None:
-        try:
-            import flag_gems
-        except Exception as exc:  # "No device were detected on your machine !" and friends
-            return f"flag_gems failed to import: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        detected = getattr(flag_gems, "vendor_name", None)
-        if detected != GEMS_VENDORS.get(device.vendor):
-            return (f"flag_gems detected vendor {detected!r}, but this device is {device.vendor!r}: its kernels and "
-                    f"configs would be the wrong backend's; set GEMS_VENDOR={GEMS_VENDORS.get(device.vendor)} "
-                    "(FlagGems' runtime/backend/device.py reads it first)")
-        return None
+        return gems_vendor_mismatch(device)
 
     def selection_key(self, call: AttentionCall) -> Any:
         # extra_reasons reads class features (flags, alignment, same_lengths, head_dim, options) and, for a
@@ -371,5 +377,5 @@ def unswap_lse(lse: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return lse.reshape(heads_kv, batch, heads // heads_kv).transpose(1, 2).reshape(heads, batch)
 
 
-__all__ = ["BACKWARD_REASON", "FlagGemsAttention", "GEMS_VENDORS", "SDPA_HEAD_DIMS", "capacity_pools", "gems_window",
-           "uses_varlen_kernel"]
+__all__ = ["BACKWARD_REASON", "FlagGemsAttention", "GEMS_VENDORS", "gems_vendor_mismatch", "SDPA_HEAD_DIMS",
+           "capacity_pools", "gems_window", "uses_varlen_kernel"]
