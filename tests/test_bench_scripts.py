@@ -181,3 +181,27 @@ def test_te_module_lands_every_te_call_and_matches_the_direct_op(basic_manager, 
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 12 and not any("failed" in r for r in rows)
     assert all(r["pick"] and r["decided_by"] and r["max_abs_diff_module_vs_op"] <= 1e-4 for r in rows)
+
+
+def test_the_gpu_scripts_import_what_exists():
+    """Every `from opdispatch… import …` and `python3 -m opdispatch…` in the GPU and CI shell scripts names a module
+    and attribute that exist: after the layer refactor `_gpu_setup.sh` still imported the CLI under its old path,
+    `opdispatch build` failed on the GPU machine, and a run measured the Python door without saying so."""
+    import importlib
+    import re
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    scripts = sorted(root.glob("benchmarks/*.sh")) + sorted((root / ".ci").glob("*"))
+    seen = 0
+    for script in scripts:
+        text = script.read_text()
+        for module, names in re.findall(r"from (opdispatch[\w.]*) import ([\w, ]+)", text):
+            imported = importlib.import_module(module)
+            for name in (n.strip() for n in names.split(",")):
+                assert hasattr(imported, name) or importlib.util.find_spec(f"{module}.{name}") is not None, (
+                    f"{script.name}: from {module} import {name}")
+                seen += 1
+        for module in re.findall(r"python3? -m (opdispatch[\w.]*)", text):
+            assert importlib.util.find_spec(module) is not None, f"{script.name}: python -m {module}"
+            seen += 1
+    assert seen >= 3  # the setup's build and status lines, at least
