@@ -13,6 +13,12 @@ Masks and biases (opdispatch's conventions: causal/window aligned ``top_left`` o
 - `shift_rows(bias, dtype)`: subtract each row's maximum so a large bias survives a low-precision dtype; returns
   the shifted bias and the per-row shift (add it back to the LSE).
 
+Calling torch's own SDPA on a vendor device:
+
+- `functional_sdpa_call(call, sdpa, scale)`: `F.scaled_dot_product_attention` on a call — GQA expanded, every
+  pattern but equal-length causal folded into one additive mask, rows without a key zeroed — for vendors whose
+  torch build routes it to fused kernels with a backward (torch_mlu, torch_musa).
+
 Binding:
 
 - `bind_dense(call, kernel)`: wrap ``kernel(q, k, v)`` over (batch, heads, seq, dim) tensors into a function of
@@ -89,6 +95,7 @@ from opdispatch.ops._attention import (LAYOUT_DIMS, additive_bias, alibi_bias, a
 from opdispatch.base._dtypes import FP8_DTYPES, FP8_OUT_DTYPES
 from opdispatch.base._native import kernel_call
 
+from ._functional_sdpa import functional_sdpa_call
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, aten_sdpa_call, empty_rows_to_neg_inf, kernel_window
 from ._kv_cache import (PAGED_GATHER_MAX_BYTES, KvQueries, cache_as_pages, cache_as_pages_reason, cumulative_lengths,
@@ -104,7 +111,8 @@ __all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCa
            "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
            "at_least", "aten_sdpa_call", "bind_dense", "blind_rows", "cache_as_pages", "cache_as_pages_reason",
            "causal_alibi_lse_reason", "cumulative_lengths", "dense_lse_fix", "empty_rows_to_neg_inf",
-           "flash_attn_kv_cache", "installed_versions", "kernel_call", "kernel_window", "kv_cache_allowed",
+           "flash_attn_kv_cache", "functional_sdpa_call", "installed_versions", "kernel_call", "kernel_window",
+           "kv_cache_allowed",
            "kv_cache_as_mask", "kv_cache_reasons", "PAGED_GATHER_MAX_BYTES", "gathered_bytes", "gathered_pages",
            "paged_as_dense", "paged_gather_reason", "sequence_keys", "kv_lse_fix", "layout_views", "pack_dense",
            "pack_padded_lse",

@@ -23,7 +23,8 @@ the development branch r2.4_develop):
 - the efficient backward warns "attn_mask does not support gradient calculation in backward" and returns an
   unfilled gradient: a bias with grad is not claimed.
 
-How the call is passed (GQA expanded, masks folded, rows without keys): vendors/cambricon/_sdpa_call.py.
+How the call is passed (GQA expanded, masks folded, rows without keys): the toolkit's
+`functional_sdpa_call`.
 Not claimed:
 varlen (F.sdpa has no packed entry), softcap, ALiBi, LSE (F.sdpa returns none), KV caches, head dims of q and v
 that differ (flash needs them equal).
@@ -38,8 +39,8 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch.plugins.toolkit import functional_sdpa_call
 
-from ._sdpa_call import sdpa_call
 
 MIN_TORCH_MLU = "1.22.0"  # the earliest public release (r1.22_pt2.1.0 / 2.3.0 / 2.4.0); its checks are mirrored
 _MLU500_ARCH = re.compile(r"mlu5\d\d$")  # check_fused_kernel_mlu_support: `(*prop).major != 5` -> unfused
@@ -105,4 +106,4 @@ class CambriconSdpa(AttentionImpl):
 
     def run(self, call: AttentionCall) -> torch.Tensor:
         # a call with a mask reaches the efficient kernel, the rest flash: both fused (see the module doc)
-        return sdpa_call(call, torch.nn.functional.scaled_dot_product_attention, call.scale)
+        return functional_sdpa_call(call, torch.nn.functional.scaled_dot_product_attention, call.scale)

@@ -22,7 +22,8 @@ Sources (MooreThreads/torch_musa, tags v1.2.1 … v2.7.1):
 
 What this adapter therefore claims: float16/bfloat16, head dims up to 128 (q = v) forward and 64 or 128 with
 gradients; causal as `is_causal` only with equal lengths (muDNN's alignment for unequal ones is untested), every
-other pattern and any mask folded into a float mask (mthreads/_sdpa_call.py: GQA expanded, rows without keys).
+other pattern and any mask folded into a float mask (the toolkit's
+`functional_sdpa_call`: GQA expanded, rows without keys).
 The default scale is passed as None (the kernel's own), so only a non-default scale meets `CheckScale`.
 Not claimed: dropout (no flash test covers it), varlen, softcap, ALiBi, LSE, KV caches, a bias with grad.
 """
@@ -36,8 +37,8 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch.plugins.toolkit import functional_sdpa_call
 
-from ._sdpa_call import sdpa_call
 
 MIN_TORCH_MUSA = "1.3.0"  # the flash op takes `scale` (v1.2.1's backward came with a flash op that dropped it)
 MIN_MP_ARCH = 22  # check_musa_arch: (major > 2) || (major == 2 && minor > 1)
@@ -89,4 +90,4 @@ class MthreadsSdpa(AttentionImpl):
         return None
 
     def run(self, call: AttentionCall) -> torch.Tensor:
-        return sdpa_call(call, torch.nn.functional.scaled_dot_product_attention, kernel_scale(call))
+        return functional_sdpa_call(call, torch.nn.functional.scaled_dot_product_attention, kernel_scale(call))

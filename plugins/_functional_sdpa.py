@@ -1,8 +1,7 @@
-"""How this vendor's adapter calls `torch.nn.functional.scaled_dot_product_attention` on its PrivateUse1
-device, whose torch extension routes it to the vendor's fused kernels and
-autograd to their backward.
-
-What every such adapter passes, and why (each vendor's module says which of it its kernels take):
+"""Calling `torch.nn.functional.scaled_dot_product_attention` as a vendor's torch build exposes it on its own
+(PrivateUse1) device, whose extension routes it to the vendor's fused kernels and autograd to their backward
+(Cambricon torch_mlu, Moore Threads torch_musa). What such an adapter passes, and why (each vendor's module says
+which of it its kernels take):
 
 - q/k/v viewed as (batch, heads, seq, dim) — F.sdpa's layout — and the output viewed back: no copy.
 - GQA: k/v expanded to q's head count (`expand` + `reshape`, each k/v head repeated for its query group). Exact,
@@ -15,9 +14,10 @@ What every such adapter passes, and why (each vendor's module says which of it i
 - rows that mask leaves without a key: opdispatch's answer is zeros, and a softmax over a row of -inf is NaN in
   the forward and in every gradient through it. Such rows are unmasked (0) before the call and their outputs
   zeroed after; their grad_out is then zero, so they add nothing to dq/dk/dv.
-- scale: the call's (F.sdpa's `scale`); dropout_p: the call's.
+- scale: as the vendor needs it passed; dropout_p: the call's.
 - no LSE: F.sdpa returns none.
 """
+
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from opdispatch import AttentionCall
-from opdispatch.plugins.toolkit import additive_bias
+from opdispatch.ops._attention import AttentionCall, additive_bias
 
 
 def expand_kv(t: torch.Tensor, heads_q: int) -> torch.Tensor:
@@ -43,7 +42,7 @@ def needs_mask(call: AttentionCall) -> bool:
             or (call.causal and call.seqlen_q != call.seqlen_k))
 
 
-def sdpa_call(call: AttentionCall, sdpa: Any, scale: float | None) -> torch.Tensor:
+def functional_sdpa_call(call: AttentionCall, sdpa: Any, scale: float | None) -> torch.Tensor:
     """`sdpa` (F.scaled_dot_product_attention as the vendor's torch exposes it) on `call`, as the module doc says;
     `scale` as the vendor needs it passed (None: the kernel's default 1/sqrt(head_dim))."""
     q, k, v = call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v)
