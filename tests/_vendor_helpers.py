@@ -70,3 +70,28 @@ def fake_cuda(monkeypatch: Any, props: SimpleNamespace) -> None:
 def real_device(vendor: str, arch: str, name: str, **libraries: str) -> opdispatch.DeviceInfo:
     """A non-simulated device of another vendor, as its probe would report it (libraries found on the path)."""
     return opdispatch.DeviceInfo(vendor=vendor, type="cuda", arch=arch, name=name, index=0, libraries=libraries)
+
+
+def allowed_keys(sq: int, sk: int, causal: bool, window: Any, alignment: str) -> torch.Tensor | None:
+    """The test oracles' own bool (sq, sk) matrix of the keys each query sees (None: all), written here from the
+    definition (not the library's `allowed_positions`, which it checks): causal and window aligned top-left, or
+    bottom-right by seqlen_k - seqlen_q; -1 an unbounded window side."""
+    if not causal and window is None:
+        return None
+    rel = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1)
+    if alignment == "bottom_right":
+        rel = rel - (sk - sq)
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        ok &= rel <= 0
+    if window is not None:
+        if window[0] >= 0:
+            ok &= rel >= -window[0]
+        if window[1] >= 0:
+            ok &= rel <= window[1]
+    return ok
+
+
+def to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A dense layout's tensor as a (batch, heads, seq, dim) view."""
+    return {"bshd": t.transpose(1, 2), "bhsd": t, "sbhd": t.permute(1, 2, 0, 3)}[layout]

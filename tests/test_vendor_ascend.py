@@ -15,7 +15,7 @@ from opdispatch.vendors import ascend
 from opdispatch.vendors.ascend import AscendFusionAttention
 from opdispatch.vendors.ascend._attention import COMPRESSED_MASK_SIZE, INT32_MAX
 
-from tests._vendor_helpers import dense_inputs, real_device, varlen_inputs
+from tests._vendor_helpers import allowed_keys, dense_inputs, real_device, to_bhsd, varlen_inputs
 from tests.conftest import DEVICES_DIR, TOLERANCES
 from tests.fakes import install
 from tests.fakes import torch_npu as fake_npu
@@ -46,27 +46,6 @@ def oracle(q, k, v, scale, allowed=None, drop=None, keep=1.0):
         p = p * drop / keep
     return p @ v, lse
 
-
-def pattern(sq, sk, causal, window, alignment):
-    """Bool (sq, sk) keys each query sees (None: all)."""
-    if not causal and window is None:
-        return None
-    rel = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1)
-    if alignment == "bottom_right":
-        rel = rel - (sk - sq)
-    ok = torch.ones(sq, sk, dtype=torch.bool)
-    if causal:
-        ok &= rel <= 0
-    if window is not None:
-        if window[0] >= 0:
-            ok &= rel >= -window[0]
-        if window[1] >= 0:
-            ok &= rel <= window[1]
-    return ok
-
-
-def to_bhsd(t, layout):
-    return {"bshd": t.transpose(1, 2), "bhsd": t, "sbhd": t.permute(1, 2, 0, 3)}[layout]
 
 
 def assert_close(got, want, dtype, what):
@@ -127,7 +106,7 @@ def test_dense_forward_and_backward(npu_calls, rng, layout, sq, sk, hq, hkv, dty
             assert tuple(kw["atten_mask"].shape) == (COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE)
     assert out.shape == call.q.shape[:-1] + (32,) and out.dtype == dtype
     q64, k64, v64 = leaves(to_bhsd(t, layout).double() for t in (q, k, v))
-    allowed = pattern(sq, sk, call.causal, call.window, call.causal_alignment)
+    allowed = allowed_keys(sq, sk, call.causal, call.window, call.causal_alignment)
     want, _ = oracle(q64, k64, v64, call.scale, allowed)
     assert_close(to_bhsd(out, layout), want, dtype, "out")
     check_grads(to_bhsd(out, layout), (q, k, v), want, (q64, k64, v64), dtype, rng,
@@ -145,7 +124,7 @@ def test_swapped_alignment_or_mask_convention_would_fail(npu_calls, rng):
     left = mod.npu_fusion_attention(*bhsd, 2, "BNSD", atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1),
                                     scale=0.25, sparse_mode=2)[0]
     assert (right - left).abs().max() > 0.05
-    keep = pattern(8, 14, True, None, "bottom_right")
+    keep = allowed_keys(8, 14, True, None, "bottom_right")
     as_masked = mod.npu_fusion_attention(*bhsd, 2, "BNSD", atten_mask=~keep, scale=0.25, sparse_mode=0)[0]
     as_kept = mod.npu_fusion_attention(*bhsd, 2, "BNSD", atten_mask=keep, scale=0.25, sparse_mode=0)[0]
     torch.testing.assert_close(as_masked, right)
@@ -160,7 +139,7 @@ def test_lse_from_softmax_max_and_sum(npu_calls, rng, layout, dtype, causal):
     call = opdispatch.validate_attention(q, k, v, layout=layout, causal=causal, return_lse=True)
     out, lse = AscendFusionAttention().run(call)
     want, want_lse = oracle(*(to_bhsd(t, layout).double() for t in (q, k, v)), call.scale,
-                            pattern(12, 12, causal, None, "top_left"))
+                            allowed_keys(12, 12, causal, None, "top_left"))
     assert lse.dtype == torch.float32 and lse.shape == (2, 4, 12)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
     assert_close(to_bhsd(out, layout), want, dtype, "out")
@@ -183,7 +162,7 @@ def test_attn_mask_inverted_and_blind_rows_zero(npu_calls, rng, mask_shape, caus
     assert kw["atten_mask"].dtype == torch.bool and kw["atten_mask"].dim() == 4
     allowed = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
     if causal:
-        allowed = allowed & pattern(10, 14, True, None, "bottom_right")
+        allowed = allowed & allowed_keys(10, 14, True, None, "bottom_right")
     q64, k64, v64 = leaves(t.transpose(1, 2).double() for t in (q, k, v))
     want, want_lse = oracle(q64, k64, v64, call.scale, allowed)
     assert (out[:, 3] == 0).all() and torch.isneginf(lse[:, :, 3]).all()
@@ -222,7 +201,7 @@ def test_varlen_tnd(npu_calls, rng, lens_q, lens_k, kwargs, mode, dtype):
     for i in range(len(lens_q)):
         qi, ki, vi = (x[a:b].transpose(0, 1).unsqueeze(0) for x, a, b in
                       ((q64, cq[i], cq[i + 1]), (k64, ck[i], ck[i + 1]), (v64, ck[i], ck[i + 1])))
-        o, _ = oracle(qi, ki, vi, call.scale, pattern(lens_q[i], lens_k[i], call.causal, call.window, "top_left"))
+        o, _ = oracle(qi, ki, vi, call.scale, allowed_keys(lens_q[i], lens_k[i], call.causal, call.window, "top_left"))
         wants.append(o[0].transpose(0, 1))
     want = torch.cat(wants)
     assert_close(out, want, dtype, "out")
@@ -239,7 +218,7 @@ def test_dropout_keep_prob(npu_calls, rng):
     assert kw["keep_prob"] == pytest.approx(0.75)
     drop = torch.stack([d for d in kw["drop"]])  # the fake's kept positions, per batch row
     q64, k64, v64 = leaves(t.double() for t in (q, k, v))
-    want, _ = oracle(q64, k64, v64, call.scale, pattern(8, 8, True, None, "top_left"), drop=drop, keep=0.75)
+    want, _ = oracle(q64, k64, v64, call.scale, allowed_keys(8, 8, True, None, "top_left"), drop=drop, keep=0.75)
     assert_close(out, want, torch.float16, "out")
     check_grads(out, (q, k, v), want, (q64, k64, v64), torch.float16, rng)
 

@@ -19,7 +19,7 @@ from opdispatch.vendors.cambricon._attention import fused_gate
 from opdispatch.vendors.mthreads import MthreadsSdpa
 
 from tests._adapters_on_cpu import unbound_from_device
-from tests._vendor_helpers import dense_inputs
+from tests._vendor_helpers import allowed_keys, dense_inputs, to_bhsd
 from tests.conftest import DEVICES_DIR, TOLERANCES
 from tests.fakes import install
 
@@ -42,26 +42,6 @@ def oracle(q, k, v, scale, allowed=None, bias=None):
     p = torch.exp(s - lse).nan_to_num(0.0)
     return p @ v
 
-
-def pattern(sq, sk, causal, window, alignment):
-    if not causal and window is None:
-        return None
-    rel = torch.arange(sk).view(1, -1) - torch.arange(sq).view(-1, 1)
-    if alignment == "bottom_right":
-        rel = rel - (sk - sq)
-    ok = torch.ones(sq, sk, dtype=torch.bool)
-    if causal:
-        ok &= rel <= 0
-    if window is not None:
-        if window[0] >= 0:
-            ok &= rel >= -window[0]
-        if window[1] >= 0:
-            ok &= rel <= window[1]
-    return ok
-
-
-def to_bhsd(t, layout):
-    return {"bshd": t.transpose(1, 2), "bhsd": t, "sbhd": t.permute(1, 2, 0, 3)}[layout]
 
 
 def leaves(tensors):
@@ -133,7 +113,7 @@ def test_forward_and_backward_against_float64(sdpa_calls, rng, adapter, layout, 
         assert kw["scale"] == call.scale
     assert out.shape == q.shape and out.dtype == dtype
     q64, k64, v64 = leaves(to_bhsd(t, layout).double() for t in (q, k, v))
-    allowed = pattern(sq, sk, call.causal, call.window, call.causal_alignment)
+    allowed = allowed_keys(sq, sk, call.causal, call.window, call.causal_alignment)
     if allowed_mask is not None:
         allowed = allowed_mask if allowed is None else allowed & allowed_mask
     want = oracle(q64, k64, v64, call.scale, allowed, None if bias is None else bias.double())
@@ -162,7 +142,7 @@ def test_rows_without_keys_are_zero_with_finite_gradients(rng, adapter):
         call = opdispatch.validate_attention(q, k, v, layout="bshd", **kwargs)
         out = unbound_from_device(adapter, "sdpa").run(call)
         q64, k64, v64 = leaves(t.transpose(1, 2).double() for t in (q, k, v))
-        allowed = keep if "attn_mask" in kwargs else pattern(12, 8, True, None, "bottom_right")
+        allowed = keep if "attn_mask" in kwargs else allowed_keys(12, 8, True, None, "bottom_right")
         want = oracle(q64, k64, v64, call.scale, allowed)
         blind = ~allowed.expand(2, 4, 12, 8).any(-1)
         assert blind.any() and (out.transpose(1, 2)[blind] == 0).all()
