@@ -21,8 +21,8 @@ def v_amax_bits(v_ptr, acc_ptr, rows, heads, seqlen, dim, stride_b, stride_h, st
     row = b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + s.to(tl.int64) * stride_s
     inside = (r < rows)[:, None] & (d < dim)[None, :]
     bits = tl.load(v_ptr + row[:, None] + d[None, :].to(tl.int64) * stride_d, mask=inside, other=0)
-    # (A NaN's or inf's bits lie above the largest finite's: clamped, so the scale stays finite and the NaN
-    # reaches only the rows that attend to it, through cuDNN.)
+    # (A NaN's or inf's bits lie above the largest finite's: clamped, so the scale stays finite — a NaN in v
+    # reaches the output through cuDNN's own arithmetic, not through a NaN scale over every element.)
     magnitude = tl.minimum(bits.to(tl.int32) & 0x7F, MAX_FINITE_BITS)
     tl.atomic_max(acc_ptr, tl.max(tl.max(magnitude, axis=1), axis=0))
 
@@ -39,7 +39,7 @@ def output_scale(acc_ptr, v_descale_ptr, scale_o_ptr, FP8_MAX: tl.constexpr, MAN
     two_to_power = ((power + 127) << 23).to(tl.float32, bitcast=True)
     significand = tl.where(exponent == 0, mantissa, mantissa + (1 << MANTISSA_BITS)).to(tl.float32)
     v_max = significand * two_to_power * tl.abs(tl.load(v_descale_ptr))
-    tl.store(scale_o_ptr, tl.where(v_max > 0, FP8_MAX / v_max, 1.0))
+    tl.store(scale_o_ptr, FP8_MAX / tl.where(v_max > 0, v_max, FP8_MAX))  # 1 for an all-zero v
 
 
 @triton.jit

@@ -258,7 +258,7 @@ class CudnnFrontendAttention(AttentionImpl):
         with device_lock:  # one handle per device: its stream, and the scratch's use, belong to one call at a time
             cudnn.set_stream(handle=handle, stream=stream)
             if scratch is not None:
-                _output_scale(call, v, scratch)
+                _output_scale(v, call.v_descale, scratch)
             graph.execute(pack, workspace, handle=handle)
             if scratch is None:
                 return out
@@ -299,19 +299,19 @@ class CudnnFrontendAttention(AttentionImpl):
         return graph
 
 
-def _output_scale(call: AttentionCall, v: torch.Tensor, scratch: _Scratch) -> None:
+def _output_scale(v: torch.Tensor, v_descale: torch.Tensor, scratch: _Scratch) -> None:
     """scratch.scale_o = fp8_max / max|v| in real units (the output is a convex mix of v's rows, so it never
-    exceeds max|v|): two Triton launches on the current stream, no host read."""
+    exceeds max|v|) for FP8 `v` (b, h, s, d), any strides: two Triton launches on the current stream, no host
+    read."""
     kernels = _triton_kernels()
-    assert call.v_descale is not None
-    max_finite_bits, mantissa_bits, bias = _FP8_FORMAT["e4m3" if "e4m3" in str(call.dtype) else "e5m2"]
+    max_finite_bits, mantissa_bits, bias = _FP8_FORMAT["e4m3" if "e4m3" in str(v.dtype) else "e5m2"]
     b, h, s, d = v.shape
     rows = b * h * s
-    kernels.v_amax_bits[(_cdiv(rows, _AMAX_ROWS),)](
+    kernels.v_amax_bits[(max(1, _cdiv(rows, _AMAX_ROWS)),)](
         v.view(torch.uint8), scratch.v_bits, rows, h, s, d, *v.stride(), MAX_FINITE_BITS=max_finite_bits,
         BLOCK_R=_AMAX_ROWS, BLOCK_D=_next_power_of_2(d))
-    kernels.output_scale[(1,)](scratch.v_bits, call.v_descale.reshape(1), scratch.scale_o,
-                               FP8_MAX=float(torch.finfo(call.dtype).max), MANTISSA_BITS=mantissa_bits,
+    kernels.output_scale[(1,)](scratch.v_bits, v_descale.reshape(1), scratch.scale_o,
+                               FP8_MAX=float(torch.finfo(v.dtype).max), MANTISSA_BITS=mantissa_bits,
                                EXPONENT_BIAS=bias)
 
 
