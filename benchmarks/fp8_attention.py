@@ -9,6 +9,12 @@ float32 attention of the *dequantized* FP8 inputs (what FP8 can be asked to matc
 inputs (what quantizing costs); the bound held is `BOUND` (e4m3 has a 3-bit mantissa: 2**-4 per rounding, P and O
 each rounded once). A cell fails (exit 1) when the error exceeds the bound.
 
+Where the time goes: each variant is also run `PROFILED_CALLS` times under torch.profiler (CUDA activity) and its
+kernels are listed per call — the attention kernel (the call's longest kernel) against every other kernel the
+call launches (for FP8: max|v|, scale_o, the dequantization; layout copies, if any) — in the row
+(`kernels`, `attention_kernel_tflops`: the raw kernel's TFLOP/s, apart from the op's `tflops`) and as a markdown
+table (`--out` with suffix .md, also printed).
+
     bash -c 'source benchmarks/_gpu_setup.sh "$OUT"; python3 $repo/benchmarks/fp8_attention.py --out $out/fp8.json'
 """
 
@@ -28,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_loop import environment  # noqa: E402
 from side_by_side import interleaved_ms  # noqa: E402
 
+PROFILED_CALLS = 10
 BOUND = 0.08  # max-abs error relative to the output's max, against the float32 reference of the same inputs
 SEQLENS = (2048, 4096, 8192, 16384)
 
@@ -46,6 +53,51 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
     kt, vt = kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1)
     out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
     return out.transpose(1, 2)
+
+
+def kernel_breakdown(fn: Any, calls: int) -> list[dict[str, Any]]:
+    """The GPU kernels (and memsets/copies) `fn` launches, per call: name, launches and microseconds per call,
+    longest first (torch.profiler with CUDA activity, after one warm call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    launches: dict[str, list[float]] = {}
+    for event in prof.events():  # (device events only: kernels, memsets, copies, each with its GPU interval)
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            launches.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    kernels = [{"kernel": name, "launches_per_call": len(us) / calls, "us_per_call": sum(us) / calls}
+               for name, us in launches.items()]
+    return sorted(kernels, key=lambda k: -k["us_per_call"])
+
+
+def breakdown_markdown(row: dict[str, Any]) -> str:
+    lines = [f"### seqlen {row['seqlen']}, batch {row['batch']}, heads {row['heads']}, d{row['head_dim']}, "
+             f"{'causal' if row['causal'] else 'not causal'}", "",
+             "| variant | kernel | launches/call | µs/call | share |", "|---|---|---:|---:|---:|"]
+    for variant, kernels in row.get("kernels", {}).items():
+        if isinstance(kernels, str):
+            lines.append(f"| {variant} | (profile failed: {kernels}) | | | |")
+            continue
+        total = sum(k["us_per_call"] for k in kernels) or 1.0
+        for i, k in enumerate(kernels):
+            name = k["kernel"] if len(k["kernel"]) <= 90 else k["kernel"][:87] + "..."
+            tag = "**attention** " if i == 0 else ""
+            lines.append(f"| {variant} | {tag}`{name}` | {k['launches_per_call']:g} | {k['us_per_call']:.1f} | "
+                         f"{k['us_per_call'] / total:.0%} |")
+        lines.append(f"| {variant} | all kernels | | {total:.1f} | |")
+    op = row.get("tflops", {})
+    raw = row.get("attention_kernel_tflops", {})
+    lines += ["", "| variant | op TFLOP/s | attention kernel TFLOP/s | other kernels µs/call |", "|---|---:|---:|---:|"]
+    for variant in row.get("kernels", {}):
+        other = row.get("other_kernels_us", {}).get(variant)
+        lines.append(f"| {variant} | {op.get(variant, float('nan')):.0f} | {raw.get(variant, float('nan')):.0f} | "
+                     f"{other if other is None else round(other, 1)} |")
+    return "\n".join(lines) + "\n"
 
 
 def cell(seqlen: int, causal: bool, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
@@ -69,6 +121,20 @@ def cell(seqlen: int, causal: bool, device: torch.device, args: argparse.Namespa
     times = [t for t in ms.values() if isinstance(t, float)]
     if len(times) == 2:
         row["fp8_speedup"] = times[0] / times[1]
+    row["kernels"], row["attention_kernel_tflops"], row["other_kernels_us"] = {}, {}, {}
+    for name, fn in fns.items():
+        try:
+            kernels = kernel_breakdown(fn, PROFILED_CALLS)
+        except Exception as exc:  # noqa: BLE001 - reported in the row, as a failed timing is
+            row["kernels"][name] = f"{type(exc).__name__}: {exc}"
+            continue
+        row["kernels"][name] = kernels
+        if kernels:
+            row["attention_kernel_tflops"][name] = flops / (kernels[0]["us_per_call"] * 1e-6) / 1e12
+            row["other_kernels_us"][name] = sum(k["us_per_call"] for k in kernels[1:])
+    if len(row["attention_kernel_tflops"]) == 2:
+        bf16_raw, fp8_raw = row["attention_kernel_tflops"].values()
+        row["fp8_attention_kernel_speedup"] = fp8_raw / bf16_raw
     try:
         out8 = opdispatch.attention(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs,
                                     impl="nvidia.cudnn_frontend").float()
@@ -101,14 +167,19 @@ def main() -> int:
         print(f"nvidia-cudnn-frontend is not installed ({exc}); carry its wheel", file=sys.stderr)
         return 2
     rows = []
+    markdown = [f"# FP8 attention forward: kernel breakdown ({env.get('device', '?')}, cuDNN frontend "
+                f"{env['cudnn_frontend']}, cuDNN {env['cudnn_backend']})", ""]
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         for causal in (False, True):
             row = cell(seqlen, causal, device, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            markdown.append(breakdown_markdown(row))
+            print(markdown[-1], flush=True)
     result = {"environment": env, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
+        args.out.with_suffix(".md").write_text("\n".join(markdown))
     return 0 if all(r.get("within_bound", False) for r in rows) else 1
 
 

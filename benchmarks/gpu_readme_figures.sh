@@ -67,7 +67,8 @@ for part in $parts; do
     fp8)
       timeout 300 python3 "$repo/benchmarks/fp8_attention.py" --out "$out/fp8_attention-h100.json" \
         > "$out/fp8_attention-h100.log" 2>&1
-      echo "fp8_attention exit $?"; tail -25 "$out/fp8_attention-h100.log" ;;
+      echo "fp8_attention exit $?"; grep -E '^### |^\| (bf16|fp8)[^|]*\| [0-9]' "$out/fp8_attention-h100.md" \
+        | cut -c1-200; tail -3 "$out/fp8_attention-h100.log" | cut -c1-300 ;;
     te)
       timeout 300 python3 "$repo/benchmarks/te_module.py" --out "$out/te_module-h100.json" > "$out/te_module-h100.log" 2>&1
       echo "te_module exit $?"; cat "$out/te_module-h100.md" ;;

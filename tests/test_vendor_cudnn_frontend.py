@@ -170,3 +170,31 @@ def test_half_calls_are_opt_in_and_explain_says_why(tmp_path, monkeypatch, manag
     opdispatch.get_manager().reload()
     d = opdispatch.explain(*fp8, causal=True, q_descale=one, k_descale=one, v_descale=one, device=with_fe)
     assert d.chosen_id == "nvidia.cudnn_frontend"
+
+
+def test_fp8_buffers_are_made_once_per_device_and_stream_and_never_cached_in_capture(fe):
+    """Two calls of a signature reuse the constant scalars, the scratch cuDNN writes and the workspace; another
+    stream gets its own scratch; during CUDA-graph capture nothing new is cached (a buffer filled in capture holds
+    its value only after replay)."""
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = ((torch.randn(1, 5, h, 64, generator=gen) * 3).to(torch.float8_e4m3fn) for h in (2, 1, 1))
+    one = torch.ones(())
+    for _ in range(2):
+        opdispatch.attention(q, k, v, q_descale=one, k_descale=one, v_descale=one)
+    first, second = (fake.executions[i]["pack"] for i in (-2, -1))
+    op = fake.graphs[-1].op
+    for name in ("scale_s", "descale_s", "scale_o"):
+        assert first[op[name].uid] is second[op[name].uid]
+    for amax in op["outputs"][2:]:
+        assert first[amax.uid] is second[amax.uid]
+    graphs = CudnnFrontendAttention()._graphs
+    cpu = torch.device("cpu")
+    constants, scratch = graphs.fp8_buffers(cpu, stream=1, capturing=False)
+    assert graphs.fp8_buffers(cpu, stream=1, capturing=False) == (constants, scratch)
+    other = graphs.fp8_buffers(cpu, stream=2, capturing=False)[1]
+    assert other is not scratch and other.scale_o.data_ptr() != scratch.scale_o.data_ptr()
+    in_capture = graphs.fp8_buffers(cpu, stream=3, capturing=True)[1]
+    assert (0, 3) not in graphs.scratch and graphs.fp8_buffers(cpu, 3, False)[1] is not in_capture
+    assert graphs.fp8_buffers(torch.device("cpu", 1), 1, capturing=True)[0] is not constants
+    assert 1 not in graphs.constants
+

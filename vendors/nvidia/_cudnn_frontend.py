@@ -27,6 +27,17 @@ bf16/fp16 output ("only supported on Blackwell with cuDNN >= 9.13"): the graph's
 kind with `scale_o` = fp8_max / max|v| (the output is a convex mix of v's rows, so it never exceeds max|v|), and
 this adapter divides it back to `call.out_dtype`. The probabilities are FP8 with scale_s 256 (they lie in [0, 1]).
 
+Per FP8 call, around the graph, three Triton launches (vendors/nvidia/_cudnn_fp8_triton.py), no host read: max|v|
+as FP8 magnitude bits (one read of v, atomic max), scale_o from them and v_descale (one program), and the
+dequantization o8 / scale_o -> out_dtype in one pass (read 1 byte, write 2 per element; `(o.float() / s).to(dt)`
+took three passes and a float32 temporary: 19 bytes per element, most of the FP8 call's time below 16k keys on an
+H100, benchmarks/results/fp8_attention-h100.log). The constant scalars (scale_s, descale_s) are made once per
+device; the amax outputs cuDNN writes (read by nobody), the max|v| accumulator, scale_o and the graph's workspace
+once per (device, stream): cuDNN runs on the current stream, so a buffer it writes is never shared by two streams,
+and one lock per device makes each call's set_stream .. dequantize sequence atomic among host threads. Inside
+CUDA-graph capture nothing new is cached (a buffer filled during capture holds its value only once the graph is
+replayed): missing buffers are allocated for that call, as the capture's own memory.
+
 What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): paged K/V
 (`paged_attention_k_table`), ragged thd offsets (`set_ragged_offset`), ALiBi, bias, dropout, the LSE (`stats`),
 the backward graphs. Graphs are built once per signature (shapes, strides, dtypes, options, device) and never
@@ -35,6 +46,7 @@ during CUDA-graph capture (building synchronizes): a first call inside capture r
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, ClassVar
 
@@ -68,21 +80,77 @@ def _bounds(call: AttentionCall) -> tuple[int | None, int | None]:
     return (None if left < 0 else left + 1), (None if right < 0 else right)
 
 
+@functools.cache
+def _triton_kernels() -> Any:
+    """vendors/nvidia/_cudnn_fp8_triton (imported at first use: Triton is optional), or None without Triton."""
+    try:
+        from . import _cudnn_fp8_triton as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+_FP8_FORMAT = {  # kind: (largest finite magnitude's bits, mantissa bits, exponent bias)
+    "e4m3": (0x7E, 3, 7), "e5m2": (0x7B, 2, 15)}
+_AMAX_ROWS, _DEQUANT_BLOCK = 64, 4096
+
+
+class _Scratch:
+    """The FP8 call's buffers on one (device, stream): what cuDNN and the Triton kernels write, reused call after
+    call in stream order; `workspaces` by graph signature."""
+
+    __slots__ = ("amax_s", "amax_o", "v_bits", "scale_o", "workspaces")
+
+    def __init__(self, device: torch.device) -> None:
+        scalar: dict[str, Any] = dict(dtype=torch.float32, device=device)
+        self.amax_s = torch.empty((1, 1, 1, 1), **scalar)
+        self.amax_o = torch.empty((1, 1, 1, 1), **scalar)
+        self.scale_o = torch.empty((1, 1, 1, 1), **scalar)
+        self.v_bits = torch.zeros(1, dtype=torch.int32, device=device)  # zeroed again by each `output_scale`
+        self.workspaces: dict[Any, torch.Tensor] = {}
+
+
 class _Graphs:
-    """Built graphs by signature, one cuDNN handle per device; thread-safe, bounded."""
+    """Built graphs by signature, one cuDNN handle and lock per device, the constant scalars per device and the
+    scratch buffers per (device, stream); thread-safe, bounded."""
 
     def __init__(self, limit: int = 256) -> None:
         self.lock = threading.Lock()
         self.graphs: dict[Any, Any] = {}
-        self.handles: dict[int, Any] = {}
+        self.handles: dict[int, tuple[Any, threading.Lock]] = {}
+        self.constants: dict[int, dict[str, torch.Tensor]] = {}
+        self.scratch: dict[tuple[int, int], _Scratch] = {}
         self.limit = limit
 
-    def handle(self, cudnn: Any, device: torch.device) -> Any:
+    def handle(self, cudnn: Any, device: torch.device) -> tuple[Any, threading.Lock]:
         index = device.index if device.index is not None else 0
         with self.lock:
             if index not in self.handles:
-                self.handles[index] = cudnn.create_handle()
+                self.handles[index] = (cudnn.create_handle(), threading.Lock())
             return self.handles[index]
+
+    def fp8_buffers(self, device: torch.device, stream: int, capturing: bool
+                    ) -> tuple[dict[str, torch.Tensor], _Scratch]:
+        """(scale_s and descale_s, the scratch of `stream`); fresh and uncached during CUDA-graph capture when
+        not made before it."""
+        index = device.index if device.index is not None else 0
+        with self.lock:
+            constants, scratch = self.constants.get(index), self.scratch.get((index, stream))
+        if constants is None:
+            scalar: dict[str, Any] = dict(dtype=torch.float32, device=device)
+            constants = {"scale_s": torch.full((1, 1, 1, 1), _SCALE_S, **scalar),
+                         "descale_s": torch.full((1, 1, 1, 1), 1.0 / _SCALE_S, **scalar)}
+            if not capturing:
+                with self.lock:
+                    constants = self.constants.setdefault(index, constants)
+        if scratch is None:
+            scratch = _Scratch(device)
+            if not capturing:
+                with self.lock:
+                    if len(self.scratch) >= self.limit:  # streams come and go: bounded like the graphs
+                        self.scratch.pop(next(iter(self.scratch)))
+                    scratch = self.scratch.setdefault((index, stream), scratch)
+        return constants, scratch
 
 
 class CudnnFrontendOptions(BaseModel):
@@ -135,6 +203,9 @@ class CudnnFrontendAttention(AttentionImpl):
                     "H100), paid at every new length; enable with ops.attention.options."
                     "'nvidia.cudnn_frontend': {half: true} for fixed-shape inference"]
         reasons = []
+        if _triton_kernels() is None:
+            reasons.append("FP8 calls need Triton (the output's scale and dequantization kernels around the cuDNN "
+                           "graph): pip install triton (torch's CUDA wheels bring it)")
         if device.capability is not None and device.capability < (9, 0):
             reasons.append(f"cuDNN FP8 SDPA needs Hopper or newer (sm90+), device is sm{device.capability[0]}"
                            f"{device.capability[1]}")
@@ -153,12 +224,13 @@ class CudnnFrontendAttention(AttentionImpl):
         o = call.bhsd(out)
         key = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), o.stride(),
                call.dtype, call.scale, call.causal, call.causal_alignment, call.window, q.device)
-        handle = self._graphs.handle(cudnn, q.device)
+        handle, device_lock = self._graphs.handle(cudnn, q.device)
         cuda = q.device.type == "cuda"  # (the contract tests run this adapter on CPU behind a fake `cudnn`)
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream if cuda else 0)
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        stream = torch.cuda.current_stream(q.device).cuda_stream if cuda else 0
         graph = self._graphs.graphs.get(key)
         if graph is None:
-            if cuda and torch.cuda.is_current_stream_capturing():
+            if capturing:
                 raise RuntimeError("nvidia.cudnn_frontend: a call of a new signature inside CUDA-graph capture "
                                    f"({call.describe()}); building its cuDNN graph synchronizes. Run one call of "
                                    "this signature before capturing (warm-up)")
@@ -168,29 +240,31 @@ class CudnnFrontendAttention(AttentionImpl):
                     self._graphs.graphs.pop(next(iter(self._graphs.graphs)))
                 self._graphs.graphs[key] = graph
         pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: o}
+        scratch = None
         if fp8:
             assert call.q_descale is not None and call.k_descale is not None and call.v_descale is not None
-            fp8_max = torch.finfo(call.dtype).max
-            # max|v| in real units (device ops, no host read); a zero v gets scale 1 (its output is 0 anyway)
-            # |x| of an FP8 value orders as its bits without the sign (finite values): an integer amax, no copy
-            v_bits = (v.view(torch.uint8) & 0x7F).amax().reshape(1)
-            v_max = v_bits.view(call.dtype).float()[0] * call.v_descale.reshape(())
-            scale_o = torch.where(v_max > 0, fp8_max / v_max, torch.ones_like(v_max)).reshape(1, 1, 1, 1)
-            scalar: dict[str, Any] = dict(dtype=torch.float32, device=q.device)
+            constants, scratch = self._graphs.fp8_buffers(q.device, stream, capturing)
             pack.update({
                 _UID["descale_q"]: call.q_descale.reshape(1, 1, 1, 1),
                 _UID["descale_k"]: call.k_descale.reshape(1, 1, 1, 1),
                 _UID["descale_v"]: call.v_descale.reshape(1, 1, 1, 1),
-                _UID["scale_s"]: torch.full((1, 1, 1, 1), _SCALE_S, **scalar),
-                _UID["descale_s"]: torch.full((1, 1, 1, 1), 1.0 / _SCALE_S, **scalar),
-                _UID["scale_o"]: scale_o,
-                _UID["amax_s"]: torch.empty((1, 1, 1, 1), **scalar),
-                _UID["amax_o"]: torch.empty((1, 1, 1, 1), **scalar)})
-        workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=q.device)
-        graph.execute(pack, workspace, handle=handle)
-        if fp8:
-            return (out.float() / pack[_UID["scale_o"]].reshape(())).to(call.out_dtype)
-        return out
+                _UID["scale_s"]: constants["scale_s"], _UID["descale_s"]: constants["descale_s"],
+                _UID["scale_o"]: scratch.scale_o, _UID["amax_s"]: scratch.amax_s, _UID["amax_o"]: scratch.amax_o})
+        workspace = scratch.workspaces.get(key) if scratch is not None else None
+        if workspace is None:
+            workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=q.device)
+            if scratch is not None and not capturing:
+                scratch.workspaces[key] = workspace
+        with device_lock:  # one handle per device: its stream, and the scratch's use, belong to one call at a time
+            cudnn.set_stream(handle=handle, stream=stream)
+            if scratch is not None:
+                _output_scale(v, call.v_descale, scratch)
+            graph.execute(pack, workspace, handle=handle)
+            if scratch is None:
+                return out
+            result = torch.empty(out.shape, dtype=call.out_dtype, device=out.device)
+            _dequantize(out, scratch.scale_o, result)
+        return result
 
     def _build(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                o: torch.Tensor, handle: Any) -> Any:
@@ -223,3 +297,34 @@ class CudnnFrontendAttention(AttentionImpl):
         graph.check_support()
         graph.build_plans()
         return graph
+
+
+def _output_scale(v: torch.Tensor, v_descale: torch.Tensor, scratch: _Scratch) -> None:
+    """scratch.scale_o = fp8_max / max|v| in real units (the output is a convex mix of v's rows, so it never
+    exceeds max|v|) for FP8 `v` (b, h, s, d), any strides: two Triton launches on the current stream, no host
+    read."""
+    kernels = _triton_kernels()
+    max_finite_bits, mantissa_bits, bias = _FP8_FORMAT["e4m3" if "e4m3" in str(v.dtype) else "e5m2"]
+    b, h, s, d = v.shape
+    rows = b * h * s
+    kernels.v_amax_bits[(max(1, _cdiv(rows, _AMAX_ROWS)),)](
+        v.view(torch.uint8), scratch.v_bits, rows, h, s, d, *v.stride(), MAX_FINITE_BITS=max_finite_bits,
+        BLOCK_R=_AMAX_ROWS, BLOCK_D=_next_power_of_2(d))
+    kernels.output_scale[(1,)](scratch.v_bits, v_descale.reshape(1), scratch.scale_o,
+                               FP8_MAX=float(torch.finfo(v.dtype).max), MANTISSA_BITS=mantissa_bits,
+                               EXPONENT_BIAS=bias)
+
+
+def _dequantize(o8: torch.Tensor, scale_o: torch.Tensor, out: torch.Tensor) -> None:
+    """out = o8 / scale_o in out's dtype, one pass (both contiguous, same shape)."""
+    n = o8.numel()
+    _triton_kernels().dequantize[(max(1, _cdiv(n, _DEQUANT_BLOCK)),)](o8, scale_o, out, n,
+                                                                            BLOCK=_DEQUANT_BLOCK)
+
+
+def _cdiv(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
