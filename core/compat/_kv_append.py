@@ -21,6 +21,10 @@ Limits (the bound path keeps its torch-op check beyond them): at most `MAX_SLOTS
 program) and `MAX_TABLE` block-table entries. A kernel that fails to compile or launch hands its signature back
 to the torch ops, with one warning (nothing is written before the append kernel runs).
 
+After a signature's first call both kernels are launched through their compiled kernels, skipping
+`JITFunction.run`'s binder, specialization and cache key (~60 µs of host time per launch on the H100 host):
+`core.compat._triton_direct`, which says which Triton 3.6.0 internals that relies on and when it falls back.
+
 Triton is optional (the `flagos` extra, or the one torch's CUDA wheels bring): `available()` says whether this path
 can run. ``OPDISPATCH_KV_APPEND=triton`` forces it on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
@@ -32,6 +36,8 @@ import os
 from typing import Any
 
 import torch
+
+from ._triton_direct import DirectKernel
 
 MODE_ENV = "OPDISPATCH_KV_APPEND"  # "triton": the kernels on CPU too (under TRITON_INTERPRET=1); "torch": never
 MAX_SLOTS = 256  # appended keys per call (batch × new)
@@ -82,7 +88,8 @@ class FusedAppend:
     bad (1,) bool, the report row) per call. A call has rows (``cache_batch_idx``) or a table, not both."""
 
     __slots__ = ("batch", "new", "width", "page", "cache_rows", "max_len", "has_rows", "paged", "blocks",
-                 "heads_dim", "dim", "report_width")
+                 "heads_dim", "dim", "report_width", "verdict", "append", "verdict_grid", "append_grid",
+                 "append_block")
 
     def __init__(self, batch: int, new: int, width: int, page: int, cache_rows: int, capacity: int,
                  has_rows: bool, paged: bool, heads_k: int, dim: int) -> None:
@@ -92,28 +99,36 @@ class FusedAppend:
                        min(_next_power_of_2(max(width, 1)), max(16, 4096 // _next_power_of_2(batch))))
         self.heads_dim, self.dim = heads_k * dim, dim
         self.report_width = 1 + batch + (batch if has_rows else 0) + (batch * width if paged else 0)
+        # The kernels, launched directly after their first call (core.compat._triton_direct): one pair per bound
+        # signature, made at its first call (Triton imported then, inside the caller's fallback).
+        self.verdict: DirectKernel | None = None
+        self.append: DirectKernel | None = None
+        self.verdict_grid, self.append_grid = (1, 1, 1), (batch * new, -(-self.heads_dim // _TILE), 1)
+        self.append_block = min(_TILE, _next_power_of_2(self.heads_dim))
 
     def __call__(self, lens: torch.Tensor, rows: torch.Tensor | None, table: torch.Tensor | None, k: torch.Tensor,
                  v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        verdict, append = _kernels()
+        if self.verdict is None or self.append is None:
+            verdict, append = _kernels()
+            self.verdict, self.append = DirectKernel(verdict), DirectKernel(append)
         device, batch = lens.device, self.batch
         report = torch.empty(self.report_width, dtype=torch.int32, device=device)
         bad = torch.empty(1, dtype=torch.bool, device=device)
         lens_out = torch.empty(batch, dtype=torch.int32, device=device)
         safe = (torch.empty(batch, self.width, dtype=torch.int32, device=device) if self.paged
                 else torch.empty(batch, dtype=torch.int32, device=device) if self.has_rows else None)
+        safe_or_lens = safe if safe is not None else lens_out
         block_b, block_s, block_w = self.blocks
-        verdict[(1,)](lens, rows if rows is not None else lens, table if table is not None else lens, report, bad,
-                      lens_out, safe if safe is not None else lens_out,
-                      batch, self.new, self.width, self.page, self.cache_rows, self.max_len,
-                      table.stride(0) if table is not None else 0, table.stride(1) if table is not None else 0,
-                      HAS_ROWS=self.has_rows, PAGED=self.paged,
-                      BLOCK_B=block_b, BLOCK_S=block_s, BLOCK_W=block_w,
-                      W_BLOCKS=-(-self.width // block_w))
-        append[(batch * self.new, -(-self.heads_dim // _TILE))](
-            k, v, k_cache, v_cache, report, lens_out, safe if safe is not None else lens_out,
-            self.new, self.heads_dim, self.dim, self.page, self.width,
-            *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-            HAS_ROWS=self.has_rows, PAGED=self.paged, BLOCK=min(_TILE, _next_power_of_2(self.heads_dim)))
+        # Every parameter in declaration order (constexprs too: what a direct launch passes); the key holds the
+        # ints that may change between calls (the strides), all else is fixed for this signature.
+        table_strides = table.stride() if table is not None else (0, 0)
+        self.verdict.launch(self.verdict_grid, (
+            lens, rows if rows is not None else lens, table if table is not None else lens, report, bad, lens_out,
+            safe_or_lens, batch, self.new, self.width, self.page, self.cache_rows, self.max_len, *table_strides,
+            self.has_rows, self.paged, block_b, block_s, block_w, -(-self.width // block_w)), table_strides)
+        strides = (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
+        self.append.launch(self.append_grid, (
+            k, v, k_cache, v_cache, report, lens_out, safe_or_lens, self.new, self.heads_dim, self.dim, self.page,
+            self.width, *strides, self.has_rows, self.paged, self.append_block), strides)
         return lens_out, safe, bad, report

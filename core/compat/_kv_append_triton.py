@@ -5,7 +5,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Pointers are not specialized on their alignment: a kernel launched directly after its first call
+# (core.compat._triton_direct) must be the one the jit function would pick for every later call's pointers.
+@triton.jit(do_not_specialize_on_alignment=["lens_ptr", "rows_ptr", "table_ptr", "report_ptr", "bad_ptr",
+                                            "lens_out_ptr", "safe_ptr"])
 def verdict(lens_ptr, rows_ptr, table_ptr, report_ptr, bad_ptr, lens_out_ptr, safe_ptr,
             batch, new, width, page, cache_rows, max_len, table_stride_b, table_stride_w,
             HAS_ROWS: tl.constexpr, PAGED: tl.constexpr,
@@ -53,7 +56,9 @@ def verdict(lens_ptr, rows_ptr, table_ptr, report_ptr, bad_ptr, lens_out_ptr, sa
     tl.store(report_ptr, bad)
     tl.store(bad_ptr, bad != 0)
 
-@triton.jit
+
+@triton.jit(do_not_specialize_on_alignment=["k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "verdict_ptr",
+                                            "lens_out_ptr", "safe_ptr"])
 def append(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, verdict_ptr, lens_out_ptr, safe_ptr,
             new, heads_dim, dim, page, width,
             k_sb, k_st, k_sh, k_sd, v_sb, v_st, v_sh, v_sd,

@@ -189,6 +189,12 @@ def test_the_fused_triton_append_matches_the_torch_op_check_bit_for_bit(manager,
             lens += new
         bound = [b for b in fa._api.get_manager().fast.values() if type(b).__name__ == "_KvcacheBound"]
         assert [b.fused is not None for b in bound] == [append == "triton"]
+        if append == "triton":
+            # Steps 2..6 (bound) launched both kernels through their CompiledKernels (core.compat._triton_direct):
+            # only the first bound step went through JITFunction.run, and no direct launch failed.
+            fused = bound[0].fused
+            assert fused.verdict.kernel is not None and fused.append.kernel is not None
+            assert fused.verdict.jit_launches == fused.append.jit_launches == 1
         bad = lens.clone()
         bad[3] = 4 * page  # no room left for the append
         before = caches[0].clone(), caches[1].clone()
