@@ -85,6 +85,8 @@ Library versions (device probes, version checks):
 - `version_tuple(text)`: the numeric release of a version string ("2.7.0.post2" → (2, 7, 0)).
 - `at_least(version, minimum)`: whether a (possibly unknown) version is new enough.
 - `installed_versions({key: distribution})`: versions of installed pip distributions, without importing them.
+- `private_use1_backend(device, type, module, distribution)`: a PrivateUse1 device probe's common part
+  (``torch.<type>``, the index, the library versions), or None when the device is not one.
 - `unaccepted_keywords(fn, keywords)`: the keywords a vendor function would refuse (readable signatures only).
 """
 
@@ -103,6 +105,7 @@ from ._kv_cache import (PAGED_GATHER_MAX_BYTES, KvQueries, cache_as_pages, cache
                         kv_cache_reasons, kv_lse_fix, packed_queries, paged_as_dense, paged_gather_reason,
                         sequence_keys,
                         unpack_kv_out)
+from ._private_use1 import private_use1_backend
 from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlens, unpack_lse, unpack_out
 from ._signatures import unaccepted_keywords
 from ._versions import at_least, installed_versions, version_tuple
@@ -114,7 +117,8 @@ __all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCa
            "flash_attn_kv_cache", "functional_sdpa_call", "installed_versions", "kernel_call", "kernel_window",
            "kv_cache_allowed",
            "kv_cache_as_mask", "kv_cache_reasons", "PAGED_GATHER_MAX_BYTES", "gathered_bytes", "gathered_pages",
-           "paged_as_dense", "paged_gather_reason", "sequence_keys", "kv_lse_fix", "layout_views", "pack_dense",
+           "paged_as_dense", "paged_gather_reason", "private_use1_backend", "sequence_keys", "kv_lse_fix",
+           "layout_views", "pack_dense",
            "pack_padded_lse",
            "packed_queries", "shift_rows", "size_generic", "unaccepted_keywords", "uniform_cu_seqlens",
            "unpack_kv_out", "unpack_lse",

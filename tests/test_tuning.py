@@ -11,7 +11,8 @@ import yaml
 
 import opdispatch
 from opdispatch.tools._cli import main
-from opdispatch.ops._attention_tuning import AttentionCase, attention_bucket
+from opdispatch.ops._attention_case import AttentionCase
+from opdispatch.ops._attention_tuning import attention_bucket
 from opdispatch.base._fingerprint import device_fingerprint
 from opdispatch.tools._timing import time_fn
 from opdispatch.tools._tuning import load_cases, measure, preset, preset_names, tune

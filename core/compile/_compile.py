@@ -358,12 +358,9 @@ def fake_outputs(q: Tensor, v: Tensor, layout: str, return_lse: bool) -> tuple[T
     shape: tuple[Any, ...]
     if layout == "thd":
         shape = (q.shape[1], q.shape[0])
-    elif layout == "bshd":
-        shape = (q.shape[0], q.shape[2], q.shape[1])
-    elif layout == "bhsd":
-        shape = (q.shape[0], q.shape[1], q.shape[2])
-    else:  # sbhd
-        shape = (q.shape[1], q.shape[2], q.shape[0])
+    else:
+        b_at, s_at, h_at, _ = LAYOUT_DIMS[layout]
+        shape = (q.shape[b_at], q.shape[h_at], q.shape[s_at])
     return out, q.new_empty(shape, dtype=lse_dtype)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..ops._attention import LAYOUT_DIMS, AttentionImpl, validate_attention
+from ..ops._attention import LAYOUT_DIMS, AttentionImpl, bshd_views, validate_attention
 from ..engine._agreement import SignatureField, agree_call, collective_op
 
 __all__ = ["MODES", "SHARDINGS", "context_parallel_attention", "shard_sequence", "unshard_sequence"]
@@ -38,22 +38,6 @@ __all__ = ["MODES", "SHARDINGS", "context_parallel_attention", "shard_sequence",
 MODES = ("ring", "allgather")
 SHARDINGS = ("zigzag", "contiguous")
 _SEQ_DIM = {layout: dims[1] for layout, dims in LAYOUT_DIMS.items()}
-
-
-def _bshd(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _bhsd_to_bshd(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(1, 2)
-
-
-def _sbhd_to_bshd(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(0, 1)
-
-
-# Views between each layout and bshd, both ways (each is its own inverse).
-_BSHD_VIEWS = {"bshd": _bshd, "bhsd": _bhsd_to_bshd, "sbhd": _sbhd_to_bshd}
 
 
 # -- sharding -------------------------------------------------------------------------------------------------
@@ -253,8 +237,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     try:
         _check_call(what, q, k, v, causal, mode, sharding, layout, world)
         # Validated as one unsharded call would be (dtypes, heads, head dims, scale), with its error messages.
-        call = validate_attention(_BSHD_VIEWS[layout](q), _BSHD_VIEWS[layout](k), _BSHD_VIEWS[layout](v),
-                                  causal=causal, scale=scale, sinks=sinks)
+        to_bshd = bshd_views(layout)[0]
+        call = validate_attention(to_bshd(q), to_bshd(k), to_bshd(v), causal=causal, scale=scale, sinks=sinks)
     except Exception as exc:
         rejected = exc
     agree_call(group, _CALL, _signature(q, k, v, causal, mode, sharding, layout,
@@ -264,14 +248,14 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise rejected
     assert call is not None
     # Work in bshd views; the result goes back to the caller's layout.
-    to_bshd = _BSHD_VIEWS[layout]
+    to_bshd, from_bshd = bshd_views(layout)
     q4, k4, v4 = to_bshd(q), to_bshd(k), to_bshd(v)
     if mode == "ring":
         out: torch.Tensor = _RingAttention.apply(  # type: ignore[no-untyped-call]
             q4, k4, v4, group, causal, sharding == "zigzag", call.scale, call.sinks)
     else:
         out = _allgather_attention(q4, k4, v4, group, rank, world, causal, sharding, call.scale, call.sinks)
-    return out if layout == "bshd" else to_bshd(out).contiguous()
+    return out if layout == "bshd" else from_bshd(out).contiguous()
 
 
 def _check_call(what: str, q: Any, k: Any, v: Any, causal: Any, mode: Any, sharding: Any, layout: Any,

@@ -833,11 +833,8 @@ def canonicalize(call: AttentionCall, *, varlen_rewritten: bool = False) -> None
 
 def _dims(layout: str, shape: torch.Size) -> tuple[int, int, int, int]:
     """(batch, seq, heads, dim) of a dense tensor in `layout`."""
-    if layout == "bshd":
-        return shape[0], shape[1], shape[2], shape[3]
-    if layout == "bhsd":
-        return shape[0], shape[2], shape[1], shape[3]
-    return shape[1], shape[0], shape[2], shape[3]  # sbhd
+    b_at, s_at, h_at, d_at = LAYOUT_DIMS[layout]
+    return shape[b_at], shape[s_at], shape[h_at], shape[d_at]
 
 
 _INT32_MAX = 2**31 - 1  # kernels take window sizes as int32
@@ -1158,6 +1155,14 @@ def layout_views(layout: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], C
     """(to_bhsd, from_bhsd) view functions of a dense layout that hold nothing of a call — for bound functions,
     which must not keep a call (and its tensors) alive."""
     to, back = _TO_BHSD[layout], _FROM_BHSD[layout]
+    if to == _IDENTITY:
+        return (lambda t: t), (lambda t: t)
+    return (lambda t: t.permute(to)), (lambda t: t.permute(back))
+
+
+def bshd_views(layout: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """(to_bshd, from_bshd) view functions of a dense layout, as `layout_views` (bshd: batch before heads)."""
+    to, back = _TO_BSHD[layout], _FROM_BSHD[layout]
     if to == _IDENTITY:
         return (lambda t: t), (lambda t: t)
     return (lambda t: t.permute(to)), (lambda t: t.permute(back))

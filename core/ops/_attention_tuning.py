@@ -1,5 +1,6 @@
-"""How `opdispatch tune` and `bench` time the attention op: its case (a call signature without data), presets and
-tuned-table buckets — the `TuningSpec` of attention's `OpSpec` (core/ops/_attention.py registers it).
+"""How `opdispatch tune` and `bench` time the attention op: its presets of cases (`AttentionCase`, in
+`_attention_case`) and tuned-table buckets — the `TuningSpec` of attention's `OpSpec` (core/ops/_attention.py
+registers it).
 
 It sits below `_attention`: the op's validator comes in as an argument (`attention_tuning(validate_attention)`,
 called where the op registers), so nothing here imports the op's module.
@@ -7,144 +8,14 @@ called where the op registers), so nothing here imports the op's module.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
-import torch
-
+from ..base._cases import grid
 from ..base._ops import BucketFeature, TuningSpec
-from ..base._cases import grid, known_fields, random_tensor
+from ._attention_case import AttentionCase
 
-__all__ = ["AttentionCase", "PRESETS", "attention_bucket", "attention_preset", "attention_tuning"]
-
-
-@dataclass(frozen=True)
-class AttentionCase:
-    """A call signature to time: the shapes and flags of one attention call, without data.
-
-    `layout` is ``bshd`` (dense) or ``thd`` (packed varlen: `batch` sequences, the longest `seqlen_q`). A causal
-    call with seqlen_q != seqlen_k is aligned bottom-right (decode: the new tokens see the whole cache).
-    """
-
-    dtype: str = "bf16"
-    layout: str = "bshd"
-    batch: int = 1
-    seqlen_q: int = 128
-    seqlen_k: int = 128
-    heads_q: int = 8
-    heads_kv: int = 8
-    head_dim: int = 64
-    causal: bool = False
-    window: tuple[int, int] | None = None
-    softcap: float = 0.0
-    requires_grad: bool = False
-    name: str = ""
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "") -> AttentionCase:
-        data = known_fields(cls, data, where)
-        if data.get("window") is not None:
-            data["window"] = tuple(int(x) for x in data["window"])
-        data.setdefault("seqlen_k", data.get("seqlen_q", cls.seqlen_k))
-        data.setdefault("heads_kv", data.get("heads_q", cls.heads_kv))
-        return cls(**data)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        if out["window"] is not None:
-            out["window"] = list(out["window"])
-        return out
-
-    def describe(self) -> str:
-        if self.name:
-            return self.name
-        parts = [self.dtype, "varlen" if self.layout == "thd" else "dense", f"b{self.batch}",
-                 f"q{self.seqlen_q}", f"k{self.seqlen_k}", f"h{self.heads_q}/{self.heads_kv}", f"d{self.head_dim}"]
-        if self.causal:
-            parts.append("causal")
-        if self.window:
-            parts.append(f"win{self.window[0]},{self.window[1]}")
-        if self.softcap:
-            parts.append(f"cap{self.softcap:g}")
-        if self.requires_grad:
-            parts.append("fwd+bwd")
-        return " ".join(parts)
-
-    def seq_lengths(self) -> tuple[list[int], list[int]]:
-        """Per-sequence (q, k) lengths: all equal for dense; uneven for varlen, the first being the longest."""
-        if self.layout != "thd":
-            return [self.seqlen_q] * self.batch, [self.seqlen_k] * self.batch
-        fractions = [1.0, 0.5, 0.75, 0.625, 0.875, 0.5625, 0.8125, 0.6875]
-        q = [max(1, int(self.seqlen_q * fractions[i % len(fractions)])) for i in range(self.batch)]
-        k = [max(1, int(self.seqlen_k * fractions[i % len(fractions)])) for i in range(self.batch)]
-        return q, k
-
-    def inputs(self, device: torch.device | str, generator: torch.Generator | None = None) -> dict[str, Any]:
-        """Fresh random inputs: keyword arguments for `opdispatch.attention` / `validate_attention`."""
-        from ..base._dtypes import dtype_from_name
-
-        dtype = dtype_from_name(self.dtype)
-        device = torch.device(device)
-
-        def rand(*shape: int) -> torch.Tensor:
-            return random_tensor(shape, dtype, device, generator, self.requires_grad)
-
-        kw: dict[str, Any] = dict(causal=self.causal, softcap=self.softcap)
-        if self.window is not None:
-            kw["window"] = tuple(self.window)
-        if self.causal and self.seqlen_q != self.seqlen_k:
-            kw["causal_alignment"] = "bottom_right"
-        if self.layout == "thd":
-            lq, lk = self.seq_lengths()
-            kw.update(layout="thd", q=rand(sum(lq), self.heads_q, self.head_dim),
-                      k=rand(sum(lk), self.heads_kv, self.head_dim), v=rand(sum(lk), self.heads_kv, self.head_dim),
-                      cu_seqlens_q=_cumulative(lq, device), cu_seqlens_k=_cumulative(lk, device),
-                      max_seqlen_q=max(lq), max_seqlen_k=max(lk))
-            if lq == lk and self.seqlen_q == self.seqlen_k:
-                kw["cu_seqlens_k"] = kw["cu_seqlens_q"]
-        elif self.layout == "bshd":
-            kw.update(layout="bshd", q=rand(self.batch, self.seqlen_q, self.heads_q, self.head_dim),
-                      k=rand(self.batch, self.seqlen_k, self.heads_kv, self.head_dim),
-                      v=rand(self.batch, self.seqlen_k, self.heads_kv, self.head_dim))
-        else:
-            raise ValueError(f"shape {self.describe()}: layout {self.layout!r} cannot be tuned; use bshd or thd")
-        return kw
-
-    def flops(self) -> float:
-        """Floating-point operations of the call (2 per multiply-add; backward counted as 2.5x forward)."""
-        lq, lk = self.seq_lengths()
-        pairs = sum(_allowed_pairs(a, b, self.causal, self.window) for a, b in zip(lq, lk))
-        forward = 2.0 * pairs * (self.head_dim + self.head_dim) * self.heads_q
-        return forward * (3.5 if self.requires_grad else 1.0)
-
-
-def _cumulative(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
-    values = [0]
-    for n in lengths:
-        values.append(values[-1] + n)
-    return torch.tensor(values, dtype=torch.int32, device=device)
-
-
-def _allowed_pairs(sq: int, sk: int, causal: bool, window: tuple[int, int] | None) -> int:
-    """How many (query, key) pairs a call with these lengths computes (bottom-right alignment when causal)."""
-    if not causal and window is None:
-        return sq * sk
-    offset = sk - sq if causal else 0
-    total = 0
-    for i in range(sq):
-        lo, hi = 0, sk - 1
-        centre = i + offset
-        if causal:
-            hi = min(hi, centre)
-        if window is not None:
-            left, right = window
-            if left >= 0:
-                lo = max(lo, centre - left)
-            if right >= 0 and not causal:
-                hi = min(hi, centre + right)
-        total += max(0, hi - lo + 1)
-    return total
+__all__ = ["PRESETS", "attention_bucket", "attention_preset", "attention_tuning"]
 
 
 # -- presets -----------------------------------------------------------------------------------------------------

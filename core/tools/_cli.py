@@ -172,8 +172,13 @@ def _explain_call_args(args: argparse.Namespace, device_type: str) -> dict[str, 
         kw.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=s, max_seqlen_k=sk)
     else:
         layout = args.layout
+        from ..ops._attention import LAYOUT_DIMS
+
         def shape(s_: int, h_: int, d_: int) -> tuple[int, ...]:
-            return {"bshd": (b, s_, h_, d_), "bhsd": (b, h_, s_, d_), "sbhd": (s_, b, h_, d_)}[layout]
+            sizes = [0] * 4
+            for size, at in zip((b, s_, h_, d_), LAYOUT_DIMS[layout]):
+                sizes[at] = size
+            return tuple(sizes)
 
         q = torch.empty(shape(s, h, d), dtype=dtype, device=dev, requires_grad=grad)
         k = torch.empty(shape(sk, hkv, d), dtype=dtype, device=dev, requires_grad=grad)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..base._tolerance import RELATIVE_NORM
+from ..ops._attention_case import AttentionCase
 from ..policies._quarantine import (env_conditions, merge_quarantine, quarantine_text, read_existing_quarantine,
                                    rule_libraries, rule_name, write_quarantine)
 
@@ -94,30 +95,56 @@ EDGES: dict[str, tuple[dict[str, str], dict[str, Any], dict[str, Any]]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One call of the matrix, as plain data (it travels to the worker as JSON). An attention case's `options`
-    hold its factor values (`FACTORS`) and an edge row's extras; `feature` is ``pairwise``, an edge's name or
-    ``isolate`` (a follow-up that tells which factors of a failing case fail together)."""
+    """One cell of the matrix, as plain data (it travels to the worker as JSON): an attention call (`attention`,
+    the op's one case record) or another op's tuning case (`data`, `TuningSpec.case.to_dict()`). An attention
+    cell's `options` hold its factor values (`FACTORS`) and an edge row's extras — what only a conformance check
+    varies (KV caches, masks, per-sequence lengths...); `feature` is ``pairwise``, an edge's name or ``isolate`` (a
+    follow-up that tells which factors of a failing case fail together)."""
 
     index: int
     feature: str
-    dtype: str
-    b: int = 2
-    sq: int = 40
-    sk: int = 40
-    hq: int = 8
-    hkv: int = 8
-    d: int = 64
+    attention: AttentionCase | None = None
     options: tuple[tuple[str, Any], ...] = ()
     op: str = "attention"
-    data: tuple[tuple[str, Any], ...] = ()  # another op's tuning case (`TuningSpec.case.to_dict()`)
+    data: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def dtype(self) -> str:
+        return self.call().dtype if self.op == "attention" else str(dict(self.data)["dtype"])
+
+    def call(self) -> AttentionCase:
+        """The attention call of an attention cell."""
+        if self.attention is None:
+            raise ValueError(f"validate: case {self.index} ({self.op} {self.feature}) is not an attention call")
+        return self.attention
 
     def describe(self) -> str:
         if self.op != "attention":
             return f"{self.op} {self.feature}"
+        a = self.call()
         opts = dict(self.options)
         shown = " ".join(f"{k}={v}" for k, v in opts.items() if BASELINE.get(k) != v and k != "page_size")
-        return (f"{self.feature} {self.dtype} b={self.b} sq={self.sq} sk={self.sk} heads={self.hq}/{self.hkv} "
-                f"d={self.d}" + (f" {shown}" if shown else ""))
+        return (f"{self.feature} {a.dtype} b={a.batch} sq={a.seqlen_q} sk={a.seqlen_k} heads={a.heads_q}/"
+                f"{a.heads_kv} d={a.head_dim}" + (f" {shown}" if shown else ""))
+
+    def to_json(self) -> dict[str, Any]:
+        """The report's and the worker's flat form (the shape under validate's short names; null for other ops)."""
+        a = self.attention
+        return {"index": self.index, "feature": self.feature, "dtype": self.dtype,
+                **{short: None if a is None else getattr(a, name) for short, name in _SHORT_NAMES.items()},
+                "options": [list(item) for item in self.options], "op": self.op,
+                "data": [list(item) for item in self.data]}
+
+    def to_worker(self) -> dict[str, Any]:
+        """`to_json` and the attention call whole: what the worker rebuilds the cell from (`from_worker`)."""
+        return {**self.to_json(), "attention": None if self.attention is None else self.attention.to_dict()}
+
+    @classmethod
+    def from_worker(cls, c: dict[str, Any]) -> Case:
+        return cls(c["index"], c["feature"],
+                   None if c["attention"] is None else AttentionCase.from_dict(c["attention"]),
+                   tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in c["options"]), c["op"],
+                   tuple((k, v) for k, v in c["data"]))
 
     def factors(self) -> dict[str, Any]:
         """Its factor values as the op sees the call: bottom-right alignment over equal lengths is top-left."""
@@ -127,6 +154,10 @@ class Case:
                 and "sq" not in opts and self.feature in ("pairwise", "isolate"):
             factors["causal"] = "top_left"
         return factors
+
+
+# The report's names of an attention cell's sizes (kept from before the cell held an `AttentionCase`).
+_SHORT_NAMES = {"b": "batch", "sq": "seqlen_q", "sk": "seqlen_k", "hq": "heads_q", "hkv": "heads_kv", "d": "head_dim"}
 
 
 @dataclasses.dataclass
@@ -161,9 +192,16 @@ def make_case(index: int, feature: str, factors: dict[str, Any], extra: dict[str
     if factors["kv_cache"] == "paged":
         options["page_size"] = max(16, getattr(caps, "page_size_multiple", 1))
     options.update(extra)
-    batch = 3 if factors["layout"] == "thd" else 2
-    return Case(index, feature, factors["dtype"], b=batch, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d,
-                options=tuple(sorted(options.items())))
+    causal = factors["causal"]
+    window = None
+    if factors["window"] != "none":
+        window = tuple(options.get("window_size", (16, 0) if causal != "none" else (16, 8)))
+    call = AttentionCase(dtype=factors["dtype"], layout=factors["layout"], batch=3 if factors["layout"] == "thd" else 2,
+                         seqlen_q=sq, seqlen_k=sk, heads_q=hq, heads_kv=hkv, head_dim=d, causal=causal != "none",
+                         causal_alignment=None if causal == "none" else causal, window=window,
+                         softcap=20.0 if factors["term"] == "softcap" else 0.0,
+                         requires_grad=factors["direction"] == "backward")
+    return Case(index, feature, call, options=tuple(sorted(options.items())))
 
 
 def covering_rows(factors: Mapping[str, Sequence[Any]], allowed: Callable[[dict[str, Any]], bool], seed: int,
@@ -328,7 +366,7 @@ def op_cases(op: str, dtypes: Sequence[str]) -> list[Case]:
                 typed = case_type.from_dict(data)
                 when = _op_when(op, tuning.validate(**typed.inputs("meta")))
                 cases.append(Case(len(cases), typed.describe() + "".join(f" {k}={v}" for k, v in zip(flags, values)),
-                                  dtype, op=op, data=tuple(sorted(data.items())), options=tuple(sorted(when.items()))))
+                                  op=op, data=tuple(sorted(data.items())), options=tuple(sorted(when.items()))))
     return cases
 
 
@@ -387,13 +425,15 @@ def run_op_case(impl_id: str, case: Case, device: str) -> CaseResult:
 # -- the worker: runs cases and reports each as a JSON line -----------------------------------------------------
 
 def _tensors(case: Case, device: str, fill: bool = True) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """q, k, v and the keyword arguments of `case` (random, seeded by its index; `fill=False`: shapes only)."""
+    """q, k, v and the keyword arguments of `case` (random, seeded by its index; `fill=False`: shapes only): the
+    attention call's sizes and flags, and the matrix's options (KV cache, term, per-sequence lengths, extras)."""
     import torch
 
     from ..base._dtypes import dtype_from_name
 
+    call = case.call()
     opts = dict(case.options)
-    dtype = dtype_from_name(case.dtype)
+    dtype = dtype_from_name(call.dtype)
     gen = torch.Generator().manual_seed(1000 + case.index)
 
     def rand(*shape: int) -> Any:
@@ -404,23 +444,22 @@ def _tensors(case: Case, device: str, fill: bool = True) -> tuple[tuple[Any, ...
     def index(values: list[int]) -> Any:
         return torch.tensor(values, dtype=torch.int32, device=device)
 
-    causal = opts.get("causal", "none")
     kwargs: dict[str, Any] = {}
-    if causal != "none":
-        kwargs.update(causal=True, causal_alignment=causal)
-    if opts.get("window", "none") != "none":
-        kwargs["window"] = tuple(opts.get("window_size", (16, 0) if causal != "none" else (16, 8)))
+    if call.causal:
+        kwargs.update(causal=True, causal_alignment=call.alignment())
+    if call.window is not None:
+        kwargs["window"] = call.window
     if opts.get("lse") == "yes":
         kwargs["return_lse"] = True
     term = opts.get("term", "none")
-    if term == "softcap":
-        kwargs["softcap"] = 20.0
-    layout, cache = opts.get("layout", "bshd"), opts.get("kv_cache", "none")
-    hq, hkv, d = case.hq, case.hkv, case.d
+    if call.softcap:
+        kwargs["softcap"] = call.softcap
+    layout, cache = call.layout, opts.get("kv_cache", "none")
+    b, sq, sk, hq, hkv, d = call.batch, call.seqlen_q, call.seqlen_k, call.heads_q, call.heads_kv, call.head_dim
     if layout == "thd":
-        lengths = [(case.sq, case.sk), *LENGTHS[opts.get("lengths", "equal")][1:]][:case.b]
+        lengths = [(sq, sk), *LENGTHS[opts.get("lengths", "equal")][1:]][:b]
     else:
-        lengths = [(case.sq, case.sk)] * case.b
+        lengths = [(sq, sk)] * b
     fills = [k - 3 * (i % 2) if cache != "none" and k > 3 + q else k for i, (q, k) in enumerate(lengths)]
     capacity = max(fills) + 8  # a cache holds more than it uses
     q_lens = [q for q, _ in lengths]
@@ -429,16 +468,16 @@ def _tensors(case: Case, device: str, fill: bool = True) -> tuple[tuple[Any, ...
         cu_q = index([0, *itertools.accumulate(q_lens)])
         kwargs.update(layout="thd", cu_seqlens_q=cu_q, max_seqlen_q=max(q_lens))
     else:
-        q = _in_layout(rand(case.b, max(q_lens), hq, d), layout, fill)
+        q = _in_layout(rand(b, max(q_lens), hq, d), layout, fill)
         if layout != "bshd":
             kwargs["layout"] = layout
     if cache == "paged":
         size = int(opts["page_size"])
         per_seq = -(-capacity // size)
-        pages = case.b * per_seq + 1
+        pages = b * per_seq + 1
         k, v = rand(pages, size, hkv, d), rand(pages, size, hkv, d)
-        order = torch.randperm(pages, generator=gen)[: case.b * per_seq] if fill else torch.arange(case.b * per_seq)
-        kwargs.update(block_table=order.view(case.b, per_seq).to(torch.int32).to(device), seqused_k=index(fills))
+        order = torch.randperm(pages, generator=gen)[: b * per_seq] if fill else torch.arange(b * per_seq)
+        kwargs.update(block_table=order.view(b, per_seq).to(torch.int32).to(device), seqused_k=index(fills))
     elif layout == "thd":
         spans = [capacity if cache == "dense" else k for k in fills]
         k, v = rand(sum(spans), hkv, d), rand(sum(spans), hkv, d)
@@ -447,45 +486,43 @@ def _tensors(case: Case, device: str, fill: bool = True) -> tuple[tuple[Any, ...
         if cache == "dense":
             kwargs["seqused_k"] = index(fills)
     else:
-        keys = capacity if cache == "dense" else case.sk
-        k, v = (_in_layout(rand(case.b, keys, hkv, d), layout, fill) for _ in range(2))
+        keys = capacity if cache == "dense" else sk
+        k, v = (_in_layout(rand(b, keys, hkv, d), layout, fill) for _ in range(2))
         if cache == "dense":
             kwargs["seqused_k"] = index(fills)
     if opts.get("strided"):  # head dim not innermost, k sliced
-        q = rand(case.b, case.d, case.sq, hq).permute(0, 2, 3, 1)
-        k = rand(case.b, case.sk, hkv, 2 * case.d)[..., ::2]
-        v = rand(case.b, hkv, case.sk, case.d).transpose(1, 2)
+        q = rand(b, d, sq, hq).permute(0, 2, 3, 1)
+        k = rand(b, sk, hkv, 2 * d)[..., ::2]
+        v = rand(b, hkv, sk, d).transpose(1, 2)
     if term == "alibi":
         kwargs["alibi_slopes"] = (torch.rand(hq, generator=gen) * 0.5).to(device)
     if term in ("mask", "bias") and layout != "thd" and cache == "none":
-        sq, sk = case.sq, case.sk
         if term == "mask":
-            mask = torch.rand(case.b, hq, sq, sk, generator=gen) > 0.3
+            mask = torch.rand(b, hq, sq, sk, generator=gen) > 0.3
             # Each row keeps the key on its diagonal (inside any causal or window pattern) — but the blind-mask
             # edge, whose first row sees nothing.
-            offset = sk - sq if causal == "bottom_right" else 0
+            offset = sk - sq if call.causal and call.alignment() == "bottom_right" else 0
             rows = torch.arange(sq)
             mask[..., rows, (rows + offset).clamp(0, sk - 1)] = True
             if opts.get("blind_mask"):
                 mask[..., 0, :] = False
             kwargs["attn_mask"] = mask.to(device)
         else:
-            kwargs["attn_bias"] = torch.randn(case.b, hq, sq, sk, generator=gen).to(dtype).to(device)
+            kwargs["attn_bias"] = torch.randn(b, hq, sq, sk, generator=gen).to(dtype).to(device)
     elif term in ("mask", "bias"):  # the op refuses them here: let it say so
         kwargs["attn_mask" if term == "mask" else "attn_bias"] = torch.ones(1, dtype=torch.bool, device=device)
-    if opts.get("direction") == "backward":
+    if call.requires_grad:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     return (q, k, v), kwargs
 
 
 def _in_layout(bshd: Any, layout: str, copy: bool = True) -> Any:
     """A (batch, seq, heads, dim) tensor as a contiguous tensor of `layout` (`copy=False`: a view, for shapes)."""
-    if layout == "bhsd":
-        view = bshd.transpose(1, 2)
-    elif layout == "sbhd":
-        view = bshd.transpose(0, 1)
-    else:
+    if layout == "bshd":
         return bshd
+    from ..ops._attention import bshd_views
+
+    view = bshd_views(layout)[1](bshd)
     return view.contiguous() if copy else view
 
 
@@ -568,9 +605,7 @@ def run_case(impl_id: str, case: Case, device: str) -> CaseResult:
 
 def _worker(impl_id: str, device: str, cases_path: str, start: int, out: TextIO) -> None:
     os.environ["OPDISPATCH_CHECK_OUTPUTS"] = "1"  # structure, NaN and untouched inputs, every call
-    cases = [Case(**{**c, "options": tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in c["options"]),
-                     "data": tuple((k, v) for k, v in c["data"])})
-             for c in json.loads(Path(cases_path).read_text())]
+    cases = [Case.from_worker(c) for c in json.loads(Path(cases_path).read_text())]
     _warm_up(device)
     for case in cases[start:]:
         out.write(json.dumps({"start": case.index}) + "\n")
@@ -616,7 +651,7 @@ def validate_impl(impl_id: str, device: str, cases: list[Case], timeout: float,
     processes, restarting after a crash, a hang or a dead context. At `stop_at` (time.monotonic()) the worker is
     stopped and the case in flight and those left are `NOT_RUN`."""
     cases_path = workdir / f"cases-{impl_id}.json"
-    cases_path.write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
+    cases_path.write_text(json.dumps([c.to_worker() for c in cases]))
     results: dict[int, CaseResult] = {}  # by position in `cases` (a share of a split run: not case.index)
     position = {c.index: i for i, c in enumerate(cases)}
     start = 0
@@ -765,7 +800,8 @@ def isolation_case(index: int, failed: Case, suspect: frozenset[tuple[str, str]]
     """`failed` with every factor outside `suspect` back at its baseline (its lengths and dtype kept): does the
     suspect combination fail on its own?"""
     factors = {**BASELINE, **dict(suspect), "lengths": failed.factors()["lengths"], "dtype": failed.dtype}
-    return dataclasses.replace(make_case(index, "isolate", factors, caps=caps), b=failed.b)
+    case = make_case(index, "isolate", factors, caps=caps)
+    return dataclasses.replace(case, attention=dataclasses.replace(case.call(), batch=failed.call().batch))
 
 
 def rule_conditions(failed: Case, results: Sequence[CaseResult],
@@ -778,7 +814,7 @@ def rule_conditions(failed: Case, results: Sequence[CaseResult],
     if failed.feature in EDGES:
         edge = dict(EDGES[failed.feature][2])
         if failed.feature.startswith("head_dim"):
-            edge["head_dim"] = failed.d
+            edge["head_dim"] = failed.call().head_dim
         return [edge]
     passed = _clearing(results)
     confirmed = [s for s in suspects(failed, passed) if isolations.get((failed.index, s), "fail") != "pass"]
@@ -1005,7 +1041,7 @@ def run_validation(impl_ids: Sequence[str] | None, device: str, *, timeout: floa
     summary = {impl_id: _summary(results) for impl_id, results in all_results.items()}
     if report_json is not None:
         report_json.write_text(json.dumps({"device": info.to_dict(), "implementations": summary,
-                                           "cases": {k: [dict(dataclasses.asdict(r.case), status=r.status,
+                                           "cases": {k: [dict(r.case.to_json(), status=r.status,
                                                               detail=r.detail, error=r.error) for r in v]
                                                      for k, v in all_results.items()}}, indent=1))
     text = _markdown(info, summary, failures)

@@ -9,11 +9,10 @@ lower-cased up to the product generation (``ascend910b``), as FlagGems' and vLLM
 from __future__ import annotations
 
 import re
-import sys
 from typing import Any
 
 from opdispatch import DeviceInfo, Impl, hookimpl
-from opdispatch.plugins.toolkit import installed_versions
+from opdispatch.plugins.toolkit import private_use1_backend
 
 from ._attention import AscendFusionAttention
 
@@ -39,13 +38,10 @@ def arch_from_name(name: str) -> str:
 
 
 def probe_ascend_device(device: Any) -> DeviceInfo | None:
-    if getattr(device, "type", None) != "npu" or "torch_npu" not in sys.modules:
+    found = private_use1_backend(device, "npu", "torch_npu", "torch-npu")
+    if found is None:
         return None
-    import torch  # already imported by whoever made the torch.device
-
-    npu = getattr(torch, "npu", None)
-    index = device.index if device.index is not None else int(npu.current_device())
+    npu, index, libraries = found
     name = str(npu.get_device_name(index))
-    libraries = {"torch": torch.__version__.split("+")[0], **installed_versions({"torch_npu": "torch-npu"})}
     return DeviceInfo(vendor="ascend", type="npu", arch=arch_from_name(name), name=name, index=index,
                       libraries=libraries)

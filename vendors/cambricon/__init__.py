@@ -9,11 +9,10 @@ name comes from `torch.mlu.get_device_name` (e.g. ``MLU590``); the architecture 
 from __future__ import annotations
 
 import re
-import sys
 from typing import Any
 
 from opdispatch import DeviceInfo, Impl, hookimpl
-from opdispatch.plugins.toolkit import installed_versions
+from opdispatch.plugins.toolkit import private_use1_backend
 
 from ._attention import CambriconSdpa
 
@@ -39,13 +38,10 @@ def arch_from_name(name: str) -> str:
 
 
 def probe_cambricon_device(device: Any) -> DeviceInfo | None:
-    if getattr(device, "type", None) != "mlu" or "torch_mlu" not in sys.modules:
+    found = private_use1_backend(device, "mlu", "torch_mlu", "torch_mlu")
+    if found is None:
         return None
-    import torch  # already imported by whoever made the torch.device
-
-    mlu = getattr(torch, "mlu", None)
-    index = device.index if device.index is not None else int(mlu.current_device())
+    mlu, index, libraries = found
     name = str(mlu.get_device_name(index))
-    libraries = {"torch": torch.__version__.split("+")[0], **installed_versions({"torch_mlu": "torch_mlu"})}
     return DeviceInfo(vendor="cambricon", type="mlu", arch=arch_from_name(name), name=name, index=index,
                       libraries=libraries)

@@ -8,11 +8,10 @@ tensor). The architecture is the device's mp version from `torch.musa.get_device
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from opdispatch import DeviceInfo, Impl, hookimpl
-from opdispatch.plugins.toolkit import installed_versions
+from opdispatch.plugins.toolkit import private_use1_backend
 
 from ._attention import MthreadsSdpa
 
@@ -30,13 +29,10 @@ def opdispatch_probe_device(device: Any) -> DeviceInfo | None:
 
 
 def probe_mthreads_device(device: Any) -> DeviceInfo | None:
-    if getattr(device, "type", None) != "musa" or "torch_musa" not in sys.modules:
+    found = private_use1_backend(device, "musa", "torch_musa", "torch_musa")
+    if found is None:
         return None
-    import torch  # already imported by whoever made the torch.device
-
-    musa = getattr(torch, "musa", None)
-    index = device.index if device.index is not None else int(musa.current_device())
+    musa, index, libraries = found
     props = musa.get_device_properties(index)
-    libraries = {"torch": torch.__version__.split("+")[0], **installed_versions({"torch_musa": "torch_musa"})}
     return DeviceInfo(vendor="mthreads", type="musa", arch=f"mp{int(props.major)}{int(props.minor)}",
                       name=str(props.name), index=index, memory_bytes=int(props.total_memory), libraries=libraries)
