@@ -921,11 +921,12 @@ def test_paged_selection_on_simulated_devices(manager, monkeypatch):
     # 4 x 65536 pages of 16 keys, 2 heads x (128 + 128) bf16: 4 GiB of gather
     reasons = _flex_candidate(paged("p800", 65536)).reasons
     assert any("paged cache: torch.flex" in r and "4096 MiB" in r and "1024 MiB bound" in r for r in reasons), reasons
-    # NVIDIA keeps its own kernels for KV-cache calls until the compiled path has run on its GPUs: the default
-    # policy's rule denies torch.flex there, and explain names it (a paged call with a gradient, which FA2's
-    # paged path does not take, still does not land on flex)
-    for grad in (False, True):
-        d = paged("h100", 256, grad=grad)
-        flex = _flex_candidate(d)
-        assert d.chosen_id != "torch.flex" and flex.status == "denied by policy", (flex.status, flex.reasons)
-        assert any("rule 'no-flex-kv-cache-on-nvidia-yet'" in r for r in flex.reasons), flex.reasons
+    # NVIDIA: torch.flex's compiled KV-cache path passed on the H100 (tests/gpu/test_flex_gpu.py -k
+    # paged_cache_compiled), so no rule denies it any more; FA2's paged kernel stays ahead of it by order for
+    # inference, mem_efficient for a paged call with a gradient (FA2's paged path takes none); flex stays eligible
+    inference = paged("h100", 256)
+    assert inference.chosen_id == "nvidia.flash" and _flex_candidate(inference).status == "eligible", \
+        [(c.impl_id, c.status, c.reasons) for c in inference.candidates]
+    training = paged("h100", 256, grad=True)
+    assert training.chosen_id == "nvidia.mem_efficient" and _flex_candidate(training).status == "eligible", \
+        [(c.impl_id, c.status, c.reasons) for c in training.candidates]
