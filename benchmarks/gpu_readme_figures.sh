@@ -22,6 +22,9 @@
 #            (benchmarks/kvcache_decode.py; issue 31)
 #   kv       KV-cache calls: decode over dense and paged caches, and paged varlen (chunked prefill) against
 #            torch's best way (benchmarks/kv_cache.py; issue 29)
+#   trace    one profiled training step of a Llama-shaped layer: the trimmed Chrome trace and what each opdispatch
+#            range launched (benchmarks/trace_layer.py; issue 34). Draw the README's picture from it anywhere:
+#            python benchmarks/render_trace.py $out/trace-h100.json.gz --out docs/images/trace-h100.png
 #   determinism  the GPU tests of deterministic backwards under torch's flag (tests/gpu/test_issue10_gpu.py)
 # BENCH_COMMIT names the commit the copy was made from (the machine's .git may be stale).
 set -u
@@ -102,9 +105,14 @@ for part in $parts; do
     kv)
       timeout 240 python3 "$repo/benchmarks/kv_cache.py" > "$out/kv_cache-h100.md" 2>&1
       echo "kv_cache exit $?"; grep -E "^(\| paged varlen|paged varlen|    )" "$out/kv_cache-h100.md" | tail -30 ;;
+    trace)
+      timeout 150 python3 "$repo/benchmarks/trace_layer.py" --device cuda --trace "$out/trace-h100.json.gz" \
+        --summary "$out/trace-h100.md" > "$out/trace-h100.log" 2>&1
+      echo "trace_layer exit $?"; grep -E "^(In the profiled step|Device time|\| [0-9])" "$out/trace-h100.md" | cut -c1-300
+      tail -3 "$out/trace-h100.log" | cut -c1-300 ;;
     masked)
       timeout 150 python3 "$repo/benchmarks/masked_decode.py" --batch 32 > "$out/masked_decode-h100.txt" 2>&1
       echo "masked_decode exit $?"; tail -12 "$out/masked_decode-h100.txt" ;;
-    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked, kv, kvc, flexlong, profile, decode, kvtests)"; exit 2 ;;
+    *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked, kv, kvc, flexlong, profile, decode, kvtests, trace)"; exit 2 ;;
   esac
 done
