@@ -25,6 +25,12 @@ After a signature's first call both kernels are launched through their compiled 
 `JITFunction.run`'s binder, specialization and cache key (~60 µs of host time per launch on the H100 host):
 `core.compat._triton_direct`, which says which Triton 3.6.0 internals that relies on and when it falls back.
 
+Per call the host does little else: the verdict, lengths and clamped indices go to device buffers made once per
+(stream, thread) and reused (`Scratch`; fresh, never kept, during CUDA graph capture); the report row is a ring row
+of core.base._kv_checks (pinned host memory) that the verdict kernel writes directly — no device copy; and a
+third kernel, `poison`, makes a bad call's output NaN in place (one launch, no allocation; autograd outputs keep
+torch.where).
+
 Triton is optional (the `flagos` extra, or the one torch's CUDA wheels bring): `available()` says whether this path
 can run. ``OPDISPATCH_KV_APPEND=triton`` forces it on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
