@@ -281,7 +281,7 @@ def test_a_fused_kernel_that_fails_to_compile_hands_its_signature_to_the_torch_o
     q = torch.randn(BATCH, 1, HEADS, DIM, generator=gen)
     k_new, v_new = (torch.randn(BATCH, 1, 2, DIM, generator=gen) for _ in range(2))
     fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, **index)  # binds (fused)
-    monkeypatch.setattr(_kv_append, "_kernels", lambda: (Unbuildable(), Unbuildable()))
+    monkeypatch.setattr(_kv_append, "_kernels", lambda: (Unbuildable(), Unbuildable(), Unbuildable()))
     lens += 1
     want_k, ref_caches = k_cache.clone(), (k_cache.clone(), v_cache.clone())
     for b in range(BATCH):

@@ -222,14 +222,20 @@ def test_the_fused_append_passes_every_parameter_in_declaration_order(monkeypatc
     table = torch.zeros(batch, width, dtype=torch.int32) if paged else None
     k, v = torch.zeros(batch, new, heads_k, dim), torch.zeros(batch, new, heads_k, 2 * dim)[..., :dim]
     k_cache, v_cache = torch.zeros(7, page, heads_k, dim), torch.zeros(7, page, heads_k, dim)
-    fused(lens, rows, table, k, v, k_cache, v_cache)
+    report = torch.zeros(fused.report_width, dtype=torch.int32)
+    scratch = fused.scratch(torch.device("cpu"))
+    fused(lens, rows, table, k, v, k_cache, v_cache, report, scratch)
     grid, bound, key = seen["verdict"]
     assert grid == (1, 1, 1) and bound["lens_ptr"] is lens and bound["batch"] == batch and bound["new"] == new
+    assert bound["report_ptr"] is report and bound["bad_ptr"] is scratch.bad
+    assert bound["verdict_ptr"] is scratch.verdict and bound["lens_out_ptr"] is scratch.lens_out
+    assert bound["safe_ptr"] is (scratch.safe if layout != "dense" else scratch.lens_out)
     assert bound["HAS_ROWS"] is has_rows and bound["PAGED"] is paged and bound["max_len"] == fused.max_len
     assert (bound["table_stride_b"], bound["table_stride_w"]) == key == (table.stride() if paged else (0, 0))
     assert bound["W_BLOCKS"] == -(-fused.width // bound["BLOCK_W"])
     grid, bound, key = seen["append"]
     assert grid == (batch * new, 1, 1) and bound["k_ptr"] is k and bound["v_cache_ptr"] is v_cache
+    assert bound["verdict_ptr"] is scratch.verdict and bound["lens_out_ptr"] is scratch.lens_out
     assert (bound["v_sb"], bound["v_st"], bound["v_sh"], bound["v_sd"]) == v.stride()
     assert key == (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
     assert bound["heads_dim"] == heads_k * dim and bound["BLOCK"] == 16 and bound["PAGED"] is paged

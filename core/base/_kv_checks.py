@@ -22,7 +22,9 @@ checks them in one of two ways:
 A path that runs every step (``flash_attn_with_kvcache``'s bound path) reports more cheaply with `defer_report`:
 one row holding its verdict and its indices as given, copied in stream order (the caller may change its
 ``cache_seqlens`` in place right after the call); the message is worked out from that host copy, by the same host
-check, only once the verdict says the call was bad — no device read, no device copy of the indices.
+check, only once the verdict says the call was bad — no device read, no device copy of the indices. Its fused
+kernels (core/compat/_kv_append.py) skip even that copy: `report_row` hands out a ring row, which the verdict
+kernel writes directly (a CUDA device addresses pinned host memory), and `defer_written` records it.
 """
 
 from __future__ import annotations
@@ -186,21 +188,61 @@ def defer_report(device: torch.device, values: torch.Tensor, describe: Callable[
     a preallocated host row (`_Ring`); once the copy is done and the row reads bad, `describe(row)` (a CPU copy
     of the row) gives the error's message. Never raises: a failure is raised by `raise_pending` or
     `check_pending_errors`."""
+    row = report_row(device, values.shape[0], values.dtype)
+    row.tensor.copy_(values, non_blocking=True)
+    defer_written(row, describe)
+
+
+class ReportRow:
+    """A ring row handed out by `report_row`: `tensor` (a host row, pinned on CUDA) for the caller to write in
+    stream order, then `defer_written` once that write is queued (or `release_row` if nothing was queued)."""
+
+    __slots__ = ("state", "ring", "slot", "tensor")
+
+    def __init__(self, state: _Verdicts, ring: _Ring, slot: int) -> None:
+        self.state, self.ring, self.slot, self.tensor = state, ring, slot, ring.rows[slot]
+
+
+def report_row(device: torch.device, width: int, dtype: torch.dtype) -> ReportRow:
+    """A host row of `width` `dtype` entries for one report on `device`, taken until `defer_written` or
+    `release_row`. A kernel on a CUDA device may write it directly (pinned memory is mapped into the device's
+    address space); the write must be queued before `defer_written` records the row's event."""
     state = _states.get(device) or _state(device)
     with _lock:
-        ring = state.rings.get((values.shape[0], values.dtype)) or state.ring(values.shape[0], values.dtype)
-        slot = ring.next
-        while ring.taken[slot]:  # the host is a whole ring ahead of the device: wait for that row's copy
-            state.settle(wait=True, limit=1)
-        ring.rows[slot].copy_(values, non_blocking=True)
-        event = ring.events[slot]
-        if event is None:
-            event = ring.events[slot] = _event_for(device)
-        if event is not None:
-            event.record()
+        ring = state.rings.get((width, dtype)) or state.ring(width, dtype)
+        slot, skipped = ring.next, 0
+        while ring.taken[slot]:
+            if state.pending:  # the host is a whole ring ahead of the device: wait for the oldest report's copy
+                state.settle(wait=True, limit=1)
+            elif skipped < len(ring.rows):  # taken by a caller between its two calls (another thread): the next
+                slot, skipped = (slot + 1 if slot + 1 < len(ring.rows) else 0), skipped + 1
+            else:  # every row held by callers in flight (a ring's worth of threads): a fresh ring
+                ring, slot = state.ring(width, dtype), 0
         ring.taken[slot] = True
         ring.next = slot + 1 if slot + 1 < len(ring.rows) else 0
-        state.pending.append((ring, slot, describe))
+        return ReportRow(state, ring, slot)
+
+
+def defer_written(row: ReportRow, describe: Callable[[torch.Tensor], str], stream: Any = None) -> None:
+    """Record `row` (from `report_row`, its write queued on `stream` — None: the current stream) as a report,
+    read like `defer_report`'s once its event completed. Never raises."""
+    ring, slot = row.ring, row.slot
+    event = ring.events[slot]
+    if event is None:
+        event = ring.events[slot] = _event_for(row.state.device)
+    if event is not None:
+        if stream is None:
+            event.record()
+        else:
+            event.record(stream)  # the caller's stream object: `record()` would look the current one up
+    with _lock:
+        row.state.pending.append((ring, slot, describe))
+
+
+def release_row(row: ReportRow) -> None:
+    """Hand `row` back unwritten (nothing that writes it was queued)."""
+    with _lock:
+        row.ring.taken[row.slot] = False
 
 
 RING_ROWS = 256  # reports in flight per (device, row width): the host rarely runs further ahead of a GPU
@@ -351,6 +393,6 @@ def poisoned(result: Any, valid: torch.Tensor) -> Any:
                         for r in result)
 
 
-__all__ = ["Bound", "KvCacheIndexError", "MODE_ENV", "SYNC_ENV", "Unique", "check_index_tensor",
-           "check_pending_errors", "defer", "defer_report", "device_verdict", "host_checks", "poisoned", "raise_first",
-           "raise_pending", "sync_checks"]
+__all__ = ["Bound", "KvCacheIndexError", "MODE_ENV", "ReportRow", "SYNC_ENV", "Unique", "check_index_tensor",
+           "check_pending_errors", "defer", "defer_report", "defer_written", "device_verdict", "host_checks",
+           "poisoned", "raise_first", "raise_pending", "release_row", "report_row", "sync_checks"]

@@ -25,6 +25,12 @@ After a signature's first call both kernels are launched through their compiled 
 `JITFunction.run`'s binder, specialization and cache key (~60 µs of host time per launch on the H100 host):
 `core.compat._triton_direct`, which says which Triton 3.6.0 internals that relies on and when it falls back.
 
+Per call the host does little else: the verdict, lengths and clamped indices go to device buffers made once per
+(stream, thread) and reused (`Scratch`; fresh, never kept, during CUDA graph capture); the report row is a ring row
+of core.base._kv_checks (pinned host memory) that the verdict kernel writes directly — no device copy; and a
+third kernel, `poison`, makes a bad call's output NaN in place (one launch, no allocation; autograd outputs keep
+torch.where).
+
 Triton is optional (the `flagos` extra, or the one torch's CUDA wheels bring): `available()` says whether this path
 can run. ``OPDISPATCH_KV_APPEND=triton`` forces it on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
@@ -32,7 +38,9 @@ can run. ``OPDISPATCH_KV_APPEND=triton`` forces it on CPU tensors under ``TRITON
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import threading
 from typing import Any
 
 import torch
@@ -75,21 +83,68 @@ def _next_power_of_2(n: int) -> int:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
-    """(verdict, append): the Triton kernels, imported at first use (Triton is optional)."""
+def _kernels() -> tuple[Any, Any, Any]:
+    """(verdict, append, poison): the Triton kernels, imported at first use (Triton is optional)."""
     from . import _kv_append_triton as kernels
 
-    return kernels.verdict, kernels.append
+    return kernels.verdict, kernels.append, kernels.poison
+
+
+def _stream_handle(device: torch.device) -> int:
+    """The current stream of `device` as an int (what Triton's launcher reads: ``driver.active.get_current_stream``
+    is ``torch._C._cuda_getCurrentRawStream``); 0 elsewhere (CPU runs in program order)."""
+    if device.type == "cuda":
+        return int(torch._C._cuda_getCurrentRawStream(device.index))
+    return 0
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether CUDA graph capture is under way on `device`'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _stream_object(device: torch.device) -> Any:
+    """The current stream as a torch stream (what an event records on); None on CPU."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+class VerdictQueued(RuntimeError):
+    """The append kernel failed to launch after the verdict kernel was queued: the report it was given will be
+    written (its caller defers it), and the caches were not touched."""
+
+
+class Scratch:
+    """One (stream, thread)'s device buffers of a signature, reused by each of its calls (in stream order a call's
+    kernels finish reading them before the next call's verdict kernel writes them): `words` (int32: the verdict,
+    the lengths after the append, then the rows or table clamped) and `bad` ((1,) bool); `stream` the torch
+    stream their calls run on (None on CPU, or not kept); `kept` False for one call's own (CUDA graph capture)."""
+
+    __slots__ = ("words", "bad", "verdict", "lens_out", "safe", "stream", "kept")
+
+    def __init__(self, fused: FusedAppend, device: torch.device, stream: Any, kept: bool) -> None:
+        batch = fused.batch
+        safe = batch * fused.width if fused.paged else batch if fused.has_rows else 0
+        self.words = torch.empty(1 + batch + safe, dtype=torch.int32, device=device)
+        self.bad = torch.empty(1, dtype=torch.bool, device=device)
+        self.verdict, self.lens_out = self.words[:1], self.words[1:1 + batch]
+        self.safe = (self.words[1 + batch:].view(batch, fused.width) if fused.paged
+                     else self.words[1 + batch:] if fused.has_rows else None)
+        self.stream, self.kept = stream, kept
+
+
+SCRATCH_LIMIT = 64  # (stream, thread) pairs a signature keeps buffers for: streams and threads come and go
 
 
 class FusedAppend:
     """The fused check and append of one bound signature: the launch constants worked out once, and
-    ``__call__(lens, rows, table, k, v, k_cache, v_cache)`` -> (lens after the append, the rows or table clamped,
-    bad (1,) bool, the report row) per call. A call has rows (``cache_batch_idx``) or a table, not both."""
+    ``__call__(lens, rows, table, k, v, k_cache, v_cache, report)`` -> the call's `Scratch` (its lengths after the
+    append, the rows or table clamped, `bad`) once both kernels are queued, the report row (``report_width``
+    int32 entries: a ring row of core.base._kv_checks, or a device tensor) written in stream order. A call has
+    rows (``cache_batch_idx``) or a table, not both. ``poison(scratch, result)`` makes a bad call's result NaN."""
 
     __slots__ = ("batch", "new", "width", "page", "cache_rows", "max_len", "has_rows", "paged", "blocks",
-                 "heads_dim", "dim", "report_width", "verdict", "append", "verdict_grid", "append_grid",
-                 "append_block")
+                 "heads_dim", "dim", "report_width", "verdict", "append", "poisoner", "poison_failed", "verdict_grid",
+                 "append_grid", "append_block", "scratches", "lock", "report_on_host")
 
     def __init__(self, batch: int, new: int, width: int, page: int, cache_rows: int, capacity: int,
                  has_rows: bool, paged: bool, heads_k: int, dim: int) -> None:
@@ -99,36 +154,87 @@ class FusedAppend:
                        min(_next_power_of_2(max(width, 1)), max(16, 4096 // _next_power_of_2(batch))))
         self.heads_dim, self.dim = heads_k * dim, dim
         self.report_width = 1 + batch + (batch if has_rows else 0) + (batch * width if paged else 0)
-        # The kernels, launched directly after their first call (core.compat._triton_direct): one pair per bound
+        # The kernels, launched directly after their first call (core.compat._triton_direct): one set per bound
         # signature, made at its first call (Triton imported then, inside the caller's fallback).
         self.verdict: DirectKernel | None = None
         self.append: DirectKernel | None = None
+        self.poisoner: DirectKernel | None = None
+        self.poison_failed = False  # the NaN kernel failed to launch once: the caller's torch op from then on
         self.verdict_grid, self.append_grid = (1, 1, 1), (batch * new, -(-self.heads_dim // _TILE), 1)
         self.append_block = min(_TILE, _next_power_of_2(self.heads_dim))
+        # Buffers per (stream, thread): a call on another stream is not ordered after this one's readers, and two
+        # threads on one stream could interleave their launches between a verdict and its append.
+        self.scratches: dict[tuple[int, int], Scratch] = {}
+        self.lock = threading.Lock()
+        # Whether the verdict kernel writes its report straight into a report ring row (pinned host memory, which a
+        # CUDA device addresses); the caller clears it where that launch fails, and passes a device row instead.
+        self.report_on_host = True
+
+    def scratch(self, device: torch.device) -> Scratch:
+        """The current (stream, thread)'s buffers, made at its first call; during CUDA graph capture fresh ones,
+        never kept (a graph replays into its own memory: a kept buffer would be shared by eager calls and
+        replays that no stream orders)."""
+        key = (_stream_handle(device), threading.get_ident())
+        scratch = self.scratches.get(key)
+        if scratch is not None:
+            return scratch
+        if _capturing(device):
+            return Scratch(self, device, None, kept=False)
+        scratch = Scratch(self, device, _stream_object(device), kept=True)
+        with self.lock:
+            if len(self.scratches) >= SCRATCH_LIMIT:  # the oldest goes (its queued readers keep their memory)
+                self.scratches.pop(next(iter(self.scratches)))
+            return self.scratches.setdefault(key, scratch)
 
     def __call__(self, lens: torch.Tensor, rows: torch.Tensor | None, table: torch.Tensor | None, k: torch.Tensor,
-                 v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                 v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, report: torch.Tensor,
+                 scratch: Scratch) -> None:
         if self.verdict is None or self.append is None:
-            verdict, append = _kernels()
+            verdict, append, _ = _kernels()
             self.verdict, self.append = DirectKernel(verdict), DirectKernel(append)
-        device, batch = lens.device, self.batch
-        report = torch.empty(self.report_width, dtype=torch.int32, device=device)
-        bad = torch.empty(1, dtype=torch.bool, device=device)
-        lens_out = torch.empty(batch, dtype=torch.int32, device=device)
-        safe = (torch.empty(batch, self.width, dtype=torch.int32, device=device) if self.paged
-                else torch.empty(batch, dtype=torch.int32, device=device) if self.has_rows else None)
-        safe_or_lens = safe if safe is not None else lens_out
+        batch, lens_out = self.batch, scratch.lens_out
+        safe_or_lens = scratch.safe if scratch.safe is not None else lens_out
         block_b, block_s, block_w = self.blocks
         # Every parameter in declaration order (constexprs too: what a direct launch passes); the key holds the
         # ints that may change between calls (the strides), all else is fixed for this signature.
         table_strides = table.stride() if table is not None else (0, 0)
         self.verdict.launch(self.verdict_grid, (
-            lens, rows if rows is not None else lens, table if table is not None else lens, report, bad, lens_out,
-            safe_or_lens, batch, self.new, self.width, self.page, self.cache_rows, self.max_len, *table_strides,
-            self.has_rows, self.paged, block_b, block_s, block_w, -(-self.width // block_w)), table_strides)
+            lens, rows if rows is not None else lens, table if table is not None else lens, report, scratch.bad,
+            scratch.verdict, lens_out, safe_or_lens, batch, self.new, self.width, self.page, self.cache_rows,
+            self.max_len, *table_strides, self.has_rows, self.paged, block_b, block_s, block_w,
+            -(-self.width // block_w)), table_strides)
         strides = (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
-        self.append.launch(self.append_grid, (
-            k, v, k_cache, v_cache, report, lens_out, safe_or_lens, self.new, self.heads_dim, self.dim, self.page,
-            self.width, *strides, self.has_rows, self.paged, self.append_block), strides)
-        return lens_out, safe, bad, report
+        try:
+            self.append.launch(self.append_grid, (
+                k, v, k_cache, v_cache, scratch.verdict, lens_out, safe_or_lens, self.new, self.heads_dim, self.dim,
+                self.page, self.width, *strides, self.has_rows, self.paged, self.append_block), strides)
+        except Exception as exc:
+            raise VerdictQueued(f"{type(exc).__name__}: {exc}") from exc
+
+    def poison(self, scratch: Scratch, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
+        """`out` (and `lse`) NaN in place where the call's verdict is bad, as one launch; False (nothing
+        launched) where the tensors do not suit it — not contiguous or too large, or the kernel failed to launch
+        (then never again) — and the caller poisons them itself."""
+        numel = max(out.numel(), lse.numel() if lse is not None else 0)
+        if (self.poison_failed or numel >= 1 << 31 or not out.is_contiguous()
+                or (lse is not None and not lse.is_contiguous())):
+            return False
+        if numel == 0:
+            return True  # nothing to make NaN
+        try:
+            if self.poisoner is None:
+                self.poisoner = DirectKernel(_kernels()[2])
+            self.poisoner.launch((-(-numel // _POISON_BLOCK), 1, 1), (
+                out, lse if lse is not None else out, scratch.verdict, out.numel(),
+                lse.numel() if lse is not None else 0, lse is not None, _POISON_BLOCK),
+                (out.dtype, lse.dtype if lse is not None else None))
+        except Exception as exc:  # raised before anything was queued: the caller's torch op, from now on
+            self.poison_failed = True
+            _log.warning("flash_attn_with_kvcache: the NaN kernel for a bad call's output failed (%s: %s); "
+                         "torch.where does it from now on", type(exc).__name__, exc)
+            return False
+        return True
+
+
+_POISON_BLOCK = 1024
+_log = logging.getLogger("opdispatch")

@@ -7,9 +7,11 @@ import triton.language as tl
 
 # Pointers are not specialized on their alignment: a kernel launched directly after its first call
 # (core.compat._triton_direct) must be the one the jit function would pick for every later call's pointers.
+# `report_ptr` may be a pinned host row (the report ring's, mapped into the device's address space): written only,
+# never read back here; what the other kernels read is the verdict's device word (`verdict_ptr`).
 @triton.jit(do_not_specialize_on_alignment=["lens_ptr", "rows_ptr", "table_ptr", "report_ptr", "bad_ptr",
-                                            "lens_out_ptr", "safe_ptr"])
-def verdict(lens_ptr, rows_ptr, table_ptr, report_ptr, bad_ptr, lens_out_ptr, safe_ptr,
+                                            "verdict_ptr", "lens_out_ptr", "safe_ptr"])
+def verdict(lens_ptr, rows_ptr, table_ptr, report_ptr, bad_ptr, verdict_ptr, lens_out_ptr, safe_ptr,
             batch, new, width, page, cache_rows, max_len, table_stride_b, table_stride_w,
             HAS_ROWS: tl.constexpr, PAGED: tl.constexpr,
             BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr, W_BLOCKS: tl.constexpr):
@@ -54,6 +56,7 @@ def verdict(lens_ptr, rows_ptr, table_ptr, report_ptr, bad_ptr, lens_out_ptr, sa
                 & in_slots[:, None] & in_slots[None, :])
         bad = tl.maximum(bad, tl.max(tl.max(same.to(tl.int32), axis=1), axis=0))
     tl.store(report_ptr, bad)
+    tl.store(verdict_ptr, bad)
     tl.store(bad_ptr, bad != 0)
 
 
@@ -76,7 +79,7 @@ def append(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, verdict_ptr, lens_out_ptr, sa
     else:
         row = seq.to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    # An invalid call writes nothing: its verdict (0 or 1, the report's first word) leaves no element inside.
+    # An invalid call writes nothing: its verdict (0 or 1, `verdict`'s device word) leaves no element inside.
     # (A comparison alone: Triton 3.9's interpreter refuses a mask combined with a loaded bool.)
     inside = i < heads_dim * (1 - tl.load(verdict_ptr))
     h, d = i // dim, i % dim
@@ -86,3 +89,16 @@ def append(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, verdict_ptr, lens_out_ptr, sa
     src = seq.to(tl.int64) * v_sb + step * v_st + h * v_sh + d * v_sd
     dst = row * vc_sr + pos.to(tl.int64) * vc_sp + h * vc_sh + d * vc_sd
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=inside), mask=inside)
+
+
+@triton.jit(do_not_specialize_on_alignment=["out_ptr", "lse_ptr", "verdict_ptr"])
+def poison(out_ptr, lse_ptr, verdict_ptr, out_numel, lse_numel, HAS_LSE: tl.constexpr, BLOCK: tl.constexpr):
+    """The attention's output (and its LSE) NaN in place when the verdict is bad (contiguous tensors); nothing
+    written when it is good."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bad = tl.load(verdict_ptr)  # 0 or 1: a good call's bound is 0, so no element is inside
+    tl.store(out_ptr + i, tl.full([BLOCK], float("nan"), tl.float32).to(out_ptr.dtype.element_ty),
+             mask=i < out_numel * bad)
+    if HAS_LSE:
+        tl.store(lse_ptr + i, tl.full([BLOCK], float("nan"), tl.float32).to(lse_ptr.dtype.element_ty),
+                 mask=i < lse_numel * bad)

@@ -39,11 +39,12 @@ from ..doors._api import (_deterministic, _fast_path_failed, _grad_enabled, _is_
                          _profiling, _run_and_remember, attention, rotary_embedding)
 from ..ops._attention import validate_attention
 from ..engine._graphs import raise_if_capturing
-from ..base._kv_checks import Bound, KvCacheIndexError, Rule, Unique, check_index_tensor, check_pending_errors, \
-    defer, defer_report, device_verdict, host_checks, poisoned, raise_first, raise_pending
+from ..base._kv_checks import Bound, KvCacheIndexError, ReportRow, Rule, Unique, check_index_tensor, \
+    check_pending_errors, defer, defer_report, defer_written, device_verdict, host_checks, poisoned, raise_first, \
+    raise_pending, release_row, report_row
 from ..engine._state import bounded_put
 from . import _kv_append
-from ._kv_append import FusedAppend
+from ._kv_append import FusedAppend, Scratch, VerdictQueued
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
@@ -604,21 +605,28 @@ class _KvcacheBound:
             lens = torch.full((self.batch,), cache_seqlens, dtype=torch.int32, device=device)
         else:
             lens = cache_seqlens
+        row: ReportRow | None = None  # the fused verdict's report row, deferred once the attention is queued
+        scratch: Scratch | None = None  # the fused path's buffers (its verdict, lengths, clamped indices)
+        fused, index = self.fused, None
         if host_checks(device):
             if not self._valid_on_host(lens, rows, table, type(cache_seqlens) is Tensor):
                 return _REFERENCE
-            bad = report = index = None
-        elif self.fused is not None and k is not None and v is not None and cos is None and (
-                fused := self._fused_append(lens, rows, table, k, v, k_cache, v_cache)) is not None:
-            # Checked and appended in two launches (core.compat._kv_append); the lengths come back grown.
-            lens, safe, bad, report = fused
-            if self.paged:
-                table = safe
-            elif rows is not None:
-                rows = safe
-            k = v = None  # appended
+            bad = report = None
         else:
-            lens, rows, table, bad, report, index = self._checked_on_device(lens, rows, table, cache_seqlens)
+            if fused is not None and k is not None and v is not None and cos is None:
+                scratch, row, report = self._fused_append(fused, lens, rows, table, k, v, k_cache, v_cache)
+            if scratch is not None:
+                # Checked and appended in two launches (core.compat._kv_append); the lengths come back grown.
+                lens, bad = scratch.lens_out, scratch.bad
+                if self.paged:
+                    table = scratch.safe
+                elif rows is not None:
+                    rows = scratch.safe
+                k = v = None  # appended
+            else:
+                lens, rows, table, bad, report, index = self._checked_on_device(lens, rows, table, cache_seqlens)
+                if row is not None:  # the fused verdict was queued before its append failed: it reports this call
+                    report = None
         if cos is not None and sin is not None:
             q, k = _rotate(q, k, cos, sin, lens, self.interleaved, self.local)
         if k is not None and v is not None:
@@ -644,29 +652,65 @@ class _KvcacheBound:
                                        (q, k_cache, v_cache, lens, kernel_table))
         finally:
             _inside.active = 0
+            if row is not None:  # queued (the verdict kernel writes it), so deferred even if the attention raised
+                defer_written(row, self.recheck, scratch.stream if scratch is not None else None)
         if bad is None:
             return result
         # After the kernel: this call's own error is raised by a later call, never from inside this one.
-        assert report is not None  # made with `bad`
-        defer_report(device, report, self.recheck)
+        if report is not None:  # a device tensor (the torch-op check, or the fused one under CUDA graph capture)
+            defer_report(device, report, self.recheck)
+        if scratch is not None and fused is not None and self._poisoned_in_place(fused, scratch, result):
+            return result
         if type(result) is tuple:
             return tuple(torch.where(bad, self.nan, r) if r.is_floating_point() else r for r in result)
         return torch.where(bad, self.nan, result)
 
-    def _fused_append(self, lens: Tensor, rows: Tensor | None, table: Tensor | None, k: Tensor, v: Tensor,
-                      k_cache: Tensor, v_cache: Tensor) -> Any:
-        """The fused check and append, or None where its kernels fail to compile or launch (synchronous errors:
-        the verdict kernel writes only its own outputs, so nothing of the caches was written) — this signature
-        then keeps the torch ops, with one warning naming the error."""
-        assert self.fused is not None
+    def _fused_append(self, fused: FusedAppend, lens: Tensor, rows: Tensor | None, table: Tensor | None, k: Tensor,
+                      v: Tensor, k_cache: Tensor, v_cache: Tensor
+                      ) -> tuple[Scratch | None, ReportRow | None, Tensor | None]:
+        """The fused check and append: (the call's buffers, the report ring row the verdict kernel writes — or,
+        under CUDA graph capture, None and a device report for `defer_report`, as a replay must not write a ring
+        row the host hands out again). Where its kernels fail to compile or launch (synchronous errors: the
+        verdict kernel writes only its own outputs, so nothing of the caches was written) (None, the row if the
+        verdict kernel was queued, None) — this signature then keeps the torch ops, with one warning naming the
+        error."""
+        device = lens.device
+        row = None
         try:
-            return self.fused(lens, rows, table, k, v, k_cache, v_cache)
+            scratch = fused.scratch(device)
+            if scratch.kept and fused.report_on_host:
+                row = report_row(device, fused.report_width, torch.int32)
+                try:
+                    fused(lens, rows, table, k, v, k_cache, v_cache, row.tensor, scratch)
+                    return scratch, row, None
+                except ValueError:  # Triton's launcher: "Pointer argument ... cannot be accessed from Triton"
+                    release_row(row)  # nothing was queued: the host row is not mapped; a device report from now on
+                    row, fused.report_on_host = None, False
+            # CUDA graph capture (fresh buffers: a replay must not write a ring row the host hands out again), or
+            # a device that cannot write the ring: the report as a device tensor, copied by `defer_report`.
+            report = torch.empty(fused.report_width, dtype=torch.int32, device=device)
+            fused(lens, rows, table, k, v, k_cache, v_cache, report, scratch)
+            return scratch, None, report
         except Exception as exc:  # a Triton compile or launch error, never a bad index (those are data)
             self.fused = None
             _log.warning("flash_attn_with_kvcache: the fused KV-cache check and append failed (%s: %s); this "
                          "signature uses the torch-op check from now on (OPDISPATCH_KV_APPEND=torch does so "
                          "everywhere)", type(exc).__name__, exc)
-            return None
+            if row is not None and not isinstance(exc, VerdictQueued):
+                release_row(row)  # nothing that writes it was queued
+                row = None
+            return None, row, None  # a row: the verdict kernel was queued before the append failed, and writes it
+
+    @staticmethod
+    def _poisoned_in_place(fused: FusedAppend, scratch: Scratch, result: Any) -> bool:
+        """Whether `result` (the output, or the output and its LSE) was made NaN in place by one kernel that
+        writes only when the call was bad — not where autograd holds it (an in-place write would break its
+        backward) or the kernel cannot take it."""
+        out, lse = (result[0], result[1]) if type(result) is tuple and len(result) == 2 else (result, None)
+        if (type(out) is not Tensor or out.requires_grad or (lse is not None and (
+                type(lse) is not Tensor or lse.requires_grad or not lse.is_floating_point()))):
+            return False
+        return fused.poison(scratch, out, lse)
 
     def _attend_again(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
                       table: Tensor | None) -> Any:

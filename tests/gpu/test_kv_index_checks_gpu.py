@@ -195,6 +195,10 @@ def test_the_fused_triton_append_matches_the_torch_op_check_bit_for_bit(manager,
             fused = bound[0].fused
             assert fused.verdict.kernel is not None and fused.append.kernel is not None
             assert fused.verdict.jit_launches == fused.append.jit_launches == 1
+            # The NaN kernel too; the verdict kernel wrote its report straight into the pinned ring row (the
+            # device addressed it: no fallback to a device report), and every step reused one set of buffers.
+            assert fused.poisoner.kernel is not None and fused.poisoner.jit_launches == 1
+            assert fused.report_on_host and len(fused.scratches) == 1
         bad = lens.clone()
         bad[3] = 4 * page  # no room left for the append
         before = caches[0].clone(), caches[1].clone()
