@@ -897,9 +897,13 @@ class DotProductAttention(torch.nn.Module):
 
         def pack(q: Tensor, k: Tensor, v: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], Tensor, dict[str, Any]]:
             pq, index_q, cu_sq, max_sq, _ = unpad_input(to_bshd(q), keep_q)
-            pk, index_kv, cu_skv, max_skv, _ = unpad_input(to_bshd(k), keep_kv)
-            pv = to_bshd(v).flatten(0, 1)[index_kv]
             same = keep_q is keep_kv
+            if same:  # one mask (self-attention): its tokens' index and lengths serve k and v too (no second sync)
+                index_kv, cu_skv, max_skv = index_q, cu_sq, max_sq
+                pk = to_bshd(k).flatten(0, 1)[index_kv]
+            else:
+                pk, index_kv, cu_skv, max_skv, _ = unpad_input(to_bshd(k), keep_kv)
+            pv = to_bshd(v).flatten(0, 1)[index_kv]
             varlen = {"cu_seqlens_q": cu_sq, "cu_seqlens_k": cu_sq if same else cu_skv,
                       "max_seqlen_q": max(max_sq, 1), "max_seqlen_k": max(max_skv, 1)}
             return (pq, pk, pv), index_q, varlen
