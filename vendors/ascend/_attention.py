@@ -49,7 +49,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import allowed_positions, unaccepted_keywords
+from opdispatch.plugins.toolkit import allowed_positions, pads_v_head_dim, unaccepted_keywords
 
 FUNCTION = "npu_fusion_attention"
 KEYWORDS = ("query", "key", "value", "head_num", "input_layout", "atten_mask", "scale", "keep_prob", "pre_tockens",
@@ -112,6 +112,7 @@ def resolve_function() -> Any:
     return getattr(importlib.import_module("torch_npu"), FUNCTION)
 
 
+@pads_v_head_dim
 class AscendFusionAttention(AttentionImpl):
     vendor: ClassVar[str] = "ascend"
     name: ClassVar[str] = "fusion_attention"

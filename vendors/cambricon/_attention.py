@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import functional_sdpa_call
+from opdispatch.plugins.toolkit import functional_sdpa_call, pads_v_head_dim
 
 
 MIN_TORCH_MLU = "1.22.0"  # the earliest public release (r1.22_pt2.1.0 / 2.3.0 / 2.4.0); its checks are mirrored
@@ -69,6 +69,7 @@ def fused_gate(batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> str | No
     return None
 
 
+@pads_v_head_dim
 class CambriconSdpa(AttentionImpl):
     vendor: ClassVar[str] = "cambricon"
     name: ClassVar[str] = "sdpa"
