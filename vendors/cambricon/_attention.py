@@ -26,8 +26,8 @@ the development branch r2.4_develop):
 How the call is passed (GQA expanded, masks folded, rows without keys): the toolkit's
 `functional_sdpa_call`.
 Not claimed:
-varlen (F.sdpa has no packed entry), softcap, ALiBi, LSE (F.sdpa returns none), KV caches, head dims of q and v
-that differ (flash needs them equal).
+varlen (F.sdpa has no packed entry), softcap, ALiBi, LSE (F.sdpa returns none), KV caches, a v head dim above
+q/k's (flash needs them equal: a narrower v is zero-padded to q/k's, `pads_v_head_dim`).
 """
 
 from __future__ import annotations
