@@ -34,8 +34,9 @@ Not claimed: softcap (no such argument); ALiBi and additive bias (`pse` is added
 must have q's dtype, so a bias would be divided by the scale and rounded to fp16/bf16); a v head dim above q/k's
 (unequal dims are documented only by the newest reference: a narrower v is zero-padded, `pads_v_head_dim`); KV
 caches (the inference ops are npu_fused_infer_attention_score and npu_incre_flash_attention); queries that see no
-key through the causal/window pattern (the op then turns on its undocumented "invalid row" computation). A row that only an attn_mask blinds comes back as zeros (LSE -inf),
-as opdispatch defines it: the op's mask is a large finite negative, so it would average the values there.
+key through the causal/window pattern (the op then turns on its undocumented "invalid row" computation). A row
+that only an attn_mask blinds comes back as zeros (LSE -inf), as opdispatch defines it: the op's mask is a large
+finite negative, so it would average the values there.
 """
 
 from __future__ import annotations
