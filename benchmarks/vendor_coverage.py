@@ -90,6 +90,17 @@ PAGED_MLA_NOTE = (
     "sequence, one KV head, bf16, no LSE, forward only; a chip whose descriptor declares no capability is refused "
     "until it does.")
 
+# MLA prefill/training (q/k 192, v 128) on kernels that need one head dim: the toolkit's pads_v_head_dim.
+MLA_NOTE = (
+    "mla fwd/train: ascend.fusion_attention, cambricon.sdpa, iluvatar.ixformer, kunlunxin.prefill, rocm.ck, "
+    "rocm.aotriton, mthreads.sdpa and flagos.triton need one head dim for q/k/v; they take v narrower than q/k by "
+    "zero-padding v to q/k's head dim and slicing the output (exact: the padded columns of the output are zero, the "
+    "scores, scale and LSE are q/k's; dv is the padded gradient's slice). Cost per call: one padded copy of v "
+    "(192/128 = 1.5x v's memory, kept for the backward) and a 192-wide output whose first 128 columns are returned "
+    "as a view (opdispatch.plugins.toolkit.pads_v_head_dim). Still refused: mthreads.sdpa (head dims <= 128), "
+    "flagos.triton's dense kernel (head dims {16, 32, 64, 128, 256}), and training on chips whose only fused "
+    "kernels for it are forward-only.")
+
 FEATURES = ["dense", "causal", "gqa", "window", "softcap", "alibi", "bias", "mask", "varlen", "mla"]
 COLUMNS = ([(f"{f} fwd", f, False) for f in FEATURES] + [(f"{f} train", f, True) for f in FEATURES]
            + [("paged16 decode", "paged", False), ("paged16 MLA", "paged_mla", False)])
@@ -137,7 +148,8 @@ def main() -> None:
               f"{total['fwd']} forward cells, {count['paged']} of {total['paged']} paged cells.", "", BEFORE, "",
               "## Why each reference.math cell has no fused implementation", "",
               "(each fused candidate that runs on the device, with its first reason)", ""] + notes + [
-                 "", "## Paged MLA", "", f"- {PAGED_MLA_NOTE}"]
+                 "", "## MLA prefill (unequal head dims)", "", f"- {MLA_NOTE}", "", "## Paged MLA", "",
+                 f"- {PAGED_MLA_NOTE}"]
     text = "\n".join(lines) + "\n"
     if args.out:
         args.out.write_text(text)

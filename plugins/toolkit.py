@@ -19,6 +19,16 @@ Calling torch's own SDPA on a vendor device:
   pattern but equal-length causal folded into one additive mask, rows without a key zeroed — for vendors whose
   torch build routes it to fused kernels with a backward (torch_mlu, torch_musa).
 
+Unequal head dims on kernels that need one (`opdispatch.plugins._head_dim_padding`'s doc says why it is exact):
+
+- `pads_v_head_dim(cls)`: class decorator for an `AttentionImpl` whose kernel needs one head dim for q/k/v: it
+  declares ``head_dim_v_differs`` and runs calls whose v is narrower than q/k on v zero-padded to q/k's head dim,
+  the output sliced back (the LSE and gradients exact). Cost, per such call: one padded copy of v and an output
+  q/k's head dim wide (`V_PADDING_COST`, shown by ``opdispatch list -v``); equal head dims run unchanged. A wider
+  v and KV-cache calls are refused with the reason (`v_padding_reason`).
+- `padded_v_call(call)`, `sliced_result(head_dim_v, result)`, `pad_last(t, size)`: its steps, for adapters that pad
+  inside their own code.
+
 Binding:
 
 - `bind_dense(call, kernel)`: wrap ``kernel(q, k, v)`` over (batch, heads, seq, dim) tensors into a function of
@@ -98,6 +108,8 @@ from opdispatch.base._dtypes import FP8_DTYPES, FP8_OUT_DTYPES
 from opdispatch.base._native import kernel_call
 
 from ._functional_sdpa import functional_sdpa_call
+from ._head_dim_padding import (V_PADDING_COST, pad_last, padded_v_call, pads_v_head_dim, sliced_result,
+                                v_padding_reason)
 from ._fa2_conventions import blind_rows, causal_alibi_lse_reason, dense_lse_fix, varlen_lse_fix
 from ._kernel_conventions import alibi_alignment_reason, aten_sdpa_call, empty_rows_to_neg_inf, kernel_window
 from ._kv_cache import (PAGED_GATHER_MAX_BYTES, KvQueries, cache_as_pages, cache_as_pages_reason, cumulative_lengths,
@@ -110,7 +122,8 @@ from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlen
 from ._signatures import unaccepted_keywords
 from ._versions import at_least, installed_versions, version_tuple
 
-__all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCall",
+__all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCall", "V_PADDING_COST",
+           "pad_last", "padded_v_call", "pads_v_head_dim", "sliced_result", "v_padding_reason",
            "additive_bias", "alibi_alignment_reason", "alibi_bias", "allowed_positions",
            "at_least", "aten_sdpa_call", "bind_dense", "blind_rows", "cache_as_pages", "cache_as_pages_reason",
            "causal_alibi_lse_reason", "cumulative_lengths", "dense_lse_fix", "empty_rows_to_neg_inf",

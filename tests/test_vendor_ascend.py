@@ -270,9 +270,12 @@ def test_ascend_910b_selection(manager):
     assert d.chosen_id == "reference.math"
     assert any("softcap" in r for r in d.candidate("ascend.fusion_attention").reasons)
     q, k, v = _meta(grad=True, d=192)
-    d = opdispatch.explain(q, k, v[..., :128], device=ASCEND, causal=True)  # MLA head dims
+    d = opdispatch.explain(q, k, v[..., :128], device=ASCEND, causal=True)  # MLA head dims: v zero-padded
+    assert d.chosen_id == "ascend.fusion_attention"
+    q, k, v = _meta(grad=True, d=256)
+    d = opdispatch.explain(q[..., :128], k[..., :128], v, device=ASCEND, causal=True)  # v wider than q/k
     assert d.chosen_id == "reference.math"
-    assert any("v head_dim 128 differs" in r for r in d.candidate("ascend.fusion_attention").reasons)
+    assert any("v head_dim 256 above q/k head_dim 128" in r for r in d.candidate("ascend.fusion_attention").reasons)
     # not on other hardware
     d = opdispatch.explain(*_meta(grad=True), device=DEVICES_DIR / "bi-v150.yaml", causal=True)
     c = d.candidate("ascend.fusion_attention")

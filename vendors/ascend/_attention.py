@@ -31,11 +31,12 @@ the call. What this adapter passes, and why:
   lse = max + log(sum). TND's stats layout changed between releases (`softmax_layout`, added in 7.2.0): no LSE.
 
 Not claimed: softcap (no such argument); ALiBi and additive bias (`pse` is added to q·kᵀ before the scale and
-must have q's dtype, so a bias would be divided by the scale and rounded to fp16/bf16); different q/k and v head
-dims (documented only by the newest reference); KV caches (the inference ops are npu_fused_infer_attention_score
-and npu_incre_flash_attention); queries that see no key through the causal/window pattern (the op then turns on
-its undocumented "invalid row" computation). A row that only an attn_mask blinds comes back as zeros (LSE -inf),
-as opdispatch defines it: the op's mask is a large finite negative, so it would average the values there.
+must have q's dtype, so a bias would be divided by the scale and rounded to fp16/bf16); a v head dim above q/k's
+(unequal dims are documented only by the newest reference: a narrower v is zero-padded, `pads_v_head_dim`); KV
+caches (the inference ops are npu_fused_infer_attention_score and npu_incre_flash_attention); queries that see no
+key through the causal/window pattern (the op then turns on its undocumented "invalid row" computation). A row
+that only an attn_mask blinds comes back as zeros (LSE -inf), as opdispatch defines it: the op's mask is a large
+finite negative, so it would average the values there.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import allowed_positions, unaccepted_keywords
+from opdispatch.plugins.toolkit import allowed_positions, pads_v_head_dim, unaccepted_keywords
 
 FUNCTION = "npu_fusion_attention"
 KEYWORDS = ("query", "key", "value", "head_num", "input_layout", "atten_mask", "scale", "keep_prob", "pre_tockens",
@@ -112,6 +113,7 @@ def resolve_function() -> Any:
     return getattr(importlib.import_module("torch_npu"), FUNCTION)
 
 
+@pads_v_head_dim
 class AscendFusionAttention(AttentionImpl):
     vendor: ClassVar[str] = "ascend"
     name: ClassVar[str] = "fusion_attention"

@@ -26,8 +26,8 @@ the development branch r2.4_develop):
 How the call is passed (GQA expanded, masks folded, rows without keys): the toolkit's
 `functional_sdpa_call`.
 Not claimed:
-varlen (F.sdpa has no packed entry), softcap, ALiBi, LSE (F.sdpa returns none), KV caches, head dims of q and v
-that differ (flash needs them equal).
+varlen (F.sdpa has no packed entry), softcap, ALiBi, LSE (F.sdpa returns none), KV caches, a v head dim above
+q/k's (flash needs them equal: a narrower v is zero-padded to q/k's, `pads_v_head_dim`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import functional_sdpa_call
+from opdispatch.plugins.toolkit import functional_sdpa_call, pads_v_head_dim
 
 
 MIN_TORCH_MLU = "1.22.0"  # the earliest public release (r1.22_pt2.1.0 / 2.3.0 / 2.4.0); its checks are mirrored
@@ -69,6 +69,7 @@ def fused_gate(batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> str | No
     return None
 
 
+@pads_v_head_dim
 class CambriconSdpa(AttentionImpl):
     vendor: ClassVar[str] = "cambricon"
     name: ClassVar[str] = "sdpa"

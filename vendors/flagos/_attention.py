@@ -47,7 +47,8 @@ import torch
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 from opdispatch.plugins.toolkit import (alibi_alignment_reason, cache_as_pages, cache_as_pages_reason,
                                         causal_alibi_lse_reason, dense_lse_fix, kernel_window, kv_lse_fix, pack_dense,
-                                        packed_queries, unpack_kv_out, unpack_lse, unpack_out, varlen_lse_fix)
+                                        packed_queries, pads_v_head_dim, unpack_kv_out, unpack_lse, unpack_out,
+                                        varlen_lse_fix)
 
 _LN2 = math.log(2.0)
 # v5.0.2 scaled_dot_product_attention_forward: `assert HEAD_DIM_K in {16, 32, 64, 128, 256}`.
@@ -102,6 +103,7 @@ def uses_varlen_kernel(call: AttentionCall) -> bool:
             or call.alibi_slopes is not None)
 
 
+@pads_v_head_dim
 class FlagGemsAttention(AttentionImpl):
     vendor: ClassVar[str] = "flagos"
     name: ClassVar[str] = "triton"

@@ -27,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import pack_dense, unaccepted_keywords, unpack_out
+from opdispatch.plugins.toolkit import pack_dense, pads_v_head_dim, unaccepted_keywords, unpack_out
 
 MODULES = ("ixformer.contrib.vllm_flash_attn", "ixformer")
 FUNCTION = "flash_attn_varlen_func"
@@ -68,6 +68,7 @@ def resolve_varlen(module: str) -> tuple[Any, str]:
     return getattr(mod, FUNCTION), f"{name}.{FUNCTION}"
 
 
+@pads_v_head_dim
 class IluvatarIxformer(AttentionImpl):
     vendor: ClassVar[str] = "iluvatar"
     name: ClassVar[str] = "ixformer"

@@ -28,7 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import pack_dense, unpack_out
+from opdispatch.plugins.toolkit import pack_dense, pads_v_head_dim, unpack_out
 
 FUNCTION = "prefill_attention"
 
@@ -55,6 +55,7 @@ class KunlunOptions(BaseModel):
                                           "before baidu/vLLM-Kunlun commit bf9369f)")
 
 
+@pads_v_head_dim
 class KunlunxinPrefill(AttentionImpl):
     vendor: ClassVar[str] = "kunlunxin"
     name: ClassVar[str] = "prefill"

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import functional_sdpa_call
+from opdispatch.plugins.toolkit import functional_sdpa_call, pads_v_head_dim
 
 
 MIN_TORCH_MUSA = "1.3.0"  # the flash op takes `scale` (v1.2.1's backward came with a flash op that dropped it)
@@ -53,6 +53,7 @@ def kernel_scale(call: AttentionCall) -> float | None:
     return None if math.isclose(call.scale, default, rel_tol=1e-12, abs_tol=0.0) else call.scale
 
 
+@pads_v_head_dim
 class MthreadsSdpa(AttentionImpl):
     vendor: ClassVar[str] = "mthreads"
     name: ClassVar[str] = "sdpa"

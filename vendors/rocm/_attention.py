@@ -52,8 +52,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
 from opdispatch.plugins.toolkit import (alibi_alignment_reason, cache_as_pages, cache_as_pages_reason,
                                         cumulative_lengths, empty_rows_to_neg_inf, flash_attn_kv_cache, kernel_window,
-                                        kv_cache_reasons, kv_lse_fix, pack_dense, packed_queries, unaccepted_keywords,
-                                        unpack_kv_out, unpack_lse, unpack_out)
+                                        kv_cache_reasons, kv_lse_fix, pack_dense, packed_queries, pads_v_head_dim,
+                                        unaccepted_keywords, unpack_kv_out, unpack_lse, unpack_out)
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _AITER_V3_HEAD_DIMS = ((128, 128), (192, 128))  # (d, dv) of aiter's ASM fmha v3 bf16 forward, which has no sink
@@ -84,6 +84,7 @@ AITER = Requirement(module="aiter", distribution="amd-aiter",
                                   "python3 setup.py develop (distribution amd-aiter; gfx942/gfx950)"))
 
 
+@pads_v_head_dim
 class RocmFlashAttnCK(AttentionImpl):
     vendor: ClassVar[str] = "rocm"
     name: ClassVar[str] = "ck"
@@ -352,6 +353,7 @@ class AOTritonOptions(BaseModel):
                      "it stays set after the call so that the backward uses the same library."))
 
 
+@pads_v_head_dim
 class RocmAOTriton(AttentionImpl):
     vendor: ClassVar[str] = "rocm"
     name: ClassVar[str] = "aotriton"
