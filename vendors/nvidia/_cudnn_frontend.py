@@ -27,16 +27,16 @@ bf16/fp16 output ("only supported on Blackwell with cuDNN >= 9.13"): the graph's
 kind with `scale_o` = fp8_max / max|v| (the output is a convex mix of v's rows, so it never exceeds max|v|), and
 this adapter divides it back to `call.out_dtype`. The probabilities are FP8 with scale_s 256 (they lie in [0, 1]).
 
-Per FP8 call, around the graph, three Triton launches (vendors/nvidia/_cudnn_fp8_triton.py), no host read: max|v|
-as FP8 magnitude bits (one read of v, atomic max), scale_o from them and v_descale (one program), and the
-dequantization o8 / scale_o -> out_dtype in one pass (read 1 byte, write 2 per element; `(o.float() / s).to(dt)`
-took three passes and a float32 temporary: 19 bytes per element, most of the FP8 call's time below 16k keys on an
-H100, benchmarks/results/fp8_attention-h100.log). The constant scalars (scale_s, descale_s) are made once per
-device; the amax outputs cuDNN writes (read by nobody), the max|v| accumulator, scale_o and the graph's workspace
-once per (device, stream): cuDNN runs on the current stream, so a buffer it writes is never shared by two streams,
-and one lock per device makes each call's set_stream .. dequantize sequence atomic among host threads. Inside
-CUDA-graph capture nothing new is cached (a buffer filled during capture holds its value only once the graph is
-replayed): missing buffers are allocated for that call, as the capture's own memory.
+Per FP8 call, around the graph, three Triton launches (vendors/nvidia/_cudnn_fp8_triton.py), no host read: max|v| as
+FP8 magnitude bits (one read of v in memory order, one atomic max per program), scale_o from them and v_descale (one
+program), and the dequantization o8 / scale_o -> out_dtype in one pass (read 1 byte, write 2 per element;
+`(o.float() / s).to(dt)` took three passes and a float32 temporary: 19 bytes per element, most of the FP8 call's
+time below 16k keys on an H100, benchmarks/results/fp8_attention-h100.log). The constant scalars (scale_s,
+descale_s) are made once per device; the amax outputs cuDNN writes (read by nobody), the max|v| accumulator, scale_o
+and the graph's workspace once per (device, stream): cuDNN runs on the current stream, so a buffer it writes is
+never shared by two streams, and one lock per device makes each call's set_stream .. dequantize sequence atomic
+among host threads. Inside CUDA-graph capture nothing new is cached (a buffer filled during capture holds its value
+only once the graph is replayed): missing buffers are allocated for that call, as the capture's own memory.
 
 What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): paged K/V
 (`paged_attention_k_table`), ragged thd offsets (`set_ragged_offset`), ALiBi, bias, dropout, the LSE (`stats`),
@@ -92,7 +92,11 @@ def _triton_kernels() -> Any:
 
 _FP8_FORMAT = {  # kind: (largest finite magnitude's bits, mantissa bits, exponent bias)
     "e4m3": (0x7E, 3, 7), "e5m2": (0x7B, 2, 15)}
-_AMAX_ROWS, _DEQUANT_BLOCK = 64, 4096
+_DEQUANT_BLOCK = 4096
+# v_amax_bits: an 8 KB tile per loop step (32 bytes a thread at 8 warps: 16-byte loads along d), about 4 programs
+# per SM, each folding up to 8 tiles in registers with one atomic at the end (v of 8x8x4096x128 e4m3: 512 programs
+# of 8 tiles, where a program per 64 rows made 4096 programs and 4096 atomics on one word).
+_AMAX_TILE, _AMAX_PROGRAMS_PER_SM, _AMAX_MAX_STEPS = 8192, 4, 8
 
 
 class _Scratch:
@@ -305,11 +309,20 @@ def _output_scale(v: torch.Tensor, v_descale: torch.Tensor, scratch: _Scratch) -
     read."""
     kernels = _triton_kernels()
     max_finite_bits, mantissa_bits, bias = _FP8_FORMAT["e4m3" if "e4m3" in str(v.dtype) else "e5m2"]
-    b, h, s, d = v.shape
-    rows = b * h * s
-    kernels.v_amax_bits[(max(1, _cdiv(rows, _AMAX_ROWS)),)](
-        v.view(torch.uint8), scratch.v_bits, rows, h, s, d, *v.stride(), MAX_FINITE_BITS=max_finite_bits,
-        BLOCK_R=_AMAX_ROWS, BLOCK_D=_next_power_of_2(d))
+    # max|v| does not depend on the order of rows: walk the row dims by decreasing stride, so that consecutive rows
+    # are neighbours in memory for every layout (bshd's (b, h, s) is walked as (b, s, h)).
+    order = sorted(range(3), key=lambda i: -v.stride(i))
+    rows_view = v.permute(*order, 3)
+    n0, n1, n2, d = rows_view.shape
+    rows = n0 * n1 * n2
+    block_d = _next_power_of_2(d)
+    block_r = max(1, _AMAX_TILE // block_d)
+    tiles = _cdiv(rows, block_r)
+    # tiles per program: a power of two up to _AMAX_MAX_STEPS (a constexpr, so at most 4 compiled variants)
+    steps = min(_AMAX_MAX_STEPS, _next_power_of_2(_cdiv(tiles, _AMAX_PROGRAMS_PER_SM * _multiprocessors(v.device))))
+    kernels.v_amax_bits[(max(1, _cdiv(tiles, steps)),)](
+        rows_view.view(torch.uint8), scratch.v_bits, rows, n1, n2, d, *rows_view.stride(),
+        MAX_FINITE_BITS=max_finite_bits, BLOCK_R=block_r, BLOCK_D=block_d, STEPS=steps, num_warps=8)
     kernels.output_scale[(1,)](scratch.v_bits, v_descale.reshape(1), scratch.scale_o,
                                FP8_MAX=float(torch.finfo(v.dtype).max), MANTISSA_BITS=mantissa_bits,
                                EXPONENT_BIAS=bias)
@@ -320,6 +333,17 @@ def _dequantize(o8: torch.Tensor, scale_o: torch.Tensor, out: torch.Tensor) -> N
     n = o8.numel()
     _triton_kernels().dequantize[(max(1, _cdiv(n, _DEQUANT_BLOCK)),)](o8, scale_o, out, n,
                                                                             BLOCK=_DEQUANT_BLOCK)
+
+
+@functools.cache
+def _multiprocessors_of(device_type: str, index: int) -> int:
+    if device_type != "cuda":
+        return 1  # Triton's interpreter (the CPU tests): a few programs, each looping over several tiles
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return _multiprocessors_of(device.type, device.index if device.index is not None else 0)
 
 
 def _cdiv(n: int, block: int) -> int:
