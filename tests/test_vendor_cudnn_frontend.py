@@ -5,26 +5,48 @@ results against a float64 oracle; FP8 with its output scaled and dequantized; se
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 import opdispatch
 from opdispatch.vendors.nvidia import CudnnFrontendAttention
+from opdispatch.vendors.nvidia import _cudnn_frontend as adapter_module
 
 from tests._adapters_on_cpu import unbound_from_device, device_with_library, meta_qkv, run_on_cpu
 from tests.conftest import device_descriptor
 from tests.fakes import cudnn_frontend as fake
 
 
+PLAN_MS = {0: 3.0, 1: 1.0, 2: 2.0}  # the fake timer's milliseconds per plan index: plan 1 is the fastest
+
+
+def _fake_time_plan(launch, device):
+    """The adapter's timer on CPU: runs the plan as often as the CUDA-event timer does and reports PLAN_MS of the
+    plan that ran (read from the fake's record, so a timer handed the wrong plan reports the wrong time)."""
+    for _ in range(adapter_module._AUTOTUNE_REPS):
+        launch()
+    return PLAN_MS[fake.executions[-1]["plan"]]
 
 
 @pytest.fixture
-def fe(monkeypatch, basic_manager, tmp_path):
+def fake_plans(monkeypatch):
     fake.graphs.clear()
     fake.executions.clear()
-    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake.fake_modules(),
-                      unbound_from_device(CudnnFrontendAttention, "cudnn_fe"), options={"half": True})
+    monkeypatch.setattr(fake, "plan_count", 3)
+    monkeypatch.setattr(fake, "unbuildable_plans", set())
+    monkeypatch.setattr(adapter_module, "_time_plan", _fake_time_plan)
+
+
+def _fe(monkeypatch, manager, tmp_path, **options):
+    return run_on_cpu(monkeypatch, manager, tmp_path, fake.fake_modules(),
+                      unbound_from_device(CudnnFrontendAttention, "cudnn_fe"), options={"half": True, **options})
+
+
+@pytest.fixture
+def fe(monkeypatch, basic_manager, tmp_path, fake_plans):
+    return _fe(monkeypatch, basic_manager, tmp_path)
 
 
 def _oracle(q, k, v, scale, causal, window, bottom_right):
@@ -81,8 +103,9 @@ def test_bf16_fp16_graphs_have_the_call_s_dims_strides_and_bounds(fe, layout, dt
     assert out.dtype == dtype
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     # a second call of the signature reuses the graph; another signature builds its own
+    runs = len(fake.executions)
     opdispatch.attention(to(q), to(k), to(v), layout=layout, causal=causal, causal_alignment=align, window=window)
-    assert len(fake.graphs) == 1 and len(fake.executions) == 2
+    assert len(fake.graphs) == 1 and len(fake.executions) == runs + 1 and fake.executions[-1]["plan"] == 1
     opdispatch.attention(to(q)[:1], to(k)[:1], to(v)[:1], layout=layout, causal=causal, causal_alignment=align,
                          window=window) if layout != "sbhd" else None
     assert len(fake.graphs) == (2 if layout != "sbhd" else 1)
@@ -198,3 +221,76 @@ def test_fp8_buffers_are_made_once_per_device_and_stream_and_never_cached_in_cap
     assert graphs.fp8_buffers(torch.device("cpu", 1), 1, capturing=True)[0] is not constants
     assert 1 not in graphs.constants
 
+
+
+def _fp8_qkv(seed, b=2, s=6, hq=4, hk=2, d=64, kind=torch.float8_e4m3fn):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = ((torch.randn(b, s, h, d, generator=gen) * 4).to(kind) for h in (hq, hk, hk))
+    descales = tuple(torch.rand((), generator=gen) + 0.1 for _ in range(3))
+    return q, k, v, descales
+
+
+@pytest.mark.parametrize("fp8,unbuildable,want", [
+    (True, set(), 1), (False, set(), 1),
+    (True, {1}, 2),  # the fastest plan did not build: the fastest of those that did
+    (False, {0, 1}, 2),  # cuDNN's first plan did not build either
+])
+def test_autotune_times_every_built_plan_once_per_signature_and_runs_the_fastest(
+        monkeypatch, basic_manager, tmp_path, fake_plans, fp8, unbuildable, want):
+    monkeypatch.setattr(fake, "unbuildable_plans", unbuildable)
+    _fe(monkeypatch, basic_manager, tmp_path)
+    if fp8:
+        q, k, v, (qs, ks, vs) = _fp8_qkv(21)
+        kw = dict(q_descale=qs, k_descale=ks, v_descale=vs)
+        want_out = _oracle(q.double() * qs.double(), k.double() * ks.double(), v.double() * vs.double(), 64 ** -0.5,
+                           True, None, False)
+        tol = dict(atol=2 ** -4 * (v.float().abs().max() * vs).item(), rtol=2 ** -4)
+    else:
+        gen = torch.Generator().manual_seed(22)
+        q, k, v = (torch.randn(2, 6, h, 64, generator=gen).to(torch.bfloat16) for h in (4, 2, 2))
+        kw = {}
+        want_out = _oracle(q.double(), k.double(), v.double(), 64 ** -0.5, True, None, False)
+        tol = dict(atol=2e-2, rtol=2e-2)
+    out = opdispatch.attention(q, k, v, causal=True, **kw)
+    built = [i for i in range(3) if i not in unbuildable]
+    graph = fake.graphs[-1]
+    assert graph.plans_built == built and len(fake.graphs) == 1  # build_plans(ALL): every plan that builds
+    runs = [e["plan"] for e in fake.executions]
+    # per built plan: a warm-up and _AUTOTUNE_REPS timed runs, in index order; then the chosen plan for the call
+    per_plan = 1 + adapter_module._AUTOTUNE_REPS
+    assert runs == [i for i in built for _ in range(per_plan)] + [want]
+    torch.testing.assert_close(out.double(), want_out, **tol)  # the output is the chosen plan's, after tuning
+    for _ in range(2):  # later calls: no build, no timing, the chosen plan by index
+        out = opdispatch.attention(q, k, v, causal=True, **kw)
+    assert [e["plan"] for e in fake.executions[len(runs):]] == [want, want] and len(fake.graphs) == 1
+    torch.testing.assert_close(out.double(), want_out, **tol)
+
+
+def test_autotune_off_builds_cudnn_s_first_plan_and_runs_it(monkeypatch, basic_manager, tmp_path, fake_plans):
+    monkeypatch.setattr(fake, "unbuildable_plans", {0})
+    _fe(monkeypatch, basic_manager, tmp_path, autotune=False)
+    q, k, v, (qs, ks, vs) = _fp8_qkv(23)
+    for _ in range(2):
+        opdispatch.attention(q, k, v, q_descale=qs, k_descale=ks, v_descale=vs)
+    assert fake.graphs[-1].plans_built == [1]  # HEURISTICS_CHOICE: the first that builds, no other
+    assert [e["plan"] for e in fake.executions] == [1, 1]
+
+
+def test_autotune_with_no_plan_running_raises_with_the_fix(monkeypatch, basic_manager, tmp_path, fake_plans,
+                                                           caplog):
+    """Every plan built but each refuses execution (a cuDNN error at run time): the adapter raises, naming the
+    signature, each plan's refusal and the option that turns tuning off (never an unknown plan run instead); the
+    manager logs it and the call goes on to the next implementation."""
+    _fe(monkeypatch, basic_manager, tmp_path)
+
+    def refuse(self, pack, workspace, index, handle=None, **_):
+        raise RuntimeError(f"Plan index {index} did not build.")
+
+    monkeypatch.setattr(fake.pygraph, "execute_plan_at_index", refuse)
+    q, k, v, (qs, ks, vs) = _fp8_qkv(24)
+    with caplog.at_level("WARNING", logger="opdispatch"):
+        opdispatch.attention(q, k, v, q_descale=qs, k_descale=ks, v_descale=vs)
+    assert re.search(r"test.cudnn_fe raised RuntimeError: nvidia.cudnn_frontend: no built cuDNN plan ran for "
+                     r"layout=bshd .*plan 0: Plan index 0 did not build.*plan 2: Plan index 2 did not build.*"
+                     r"autotune: false", caplog.text)
+    assert opdispatch.explain(q, k, v, q_descale=qs, k_descale=ks, v_descale=vs).chosen_id != "test.cudnn_fe"

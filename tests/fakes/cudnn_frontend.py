@@ -44,8 +44,23 @@ class diagonal_alignment(enum.Enum):  # noqa: N801
     BOTTOM_RIGHT = "bottom_right"
 
 
-class cudnnGraphNotSupportedError(RuntimeError):  # noqa: N818
+class build_plan_policy(enum.Enum):  # noqa: N801
+    HEURISTICS_CHOICE = "heuristics_choice"
+    ALL = "all"
+
+
+class cudnnGraphNotSupportedError(Exception):  # noqa: N818 - py::register_exception's default base: Exception
     pass
+
+
+# The plans cuDNN's heuristics list for every graph (tests set these): how many, which fail to build, and each
+# built plan's workspace in bytes (execution checks the workspace it is given is at least that).
+plan_count = 3
+unbuildable_plans: set[int] = set()
+
+
+def plan_workspace(index: int) -> int:
+    return 16 * (index + 1)
 
 
 def create_handle() -> object:
@@ -94,6 +109,8 @@ class pygraph:  # noqa: N801
         self.tensors: list[Tensor] = []
         self.op: dict[str, Any] | None = None
         self.built: list[str] = []
+        self.plans_built: list[int] = []
+        self.candidate: int | None = None
 
     def tensor(self, *, uid: int, dim: tuple[int, ...], stride: tuple[int, ...], data_type: data_type,
                name: str = "") -> Tensor:
@@ -168,20 +185,61 @@ class pygraph:  # noqa: N801
     def check_support(self) -> None:
         self.built.append("check_support")
 
-    def build_plans(self) -> None:
+    def build_plans(self, policy: build_plan_policy = build_plan_policy.HEURISTICS_CHOICE) -> None:
+        """HEURISTICS_CHOICE builds the first plan that builds; ALL every plan (plans.h: the candidate stays the
+        first built; one that fails is skipped); neither built: an error."""
+        if not isinstance(policy, build_plan_policy):
+            raise TypeError(f"build_plans(policy) takes a build_plan_policy, got {policy!r}")
         self.built.append("build_plans")
+        for index in range(plan_count):
+            if index in unbuildable_plans:
+                continue
+            self.plans_built.append(index)
+            if policy is build_plan_policy.HEURISTICS_CHOICE:
+                break
+        if not self.plans_built:
+            raise cudnnGraphNotSupportedError("[cudnn_frontend] Error: No valid execution plans built.")
+        self.candidate = self.plans_built[0]
         graphs.append(self)
 
-    def get_workspace_size(self) -> int:
-        return 16
+    def get_execution_plan_count(self) -> int:
+        return plan_count
 
-    def execute(self, variant_pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: object = None) -> None:
+    def get_workspace_size(self) -> int:
+        assert self.candidate is not None
+        return plan_workspace(self.candidate)
+
+    def get_workspace_size_plan_at_index(self, index: int) -> int:
+        return plan_workspace(index) if index in self.plans_built else 0  # "not built: returns 0"
+
+    def get_plan_name_at_index(self, index: int) -> str:
+        return f"fake_engine_{index}"
+
+    def execute_plan_at_index(self, tensor_to_device_buffer: dict[int, torch.Tensor], workspace: torch.Tensor,
+                              index: int, handle: object = None, override_uids: Any = None,
+                              override_shapes: Any = None, override_strides: Any = None) -> None:
+        if not 0 <= index < plan_count:
+            raise RuntimeError(f"Plan index {index} is invalid.")
+        if index not in self.plans_built:
+            raise RuntimeError(f"Plan index {index} did not build.")
+        self._run(tensor_to_device_buffer, workspace, index)
+
+    def execute(self, tensor_to_device_buffer: dict[int, torch.Tensor], workspace: torch.Tensor,
+                handle: object = None, override_uids: Any = None, override_shapes: Any = None,
+                override_strides: Any = None) -> None:
+        assert self.candidate is not None
+        self._run(tensor_to_device_buffer, workspace, self.candidate)
+
+    def _run(self, variant_pack: dict[int, torch.Tensor], workspace: torch.Tensor, plan: int) -> None:
+        if workspace.numel() < plan_workspace(plan):
+            raise RuntimeError(f"plan {plan} needs a workspace of {plan_workspace(plan)} bytes, got "
+                               f"{workspace.numel()}")
         if self.built != ["validate", "build_operation_graph", "create_execution_plans", "check_support",
                           "build_plans"]:
             raise RuntimeError(f"graph executed after build steps {self.built}")
         op = self.op
         assert op is not None
-        executions.append(dict(graph=self, pack=dict(variant_pack)))
+        executions.append(dict(graph=self, pack=dict(variant_pack), plan=plan))
 
         def read(t: Tensor) -> torch.Tensor:
             data = variant_pack[t.uid]

@@ -16,8 +16,12 @@ bindings; test/python/sdpa/fp16.py, fp8.py, fp16_ref.py, the samples and their r
     o.set_uid(..).set_output(True).set_dim(..).set_stride(..).set_data_type(..)
     graph.validate(); graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support(); graph.build_plans()
+    graph.check_support(); graph.build_plans()                    # cuDNN's first plan that builds
     graph.execute({uid: tensor}, workspace (uint8, graph.get_workspace_size()), handle=)
+    # autotuning (python/pygraph/pygraph.cpp, python/cudnn/__init__.py; samples/cpp/misc/autotuning.cpp):
+    graph.build_plans(cudnn.build_plan_policy.ALL)                # every plan; one that fails is skipped
+    graph.get_execution_plan_count(); graph.get_workspace_size_plan_at_index(i)
+    graph.execute_plan_at_index({uid: tensor}, workspace, i, handle=)  # RuntimeError for a plan not built
 
 Conventions (fp16_ref.py): the band keeps key j of query i when i + o - left_bound < j <= i + o + right_bound,
 o = s_kv - s_q for DiagonalAlignment BOTTOM_RIGHT and 0 for TOP_LEFT — so opdispatch's window (left, right)
@@ -37,6 +41,13 @@ and the graph's workspace once per (device, stream): cuDNN runs on the current s
 never shared by two streams, and one lock per device makes each call's set_stream .. dequantize sequence atomic
 among host threads. Inside CUDA-graph capture nothing new is cached (a buffer filled during capture holds its value
 only once the graph is replayed): missing buffers are allocated for that call, as the capture's own memory.
+
+Plans (option `autotune`, on by default): cuDNN's heuristics order its plans, and `build_plans()` keeps the first
+that builds; with `autotune` a signature's first call builds them all, runs each on the call's own tensors (one
+warm-up, then the mean of 3 runs timed by CUDA events on the current stream) and keeps the fastest, run by index at
+every later call. The cost, once per signature: the other plans' builds (each about one graph build) and 4 runs of
+each plan; a plan that did not build refuses execution and is skipped. The first call is never inside CUDA-graph
+capture (a new signature there is refused), so the timing's host synchronization never meets a capture.
 
 What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): paged K/V
 (`paged_attention_k_table`), ragged thd offsets (`set_ragged_offset`), ALiBi, bias, dropout, the LSE (`stats`),
@@ -61,6 +72,7 @@ CUDNN_FRONTEND = Requirement(module="cudnn", distribution="nvidia-cudnn-frontend
                              install_hint="pip install 'opdispatch[cudnn]' (the nvidia-cudnn-frontend wheel)")
 
 _SCALE_S = 256.0  # the FP8 probabilities' scale: P in [0, 1] maps into e4m3's and e5m2's range exactly
+_AUTOTUNE_REPS = 3  # timed runs per plan after its warm-up run
 _FP8_HEAD_DIMS = frozenset({64, 128})  # FP8 SDPA's head dims claimed (cuDNN's check_support is the last word)
 _UID = {"q": 1, "k": 2, "v": 3, "o": 4, "descale_q": 5, "descale_k": 6, "descale_v": 7, "descale_s": 8,
         "scale_s": 9, "scale_o": 10, "amax_s": 11, "amax_o": 12}
@@ -99,6 +111,61 @@ _DEQUANT_BLOCK = 4096
 _AMAX_TILE, _AMAX_PROGRAMS_PER_SM, _AMAX_MAX_STEPS = 8192, 4, 8
 
 
+class _Plan:
+    """A built graph and how to run it: `index` the plan autotuning chose (run with `execute_plan_at_index`), or
+    None for cuDNN's own candidate (`execute`); `workspace_size` that plan's."""
+
+    __slots__ = ("graph", "index", "workspace_size")
+
+    def __init__(self, graph: Any, index: int | None, workspace_size: int) -> None:
+        self.graph, self.index, self.workspace_size = graph, index, workspace_size
+
+    def execute(self, pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: Any) -> None:
+        if self.index is None:
+            self.graph.execute(pack, workspace, handle=handle)
+        else:
+            self.graph.execute_plan_at_index(pack, workspace, self.index, handle=handle)
+
+
+def _time_plan(launch: Any, device: torch.device) -> float:
+    """Mean milliseconds of `launch()` over _AUTOTUNE_REPS runs on the current stream (CUDA events; the caller
+    made the warm-up run)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(_AUTOTUNE_REPS):
+        launch()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / _AUTOTUNE_REPS
+
+
+def _fastest_plan(cudnn: Any, graph: Any, pack: dict[int, torch.Tensor], handle: Any, device: torch.device,
+                  signature: str) -> _Plan:
+    """Run every plan `build_plans(ALL)` built on the call's tensors and keep the fastest (a plan that did not
+    build refuses execution: skipped). Leaves `pack`'s outputs written by the last plan run; the caller runs the
+    chosen plan after."""
+    times: dict[int, float] = {}
+    refused: list[str] = []
+    for index in range(graph.get_execution_plan_count()):
+        workspace = torch.empty(graph.get_workspace_size_plan_at_index(index), dtype=torch.uint8, device=device)
+
+        def launch(index: int = index, workspace: torch.Tensor = workspace) -> None:
+            graph.execute_plan_at_index(pack, workspace, index, handle=handle)
+
+        try:
+            launch()  # warm-up; raises for a plan that did not build ("Plan index i did not build.")
+        except (RuntimeError, cudnn.cudnnGraphNotSupportedError) as error:
+            refused.append(f"plan {index}: {error}")
+            continue
+        times[index] = _time_plan(launch, device)
+    if not times:
+        raise RuntimeError(f"nvidia.cudnn_frontend: no built cuDNN plan ran for {signature}: {'; '.join(refused)}. "
+                           "Turn autotuning off (ops.attention.options.'nvidia.cudnn_frontend': {autotune: false}) "
+                           "to run cuDNN's first plan")
+    best = min(times, key=lambda i: (times[i], i))
+    return _Plan(graph, best, graph.get_workspace_size_plan_at_index(best))
+
+
 class _Scratch:
     """The FP8 call's buffers on one (device, stream): what cuDNN and the Triton kernels write, reused call after
     call in stream order; `workspaces` by graph signature."""
@@ -120,7 +187,7 @@ class _Graphs:
 
     def __init__(self, limit: int = 256) -> None:
         self.lock = threading.Lock()
-        self.graphs: dict[Any, Any] = {}
+        self.graphs: dict[Any, _Plan] = {}
         self.handles: dict[int, tuple[Any, threading.Lock]] = {}
         self.constants: dict[int, dict[str, torch.Tensor]] = {}
         self.scratch: dict[tuple[int, int], _Scratch] = {}
@@ -169,6 +236,14 @@ class CudnnFrontendOptions(BaseModel):
                     "policy_proof.json, first_call_s) — which a workload of changing lengths pays at every new "
                     "length; at repeated shapes it is the fastest windowed forward there (14-61% over torch's FA2, "
                     "same file). Turn on for fixed-shape inference")
+    autotune: bool = Field(
+        default=True,
+        description="at a signature's first call (never inside CUDA-graph capture: a new signature there is "
+                    "refused anyway) build every plan cuDNN's heuristics list (build_plan_policy.ALL) instead of "
+                    "the first, time each on the call's own tensors with CUDA events (1 warm-up and "
+                    f"{_AUTOTUNE_REPS} timed runs) and run the fastest at every later call of the signature. "
+                    "Costs the other plans' builds and a few runs of each once per signature; off: cuDNN's first "
+                    "plan")
 
 
 class CudnnFrontendAttention(AttentionImpl):
@@ -232,17 +307,16 @@ class CudnnFrontendAttention(AttentionImpl):
         cuda = q.device.type == "cuda"  # (the contract tests run this adapter on CPU behind a fake `cudnn`)
         capturing = cuda and torch.cuda.is_current_stream_capturing()
         stream = torch.cuda.current_stream(q.device).cuda_stream if cuda else 0
-        graph = self._graphs.graphs.get(key)
-        if graph is None:
+        plan = self._graphs.graphs.get(key)
+        graph: Any = None
+        if plan is None:
             if capturing:
                 raise RuntimeError("nvidia.cudnn_frontend: a call of a new signature inside CUDA-graph capture "
                                    f"({call.describe()}); building its cuDNN graph synchronizes. Run one call of "
                                    "this signature before capturing (warm-up)")
             graph = self._build(cudnn, call, q, k, v, o, handle)
-            with self._graphs.lock:
-                if len(self._graphs.graphs) >= self._graphs.limit:
-                    self._graphs.graphs.pop(next(iter(self._graphs.graphs)))
-                self._graphs.graphs[key] = graph
+            if not self.options.autotune:
+                plan = self._remember(key, _Plan(graph, None, graph.get_workspace_size()))
         pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: o}
         scratch = None
         if fp8:
@@ -254,21 +328,30 @@ class CudnnFrontendAttention(AttentionImpl):
                 _UID["descale_v"]: call.v_descale.reshape(1, 1, 1, 1),
                 _UID["scale_s"]: constants["scale_s"], _UID["descale_s"]: constants["descale_s"],
                 _UID["scale_o"]: scratch.scale_o, _UID["amax_s"]: scratch.amax_s, _UID["amax_o"]: scratch.amax_o})
-        workspace = scratch.workspaces.get(key) if scratch is not None else None
-        if workspace is None:
-            workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=q.device)
-            if scratch is not None and not capturing:
-                scratch.workspaces[key] = workspace
         with device_lock:  # one handle per device: its stream, and the scratch's use, belong to one call at a time
             cudnn.set_stream(handle=handle, stream=stream)
             if scratch is not None:
                 _output_scale(v, call.v_descale, scratch)
-            graph.execute(pack, workspace, handle=handle)
+            if plan is None:  # the signature's first call, autotuning: after the scale, on the real tensors
+                plan = self._remember(key, _fastest_plan(cudnn, graph, pack, handle, q.device, call.describe()))
+            workspace = scratch.workspaces.get(key) if scratch is not None else None
+            if workspace is None:
+                workspace = torch.empty(plan.workspace_size, dtype=torch.uint8, device=q.device)
+                if scratch is not None and not capturing:
+                    scratch.workspaces[key] = workspace
+            plan.execute(pack, workspace, handle)
             if scratch is None:
                 return out
             result = torch.empty(out.shape, dtype=call.out_dtype, device=out.device)
             _dequantize(out, scratch.scale_o, result)
         return result
+
+    def _remember(self, key: Any, plan: _Plan) -> _Plan:
+        with self._graphs.lock:
+            if len(self._graphs.graphs) >= self._graphs.limit:
+                self._graphs.graphs.pop(next(iter(self._graphs.graphs)))
+            self._graphs.graphs[key] = plan
+        return plan
 
     def _build(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                o: torch.Tensor, handle: Any) -> Any:
@@ -299,7 +382,10 @@ class CudnnFrontendAttention(AttentionImpl):
         graph.build_operation_graph()
         graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         graph.check_support()
-        graph.build_plans()
+        if self.options.autotune:
+            graph.build_plans(cudnn.build_plan_policy.ALL)  # every plan: `_fastest_plan` times them
+        else:
+            graph.build_plans()
         return graph
 
 
@@ -311,7 +397,7 @@ def _output_scale(v: torch.Tensor, v_descale: torch.Tensor, scratch: _Scratch) -
     max_finite_bits, mantissa_bits, bias = _FP8_FORMAT["e4m3" if "e4m3" in str(v.dtype) else "e5m2"]
     # max|v| does not depend on the order of rows: walk the row dims by decreasing stride, so that consecutive rows
     # are neighbours in memory for every layout (bshd's (b, h, s) is walked as (b, s, h)).
-    order = sorted(range(3), key=lambda i: -v.stride(i))
+    order = sorted(range(3), key=lambda i: -v.stride()[i])
     rows_view = v.permute(*order, 3)
     n0, n1, n2, d = rows_view.shape
     rows = n0 * n1 * n2
