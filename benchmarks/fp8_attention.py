@@ -15,6 +15,11 @@ call launches (for FP8: max|v|, scale_o, the dequantization; layout copies, if a
 (`kernels`, `attention_kernel_tflops`: the raw kernel's TFLOP/s, apart from the op's `tflops`) and as a markdown
 table (`--out` with suffix .md, also printed).
 
+First call: `fp8_first_call_s` is the wall time of the cell's first FP8 call (a new signature: the cuDNN graph's
+build, and with the adapter's `autotune` option — on by default, `--autotune off` turns it off through a policy
+layered on the default — every plan's build and timing), synchronized; run once per setting to read what autotuning
+costs and what it buys (`tflops`).
+
     bash -c 'source benchmarks/_gpu_setup.sh "$OUT"; python3 $repo/benchmarks/fp8_attention.py --out $out/fp8.json'
 """
 
@@ -23,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +99,9 @@ def breakdown_markdown(row: dict[str, Any]) -> str:
         lines.append(f"| {variant} | all kernels | | {total:.1f} | |")
     op = row.get("tflops", {})
     raw = row.get("attention_kernel_tflops", {})
+    if "fp8_first_call_s" in row:
+        lines += ["", f"FP8 first call (graph build{' and autotuning' if row.get('autotune') == 'on' else ''}): "
+                      f"{row['fp8_first_call_s']:.3f} s"]
     lines += ["", "| variant | op TFLOP/s | attention kernel TFLOP/s | other kernels µs/call |", "|---|---:|---:|---:|"]
     for variant in row.get("kernels", {}):
         other = row.get("other_kernels_us", {}).get(variant)
@@ -108,6 +118,12 @@ def cell(seqlen: int, causal: bool, device: torch.device, args: argparse.Namespa
     kind = torch.float8_e4m3fn
     (q8, qs), (k8, ks), (v8, vs) = (quantize(t, kind) for t in (q, k, v))
     bf16_pick = opdispatch.explain(q, k, v, causal=causal).chosen_id
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    opdispatch.attention(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs,
+                         impl="nvidia.cudnn_frontend")
+    torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - start
     fns = {
         f"bf16 ({bf16_pick})": lambda: opdispatch.attention(q, k, v, causal=causal),
         "fp8 e4m3 (nvidia.cudnn_frontend)": lambda: opdispatch.attention(
@@ -116,7 +132,8 @@ def cell(seqlen: int, causal: bool, device: torch.device, args: argparse.Namespa
     ms = interleaved_ms(fns, device, args.warmup, args.reps)
     flops = 4 * batch * hq * seqlen * seqlen * d * (0.5 if causal else 1.0)
     row: dict[str, Any] = {"seqlen": seqlen, "batch": batch, "heads": f"{hq}/{hkv}", "head_dim": d,
-                           "causal": causal, "ms": ms,
+                           "causal": causal, "ms": ms, "autotune": args.autotune,
+                           "fp8_first_call_s": first_call_s,
                            "tflops": {n: flops / (t * 1e-3) / 1e12 for n, t in ms.items() if isinstance(t, float)}}
     times = [t for t in ms.values() if isinstance(t, float)]
     if len(times) == 2:
@@ -155,9 +172,16 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
+    parser.add_argument("--autotune", choices=("on", "off"), default="on",
+                        help="nvidia.cudnn_frontend's autotune option (off: a policy over the default sets it)")
     args = parser.parse_args()
     device = torch.device("cuda")
     env = environment(device)
+    if args.autotune == "off":
+        policy = Path(tempfile.mkdtemp()) / "autotune-off.yaml"
+        policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
+                          "      nvidia.cudnn_frontend: {autotune: false}\n")
+        opdispatch.get_manager().set_policy(str(policy))
     try:
         import cudnn
 
@@ -168,7 +192,7 @@ def main() -> int:
         return 2
     rows = []
     markdown = [f"# FP8 attention forward: kernel breakdown ({env.get('device', '?')}, cuDNN frontend "
-                f"{env['cudnn_frontend']}, cuDNN {env['cudnn_backend']})", ""]
+                f"{env['cudnn_frontend']}, cuDNN {env['cudnn_backend']}, autotune {args.autotune})", ""]
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         for causal in (False, True):
             row = cell(seqlen, causal, device, args)
