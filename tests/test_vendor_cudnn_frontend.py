@@ -294,3 +294,119 @@ def test_autotune_with_no_plan_running_raises_with_the_fix(monkeypatch, basic_ma
                      r"layout=bshd .*plan 0: Plan index 0 did not build.*plan 2: Plan index 2 did not build.*"
                      r"autotune: false", caplog.text)
     assert opdispatch.explain(q, k, v, q_descale=qs, k_descale=ks, v_descale=vs).chosen_id != "test.cudnn_fe"
+
+
+def _quantized(t, kind=torch.float8_e4m3fn):
+    """The test's own current scaling: (t as FP8 dequantized back, float64) with descale = amax / fp8_max."""
+    descale = t.double().abs().max() / torch.finfo(kind).max
+    return (t.double() / descale).to(kind).double() * descale
+
+
+def _oracle_grads(q, k, v, d_o, causal, window, bottom_right):
+    """float64 autograd through the oracle (bshd), independent of the fake's backward formulas."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = _oracle_autograd(q, k, v, q.shape[-1] ** -0.5, causal, window, bottom_right)
+    out.backward(d_o.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _oracle_autograd(q, k, v, scale, causal, window, bottom_right):
+    """_oracle's attention as one differentiable expression (masked softmax over a float64 score tensor)."""
+    b, sq, hq, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    kk, vv = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    offset = sk - sq if bottom_right else 0
+    i, j = torch.arange(sq)[:, None] + offset, torch.arange(sk)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= (j >= i - window[0]) if window[0] >= 0 else keep
+        keep &= (j <= i + window[1]) if window[1] >= 0 else keep
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vv)
+
+
+@pytest.mark.parametrize("layout,dtype,causal,window,align,heads", [
+    ("bshd", torch.bfloat16, True, None, "top_left", (4, 2)),
+    ("bhsd", torch.float16, False, None, "top_left", (2, 2)),
+    ("sbhd", torch.bfloat16, True, (3, 0), "bottom_right", (6, 3)),
+    ("bshd", torch.bfloat16, False, (2, 1), "top_left", (4, 1)),
+])
+def test_fp8_dpa_forward_and_backward_against_float64_autograd(monkeypatch, basic_manager, tmp_path, fake_plans,
+                                                               layout, dtype, causal, window, align, heads):
+    """fp8_dpa: bf16/fp16 q/k/v that require grad, cast to e4m3 inside; the output and dq/dk/dv in the inputs'
+    dtype against float64 autograd of the same attention on the FP8-rounded inputs (the test's own quantization).
+    The backward graph reads the forward's stats (the fake rebuilds P from them) and its FP8 gradients are
+    dequantized by the scales the adapter chose."""
+    _fe(monkeypatch, basic_manager, tmp_path, fp8_dpa=True)
+    gen = torch.Generator().manual_seed(31)
+    b, sq, sk, d = 2, 7, 9, 64
+    hq, hk = heads
+    sk = sk if align == "bottom_right" else sq
+    q, k, v = ((torch.randn(b, s, h, d, generator=gen) * 2).to(dtype) for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+    d_o = torch.randn(b, sq, hq, d, generator=gen).to(dtype) * 1e-3  # gradients far from 1: scales must adapt
+    to = LAYOUT[layout]
+    leaves = [to(t).detach().requires_grad_() for t in (q, k, v)]
+    out = opdispatch.attention(*leaves, layout=layout, causal=causal, causal_alignment=align, window=window)
+    assert out.dtype == dtype and out.requires_grad
+    out.backward(to(d_o))
+    grads = [{"bshd": g, "bhsd": g.transpose(1, 2), "sbhd": g.transpose(0, 1)}[layout] for g in
+             (leaf.grad for leaf in leaves)]
+    want_out, *want = _oracle_grads(*(_quantized(t) for t in (q, k, v)), _quantized(d_o), causal, window,
+                                    align == "bottom_right")
+    got_out = {"bshd": out, "bhsd": out.transpose(1, 2), "sbhd": out.transpose(0, 1)}[layout]
+    torch.testing.assert_close(got_out.double(), want_out, atol=2 ** -4 * want_out.abs().max().item(), rtol=2 ** -4)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        assert got.dtype == dtype and got.shape == ref.shape, name
+        # FP8 output of each gradient (2**-4 relative) and the FP8 o the backward reads: within 2**-3 of the max
+        torch.testing.assert_close(got.double(), ref, atol=2 ** -3 * ref.abs().max().item(), rtol=2 ** -3,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    backward_graph = next(g for g in fake.graphs if g.op["kind"] == "sdpa_fp8_backward")
+    assert backward_graph.op["stats"].dim == (b, hq, sq, 1)
+    forward_graph = next(g for g in fake.graphs if g.op["kind"] == "sdpa_fp8")
+    assert forward_graph.op["generate_stats"] is True
+
+
+def test_fp8_dpa_gradient_scales_adapt_and_are_kept_per_signature(monkeypatch, basic_manager, tmp_path,
+                                                                   fake_plans):
+    """The first backward of a signature cannot know its gradients' range: its run is checked against the amaxes
+    and rerun with fitting scales; the next call of the same range runs once; a call whose gradients are 10**4
+    larger (they would clip) is rerun again and still right — never a clipped gradient returned."""
+    _fe(monkeypatch, basic_manager, tmp_path, fp8_dpa=True, autotune=False)
+    gen = torch.Generator().manual_seed(32)
+    q, k, v = ((torch.randn(1, 6, 2, 64, generator=gen) * 2).to(torch.bfloat16) for _ in range(3))
+
+    def backward_runs(grad_scale):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        d_o = (torch.randn(1, 6, 2, 64, generator=gen) * grad_scale).to(torch.bfloat16)
+        before = sum(e["graph"].op["kind"] == "sdpa_fp8_backward" for e in fake.executions)
+        opdispatch.attention(*leaves, causal=True).backward(d_o)
+        _, *want = _oracle_grads(*(_quantized(t) for t in (q, k, v)), _quantized(d_o), True, None, False)
+        # dq/dk also carry the FP8 o the backward reads (its D = rowsum(dO o) term, absent from the oracle, where
+        # dP - D cancels): 2**-2 of the max; dv only its own rounding and the inputs': 2**-3
+        for got, ref, bits in zip((leaf.grad for leaf in leaves), want, (2, 2, 3), strict=True):
+            torch.testing.assert_close(got.double(), ref, atol=2 ** -bits * ref.abs().max().item(), rtol=0)
+        return sum(e["graph"].op["kind"] == "sdpa_fp8_backward" for e in fake.executions) - before
+
+    assert backward_runs(1e-2) == 2  # scales 1 to start: dQ/dK/dV/dP at ~1e-2 use too little of FP8's range
+    assert backward_runs(1e-2) == 1  # the kept scales fit
+    assert backward_runs(1e2) == 2  # 10**4 larger: would clip, rerun
+    assert backward_runs(1e2) == 1
+
+
+def test_fp8_dpa_grad_refusals(monkeypatch, basic_manager, tmp_path, fake_plans):
+    """Without fp8_dpa a bf16 call with grad is refused by the adapter (its bf16 backward is not built), with the
+    option named; an FP8 input that requires grad is refused by the op (autograd would hand it an unscaled FP8
+    gradient)."""
+    _fe(monkeypatch, basic_manager, tmp_path)
+    q = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    cand = next(c for c in opdispatch.explain(q, q, q).candidates if c.impl_id == "test.cudnn_fe")
+    assert any("fp8_dpa: true" in r for r in cand.reasons) and cand.status == "rejected"
+    with torch.no_grad():
+        assert opdispatch.explain(q, q, q).chosen_id == "test.cudnn_fe"
+    q8 = torch.zeros(1, 4, 2, 64, dtype=torch.float8_e4m3fn, requires_grad=True)
+    one = torch.ones(())
+    with pytest.raises(ValueError, match="requires grad"):
+        opdispatch.attention(q8, q8, q8, q_descale=one, k_descale=one, v_descale=one)
