@@ -474,6 +474,8 @@ class CudnnFrontendAttention(AttentionImpl):
                                f"{amax.tolist()}, scales {scales.tolist()}); compute this call in bf16 (drop the "
                                "fp8_dpa option)")
         with self._graphs.lock:
+            if len(self._graphs.grad_scales) >= self._graphs.limit and key not in self._graphs.grad_scales:
+                self._graphs.grad_scales.pop(next(iter(self._graphs.grad_scales)))
             self._graphs.grad_scales[key] = scales
         results = []
         for i, grad8 in enumerate(grads8):
