@@ -15,7 +15,21 @@ call launches (for FP8: max|v|, scale_o, the dequantization; layout copies, if a
 (`kernels`, `attention_kernel_tflops`: the raw kernel's TFLOP/s, apart from the op's `tflops`) and as a markdown
 table (`--out` with suffix .md, also printed).
 
+First call: `fp8_first_call_s` is the wall time of the cell's first FP8 call (a new signature: the cuDNN graph's
+build, and with the adapter's `autotune` option — on by default, `--autotune off` turns it off through a policy
+layered on the default — every plan's build and timing), synchronized; run once per setting to read what autotuning
+costs and what it buys (`tflops`).
+
     bash -c 'source benchmarks/_gpu_setup.sh "$OUT"; python3 $repo/benchmarks/fp8_attention.py --out $out/fp8.json'
+
+`--backward`: forward+backward instead (training, bf16 q/k/v that require grad): every bf16 implementation the
+policy finds eligible (the best named) against `nvidia.cudnn_frontend` with its `fp8_dpa` option (bf16 in and out,
+cast to e4m3 inside, FP8 forward and backward; set through a policy over the default), TFLOP/s counting the
+backward as 2.5 forwards; the error of dq/dk/dv (max |Δ| / max |ref|) against float32 autograd on the dequantized
+inputs and dO (the same current scaling), held to `BACKWARD_BOUND`.
+
+    bash -c 'source benchmarks/_gpu_setup.sh "$OUT"; python3 $repo/benchmarks/fp8_attention.py --backward \
+             --out $out/fp8-backward.json'
 """
 
 from __future__ import annotations
@@ -23,6 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +53,9 @@ from side_by_side import interleaved_ms  # noqa: E402
 PROFILED_CALLS = 10
 BOUND = 0.08  # max-abs error relative to the output's max, against the float32 reference of the same inputs
 SEQLENS = (2048, 4096, 8192, 16384)
+# dq/dk/dv: e4m3's 2**-4 rounding of dO, of the output the backward reads (in D = rowsum(dO o)) and of dP enter
+# dS = P (dP - D), where dP - D cancels; then each gradient's own FP8 rounding. Max-abs error over the max.
+BACKWARD_BOUND = 0.25
 
 
 def quantize(t: torch.Tensor, kind: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +111,9 @@ def breakdown_markdown(row: dict[str, Any]) -> str:
         lines.append(f"| {variant} | all kernels | | {total:.1f} | |")
     op = row.get("tflops", {})
     raw = row.get("attention_kernel_tflops", {})
+    if "fp8_first_call_s" in row:
+        lines += ["", f"FP8 first call (graph build{' and autotuning' if row.get('autotune') == 'on' else ''}): "
+                      f"{row['fp8_first_call_s']:.3f} s"]
     lines += ["", "| variant | op TFLOP/s | attention kernel TFLOP/s | other kernels µs/call |", "|---|---:|---:|---:|"]
     for variant in row.get("kernels", {}):
         other = row.get("other_kernels_us", {}).get(variant)
@@ -108,6 +130,12 @@ def cell(seqlen: int, causal: bool, device: torch.device, args: argparse.Namespa
     kind = torch.float8_e4m3fn
     (q8, qs), (k8, ks), (v8, vs) = (quantize(t, kind) for t in (q, k, v))
     bf16_pick = opdispatch.explain(q, k, v, causal=causal).chosen_id
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    opdispatch.attention(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs,
+                         impl="nvidia.cudnn_frontend")
+    torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - start
     fns = {
         f"bf16 ({bf16_pick})": lambda: opdispatch.attention(q, k, v, causal=causal),
         "fp8 e4m3 (nvidia.cudnn_frontend)": lambda: opdispatch.attention(
@@ -116,7 +144,8 @@ def cell(seqlen: int, causal: bool, device: torch.device, args: argparse.Namespa
     ms = interleaved_ms(fns, device, args.warmup, args.reps)
     flops = 4 * batch * hq * seqlen * seqlen * d * (0.5 if causal else 1.0)
     row: dict[str, Any] = {"seqlen": seqlen, "batch": batch, "heads": f"{hq}/{hkv}", "head_dim": d,
-                           "causal": causal, "ms": ms,
+                           "causal": causal, "ms": ms, "autotune": args.autotune,
+                           "fp8_first_call_s": first_call_s,
                            "tflops": {n: flops / (t * 1e-3) / 1e12 for n, t in ms.items() if isinstance(t, float)}}
     times = [t for t in ms.values() if isinstance(t, float)]
     if len(times) == 2:
@@ -149,15 +178,77 @@ def cell(seqlen: int, causal: bool, device: torch.device, args: argparse.Namespa
     return row
 
 
+def backward_cell(seqlen: int, causal: bool, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    batch, hq, hkv, d = max(1, 32768 // seqlen), 32, 8, 128
+    gen = torch.Generator(device=device).manual_seed(seqlen + causal)
+    q, k, v = (torch.randn(batch, seqlen, h, d, generator=gen, device=device, dtype=torch.bfloat16)
+               .requires_grad_() for h in (hq, hkv, hkv))
+    d_o = torch.randn(batch, seqlen, hq, d, generator=gen, device=device, dtype=torch.bfloat16)
+    decision = opdispatch.explain(q, k, v, causal=causal)
+    bf16_ids = [c.impl_id for c in decision.candidates if c.status in ("chosen", "eligible")
+                and c.impl_id != "nvidia.cudnn_frontend" and c.impl_id.split(".")[0] not in ("reference", "cpu")]
+
+    def step(impl: str) -> Any:
+        def fn() -> None:
+            for t in (q, k, v):
+                t.grad = None
+            opdispatch.attention(q, k, v, causal=causal, impl=impl).backward(d_o)
+        return fn
+
+    fp8_name = "fp8 e4m3 fwd+bwd (nvidia.cudnn_frontend, fp8_dpa)"
+    fns = {f"bf16 fwd+bwd ({i})": step(i) for i in bf16_ids}
+    fns[fp8_name] = step("nvidia.cudnn_frontend")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fns[fp8_name]()  # the signature's first call: forward and backward graph builds (and autotuning)
+    torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - start
+    ms = interleaved_ms(fns, device, args.warmup, args.reps)
+    flops = 3.5 * 4 * batch * hq * seqlen * seqlen * d * (0.5 if causal else 1.0)  # backward: 2.5 forwards
+    tflops = {n: flops / (t * 1e-3) / 1e12 for n, t in ms.items() if isinstance(t, float)}
+    row: dict[str, Any] = {"seqlen": seqlen, "batch": batch, "heads": f"{hq}/{hkv}", "head_dim": d,
+                           "causal": causal, "ms": ms, "tflops": tflops, "autotune": args.autotune,
+                           "fp8_first_call_s": first_call_s, "bf16_pick": decision.chosen_id}
+    bf16 = {n: t for n, t in tflops.items() if n != fp8_name}
+    if bf16 and fp8_name in tflops:
+        best = max(bf16, key=bf16.__getitem__)
+        row["best_bf16"], row["fp8_speedup_vs_best_bf16"] = best, tflops[fp8_name] / bf16[best]
+    try:
+        fns[fp8_name]()
+        got = [t.grad.float() for t in (q, k, v)]
+        kind = torch.float8_e4m3fn
+        leaves = [(t8.float() * s).requires_grad_() for t8, s in (quantize(t.detach(), kind) for t in (q, k, v))]
+        d_o8, d_os = quantize(d_o, kind)
+        reference(*leaves, causal).backward(d_o8.float() * d_os)
+        errors = {name: float((g - ref.grad).abs().max() / ref.grad.abs().max())
+                  for name, g, ref in zip(("dq", "dk", "dv"), got, leaves, strict=True)}
+        row["grad_error_vs_dequantized_fp32"] = errors
+        row["bound"] = BACKWARD_BOUND
+        row["within_bound"] = all(e <= BACKWARD_BOUND for e in errors.values())
+    except Exception as exc:  # noqa: BLE001 - reported in the row: a cell cuDNN refuses still shows bf16's times
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
+    parser.add_argument("--autotune", choices=("on", "off"), default="on",
+                        help="nvidia.cudnn_frontend's autotune option (off: a policy over the default sets it)")
+    parser.add_argument("--backward", action="store_true",
+                        help="forward+backward of bf16 calls: the bf16 kernels against the frontend's fp8_dpa")
     args = parser.parse_args()
     device = torch.device("cuda")
     env = environment(device)
+    options = {"autotune": args.autotune == "on", "fp8_dpa": args.backward}
+    if options != {"autotune": True, "fp8_dpa": False}:
+        policy = Path(tempfile.mkdtemp()) / "fp8-options.yaml"
+        policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
+                          f"      nvidia.cudnn_frontend: {json.dumps(options)}\n")
+        opdispatch.get_manager().set_policy(str(policy))
     try:
         import cudnn
 
@@ -166,9 +257,18 @@ def main() -> int:
     except ImportError as exc:
         print(f"nvidia-cudnn-frontend is not installed ({exc}); carry its wheel", file=sys.stderr)
         return 2
+    if args.backward:
+        rows = []
+        for seqlen in (int(s) for s in args.seqlens.split(",")):
+            for causal in (False, True):
+                rows.append(backward_cell(seqlen, causal, device, args))
+                print(json.dumps(rows[-1]), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
+        return 0 if all(r.get("within_bound", False) for r in rows) else 1
     rows = []
     markdown = [f"# FP8 attention forward: kernel breakdown ({env.get('device', '?')}, cuDNN frontend "
-                f"{env['cudnn_frontend']}, cuDNN {env['cudnn_backend']})", ""]
+                f"{env['cudnn_frontend']}, cuDNN {env['cudnn_backend']}, autotune {args.autotune})", ""]
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         for causal in (False, True):
             row = cell(seqlen, causal, device, args)

@@ -54,6 +54,36 @@ def test_output_scale_is_fp8_max_over_max_abs_v_and_leaves_the_accumulator_zeroe
     torch.testing.assert_close(scratch.scale_o.item(), _want_scale(smaller.cpu(), descale), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd", "d_strided"])
+@pytest.mark.parametrize("where", ["first", "last", "middle"])
+def test_v_amax_reaches_every_row_of_every_layout(layout, where):
+    """More row tiles than programs (each program loops): one element far above the rest, at the first, last or
+    a middle element of the (b, h, s, d) view, in four memory layouts — the scale must be the one it sets."""
+    gen = torch.Generator().manual_seed(3)
+    b, h, s, d = 2, 3, 300, 64  # 1800 rows of 64: 15 tiles of 128 rows over 4 programs on CPU
+    base = torch.rand(b, s, h, d + (8 if layout == "d_strided" else 0), generator=gen)
+    view = {"bshd": lambda t: t.transpose(1, 2), "bhsd": lambda t: t.transpose(1, 2).contiguous(),
+            "sbhd": lambda t: t.transpose(0, 1).contiguous().permute(1, 2, 0, 3),
+            "d_strided": lambda t: t.transpose(1, 2)[..., ::2][..., : d // 2 + 1]}[layout](base)
+    index = {"first": (0, 0, 0, 0), "last": tuple(n - 1 for n in view.shape),
+             "middle": (1, 2, 173, view.shape[-1] // 2)}[where]
+    view[index] = 400.0
+    v = view.to(torch.float8_e4m3fn).to(DEVICE) if layout != "d_strided" else \
+        _fp8_view_like(view, torch.float8_e4m3fn).to(DEVICE)
+    scratch = fe._Scratch(torch.device(DEVICE))
+    fe._output_scale(v, torch.tensor(1.0, device=DEVICE), scratch)
+    assert v.cpu().double().abs().max().item() == 384.0  # 400 in e4m3; every other element is below 1
+    torch.testing.assert_close(scratch.scale_o.item(), _want_scale(v.cpu(), 1.0), rtol=1e-6, atol=0)
+
+
+def _fp8_view_like(view: torch.Tensor, kind: torch.dtype) -> torch.Tensor:
+    """An FP8 tensor with `view`'s values, shape and strides (a strided view of an FP8 buffer)."""
+    buffer = torch.empty(view.untyped_storage().nbytes() // view.element_size(), dtype=kind)
+    out = buffer.as_strided(view.shape, view.stride(), view.storage_offset())
+    out.copy_(view)
+    return out
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n", [1, 4096, 2 * 4096 + 3])

@@ -5,26 +5,48 @@ results against a float64 oracle; FP8 with its output scaled and dequantized; se
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 import opdispatch
 from opdispatch.vendors.nvidia import CudnnFrontendAttention
+from opdispatch.vendors.nvidia import _cudnn_frontend as adapter_module
 
 from tests._adapters_on_cpu import unbound_from_device, device_with_library, meta_qkv, run_on_cpu
 from tests.conftest import device_descriptor
 from tests.fakes import cudnn_frontend as fake
 
 
+PLAN_MS = {0: 3.0, 1: 1.0, 2: 2.0}  # the fake timer's milliseconds per plan index: plan 1 is the fastest
+
+
+def _fake_time_plan(launch, device):
+    """The adapter's timer on CPU: runs the plan as often as the CUDA-event timer does and reports PLAN_MS of the
+    plan that ran (read from the fake's record, so a timer handed the wrong plan reports the wrong time)."""
+    for _ in range(adapter_module._AUTOTUNE_REPS):
+        launch()
+    return PLAN_MS[fake.executions[-1]["plan"]]
 
 
 @pytest.fixture
-def fe(monkeypatch, basic_manager, tmp_path):
+def fake_plans(monkeypatch):
     fake.graphs.clear()
     fake.executions.clear()
-    return run_on_cpu(monkeypatch, basic_manager, tmp_path, fake.fake_modules(),
-                      unbound_from_device(CudnnFrontendAttention, "cudnn_fe"), options={"half": True})
+    monkeypatch.setattr(fake, "plan_count", 3)
+    monkeypatch.setattr(fake, "unbuildable_plans", set())
+    monkeypatch.setattr(adapter_module, "_time_plan", _fake_time_plan)
+
+
+def _fe(monkeypatch, manager, tmp_path, **options):
+    return run_on_cpu(monkeypatch, manager, tmp_path, fake.fake_modules(),
+                      unbound_from_device(CudnnFrontendAttention, "cudnn_fe"), options={"half": True, **options})
+
+
+@pytest.fixture
+def fe(monkeypatch, basic_manager, tmp_path, fake_plans):
+    return _fe(monkeypatch, basic_manager, tmp_path)
 
 
 def _oracle(q, k, v, scale, causal, window, bottom_right):
@@ -81,8 +103,9 @@ def test_bf16_fp16_graphs_have_the_call_s_dims_strides_and_bounds(fe, layout, dt
     assert out.dtype == dtype
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     # a second call of the signature reuses the graph; another signature builds its own
+    runs = len(fake.executions)
     opdispatch.attention(to(q), to(k), to(v), layout=layout, causal=causal, causal_alignment=align, window=window)
-    assert len(fake.graphs) == 1 and len(fake.executions) == 2
+    assert len(fake.graphs) == 1 and len(fake.executions) == runs + 1 and fake.executions[-1]["plan"] == 1
     opdispatch.attention(to(q)[:1], to(k)[:1], to(v)[:1], layout=layout, causal=causal, causal_alignment=align,
                          window=window) if layout != "sbhd" else None
     assert len(fake.graphs) == (2 if layout != "sbhd" else 1)
@@ -198,3 +221,192 @@ def test_fp8_buffers_are_made_once_per_device_and_stream_and_never_cached_in_cap
     assert graphs.fp8_buffers(torch.device("cpu", 1), 1, capturing=True)[0] is not constants
     assert 1 not in graphs.constants
 
+
+
+def _fp8_qkv(seed, b=2, s=6, hq=4, hk=2, d=64, kind=torch.float8_e4m3fn):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = ((torch.randn(b, s, h, d, generator=gen) * 4).to(kind) for h in (hq, hk, hk))
+    descales = tuple(torch.rand((), generator=gen) + 0.1 for _ in range(3))
+    return q, k, v, descales
+
+
+@pytest.mark.parametrize("fp8,unbuildable,want", [
+    (True, set(), 1), (False, set(), 1),
+    (True, {1}, 2),  # the fastest plan did not build: the fastest of those that did
+    (False, {0, 1}, 2),  # cuDNN's first plan did not build either
+])
+def test_autotune_times_every_built_plan_once_per_signature_and_runs_the_fastest(
+        monkeypatch, basic_manager, tmp_path, fake_plans, fp8, unbuildable, want):
+    monkeypatch.setattr(fake, "unbuildable_plans", unbuildable)
+    _fe(monkeypatch, basic_manager, tmp_path)
+    if fp8:
+        q, k, v, (qs, ks, vs) = _fp8_qkv(21)
+        kw = dict(q_descale=qs, k_descale=ks, v_descale=vs)
+        want_out = _oracle(q.double() * qs.double(), k.double() * ks.double(), v.double() * vs.double(), 64 ** -0.5,
+                           True, None, False)
+        tol = dict(atol=2 ** -4 * (v.float().abs().max() * vs).item(), rtol=2 ** -4)
+    else:
+        gen = torch.Generator().manual_seed(22)
+        q, k, v = (torch.randn(2, 6, h, 64, generator=gen).to(torch.bfloat16) for h in (4, 2, 2))
+        kw = {}
+        want_out = _oracle(q.double(), k.double(), v.double(), 64 ** -0.5, True, None, False)
+        tol = dict(atol=2e-2, rtol=2e-2)
+    out = opdispatch.attention(q, k, v, causal=True, **kw)
+    built = [i for i in range(3) if i not in unbuildable]
+    graph = fake.graphs[-1]
+    assert graph.plans_built == built and len(fake.graphs) == 1  # build_plans(ALL): every plan that builds
+    runs = [e["plan"] for e in fake.executions]
+    # per built plan: a warm-up and _AUTOTUNE_REPS timed runs, in index order; then the chosen plan for the call
+    per_plan = 1 + adapter_module._AUTOTUNE_REPS
+    assert runs == [i for i in built for _ in range(per_plan)] + [want]
+    torch.testing.assert_close(out.double(), want_out, **tol)  # the output is the chosen plan's, after tuning
+    for _ in range(2):  # later calls: no build, no timing, the chosen plan by index
+        out = opdispatch.attention(q, k, v, causal=True, **kw)
+    assert [e["plan"] for e in fake.executions[len(runs):]] == [want, want] and len(fake.graphs) == 1
+    torch.testing.assert_close(out.double(), want_out, **tol)
+
+
+def test_autotune_off_builds_cudnn_s_first_plan_and_runs_it(monkeypatch, basic_manager, tmp_path, fake_plans):
+    monkeypatch.setattr(fake, "unbuildable_plans", {0})
+    _fe(monkeypatch, basic_manager, tmp_path, autotune=False)
+    q, k, v, (qs, ks, vs) = _fp8_qkv(23)
+    for _ in range(2):
+        opdispatch.attention(q, k, v, q_descale=qs, k_descale=ks, v_descale=vs)
+    assert fake.graphs[-1].plans_built == [1]  # HEURISTICS_CHOICE: the first that builds, no other
+    assert [e["plan"] for e in fake.executions] == [1, 1]
+
+
+def test_autotune_with_no_plan_running_raises_with_the_fix(monkeypatch, basic_manager, tmp_path, fake_plans,
+                                                           caplog):
+    """Every plan built but each refuses execution (a cuDNN error at run time): the adapter raises, naming the
+    signature, each plan's refusal and the option that turns tuning off (never an unknown plan run instead); the
+    manager logs it and the call goes on to the next implementation."""
+    _fe(monkeypatch, basic_manager, tmp_path)
+
+    def refuse(self, pack, workspace, index, handle=None, **_):
+        raise RuntimeError(f"Plan index {index} did not build.")
+
+    monkeypatch.setattr(fake.pygraph, "execute_plan_at_index", refuse)
+    q, k, v, (qs, ks, vs) = _fp8_qkv(24)
+    with caplog.at_level("WARNING", logger="opdispatch"):
+        opdispatch.attention(q, k, v, q_descale=qs, k_descale=ks, v_descale=vs)
+    assert re.search(r"test.cudnn_fe raised RuntimeError: nvidia.cudnn_frontend: no built cuDNN plan ran for "
+                     r"layout=bshd .*plan 0: Plan index 0 did not build.*plan 2: Plan index 2 did not build.*"
+                     r"autotune: false", caplog.text)
+    assert opdispatch.explain(q, k, v, q_descale=qs, k_descale=ks, v_descale=vs).chosen_id != "test.cudnn_fe"
+
+
+def _quantized(t, kind=torch.float8_e4m3fn):
+    """The test's own current scaling: (t as FP8 dequantized back, float64) with descale = amax / fp8_max."""
+    descale = t.double().abs().max() / torch.finfo(kind).max
+    return (t.double() / descale).to(kind).double() * descale
+
+
+def _oracle_grads(q, k, v, d_o, causal, window, bottom_right):
+    """float64 autograd through the oracle (bshd), independent of the fake's backward formulas."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = _oracle_autograd(q, k, v, q.shape[-1] ** -0.5, causal, window, bottom_right)
+    out.backward(d_o.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _oracle_autograd(q, k, v, scale, causal, window, bottom_right):
+    """_oracle's attention as one differentiable expression (masked softmax over a float64 score tensor)."""
+    b, sq, hq, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    kk, vv = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    offset = sk - sq if bottom_right else 0
+    i, j = torch.arange(sq)[:, None] + offset, torch.arange(sk)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= (j >= i - window[0]) if window[0] >= 0 else keep
+        keep &= (j <= i + window[1]) if window[1] >= 0 else keep
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vv)
+
+
+@pytest.mark.parametrize("layout,dtype,causal,window,align,heads", [
+    ("bshd", torch.bfloat16, True, None, "top_left", (4, 2)),
+    ("bhsd", torch.float16, False, None, "top_left", (2, 2)),
+    ("sbhd", torch.bfloat16, True, (3, 0), "bottom_right", (6, 3)),
+    ("bshd", torch.bfloat16, False, (2, 1), "top_left", (4, 1)),
+])
+def test_fp8_dpa_forward_and_backward_against_float64_autograd(monkeypatch, basic_manager, tmp_path, fake_plans,
+                                                               layout, dtype, causal, window, align, heads):
+    """fp8_dpa: bf16/fp16 q/k/v that require grad, cast to e4m3 inside; the output and dq/dk/dv in the inputs'
+    dtype against float64 autograd of the same attention on the FP8-rounded inputs (the test's own quantization).
+    The backward graph reads the forward's stats (the fake rebuilds P from them) and its FP8 gradients are
+    dequantized by the scales the adapter chose."""
+    _fe(monkeypatch, basic_manager, tmp_path, fp8_dpa=True)
+    gen = torch.Generator().manual_seed(31)
+    b, sq, sk, d = 2, 7, 9, 64
+    hq, hk = heads
+    sk = sk if align == "bottom_right" else sq
+    q, k, v = ((torch.randn(b, s, h, d, generator=gen) * 2).to(dtype) for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+    d_o = torch.randn(b, sq, hq, d, generator=gen).to(dtype) * 1e-3  # gradients far from 1: scales must adapt
+    to = LAYOUT[layout]
+    leaves = [to(t).detach().requires_grad_() for t in (q, k, v)]
+    out = opdispatch.attention(*leaves, layout=layout, causal=causal, causal_alignment=align, window=window)
+    assert out.dtype == dtype and out.requires_grad
+    out.backward(to(d_o))
+    grads = [{"bshd": g, "bhsd": g.transpose(1, 2), "sbhd": g.transpose(0, 1)}[layout] for g in
+             (leaf.grad for leaf in leaves)]
+    want_out, *want = _oracle_grads(*(_quantized(t) for t in (q, k, v)), _quantized(d_o), causal, window,
+                                    align == "bottom_right")
+    got_out = {"bshd": out, "bhsd": out.transpose(1, 2), "sbhd": out.transpose(0, 1)}[layout]
+    torch.testing.assert_close(got_out.double(), want_out, atol=2 ** -4 * want_out.abs().max().item(), rtol=2 ** -4)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        assert got.dtype == dtype and got.shape == ref.shape, name
+        # FP8 output of each gradient (2**-4 relative) and the FP8 o the backward reads: within 2**-3 of the max
+        torch.testing.assert_close(got.double(), ref, atol=2 ** -3 * ref.abs().max().item(), rtol=2 ** -3,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    backward_graph = next(g for g in fake.graphs if g.op["kind"] == "sdpa_fp8_backward")
+    assert backward_graph.op["stats"].dim == (b, hq, sq, 1)
+    forward_graph = next(g for g in fake.graphs if g.op["kind"] == "sdpa_fp8")
+    assert forward_graph.op["generate_stats"] is True
+
+
+def test_fp8_dpa_gradient_scales_adapt_and_are_kept_per_signature(monkeypatch, basic_manager, tmp_path,
+                                                                   fake_plans):
+    """The first backward of a signature cannot know its gradients' range: its run is checked against the amaxes
+    and rerun with fitting scales; the next call of the same range runs once; a call whose gradients are 10**4
+    larger (they would clip) is rerun again and still right — never a clipped gradient returned."""
+    _fe(monkeypatch, basic_manager, tmp_path, fp8_dpa=True, autotune=False)
+    gen = torch.Generator().manual_seed(32)
+    q, k, v = ((torch.randn(1, 6, 2, 64, generator=gen) * 2).to(torch.bfloat16) for _ in range(3))
+
+    def backward_runs(grad_scale):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        d_o = (torch.randn(1, 6, 2, 64, generator=gen) * grad_scale).to(torch.bfloat16)
+        before = sum(e["graph"].op["kind"] == "sdpa_fp8_backward" for e in fake.executions)
+        opdispatch.attention(*leaves, causal=True).backward(d_o)
+        _, *want = _oracle_grads(*(_quantized(t) for t in (q, k, v)), _quantized(d_o), True, None, False)
+        # dq/dk also carry the FP8 o the backward reads (its D = rowsum(dO o) term, absent from the oracle, where
+        # dP - D cancels): 2**-2 of the max; dv only its own rounding and the inputs': 2**-3
+        for got, ref, bits in zip((leaf.grad for leaf in leaves), want, (2, 2, 3), strict=True):
+            torch.testing.assert_close(got.double(), ref, atol=2 ** -bits * ref.abs().max().item(), rtol=0)
+        return sum(e["graph"].op["kind"] == "sdpa_fp8_backward" for e in fake.executions) - before
+
+    assert backward_runs(1e-2) == 2  # scales 1 to start: dQ/dK/dV/dP at ~1e-2 use too little of FP8's range
+    assert backward_runs(1e-2) == 1  # the kept scales fit
+    assert backward_runs(1e2) == 2  # 10**4 larger: would clip, rerun
+    assert backward_runs(1e2) == 1
+
+
+def test_fp8_dpa_grad_refusals(monkeypatch, basic_manager, tmp_path, fake_plans):
+    """Without fp8_dpa a bf16 call with grad is refused by the adapter (its bf16 backward is not built), with the
+    option named; an FP8 input that requires grad is refused by the op (autograd would hand it an unscaled FP8
+    gradient)."""
+    _fe(monkeypatch, basic_manager, tmp_path)
+    q = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    cand = next(c for c in opdispatch.explain(q, q, q).candidates if c.impl_id == "test.cudnn_fe")
+    assert any("fp8_dpa: true" in r for r in cand.reasons) and cand.status == "rejected"
+    with torch.no_grad():
+        assert opdispatch.explain(q, q, q).chosen_id == "test.cudnn_fe"
+    q8 = torch.zeros(1, 4, 2, 64, dtype=torch.float8_e4m3fn, requires_grad=True)
+    one = torch.ones(())
+    with pytest.raises(ValueError, match="requires grad"):
+        opdispatch.attention(q8, q8, q8, q_descale=one, k_descale=one, v_descale=one)

@@ -5,7 +5,10 @@ through the dims and strides the graph declared (`torch.as_strided`: a wrong str
 elements) and computes in float64: FP8 inputs times their descales, the band of fp16_ref.py (key j of query i kept
 when i + o - left_bound < j <= i + o + right_bound, o = s_kv - s_q bottom-right), GQA by head // (h_q / h_k), the
 output times scale_o for FP8, rounded to the output's declared dtype and written through its dims and strides.
-Every built graph is recorded in `graphs` (its tensors and options) and every execution in `executions`."""
+`sdpa_fp8_backward` (python/pygraph/sdpa.cpp, test/python/sdpa/fp8.py's backward graph) computes dQ/dK/dV in float64
+from the forward's stats (its log-sum-exp), writes them times their scales as saturating FP8 and their amaxes in real
+units. Every built graph is recorded in `graphs` (its tensors and options) and every execution in `executions`
+(with the plan index that ran)."""
 
 from __future__ import annotations
 
@@ -44,8 +47,23 @@ class diagonal_alignment(enum.Enum):  # noqa: N801
     BOTTOM_RIGHT = "bottom_right"
 
 
-class cudnnGraphNotSupportedError(RuntimeError):  # noqa: N818
+class build_plan_policy(enum.Enum):  # noqa: N801
+    HEURISTICS_CHOICE = "heuristics_choice"
+    ALL = "all"
+
+
+class cudnnGraphNotSupportedError(Exception):  # noqa: N818 - py::register_exception's default base: Exception
     pass
+
+
+# The plans cuDNN's heuristics list for every graph (tests set these): how many, which fail to build, and each
+# built plan's workspace in bytes (execution checks the workspace it is given is at least that).
+plan_count = 3
+unbuildable_plans: set[int] = set()
+
+
+def plan_workspace(index: int) -> int:
+    return 16 * (index + 1)
 
 
 def create_handle() -> object:
@@ -94,6 +112,8 @@ class pygraph:  # noqa: N801
         self.tensors: list[Tensor] = []
         self.op: dict[str, Any] | None = None
         self.built: list[str] = []
+        self.plans_built: list[int] = []
+        self.candidate: int | None = None
 
     def tensor(self, *, uid: int, dim: tuple[int, ...], stride: tuple[int, ...], data_type: data_type,
                name: str = "") -> Tensor:
@@ -148,6 +168,33 @@ class pygraph:  # noqa: N801
                        generate_stats=generate_stats)
         return self._outputs(4)
 
+    def sdpa_fp8_backward(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, dO: Tensor, stats: Tensor,  # noqa: N803
+                          descale_q: Tensor, descale_k: Tensor, descale_v: Tensor, descale_o: Tensor,
+                          descale_dO: Tensor, descale_s: Tensor, descale_dP: Tensor, scale_s: Tensor,  # noqa: N803
+                          scale_dQ: Tensor, scale_dK: Tensor, scale_dV: Tensor, scale_dP: Tensor,  # noqa: N803
+                          attn_scale: float | None = None, use_padding_mask: bool = False,
+                          seq_len_q: Tensor | None = None, seq_len_kv: Tensor | None = None,
+                          use_causal_mask: bool = False, use_causal_mask_bottom_right: bool = False,
+                          diagonal_alignment: diagonal_alignment = diagonal_alignment.TOP_LEFT,
+                          left_bound: int | None = None, right_bound: int | None = None,
+                          use_deterministic_algorithm: bool = False, dropout: Any = None,
+                          compute_data_type: Any = None, name: str = "", sink_token: Tensor | None = None,
+                          dSink_token: Tensor | None = None) -> list[Tensor]:  # noqa: N803
+        scales = dict(descale_q=descale_q, descale_k=descale_k, descale_v=descale_v, descale_o=descale_o,
+                      descale_dO=descale_dO, descale_s=descale_s, descale_dP=descale_dP, scale_s=scale_s,
+                      scale_dQ=scale_dQ, scale_dK=scale_dK, scale_dV=scale_dV, scale_dP=scale_dP)
+        for t in scales.values():
+            if t.dim != (1, 1, 1, 1) or t.data_type is not data_type.FLOAT:
+                raise ValueError(f"sdpa_fp8_backward scales are FLOAT (1, 1, 1, 1), got {t.dim} {t.data_type}")
+        if stats.data_type is not data_type.FLOAT or stats.dim != (*q.dim[:3], 1):
+            raise ValueError(f"stats must be FLOAT {(*q.dim[:3], 1)}, got {stats.data_type} {stats.dim}")
+        self.op = dict(kind="sdpa_fp8_backward", q=q, k=k, v=v, o=o, dO=dO, stats=stats, **scales,
+                       attn_scale=attn_scale, use_causal_mask=use_causal_mask,
+                       use_causal_mask_bottom_right=use_causal_mask_bottom_right,
+                       diagonal_alignment=diagonal_alignment, left_bound=left_bound, right_bound=right_bound,
+                       deterministic=use_deterministic_algorithm)
+        return self._outputs(7)
+
     def _outputs(self, n: int) -> list[Tensor]:
         outs = [Tensor(None, None, None, None) for _ in range(n)]
         assert self.op is not None
@@ -168,20 +215,61 @@ class pygraph:  # noqa: N801
     def check_support(self) -> None:
         self.built.append("check_support")
 
-    def build_plans(self) -> None:
+    def build_plans(self, policy: build_plan_policy = build_plan_policy.HEURISTICS_CHOICE) -> None:
+        """HEURISTICS_CHOICE builds the first plan that builds; ALL every plan (plans.h: the candidate stays the
+        first built; one that fails is skipped); neither built: an error."""
+        if not isinstance(policy, build_plan_policy):
+            raise TypeError(f"build_plans(policy) takes a build_plan_policy, got {policy!r}")
         self.built.append("build_plans")
+        for index in range(plan_count):
+            if index in unbuildable_plans:
+                continue
+            self.plans_built.append(index)
+            if policy is build_plan_policy.HEURISTICS_CHOICE:
+                break
+        if not self.plans_built:
+            raise cudnnGraphNotSupportedError("[cudnn_frontend] Error: No valid execution plans built.")
+        self.candidate = self.plans_built[0]
         graphs.append(self)
 
-    def get_workspace_size(self) -> int:
-        return 16
+    def get_execution_plan_count(self) -> int:
+        return plan_count
 
-    def execute(self, variant_pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: object = None) -> None:
+    def get_workspace_size(self) -> int:
+        assert self.candidate is not None
+        return plan_workspace(self.candidate)
+
+    def get_workspace_size_plan_at_index(self, index: int) -> int:
+        return plan_workspace(index) if index in self.plans_built else 0  # "not built: returns 0"
+
+    def get_plan_name_at_index(self, index: int) -> str:
+        return f"fake_engine_{index}"
+
+    def execute_plan_at_index(self, tensor_to_device_buffer: dict[int, torch.Tensor], workspace: torch.Tensor,
+                              index: int, handle: object = None, override_uids: Any = None,
+                              override_shapes: Any = None, override_strides: Any = None) -> None:
+        if not 0 <= index < plan_count:
+            raise RuntimeError(f"Plan index {index} is invalid.")
+        if index not in self.plans_built:
+            raise RuntimeError(f"Plan index {index} did not build.")
+        self._run(tensor_to_device_buffer, workspace, index)
+
+    def execute(self, tensor_to_device_buffer: dict[int, torch.Tensor], workspace: torch.Tensor,
+                handle: object = None, override_uids: Any = None, override_shapes: Any = None,
+                override_strides: Any = None) -> None:
+        assert self.candidate is not None
+        self._run(tensor_to_device_buffer, workspace, self.candidate)
+
+    def _run(self, variant_pack: dict[int, torch.Tensor], workspace: torch.Tensor, plan: int) -> None:
+        if workspace.numel() < plan_workspace(plan):
+            raise RuntimeError(f"plan {plan} needs a workspace of {plan_workspace(plan)} bytes, got "
+                               f"{workspace.numel()}")
         if self.built != ["validate", "build_operation_graph", "create_execution_plans", "check_support",
                           "build_plans"]:
             raise RuntimeError(f"graph executed after build steps {self.built}")
         op = self.op
         assert op is not None
-        executions.append(dict(graph=self, pack=dict(variant_pack)))
+        executions.append(dict(graph=self, pack=dict(variant_pack), plan=plan))
 
         def read(t: Tensor) -> torch.Tensor:
             data = variant_pack[t.uid]
@@ -189,14 +277,24 @@ class pygraph:  # noqa: N801
                 raise TypeError(f"uid {t.uid}: graph says {t.data_type}, pack has {data.dtype}")
             return data.as_strided(t.dim, t.stride, data.storage_offset()).double()
 
+        def write(t: Tensor, value: torch.Tensor) -> None:
+            target = variant_pack[t.uid]
+            if _TORCH[t.data_type] != target.dtype:
+                raise TypeError(f"output uid {t.uid}: graph says {t.data_type}, pack has {target.dtype}")
+            if target.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # saturating, as a scaled FP8 output
+                value = value.clamp(-torch.finfo(target.dtype).max, torch.finfo(target.dtype).max)
+            target.as_strided(t.dim, t.stride, target.storage_offset()).copy_(value.to(target.dtype))
+
+        fp8 = op["kind"] != "sdpa"
         q, k, v = read(op["q"]), read(op["k"]), read(op["v"])
-        if op["kind"] == "sdpa_fp8":
+        if fp8:
             q = q * read(op["descale_q"])
             k = k * read(op["descale_k"])
             v = v * read(op["descale_v"])
         b, hq, sq, _ = q.shape
         hk, sk = k.shape[1], k.shape[2]
-        k = k.repeat_interleave(hq // hk, dim=1)
+        group = hq // hk
+        k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(hq // v.shape[1], dim=1)
         scores = q @ k.transpose(-1, -2) * op["attn_scale"]
         offset = sk - sq if op["diagonal_alignment"] is diagonal_alignment.BOTTOM_RIGHT else 0
@@ -209,18 +307,43 @@ class pygraph:  # noqa: N801
         if op["left_bound"] is not None:
             keep &= rel > -op["left_bound"]
         scores = scores.masked_fill(~keep, float("-inf"))
+        if op["kind"] == "sdpa_fp8_backward":
+            self._backward(op, read, write, q, k, v, scores, group)
+            return
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out = probs @ v
-        if op["kind"] == "sdpa_fp8":
+        if op["generate_stats"]:  # the softmax's log-sum-exp per query row (natural log), (b, h, s_q, 1)
+            write(op["outputs"][1], torch.logsumexp(scores, dim=-1, keepdim=True))
+        if fp8:
             out = out * read(op["scale_o"])
             for name in ("amax_s", "amax_o"):
                 t = op["outputs"][2 if name == "amax_s" else 3]
                 variant_pack[t.uid].fill_(1.0 if name == "amax_s" else float(out.abs().max() / read(op["scale_o"])))
-        o = op["outputs"][0]
-        target = variant_pack[o.uid]
-        if _TORCH[o.data_type] != target.dtype:
-            raise TypeError(f"output uid {o.uid}: graph says {o.data_type}, pack has {target.dtype}")
-        target.as_strided(o.dim, o.stride, target.storage_offset()).copy_(out.to(target.dtype))
+        write(op["outputs"][0], out)
+
+    @staticmethod
+    def _backward(op: dict[str, Any], read: Any, write: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scores: torch.Tensor, group: int) -> None:
+        """dQ, dK, dV of FP8 attention in float64 from the forward's stats (P = exp(S - stats): a wrong stats
+        tensor gives wrong gradients), o and dO dequantized by their descales; each gradient written times its
+        scale (saturating FP8), the amaxes in real units (before the scales)."""
+        probs = torch.exp(scores - read(op["stats"])).nan_to_num(0.0)
+        o = read(op["o"]) * read(op["descale_o"])
+        d_o = read(op["dO"]) * read(op["descale_dO"])
+        d_v = probs.transpose(-1, -2) @ d_o
+        d_p = d_o @ v.transpose(-1, -2)
+        d_s = probs * (d_p - (d_o * o).sum(-1, keepdim=True))
+        d_q = d_s @ k * op["attn_scale"]
+        d_k = d_s.transpose(-1, -2) @ q * op["attn_scale"]
+        b, hq = q.shape[:2]
+        d_k = d_k.reshape(b, hq // group, group, *d_k.shape[2:]).sum(2)  # GQA: a kv head's query heads summed
+        d_v = d_v.reshape(b, hq // group, group, *d_v.shape[2:]).sum(2)
+        out_dq, out_dk, out_dv, amax_dq, amax_dk, amax_dv, amax_dp = op["outputs"]
+        for out, amax, value, scale in ((out_dq, amax_dq, d_q, "scale_dQ"), (out_dk, amax_dk, d_k, "scale_dK"),
+                                        (out_dv, amax_dv, d_v, "scale_dV")):
+            write(out, value * read(op[scale]))
+            write(amax, value.abs().max().reshape(1, 1, 1, 1))
+        write(amax_dp, d_p.abs().max().reshape(1, 1, 1, 1))
 
 
 def fake_modules() -> dict[str, types.ModuleType]:

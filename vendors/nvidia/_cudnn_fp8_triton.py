@@ -1,8 +1,9 @@
 """The Triton kernels around `nvidia.cudnn_frontend`'s FP8 SDPA graph on Hopper (imported only where Triton is
 installed; why: `_cudnn_frontend`'s docstring).
 
-- `v_amax_bits`: max |v| over a strided (b, h, s, d) FP8 tensor as the magnitude bits (an FP8 value's bits
-  without its sign order as |x| does), NaN/inf clamped to the largest finite, `atomic_max`ed into one int32;
+- `v_amax_bits`: max |v| over a strided (n0, n1, n2, d) FP8 tensor as the magnitude bits (an FP8 value's bits
+  without its sign order as |x| does), NaN/inf clamped to the largest finite, reduced in registers over a
+  grid-stride loop and `atomic_max`ed into one int32 once per program;
 - `output_scale` (one program): reads and zeroes that int32, writes scale_o = fp8_max / (max|v8| * |v_descale|),
   1 for an all-zero v;
 - `dequantize`: out = o8 / scale_o in one pass over the FP8 output (contiguous), written in the output's dtype.
@@ -13,18 +14,24 @@ import triton.language as tl
 
 
 @triton.jit
-def v_amax_bits(v_ptr, acc_ptr, rows, heads, seqlen, dim, stride_b, stride_h, stride_s, stride_d,
-                MAX_FINITE_BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+def v_amax_bits(v_ptr, acc_ptr, rows, dim1, dim2, head_dim, stride0, stride1, stride2, stride_d,
+                MAX_FINITE_BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STEPS: tl.constexpr):
+    # Grid-stride: each program folds row tiles pid, pid + G, ... of BLOCK_R rows into one register tile and does one
+    # atomic at the end (one per chunk serialized thousands of atomics on one address). The caller orders the row
+    # dims by decreasing stride, so consecutive rows are neighbours in memory where the layout allows it.
     d = tl.arange(0, BLOCK_D)
-    b, h, s = r // (heads * seqlen), (r // seqlen) % heads, r % seqlen
-    row = b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + s.to(tl.int64) * stride_s
-    inside = (r < rows)[:, None] & (d < dim)[None, :]
-    bits = tl.load(v_ptr + row[:, None] + d[None, :].to(tl.int64) * stride_d, mask=inside, other=0)
-    # (A NaN's or inf's bits lie above the largest finite's: clamped, so the scale stays finite — a NaN in v
-    # reaches the output through cuDNN's own arithmetic, not through a NaN scale over every element.)
-    magnitude = tl.minimum(bits.to(tl.int32) & 0x7F, MAX_FINITE_BITS)
-    tl.atomic_max(acc_ptr, tl.max(tl.max(magnitude, axis=1), axis=0))
+    d_offset = d[None, :].to(tl.int64) * stride_d
+    d_inside = (d < head_dim)[None, :]
+    running = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.int32)
+    for step in range(STEPS):  # constexpr: Triton's interpreter cannot loop to a runtime bound
+        r = (step * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        i0, i1, i2 = r // (dim1 * dim2), (r // dim2) % dim1, r % dim2
+        row = i0.to(tl.int64) * stride0 + i1.to(tl.int64) * stride1 + i2.to(tl.int64) * stride2
+        bits = tl.load(v_ptr + row[:, None] + d_offset, mask=(r < rows)[:, None] & d_inside, other=0)
+        # (A NaN's or inf's bits lie above the largest finite's: clamped, so the scale stays finite — a NaN in v
+        # reaches the output through cuDNN's own arithmetic, not through a NaN scale over every element.)
+        running = tl.maximum(running, tl.minimum(bits.to(tl.int32) & 0x7F, MAX_FINITE_BITS))
+    tl.atomic_max(acc_ptr, tl.max(tl.max(running, axis=1), axis=0))
 
 
 @triton.jit
