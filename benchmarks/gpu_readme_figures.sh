@@ -92,7 +92,7 @@ for part in $parts; do
       echo "first_pass_profile exit $?"; head -40 "$out/first_pass_profile-h100.txt" | cut -c1-160
       tail -16 "$out/first_pass_profile-h100.txt" ;;
     kvc)
-      # The default (the check and append fused into two Triton kernels), then the same check as torch ops.
+      # The default (the check and append fused into one Triton kernel), then the same check as torch ops.
       for append in triton torch; do
         for paged in 0 256; do
           name=kvcache_decode-paged$paged$([ $append = torch ] && echo -torch-ops)-h100

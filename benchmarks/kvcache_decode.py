@@ -20,7 +20,8 @@ the host runs ahead within a round, as a serving loop does).
         --out kvcache_decode-h100.json                                    # the H100 figure
     python benchmarks/kvcache_decode.py --paged 256 ...                   # a paged cache (256 keys per page)
 
-On a GPU the device-side check and the append run as two Triton kernels (core/compat/_kv_append.py);
+On a GPU the device-side check and the append run as one Triton kernel (two for a block table of more than
+4096 entries), and a bad step's output is made NaN by another (core/compat/_kv_append.py);
 ``OPDISPATCH_KV_APPEND=torch`` measures the same check written with torch ops.
 """
 
@@ -185,8 +186,12 @@ def main() -> None:
     if checks == "device-side":
         from opdispatch.compat import _kv_append
 
-        fused = _kv_append.available(device, args.batch, 1, args.capacity // args.paged if args.paged else 0, False)
-        checks += ", fused into two Triton kernels" if fused else ", torch ops"
+        width = args.capacity // args.paged if args.paged else 0
+        fused = _kv_append.available(device, args.batch, 1, width, False)
+        single = args.batch * width <= _kv_append.SINGLE_MAX_TABLE
+        checks += (", torch ops" if not fused else ", fused with the append into one Triton kernel" if single
+                   else ", fused with the append into two Triton kernels")
+        checks += ", a bad step made NaN by another" if fused else ""
     shape = (f"batch {args.batch}, heads {args.heads}/{args.heads_k}, dim {args.dim}, "
              f"{'paged ' + str(args.paged) + ' keys/page' if args.paged else 'dense'} cache of {args.capacity}, "
              f"keys {args.start}..{args.start + args.steps}, {args.dtype}")

@@ -153,15 +153,19 @@ def test_a_long_bound_decode_loop_wraps_the_report_ring_and_a_bad_step_writes_no
     fa.check_pending_errors()
 
 
+@pytest.mark.parametrize("kernels", ["one", "two"])
 @pytest.mark.parametrize("layout", ["dense", "spare_rows", "batch_idx", "paged"])
 @pytest.mark.parametrize("new", [1, 3])
-def test_the_fused_triton_append_matches_the_torch_op_check_bit_for_bit(manager, monkeypatch, layout, new):
-    """The check and append as two Triton kernels (the GPU default, core/compat/_kv_append.py) against the same
-    check written with torch ops (OPDISPATCH_KV_APPEND=torch): a decode loop of valid steps, then one step with a
-    bad index each kind of layout can have — caches and outputs equal bit for bit, the bad step NaN, nothing
-    written, the same error raised."""
+def test_the_fused_triton_append_matches_the_torch_op_check_bit_for_bit(manager, monkeypatch, layout, new, kernels):
+    """The check and append as Triton kernels (the GPU default, core/compat/_kv_append.py: one kernel, or two
+    for a large block table — forced here) against the same check written with torch ops
+    (OPDISPATCH_KV_APPEND=torch): a decode loop of valid steps, then one step with a bad index each kind of layout
+    can have — caches and outputs equal bit for bit, the bad step NaN, nothing written, the same error raised."""
     from opdispatch.compat import _kv_append
     from opdispatch.compat import flash_attn as fa
+
+    if kernels == "two":
+        monkeypatch.setattr(_kv_append, "SINGLE_MAX_TABLE", -1)
 
     dev, i32, batch, heads_k, dim, page = "cuda", torch.int32, 5, 2, 64, 16
     gen = torch.Generator(device=dev).manual_seed(new)
@@ -193,8 +197,10 @@ def test_the_fused_triton_append_matches_the_torch_op_check_bit_for_bit(manager,
             # Steps 2..6 (bound) launched both kernels through their CompiledKernels (core.compat._triton_direct):
             # only the first bound step went through JITFunction.run, and no direct launch failed.
             fused = bound[0].fused
-            assert fused.verdict.kernel is not None and fused.append.kernel is not None
-            assert fused.verdict.jit_launches == fused.append.jit_launches == 1
+            launched = ([fused.verdict_append] if kernels == "one" else [fused.verdict, fused.append])
+            assert fused.single is (kernels == "one")
+            assert all(k is not None and k.kernel is not None and k.jit_launches == 1 for k in launched)
+            assert (fused.verdict_append is None) is (kernels == "two")
             # The NaN kernel too; the verdict kernel wrote its report straight into the pinned ring row (the
             # device addressed it: no fallback to a device report), and every step reused one set of buffers.
             assert fused.poisoner.kernel is not None and fused.poisoner.jit_launches == 1
