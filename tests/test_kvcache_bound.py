@@ -41,14 +41,19 @@ def reference_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture(params=["host", "device", "fused"])
+@pytest.fixture(params=["host", "device", "fused", "fused-two"])
 def checks(request, monkeypatch):
-    """The host check (CPU's), the device-side one written with torch ops, and the device-side one as the two
-    Triton kernels a GPU runs (core/compat/_kv_append.py, through Triton's interpreter), forced on CPU."""
-    if request.param in ("device", "fused"):
+    """The host check (CPU's), the device-side one written with torch ops, and the device-side one as the
+    Triton kernels a GPU runs (core/compat/_kv_append.py, through Triton's interpreter), forced on CPU: the check
+    and append as one kernel ("fused", wherever the block table is small) or as two ("fused-two", a large one's)."""
+    if request.param != "host":
         monkeypatch.setenv("OPDISPATCH_KV_CHECKS", "device")
-    if request.param == "fused":
+    if request.param.startswith("fused"):
         use_interpreted_kv_append(monkeypatch)
+    if request.param == "fused-two":
+        from opdispatch.compat import _kv_append
+
+        monkeypatch.setattr(_kv_append, "SINGLE_MAX_TABLE", -1)
     check_pending_errors()
     yield request.param
     check_pending_errors()  # a valid loop leaves no error behind
@@ -192,15 +197,19 @@ def test_hostile_index_on_the_bound_path_raises_the_references_error_on_the_host
     assert torch.equal(kw["k_cache"], before[0]) and torch.equal(kw["v_cache"], before[1])  # bit for bit
 
 
-@pytest.mark.parametrize("append", ["torch", "fused"])
+@pytest.mark.parametrize("append", ["torch", "fused", "fused-two"])
 @pytest.mark.parametrize("kind, change, when, error, match",
                          [case for case in HOSTILE if case[2] == "range"],
                          ids=[i for i, case in zip(_ids(), HOSTILE) if case[2] == "range"])
 def test_hostile_index_on_the_bound_device_path_writes_nothing_and_the_next_call_raises_the_references_error(
         basic_manager, reference_calls, monkeypatch, kind, change, when, error, match, append):
     monkeypatch.setenv("OPDISPATCH_KV_CHECKS", "device")
-    if append == "fused":
+    if append.startswith("fused"):
         use_interpreted_kv_append(monkeypatch)
+    if append == "fused-two":  # the check and append as two kernels (a large block table's), not one
+        from opdispatch.compat import _kv_append
+
+        monkeypatch.setattr(_kv_append, "SINGLE_MAX_TABLE", -1)
     check_pending_errors()
     reference = _with(_setup(kind, torch.Generator().manual_seed(0)), **change)
     fa._kvcache_reference(**_reference_args(reference))  # the reference device path: NaN, error deferred
@@ -257,13 +266,16 @@ def test_half_a_rotary_table_is_refused_before_anything_is_written(basic_manager
     assert torch.equal(k_cache, before)
 
 
+@pytest.mark.parametrize("kernels", ["one", "two"])
 def test_a_fused_kernel_that_fails_to_compile_hands_its_signature_to_the_torch_ops(basic_manager, monkeypatch,
-                                                                                   caplog):
+                                                                                   caplog, kernels):
     """A Triton kernel that cannot compile or launch (a synchronous error, before anything of the caches is
     written) makes its bound signature keep the torch-op check from then on, with one warning; the step itself
-    appends and attends as the reference path does."""
+    appends and attends as the reference path does — the check and append as one kernel or as two."""
     from opdispatch.compat import _kv_append
 
+    if kernels == "two":
+        monkeypatch.setattr(_kv_append, "SINGLE_MAX_TABLE", -1)
     monkeypatch.setenv("OPDISPATCH_KV_CHECKS", "device")
     use_interpreted_kv_append(monkeypatch)
     launches = []
@@ -281,7 +293,7 @@ def test_a_fused_kernel_that_fails_to_compile_hands_its_signature_to_the_torch_o
     q = torch.randn(BATCH, 1, HEADS, DIM, generator=gen)
     k_new, v_new = (torch.randn(BATCH, 1, 2, DIM, generator=gen) for _ in range(2))
     fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, **index)  # binds (fused)
-    monkeypatch.setattr(_kv_append, "_kernels", lambda: (Unbuildable(), Unbuildable(), Unbuildable()))
+    monkeypatch.setattr(_kv_append, "_kernels", lambda: (Unbuildable(),) * 4)
     lens += 1
     want_k, ref_caches = k_cache.clone(), (k_cache.clone(), v_cache.clone())
     for b in range(BATCH):

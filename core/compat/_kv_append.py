@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ._triton_direct import DirectKernel
+from ._triton_direct import DirectKernel, stream_for
 
 MODE_ENV = "OPDISPATCH_KV_APPEND"  # "triton": the kernels on CPU too (under TRITON_INTERPRET=1); "torch": never
 MAX_SLOTS = 256  # appended keys per call (batch × new)
@@ -53,6 +53,9 @@ MAX_SLOTS = 256  # appended keys per call (batch × new)
 # (the sizes the GPU tests compiled and ran; 256 x 256 would spill every thread's registers).
 MAX_PAIRS = 64
 MAX_TABLE = 1 << 16  # block-table entries (batch × width)
+# The check and append as one kernel (`verdict_append`) up to this many block-table entries: each of its programs
+# reads the whole table to work the verdict out (beyond it, the two-kernel path: one program checks, once).
+SINGLE_MAX_TABLE = 4096
 _TILE = 1024  # heads × dim elements one append program copies
 
 
@@ -83,11 +86,12 @@ def _next_power_of_2(n: int) -> int:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any, Any]:
-    """(verdict, append, poison): the Triton kernels, imported at first use (Triton is optional)."""
+def _kernels() -> tuple[Any, Any, Any, Any]:
+    """(verdict, append, poison, verdict_append): the Triton kernels, imported at first use (Triton is
+    optional)."""
     from . import _kv_append_triton as kernels
 
-    return kernels.verdict, kernels.append, kernels.poison
+    return kernels.verdict, kernels.append, kernels.poison, kernels.verdict_append
 
 
 def _stream_handle(device: torch.device) -> int:
@@ -143,12 +147,15 @@ class FusedAppend:
     rows (``cache_batch_idx``) or a table, not both. ``poison(scratch, result)`` makes a bad call's result NaN."""
 
     __slots__ = ("batch", "new", "width", "page", "cache_rows", "max_len", "has_rows", "paged", "blocks",
-                 "heads_dim", "dim", "report_width", "verdict", "append", "poisoner", "poison_failed", "verdict_grid",
-                 "append_grid", "append_block", "scratches", "lock", "report_on_host")
+                 "heads_dim", "dim", "report_width", "single", "verdict", "append", "verdict_append", "poisoner",
+                 "poison_failed", "verdict_grid", "append_grid", "append_block", "scratches", "lock",
+                 "report_on_host", "index")
 
     def __init__(self, batch: int, new: int, width: int, page: int, cache_rows: int, capacity: int,
-                 has_rows: bool, paged: bool, heads_k: int, dim: int) -> None:
+                 has_rows: bool, paged: bool, heads_k: int, dim: int, device: torch.device) -> None:
         self.batch, self.new, self.width, self.page, self.cache_rows = batch, new, width, page, cache_rows
+        # The CUDA device the call's tensors are on (the kernels launch there); None on CPU (the interpreter).
+        self.index = device.index if device.type == "cuda" else None
         self.max_len, self.has_rows, self.paged = capacity - new, has_rows, paged
         self.blocks = (_next_power_of_2(batch), _next_power_of_2(batch * new),
                        min(_next_power_of_2(max(width, 1)), max(16, 4096 // _next_power_of_2(batch))))
@@ -156,8 +163,11 @@ class FusedAppend:
         self.report_width = 1 + batch + (batch if has_rows else 0) + (batch * width if paged else 0)
         # The kernels, launched directly after their first call (core.compat._triton_direct): one set per bound
         # signature, made at its first call (Triton imported then, inside the caller's fallback).
+        # One kernel (`verdict_append`) where its programs can each afford the whole check, else two.
+        self.single = batch * width <= SINGLE_MAX_TABLE
         self.verdict: DirectKernel | None = None
         self.append: DirectKernel | None = None
+        self.verdict_append: DirectKernel | None = None
         self.poisoner: DirectKernel | None = None
         self.poison_failed = False  # the NaN kernel failed to launch once: the caller's torch op from then on
         self.verdict_grid, self.append_grid = (1, 1, 1), (batch * new, -(-self.heads_dim // _TILE), 1)
@@ -170,11 +180,12 @@ class FusedAppend:
         # CUDA device addresses); the caller clears it where that launch fails, and passes a device row instead.
         self.report_on_host = True
 
-    def scratch(self, device: torch.device) -> Scratch:
-        """The current (stream, thread)'s buffers, made at its first call; during CUDA graph capture fresh ones,
-        never kept (a graph replays into its own memory: a kept buffer would be shared by eager calls and
-        replays that no stream orders)."""
-        key = (_stream_handle(device), threading.get_ident())
+    def scratch(self, device: torch.device, stream: int | None = None) -> Scratch:
+        """The current (stream, thread)'s buffers (`stream`: the current stream's handle where the caller has it
+        from `stream_for`), made at its first call; during CUDA graph capture fresh ones, never kept (a graph
+        replays into its own memory: a kept buffer would be shared by eager calls and replays that no stream
+        orders)."""
+        key = (stream if stream is not None else _stream_handle(device), threading.get_ident())
         scratch = self.scratches.get(key)
         if scratch is not None:
             return scratch
@@ -188,46 +199,65 @@ class FusedAppend:
 
     def __call__(self, lens: torch.Tensor, rows: torch.Tensor | None, table: torch.Tensor | None, k: torch.Tensor,
                  v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, report: torch.Tensor,
-                 scratch: Scratch) -> None:
-        if self.verdict is None or self.append is None:
-            verdict, append, _ = _kernels()
-            self.verdict, self.append = DirectKernel(verdict), DirectKernel(append)
+                 scratch: Scratch, stream: int | None) -> None:
+        """Queue the check and append (`stream`: `stream_for(self.index)`, for the direct launches)."""
         batch, lens_out = self.batch, scratch.lens_out
         safe_or_lens = scratch.safe if scratch.safe is not None else lens_out
         block_b, block_s, block_w = self.blocks
         # Every parameter in declaration order (constexprs too: what a direct launch passes); the key holds the
         # ints that may change between calls (the strides), all else is fixed for this signature.
         table_strides = table.stride() if table is not None else (0, 0)
+        strides = (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
+        if self.single:
+            kernel = self.verdict_append
+            if kernel is None:
+                kernel = self.verdict_append = DirectKernel(_kernels()[3])
+            kernel.launch(self.append_grid, (
+                lens, rows if rows is not None else lens, table if table is not None else lens, report, scratch.bad,
+                scratch.verdict, lens_out, safe_or_lens, k, v, k_cache, v_cache, batch, self.new, self.width,
+                self.page, self.cache_rows, self.max_len, *table_strides, self.heads_dim, self.dim, *strides,
+                self.has_rows, self.paged, block_b, block_s, block_w, -(-self.width // block_w), self.append_block),
+                (*table_strides, *strides), self.index, stream)
+            return
+        if self.verdict is None or self.append is None:
+            verdict, append, _, _ = _kernels()
+            self.verdict, self.append = DirectKernel(verdict), DirectKernel(append)
         self.verdict.launch(self.verdict_grid, (
             lens, rows if rows is not None else lens, table if table is not None else lens, report, scratch.bad,
             scratch.verdict, lens_out, safe_or_lens, batch, self.new, self.width, self.page, self.cache_rows,
             self.max_len, *table_strides, self.has_rows, self.paged, block_b, block_s, block_w,
-            -(-self.width // block_w)), table_strides)
-        strides = (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
+            -(-self.width // block_w)), table_strides, self.index, stream)
         try:
             self.append.launch(self.append_grid, (
                 k, v, k_cache, v_cache, scratch.verdict, lens_out, safe_or_lens, self.new, self.heads_dim, self.dim,
-                self.page, self.width, *strides, self.has_rows, self.paged, self.append_block), strides)
+                self.page, self.width, *strides, self.has_rows, self.paged, self.append_block), strides, self.index,
+                stream)
         except Exception as exc:
             raise VerdictQueued(f"{type(exc).__name__}: {exc}") from exc
 
-    def poison(self, scratch: Scratch, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
-        """`out` (and `lse`) NaN in place where the call's verdict is bad, as one launch; False (nothing
-        launched) where the tensors do not suit it — not contiguous or too large, or the kernel failed to launch
-        (then never again) — and the caller poisons them itself."""
+    def poison(self, scratch: Scratch, result: Any) -> bool:
+        """`result` (the output, or the output and its LSE) NaN in place where the call's verdict is bad, as one
+        launch; False (nothing launched) where it does not suit that — autograd holds it (an in-place write would
+        break its backward), not contiguous or too large, or the kernel failed to launch (then never again) — and
+        the caller poisons it itself."""
+        out, lse = (result[0], result[1]) if type(result) is tuple and len(result) == 2 else (result, None)
+        if (self.poison_failed or type(out) is not torch.Tensor or out.requires_grad or not out.is_contiguous()
+                or (lse is not None and (type(lse) is not torch.Tensor or lse.requires_grad
+                                         or not lse.is_floating_point() or not lse.is_contiguous()))):
+            return False
         numel = max(out.numel(), lse.numel() if lse is not None else 0)
-        if (self.poison_failed or numel >= 1 << 31 or not out.is_contiguous()
-                or (lse is not None and not lse.is_contiguous())):
+        if numel >= 1 << 31:
             return False
         if numel == 0:
             return True  # nothing to make NaN
         try:
-            if self.poisoner is None:
-                self.poisoner = DirectKernel(_kernels()[2])
-            self.poisoner.launch((-(-numel // _POISON_BLOCK), 1, 1), (
+            poisoner = self.poisoner
+            if poisoner is None:
+                poisoner = self.poisoner = DirectKernel(_kernels()[2])
+            poisoner.launch((-(-numel // _POISON_BLOCK), 1, 1), (
                 out, lse if lse is not None else out, scratch.verdict, out.numel(),
                 lse.numel() if lse is not None else 0, lse is not None, _POISON_BLOCK),
-                (out.dtype, lse.dtype if lse is not None else None))
+                (out.dtype, lse.dtype if lse is not None else None), self.index, stream_for(self.index))
         except Exception as exc:  # raised before anything was queued: the caller's torch op, from now on
             self.poison_failed = True
             _log.warning("flash_attn_with_kvcache: the NaN kernel for a bad call's output failed (%s: %s); "

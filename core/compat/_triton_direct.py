@@ -39,6 +39,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
+
 TESTED_TRITON = "3.6.0"
 
 
@@ -65,14 +67,65 @@ def _hooks_empty(knobs: Any) -> bool:
     return True
 
 
-class DirectKernel:
-    """``launch(grid, args, key)``: the jit kernel `jit` launched on `grid` (a 3-tuple) with `args`, every
-    parameter in declaration order (constexprs included); `key` holds the ints among them that may change between
-    calls (everything else must be fixed for this instance: pointer dtypes, the other ints, the constexprs). One
-    instance per (call signature, device): its first call, or one with another key, goes through `jit`."""
+class _Gate:
+    """What every direct launch relies on beyond its own kernel, as captured with the first kernel: Triton's
+    active driver, the options in its cache key, how it reads the current device and stream."""
 
-    __slots__ = ("jit", "n_params", "tried", "jit_launches", "kernel", "launcher", "function", "packed", "device",
-                 "key", "debug", "drivers", "active", "get_device", "get_stream", "knobs")
+    __slots__ = ("drivers", "active", "knobs", "runtime", "compilation", "debug", "instrumentation", "get_device",
+                 "get_stream")
+
+    def __init__(self, drivers: Any, knobs: Any) -> None:
+        self.drivers, self.active, self.knobs = drivers, drivers.active, knobs
+        self.runtime, self.compilation = knobs.runtime, knobs.compilation
+        self.debug, self.instrumentation = knobs.runtime.debug, knobs.compilation.instrumentation_mode
+        get_device = self.active.get_current_device
+        # `torch.cuda.current_device` is `_lazy_init()` (done: a kernel ran) then the C getter: the getter alone.
+        self.get_device = (torch._C._cuda_getDevice if get_device is getattr(torch.cuda, "current_device", None)
+                           and hasattr(torch._C, "_cuda_getDevice") else get_device)
+        self.get_stream = self.active.get_current_stream  # `torch._C._cuda_getCurrentRawStream` (C)
+
+
+_gate: _Gate | None = None  # set at the first capture
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _on_device(index: int) -> Any:
+    """A guard making CUDA device `index` current while it is held."""
+    return torch.cuda.device(index)
+
+
+def stream_for(index: int | None) -> int | None:
+    """The current stream of CUDA device `index` (where a call's tensors are) as Triton's launcher takes it, when
+    a captured kernel may be launched directly now: `index` is the current device (Triton launches on the current
+    one), and the driver, launch hooks and cache-key options are those of the capture. None otherwise (launch
+    through the jit function: `DirectKernel.launch`). One check per decode step serves each of its launches."""
+    gate = _gate
+    if gate is None or index is None or gate.get_device() != index:
+        return None
+    runtime, compilation = gate.runtime, gate.compilation
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    # (`_active`: `DriverConfig.active` is a property that returns it once set, as the capture did.)
+    if (getattr(gate.drivers, "_active", None) is not gate.active or runtime.debug != gate.debug
+            or compilation.instrumentation_mode != gate.instrumentation
+            or (enter is not None and (type(enter).__name__ != "HookChain" or enter.calls))
+            or (leave is not None and (type(leave).__name__ != "HookChain" or leave.calls))):
+        return None
+    stream: int = gate.get_stream(index)
+    return stream
+
+
+class DirectKernel:
+    """``launch(grid, args, key, index, stream)``: the jit kernel `jit` launched on `grid` (a 3-tuple) with `args`,
+    every parameter in declaration order (constexprs included), on CUDA device `index` (where the call's tensors
+    are; None: the CPU interpreter); `key` holds the ints among them that may change between calls (everything
+    else must be fixed for this instance: pointer dtypes, the other ints, the constexprs); `stream` is
+    `stream_for(index)`. One instance per (call signature, device): its first call, one with another key, or
+    one where `stream` is None goes through `jit`."""
+
+    __slots__ = ("jit", "n_params", "tried", "jit_launches", "kernel", "device", "key", "call", "prefix")
 
     def __init__(self, jit: Any) -> None:
         self.jit = jit
@@ -80,34 +133,27 @@ class DirectKernel:
         self.tried = False  # whether the first jit launch was looked at (a kernel is captured once, at most)
         self.jit_launches = 0  # launches through `jit` (the GPU tests check that later steps launch directly)
         self.kernel: Any = None  # the captured CompiledKernel (None: launch through `jit`)
-        # What a capture keeps (`_capture`): the launcher and its arguments, the device, key and options it holds
-        # for, and where Triton's driver and knobs are read.
-        self.launcher: Any = None
-        self.function: Any = None
-        self.packed: Any = None
+        # What a capture keeps (`_capture`): the device and key it holds for, what is called and the arguments
+        # that come before the kernel's own.
         self.device: Any = None
         self.key: Any = None
-        self.debug: Any = None
-        self.drivers: Any = None
-        self.active: Any = None
-        self.get_device: Any = None
-        self.get_stream: Any = None
-        self.knobs: Any = None
+        self.call: Any = None
+        self.prefix: tuple[Any, ...] = ()
 
-    def launch(self, grid: tuple[int, int, int], args: tuple[Any, ...], key: tuple[Any, ...]) -> None:
-        if self.kernel is not None and key == self.key:
-            knobs = self.knobs
-            device = self.get_device()
-            if (device == self.device and self.drivers.active is self.active and not self.jit.pre_run_hooks
-                    and (knobs.runtime.debug, knobs.compilation.instrumentation_mode) == self.debug
-                    and _hooks_empty(knobs)):
-                try:
-                    self.launcher(grid[0], grid[1], grid[2], self.get_stream(device), self.function,
-                                  self.packed, None, None, None, *args)
-                    return
-                except Exception:  # raised before the kernel was queued: the jit launch takes it, from now on
-                    self.kernel = None
-        kernel = self.jit[grid](*args)
+    def launch(self, grid: tuple[int, int, int], args: tuple[Any, ...], key: tuple[Any, ...], index: int | None,
+               stream: int | None) -> None:
+        if stream is not None and key == self.key and self.kernel is not None and index == self.device \
+                and not self.jit.pre_run_hooks:
+            try:
+                self.call(grid[0], grid[1], grid[2], stream, *self.prefix, *args)
+                return
+            except Exception:  # raised before the kernel was queued: the jit launch takes it, from now on
+                self.kernel = None
+        if index is not None and _current_device() != index:
+            with _on_device(index):  # Triton launches on the current device: make it the tensors' one
+                kernel = self.jit[grid](*args)
+        else:
+            kernel = self.jit[grid](*args)
         self.jit_launches += 1
         if not self.tried:
             self.tried = True
@@ -115,6 +161,7 @@ class DirectKernel:
 
     def _capture(self, kernel: Any, args: tuple[Any, ...], key: tuple[Any, ...]) -> None:
         """Keep `kernel` (what the jit launch of `args` returned) when everything this path relies on holds."""
+        global _gate
         supported = _supported()
         if supported is None or type(kernel).__name__ != "CompiledKernel" or hasattr(kernel, "result"):
             return  # another Triton, the interpreter (no CompiledKernel), or an asynchronous compile
@@ -125,14 +172,25 @@ class DirectKernel:
             return
         try:
             launcher, function, packed = kernel.run, kernel.function, kernel.packed_metadata
-            active = drivers.active
-            get_device, get_stream = active.get_current_device, active.get_current_stream
-            device = get_device()
+            gate = _gate if _gate is not None and _gate.drivers is drivers else _Gate(drivers, knobs)
+            if (gate.active is not drivers.active or gate.debug != knobs.runtime.debug
+                    or gate.instrumentation != knobs.compilation.instrumentation_mode):
+                return  # captured under other options than the first kernel: the jit launch only
+            device = gate.get_device()
         except Exception:  # an attribute this Triton does not have: keep the jit launch
             return
         if not callable(launcher) or function is None:
             return
-        self.drivers, self.active, self.get_device, self.get_stream = drivers, active, get_device, get_stream
-        self.knobs, self.device, self.key = knobs, device, key
-        self.debug = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)  # the options in the cache key
-        self.launcher, self.function, self.packed, self.kernel = launcher, function, packed, kernel
+        call = launcher
+        prefix: tuple[Any, ...] = (function, packed, None, None, None)
+        # `CudaLauncher.__call__` (backends/nvidia/driver.py lines 700-714) allocates the global and profile
+        # scratch — None where the kernel needs none — and calls the C `launch` with the cooperative-grid and PDL
+        # flags, the two scratch pointers, then what it was given: the same call, minus the Python frame.
+        if (type(launcher).__name__ == "CudaLauncher" and getattr(launcher, "global_scratch_size", None) == 0
+                and getattr(launcher, "profile_scratch_size", None) == 0 and callable(getattr(launcher, "launch",
+                                                                                             None))):
+            call = launcher.launch
+            prefix = (function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, packed, None, None,
+                      None)
+        _gate = gate
+        self.device, self.key, self.call, self.prefix, self.kernel = device, key, call, prefix, kernel

@@ -45,6 +45,7 @@ from ..base._kv_checks import Bound, KvCacheIndexError, ReportRow, Rule, Unique,
 from ..engine._state import bounded_put
 from . import _kv_append
 from ._kv_append import FusedAppend, Scratch, VerdictQueued
+from ._triton_direct import stream_for
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
@@ -441,10 +442,17 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
             and not _inside.active):
         manager = _api._manager or _api.get_manager()
         try:
+            # (`_tensor_key` written out for the arguments a decode step passes: no call per argument.)
             key = (_KV_BOUND, q.shape, q.dtype, q.device, q.stride(-1), k_cache.shape, k_cache.dtype, k_cache.device,
                    k_cache.stride(-1), v_cache.shape, v_cache.dtype, v_cache.device, v_cache.stride(-1),
-                   _tensor_key(k), _tensor_key(v), _lengths_key(cache_seqlens), _tensor_key(cache_batch_idx),
-                   _tensor_key(block_table), _tensor_key(rotary_cos), _tensor_key(rotary_sin), rotary_interleaved,
+                   (k.shape, k.dtype, k.device, k.stride(-1)) if type(k) is Tensor else _tensor_key(k),
+                   (v.shape, v.dtype, v.device, v.stride(-1)) if type(v) is Tensor else _tensor_key(v),
+                   (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device, cache_seqlens.stride(-1))
+                   if type(cache_seqlens) is Tensor else _lengths_key(cache_seqlens),
+                   None if cache_batch_idx is None else _tensor_key(cache_batch_idx),
+                   None if block_table is None else _tensor_key(block_table),
+                   None if rotary_cos is None else _tensor_key(rotary_cos),
+                   None if rotary_sin is None else _tensor_key(rotary_sin), rotary_interleaved,
                    rotary_interleaved.__class__, softmax_scale, softmax_scale.__class__, causal, causal.__class__,
                    window_size, softcap, softcap.__class__, return_softmax_lse, return_softmax_lse.__class__,
                    _grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad
@@ -585,10 +593,11 @@ class _KvcacheBound:
         self.nan = torch.full((), _NAN, dtype=torch.float32, device=device)
         self.recheck = _Recheck(self.batch, self.cache_rows, self.page, self.new, cache_batch_idx is not None,
                                 width if self.paged else 0)
-        # The device-side check and append as two kernels where Triton can take the call (a GPU), else torch ops.
+        # The device-side check and append as Triton kernels (one, or two for a large block table) where Triton
+        # can take the call (a GPU), else torch ops.
         self.fused = (FusedAppend(self.batch, self.new, width if self.paged else 0, self.page, self.cache_rows,
                                   self.capacity, cache_batch_idx is not None, self.paged, k_cache.shape[2],
-                                  k_cache.shape[3])
+                                  k_cache.shape[3], device)
                       if self.new and _kv_append.available(device, self.batch, self.new, width if self.paged else 0,
                                                            cache_batch_idx is not None) else None)
 
@@ -616,7 +625,7 @@ class _KvcacheBound:
             if fused is not None and k is not None and v is not None and cos is None:
                 scratch, row, report = self._fused_append(fused, lens, rows, table, k, v, k_cache, v_cache)
             if scratch is not None:
-                # Checked and appended in two launches (core.compat._kv_append); the lengths come back grown.
+                # Checked and appended by the Triton kernels (core.compat._kv_append); the lengths come back grown.
                 lens, bad = scratch.lens_out, scratch.bad
                 if self.paged:
                     table = scratch.safe
@@ -659,8 +668,8 @@ class _KvcacheBound:
         # After the kernel: this call's own error is raised by a later call, never from inside this one.
         if report is not None:  # a device tensor (the torch-op check, or the fused one under CUDA graph capture)
             defer_report(device, report, self.recheck)
-        if scratch is not None and fused is not None and self._poisoned_in_place(fused, scratch, result):
-            return result
+        if scratch is not None and fused is not None and fused.poison(scratch, result):
+            return result  # NaN in place by one kernel, where the verdict is bad
         if type(result) is tuple:
             return tuple(torch.where(bad, self.nan, r) if r.is_floating_point() else r for r in result)
         return torch.where(bad, self.nan, result)
@@ -677,11 +686,12 @@ class _KvcacheBound:
         device = lens.device
         row = None
         try:
-            scratch = fused.scratch(device)
+            stream = stream_for(fused.index)  # the current device and stream checked once for this call's launches
+            scratch = fused.scratch(device, stream)
             if scratch.kept and fused.report_on_host:
                 row = report_row(device, fused.report_width, torch.int32)
                 try:
-                    fused(lens, rows, table, k, v, k_cache, v_cache, row.tensor, scratch)
+                    fused(lens, rows, table, k, v, k_cache, v_cache, row.tensor, scratch, stream)
                     return scratch, row, None
                 except ValueError:  # Triton's launcher: "Pointer argument ... cannot be accessed from Triton"
                     release_row(row)  # nothing was queued: the host row is not mapped; a device report from now on
@@ -689,7 +699,7 @@ class _KvcacheBound:
             # CUDA graph capture (fresh buffers: a replay must not write a ring row the host hands out again), or
             # a device that cannot write the ring: the report as a device tensor, copied by `defer_report`.
             report = torch.empty(fused.report_width, dtype=torch.int32, device=device)
-            fused(lens, rows, table, k, v, k_cache, v_cache, report, scratch)
+            fused(lens, rows, table, k, v, k_cache, v_cache, report, scratch, stream)
             return scratch, None, report
         except Exception as exc:  # a Triton compile or launch error, never a bad index (those are data)
             self.fused = None
@@ -700,17 +710,6 @@ class _KvcacheBound:
                 release_row(row)  # nothing that writes it was queued
                 row = None
             return None, row, None  # a row: the verdict kernel was queued before the append failed, and writes it
-
-    @staticmethod
-    def _poisoned_in_place(fused: FusedAppend, scratch: Scratch, result: Any) -> bool:
-        """Whether `result` (the output, or the output and its LSE) was made NaN in place by one kernel that
-        writes only when the call was bad — not where autograd holds it (an in-place write would break its
-        backward) or the kernel cannot take it."""
-        out, lse = (result[0], result[1]) if type(result) is tuple and len(result) == 2 else (result, None)
-        if (type(out) is not Tensor or out.requires_grad or (lse is not None and (
-                type(lse) is not Tensor or lse.requires_grad or not lse.is_floating_point()))):
-            return False
-        return fused.poison(scratch, out, lse)
 
     def _attend_again(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
                       table: Tensor | None) -> Any:

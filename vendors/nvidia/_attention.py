@@ -663,11 +663,12 @@ class MemEfficientAttention(AttentionImpl):
                 return _run_gqa_folded(call, q, k, v)
             if _mask_folds(call):  # a padding mask: the group's query heads stacked, the mask shared by them
                 bias, _, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=False)
-                res = _efficient_folded(q, k, v, bias, call.return_lse or call.requires_grad, call.scale)
-                out = call.from_bhsd(res[0])
+                folded, padded_lse = _efficient_folded(q, k, v, bias, call.return_lse or call.requires_grad,
+                                                       call.scale)
                 if not call.return_lse:
-                    return out
-                lse = _unstacked_lse(res[1], q.shape[0], q.shape[1], q.shape[2])
+                    return call.from_bhsd(folded)
+                out = call.from_bhsd(folded)
+                lse = _unstacked_lse(padded_lse, q.shape[0], q.shape[1], q.shape[2])
                 return out, lse.masked_fill((bias == -math.inf).all(dim=-1).expand(lse.shape), -math.inf)
             # Positional scores: every query head needs its kv head as a head of its own (a copy; autograd sums
             # the copies' gradients back).
