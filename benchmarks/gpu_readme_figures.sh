@@ -111,7 +111,7 @@ for part in $parts; do
       echo "trace_layer exit $?"; grep -E "^(In the profiled step|Device time|\| [0-9])" "$out/trace-h100.md" | cut -c1-300
       tail -3 "$out/trace-h100.log" | cut -c1-300 ;;
     masked)
-      timeout 150 python3 "$repo/benchmarks/masked_decode.py" --batch 32 > "$out/masked_decode-h100.txt" 2>&1
+      timeout 240 python3 "$repo/benchmarks/masked_decode.py" --batch 32 --pin nvidia.cudnn --pin nvidia.mem_efficient > "$out/masked_decode-h100.txt" 2>&1
       echo "masked_decode exit $?"; tail -12 "$out/masked_decode-h100.txt" ;;
     *) echo "unknown part $part (side, serving, flex, determinism, door, flagos, overhead, fp8, te, masked, kv, kvc, flexlong, profile, decode, kvtests, trace)"; exit 2 ;;
   esac

@@ -10,6 +10,8 @@ Masks and biases (opdispatch's conventions: causal/window aligned ``top_left`` o
 - `alibi_bias(slopes, sq, sk, offset, dtype)`: the (heads, sq, sk) ALiBi bias.
 - `additive_bias(call, q, k, fold_causal=..., ...)`: one additive float bias for a call's mask, bias, ALiBi and
   (optionally) causal/window — for kernels that take a bias instead of flags.
+- `mask_bias_values(dtype, device)`: (zero, blocked) 0-dim tensors, so a bound function turns a boolean mask into
+  additive_bias's bias in one kernel, ``torch.where(mask, zero, blocked)`` (same values, same bits).
 - `shift_rows(bias, dtype)`: subtract each row's maximum so a large bias survives a low-precision dtype; returns
   the shifted bias and the per-row shift (add it back to the LSE).
 
@@ -103,7 +105,7 @@ Library versions (device probes, version checks):
 from __future__ import annotations
 
 from opdispatch.ops._attention import (LAYOUT_DIMS, additive_bias, alibi_bias, allowed_positions, bind_dense,
-                                   layout_views, shift_rows, size_generic)
+                                   layout_views, mask_bias_values, shift_rows, size_generic)
 from opdispatch.base._dtypes import FP8_DTYPES, FP8_OUT_DTYPES
 from opdispatch.base._native import kernel_call
 
@@ -131,7 +133,7 @@ __all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCa
            "kv_cache_allowed",
            "kv_cache_as_mask", "kv_cache_reasons", "PAGED_GATHER_MAX_BYTES", "gathered_bytes", "gathered_pages",
            "paged_as_dense", "paged_gather_reason", "private_use1_backend", "sequence_keys", "kv_lse_fix",
-           "layout_views", "pack_dense",
+           "layout_views", "mask_bias_values", "pack_dense",
            "pack_padded_lse",
            "packed_queries", "shift_rows", "size_generic", "unaccepted_keywords", "uniform_cu_seqlens",
            "unpack_kv_out", "unpack_lse",

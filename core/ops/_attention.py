@@ -1105,6 +1105,22 @@ def additive_bias(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, *, fold
     return (None if bias is None else _to_4d(bias)), is_causal, allowed
 
 
+# The two values `additive_bias` writes for a boolean mask (0 where True, -inf where False), as 0-dim tensors of a
+# kernel's dtype on its device, made once per (dtype, device): `torch.where(mask, zero, blocked)` is then one kernel
+# (a launch on a GPU) giving the same values as additive_bias's full + masked_fill_, so the same result bit for bit.
+_MASK_BIAS_VALUES: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def mask_bias_values(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(zero, blocked): 0-dim tensors of `dtype` on `device` holding 0 and -inf, for a bound function that turns a
+    boolean mask into `additive_bias`'s bias per call as ``torch.where(mask, zero, blocked)`` (one kernel)."""
+    values = _MASK_BIAS_VALUES.get((dtype, device))
+    if values is None:
+        values = _MASK_BIAS_VALUES[dtype, device] = (torch.zeros((), dtype=dtype, device=device),
+                                                     torch.full((), float("-inf"), dtype=dtype, device=device))
+    return values
+
+
 def shift_rows(bias: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """A wide-range additive bias (ALiBi reaches -slope * seqlen) rounded to a kernel's `dtype` without losing the
     visible keys' differences: subtract each row's maximum in the bias's own (fp32/fp64) precision first — softmax

@@ -108,3 +108,29 @@ def test_serving_loop_over_many_lengths_frees_device_memory(op):
     assert len(opdispatch.get_manager().fast) >= 32
     extra = torch.cuda.memory_allocated() - base
     assert extra < 16 * 2**20, f"{extra / 2**20:.1f} MiB still allocated after the loop: inputs kept alive?"
+
+
+@pytest.mark.parametrize("impl", ["nvidia.cudnn", "nvidia.mem_efficient"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_masked_decode_binds_size_generic_and_equals_run_and_reference(impl, grad):
+    """A padded batch's decode (bhsd, (b, 1, 1, sk) boolean mask, GQA) through the front door pinned to `impl`: the
+    function bound at the first length serves the next ones (size-generic) and gives run()'s bits — the bias
+    made by one where() equals run()'s full + masked_fill_ — and the float64 reference's result."""
+    b, hq, hkv, d = 4, 8, 2, 128
+    cache_k, cache_v = (torch.randn(b, hkv, 300, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+                        for _ in range(2))
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    mask = torch.ones(b, 1, 1, 300, dtype=torch.bool, device="cuda")
+    mask[1::2, ..., :16] = False
+    manager = opdispatch.get_manager()
+    implementation = manager.registry.get("attention", impl).impl
+    for n in (129, 130, 200, 257):
+        k, v, m = cache_k[:, :, :n], cache_v[:, :, :n], mask[..., :n]
+        out = opdispatch.attention(q, k, v, layout="bhsd", attn_mask=m, impl=impl)
+        fn = next(f for key, f in manager.fast.items() if key and key[0] == "attention" and k.shape in key)
+        assert fn.size_generic and fn.decision.chosen_id == impl
+        via_run = implementation.run(opdispatch.validate_attention(q, k, v, layout="bhsd", attn_mask=m))
+        torch.testing.assert_close(out, via_run, atol=0, rtol=0)
+        leaves = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
+        ref = opdispatch.attention(*leaves, layout="bhsd", attn_mask=m, impl="reference.math")
+        torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)

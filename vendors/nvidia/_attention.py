@@ -24,7 +24,8 @@ from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, a
                                         causal_alibi_lse_reason, cumulative_lengths, dense_lse_fix,
                                         empty_rows_to_neg_inf, flash_attn_kv_cache, gathered_pages, kernel_window,
                                         kv_cache_allowed, kv_cache_as_mask, kv_cache_reasons, kv_lse_fix,
-                                        pack_padded_lse, packed_queries, paged_as_dense, paged_gather_reason,
+                                        layout_views, mask_bias_values, pack_padded_lse, packed_queries,
+                                        paged_as_dense, paged_gather_reason,
                                         shift_rows, size_generic, uniform_cu_seqlens, unpack_kv_out, unpack_lse,
                                         varlen_lse_fix, version_tuple)
 
@@ -144,6 +145,8 @@ class CudnnAttention(AttentionImpl):
         causal=True, kv_cache=True,
     )
 
+    binds_attn_mask: ClassVar[bool] = True  # a padded batch's decode: `_bind_cudnn_masked`
+
     def __init__(self) -> None:
         self._alibi = _PreparedAlibi()
 
@@ -174,6 +177,8 @@ class CudnnAttention(AttentionImpl):
         return reasons
 
     def bind(self, call: AttentionCall) -> Any:
+        if _binds_mask(call):
+            return _bind_cudnn_masked(call)
         if (call.varlen or call.kv_cache or call.return_lse or call.dropout_p > 0 or call.attn_mask is not None
                 or call.attn_bias is not None or call.positional_mask or call.alibi_slopes is not None
                 or _needs_padding(call)):
@@ -220,6 +225,48 @@ class CudnnAttention(AttentionImpl):
             blind = (bias == -math.inf).all(dim=-1)  # a query that sees no key: LSE -inf by convention
             lse = lse.masked_fill(blind, -math.inf)
         return out, lse
+
+
+def _binds_mask(call: AttentionCall) -> bool:
+    """Whether a boolean-masked call binds its kernel directly (`_bind_cudnn_masked`, `_bind_efficient_masked`):
+    a dense call whose mask is the only pattern to fold — no bias, ALiBi, window or bottom-right causal, KV cache,
+    dropout, LSE or padded head dims (those run() per call). A padded batch's decode and prefill, as transformers
+    sends them."""
+    return call.attn_mask is not None and not (
+        call.varlen or call.kv_cache or call.return_lse or call.dropout_p > 0 or call.attn_bias is not None
+        or call.positional_mask or call.alibi_slopes is not None or _needs_padding(call))
+
+
+def _bind_cudnn_masked(call: AttentionCall) -> Any:
+    """A boolean-masked call (`_binds_mask`) bound to cuDNN's aten op: the mask turned into run()'s additive bias
+    in one kernel (`mask_bias_values`: 0 / -inf in q's dtype, the values additive_bias writes) and broadcast to
+    (b, hq, sq, sk) as run() passes it, so the same bits. It keeps the layout, the causal flag (top-left: cuDNN's
+    own), the scale and whether the LSE is needed (grad) — what the decision class holds — and reads every size
+    from its tensors, so it serves every length and batch of its decision (`size_generic`)."""
+    zero, blocked = mask_bias_values(call.dtype, call.device)
+    need_lse, causal, scale = call.requires_grad, call.causal, call.scale
+    where = torch.where
+    if call.layout == "bhsd":  # transformers' layout: no views per call
+        def masked_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Any, block_table: Any,
+                        attn_mask: torch.Tensor, sinks: Any) -> torch.Tensor:
+            bias = where(attn_mask, zero, blocked)
+            if bias.dim() < 4:
+                bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            return _cudnn_sdpa(q, k, v, bias, need_lse, 0.0, causal, False, scale=scale)[0]  # type: ignore[no-any-return]
+        return size_generic(masked_bhsd)
+    to_bhsd, from_bhsd = layout_views(call.layout)
+
+    def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Any, block_table: Any,
+               attn_mask: torch.Tensor, sinks: Any) -> torch.Tensor:
+        q, k, v = to_bhsd(q), to_bhsd(k), to_bhsd(v)
+        bias = where(attn_mask, zero, blocked)
+        if bias.dim() < 4:
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return from_bhsd(_cudnn_sdpa(q, k, v, bias, need_lse, 0.0, causal, False, scale=scale)[0])
+
+    return size_generic(masked)
 
 
 # What the varlen path of cuDNN (aten _cudnn_attention_forward with cum_seq_q/cum_seq_k) was verified to do,
@@ -595,8 +642,15 @@ class MemEfficientAttention(AttentionImpl):
             reasons.append(why)
         return reasons
 
+    binds_attn_mask: ClassVar[bool] = True  # a padded batch's decode: `_bind_efficient_masked`
+
     def __init__(self) -> None:
         self._alibi = _PreparedAlibi()
+
+    def bind(self, call: AttentionCall) -> Any:
+        if _binds_mask(call):
+            return _bind_efficient_masked(call)
+        return super().bind(call)
 
     def run(self, call: AttentionCall) -> Any:
         if call.paged:
@@ -607,6 +661,15 @@ class MemEfficientAttention(AttentionImpl):
         if call.heads_q != call.heads_kv:
             if _gqa_folds(call):
                 return _run_gqa_folded(call, q, k, v)
+            if _mask_folds(call):  # a padding mask: the group's query heads stacked, the mask shared by them
+                bias, _, _ = additive_bias(call, q, k, fold_causal=False, fold_alibi=False)
+                folded, padded_lse = _efficient_folded(q, k, v, bias, call.return_lse or call.requires_grad,
+                                                       call.scale)
+                if not call.return_lse:
+                    return call.from_bhsd(folded)
+                out = call.from_bhsd(folded)
+                lse = _unstacked_lse(padded_lse, q.shape[0], q.shape[1], q.shape[2])
+                return out, lse.masked_fill((bias == -math.inf).all(dim=-1).expand(lse.shape), -math.inf)
             # Positional scores: every query head needs its kv head as a head of its own (a copy; autograd sums
             # the copies' gradients back).
             group = call.heads_q // call.heads_kv
@@ -705,6 +768,64 @@ def _gqa_folds(call: AttentionCall) -> bool:
     no score depends on the query's position or head beyond the shared k/v."""
     return not (call.causal or call.window is not None or call.alibi_slopes is not None
                 or call.attn_mask is not None or call.attn_bias is not None or call.dropout_p > 0)
+
+
+def _mask_folds(call: AttentionCall) -> bool:
+    """Whether a masked GQA call folds as `_gqa_folds` does: its mask is the only term and is shared by every
+    query and head of a sequence (4-D shape (b or 1, 1, 1, sk): a padded batch's decode or prefill), so the stacked
+    query rows of a group read one bias row."""
+    mask = call.attn_mask
+    if mask is None or call.causal or call.positional_mask or call.alibi_slopes is not None \
+            or call.attn_bias is not None or call.dropout_p > 0:
+        return False
+    return all(n == 1 for n in mask.shape[-3:-1]) if mask.dim() >= 3 else mask.shape[0] == 1
+
+
+def _efficient_folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, need_lse: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The efficient kernel on bhsd GQA q/k/v whose 4-D additive `bias` is (b or 1, 1, 1, sk) (`_mask_folds`):
+    (b, hq, sq, d) queries as (b, hkv, group * sq, d) (`_run_gqa_folded`), the bias aligned and broadcast over
+    the stacked rows — each kv head read once, no k/v copy per query head. Returns (out as (b, hq, sq, dv), the
+    kernel's LSE: `_unstacked_lse` gives it per query head); run() and the bound function (`_bind_efficient_masked`)
+    both call it, so they agree bit for bit."""
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    rows = (hq // hkv) * sq
+    bias = _aligned(bias, 8).expand(b, hkv, rows, k.shape[2])
+    res = _efficient_sdpa(q.reshape(b, hkv, rows, d), k, v, bias, need_lse, 0.0, False, scale=scale)
+    return res[0].reshape(b, hq, sq, v.shape[3]), res[1]
+
+
+def _unstacked_lse(lse: torch.Tensor, b: int, hq: int, sq: int) -> torch.Tensor:
+    """A folded call's LSE (b, hkv, rows padded to 32) as (b, hq, sq)."""
+    return lse[:, :, : (hq // lse.shape[1]) * sq].reshape(b, hq, sq)
+
+
+def _bind_efficient_masked(call: AttentionCall) -> Any:
+    """A boolean-masked call (`_binds_mask`) bound to the efficient kernel as run() runs it — the bias made in one
+    kernel (`mask_bias_values`, additive_bias's values), a padding mask under GQA folded (`_efficient_folded`),
+    else k/v heads copied per query head and the bias aligned and broadcast — reading every size from its tensors
+    (`size_generic`); it keeps the layout, causal flag (top-left, the kernel's own), scale and LSE need."""
+    zero, blocked = mask_bias_values(call.dtype, call.device)
+    need_lse, causal, scale = call.requires_grad, call.causal, call.scale
+    to_bhsd, from_bhsd = layout_views(call.layout)
+    where = torch.where
+
+    def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Any, block_table: Any,
+               attn_mask: torch.Tensor, sinks: Any) -> torch.Tensor:
+        q, k, v = to_bhsd(q), to_bhsd(k), to_bhsd(v)
+        bias = where(attn_mask, zero, blocked)
+        if bias.dim() < 4:
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        hq, hkv = q.shape[1], k.shape[1]
+        if hq != hkv:
+            if not causal and bias.shape[1] == 1 and bias.shape[2] == 1:  # `_mask_folds`
+                return from_bhsd(_efficient_folded(q, k, v, bias, need_lse, scale)[0])
+            k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+        bias = _aligned(bias, 8).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return from_bhsd(_efficient_sdpa(q, k, v, bias, need_lse, 0.0, causal, scale=scale)[0])
+
+    return size_generic(masked)
 
 
 def _run_gqa_folded(call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
