@@ -9,10 +9,13 @@ each figure is the median of the per-round means (µs per call, the device synch
 - first pass: every length new to the fast path (its exact-signature entries forgotten before each round; the
   decision and the size-generic template stay, as in a generate() of a new prompt length);
 - repeated lengths: the same lengths again (every call a fast-path hit);
-- torch SDPA with the same mask and `enable_gqa`.
+- torch SDPA with the same mask and `enable_gqa`;
+- with ``--pin ID`` (repeatable), both opdispatch variants again with that implementation pinned (``impl=ID``:
+  keyed, decided and bound as its own signature), to compare kernels the policy does not choose in one run.
 
     python benchmarks/masked_decode.py                      # CUDA if present (bf16), else CPU (fp32)
     python benchmarks/masked_decode.py --device cpu --batch 4 --heads 8 --kv-heads 2 --head-dim 64
+    python benchmarks/masked_decode.py --batch 32 --pin nvidia.cudnn --pin nvidia.mem_efficient   # H100
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--pad", type=int, default=16, help="keys of padding at the front of every other sequence")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--pin", action="append", default=[], metavar="ID",
+                   help="also time both variants with this implementation pinned (impl=ID); repeatable")
     p.add_argument("--out", type=Path, help="JSON here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -62,22 +68,31 @@ def main(argv: list[str] | None = None) -> int:
     attention, manager = opdispatch.attention, opdispatch.get_manager()
     gqa = args.heads != args.kv_heads
 
-    def ours() -> None:
-        for n in lengths:
-            attention(q, cache_k[:, :, :n], cache_v[:, :, :n], layout="bhsd", attn_mask=mask[..., :n])
+    def decode(impl: str | None = None) -> Callable[[], None]:
+        def ours() -> None:
+            for n in lengths:
+                attention(q, cache_k[:, :, :n], cache_v[:, :, :n], layout="bhsd", attn_mask=mask[..., :n], impl=impl)
+        return ours
 
-    def first_pass() -> None:
-        manager.fast.clear()  # the exact signatures only: decisions and size-generic templates stay
-        _native.forget()
-        ours()
+    def new_lengths(ours: Callable[[], None]) -> Callable[[], None]:
+        def first_pass() -> None:
+            manager.fast.clear()  # the exact signatures only: decisions and size-generic templates stay
+            _native.forget()
+            ours()
+        return first_pass
 
     def sdpa() -> None:
         for n in lengths:
             F.scaled_dot_product_attention(q, cache_k[:, :, :n], cache_v[:, :, :n], attn_mask=mask[..., :n],
                                            enable_gqa=gqa)
 
-    variants = {"first pass (every length new)": first_pass, "repeated lengths (fast-path hits)": ours,
-                "torch SDPA, same mask": sdpa}
+    ours = decode()
+    variants = {"first pass (every length new)": new_lengths(ours), "repeated lengths (fast-path hits)": ours}
+    for impl in args.pin:
+        pinned = decode(impl)
+        variants[f"{impl} pinned: first pass"] = new_lengths(pinned)
+        variants[f"{impl} pinned: repeated lengths"] = pinned
+    variants["torch SDPA, same mask"] = sdpa
     for fn in variants.values():  # warm-up: decisions, templates, kernels' plans
         fn()
     samples: dict[str, list[float]] = {name: [] for name in variants}
@@ -93,13 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: statistics.median(values) for name, values in samples.items()}
     explained = opdispatch.explain(q, cache_k[:, :, :longest], cache_v[:, :, :longest], layout="bhsd",
                                    attn_mask=mask)
-    bound = next((fn for key, fn in manager.fast.items() if key and key[0] == "attention"), None)
+    for impl in [None, *args.pin]:  # a first pass cleared the others' entries: one call each to read them back
+        attention(q, cache_k, cache_v, layout="bhsd", attn_mask=mask, impl=impl)
+    bound = {getattr(getattr(fn, "decision", None), "chosen_id", None): fn
+             for key, fn in manager.fast.items() if key and key[0] == "attention"}
     env = environment(device)
     sdpa_us = medians["torch SDPA, same mask"]
     lines = [f"# Masked batched decode: batch {args.batch}, {args.heads}/{args.kv_heads} heads, d{args.head_dim}, "
              f"{str(dtype)[6:]}, lengths {args.start + 1}-{longest}, every other sequence padded by {args.pad}", "",
              f"{env['device']}; torch {env['torch']}; commit {env.get('commit')}; decision: {explained.chosen_id}; "
-             f"bound function size-generic: {getattr(bound, 'size_generic', None)}", "",
+             f"bound function size-generic: {getattr(bound.get(explained.chosen_id), 'size_generic', None)}"
+             + "".join(f"; {impl} bound size-generic: {getattr(bound.get(impl), 'size_generic', None)}"
+                       for impl in args.pin), "",
              "| variant | µs per call | / torch SDPA |", "|---|---:|---:|"]
     for name, value in medians.items():
         lines.append(f"| {name} | {value:.1f} | {value / sdpa_us:.2f}x |")

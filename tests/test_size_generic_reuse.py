@@ -465,6 +465,11 @@ DENSE_REVALIDATIONS = [
     ("bshd", (2, 5, 12, 4, 1), (2, 6, 6, 4, 1), dict(window=(3, 2), causal_alignment="bottom_right")),
     ("bhsd", (1, 4, 10, 2, 2), (3, 1, 1, 2, 2), dict(window=(2, 2))),
     ("sbhd", (1, 2, 10, 2, 2), (1, 2, 10, 2, 2), dict(window=(-1, -1), causal=True)),
+    # a boolean mask (its dense branch too): the padded decode step, per query, per head, 2-D, with causal
+    ("bhsd", (4, 1, 129, 8, 2), (4, 1, 130, 8, 2), dict(mask="b11k")),
+    ("bshd", (2, 3, 7, 4, 2), (3, 5, 9, 4, 2), dict(mask="b1qk", causal=True)),
+    ("sbhd", (2, 2, 6, 4, 4), (2, 2, 11, 4, 4), dict(mask="bhqk")),
+    ("bhsd", (1, 3, 5, 2, 1), (6, 3, 8, 2, 1), dict(mask="qk", causal=True, causal_alignment="bottom_right")),
 ]
 
 
@@ -474,9 +479,11 @@ def test_revalidating_a_dense_calls_sizes_gives_full_validations_call(case, grad
     """`revalidate_sizes` (its dense branch: no KV cache, no mask) against `validate_attention` of the same
     arguments: every field of the call, canonicalization and its rewrites included, and the same refusal where the
     sizes do not validate."""
-    from opdispatch.ops._attention import revalidate_sizes, validate_attention
+    from opdispatch.ops._attention import _broadcastable, revalidate_sizes, validate_attention
 
     layout, first, new, options = DENSE_REVALIDATIONS[case]
+    options = dict(options)
+    mask_kind = options.pop("mask", None)
     gen = torch.Generator().manual_seed(case)
     defaults = {a.name: a.default for a in _api.ATTENTION_ARGS.args if a.name != "impl"}
 
@@ -484,12 +491,28 @@ def test_revalidating_a_dense_calls_sizes_gives_full_validations_call(case, grad
         return (make(layout, b, sq, hq, 8, gen, grad), make(layout, b, sk, hkv, 8, gen, grad),
                 make(layout, b, sk, hkv, 8, gen, grad))
 
-    template = validate_attention(**{**defaults, **options, "layout": layout, **dict(zip("qkv", tensors(*first)))})
+    def mask_for(b, sq, sk, hq, hkv):
+        return None if mask_kind is None else torch.rand(*_masked_shape(mask_kind, b, hq, sq, sk), generator=gen) < .5
+
+    template = validate_attention(**{**defaults, **options, "layout": layout, **dict(zip("qkv", tensors(*first))),
+                                     "attn_mask": mask_for(*first)})
     q, k, v = tensors(*new)
+    mask = mask_for(*new)
     given = (options.get("causal", False), options.get("causal_alignment", "top_left"), options.get("window"))
-    got = revalidate_sizes(template.stripped(), *given, q, k, v, None, None, None, None)
-    want = validate_attention(**{**defaults, **options, "layout": layout, "q": q, "k": k, "v": v})
+    got = revalidate_sizes(template.stripped(), *given, q, k, v, None, None, None, mask)
+    want = validate_attention(**{**defaults, **options, "layout": layout, "q": q, "k": k, "v": v, "attn_mask": mask})
     assert _fields(got) == _fields(want)
+    assert got.attn_mask is mask
+    if mask is not None:  # a mask of the old length, or of another batch: refused as validation refuses it
+        for bad_mask in (mask[..., :-1], torch.ones(7, *mask.shape[1:], dtype=torch.bool) if mask.dim() == 4
+                         else mask[:1, :1]):
+            if _broadcastable(bad_mask.shape, (got.batch, got.heads_q, got.seqlen_q, got.seqlen_k)):
+                continue
+            with pytest.raises(ValueError):
+                revalidate_sizes(template.stripped(), *given, q, k, v, None, None, None, bad_mask)
+            with pytest.raises(ValueError):
+                validate_attention(**{**defaults, **options, "layout": layout, "q": q, "k": k, "v": v,
+                                      "attn_mask": bad_mask})
     for name, bad in (("k and v lengths", (q, k, v[:, :, :1] if layout == "bhsd" else v[:1] if layout == "sbhd"
                                            else v[:, :1])),
                       ("batch", (q, k[:1], v[:1]) if layout != "sbhd" else (q, k[:, :1], v[:, :1])),
@@ -497,9 +520,9 @@ def test_revalidating_a_dense_calls_sizes_gives_full_validations_call(case, grad
         if name == "batch" and new[0] == 1 or name == "k and v lengths" and new[2] == 1:
             continue  # nothing to take away
         with pytest.raises(ValueError):
-            revalidate_sizes(template.stripped(), *given, *bad, None, None, None, None)
+            revalidate_sizes(template.stripped(), *given, *bad, None, None, None, mask)
         with pytest.raises(ValueError):
-            validate_attention(**{**defaults, **options, "layout": layout, **dict(zip("qkv", bad))})
+            validate_attention(**{**defaults, **options, "layout": layout, **dict(zip("qkv", bad)), "attn_mask": mask})
 
 
 def test_template_calls_are_counted_once_each_and_from_zero_after_a_reset(basic_manager, door):
@@ -522,3 +545,26 @@ def test_template_calls_are_counted_once_each_and_from_zero_after_a_reset(basic_
     for n in range(9, 12):
         door(q, cache[:, :n], cache[:, :n])
     assert slow_calls() == 3
+
+
+def test_a_mask_of_another_rank_or_broadcast_pattern_takes_its_own_template(basic_manager, door, validations):
+    """The size-generic key holds a mask's rank and broadcast pattern (not its lengths): a new length reuses the
+    masked template, a mask that broadcasts otherwise (per head, per query, 2-D) is validated and bound anew — and
+    every result is the full path's and the oracle's."""
+    gen = torch.Generator().manual_seed(41)
+    b, hq, hkv, d = 3, 4, 2, 16
+    q = make("bhsd", b, 1, hq, d, gen)
+    seen = []
+    for shape_of, sk in ((lambda n: (b, 1, 1, n), 9), (lambda n: (b, 1, 1, n), 10), (lambda n: (b, hq, 1, n), 11),
+                         (lambda n: (b, hq, 1, n), 12), (lambda n: (1, n), 13), (lambda n: (1, n), 14),
+                         (lambda n: (b, 1, 1, n), 15)):
+        k, v = make("bhsd", b, sk, hkv, d, gen), make("bhsd", b, sk, hkv, d, gen)
+        mask = torch.rand(*shape_of(sk), generator=gen) < 0.6
+        mask[..., 0] = True
+        before = len(validations)
+        got = door(q, k, v, layout="bhsd", attn_mask=mask)
+        seen.append(len(validations) - before)
+        assert torch.equal(got, full_path(basic_manager, q, k, v, layout="bhsd", attn_mask=mask))
+        out, _ = oracle("bhsd", q.double(), k.double(), v.double(), mask=mask, scale=d ** -0.5)
+        torch.testing.assert_close(got.double(), out, atol=2e-5, rtol=2e-5)
+    assert seen == [1, 0, 1, 0, 1, 0, 0], "new lengths reuse; another broadcast pattern or rank validates anew"

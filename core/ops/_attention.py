@@ -496,8 +496,8 @@ def revalidate_sizes(template: AttentionCall, causal: bool, causal_alignment: st
     The steps of validation that read sizes run again, in its order; the rest is the template's (validated from
     the same values). Raises what those steps raise; the caller hands any error to `validate_attention` itself,
     the reference, so that what the user sees is its error."""
-    if seqused_k is None and block_table is None and attn_mask is None and template.layout in LAYOUT_DIMS:
-        return _revalidate_dense_sizes(template, causal, causal_alignment, window, q, k, v)
+    if seqused_k is None and block_table is None and template.layout in LAYOUT_DIMS:
+        return _revalidate_dense_sizes(template, causal, causal_alignment, window, q, k, v, attn_mask)
     call = template.with_tensors(q, k, v)
     for t in (q, k, v):
         if 0 in t.shape:
@@ -522,12 +522,14 @@ def revalidate_sizes(template: AttentionCall, causal: bool, causal_alignment: st
 
 
 def _revalidate_dense_sizes(template: AttentionCall, causal: bool, causal_alignment: str, window: Any,
-                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionCall:
-    """`revalidate_sizes` of a dense call without a KV cache or mask (a decode step, a new batch size): the size
-    checks of `_read_heads_and_dims` in one frame — it runs once per new length of a decode loop's first pass.
-    The head dims are not read: each tensor's last dim (the head dim in every dense layout) is in the key that
-    found the template, so they are the template's. Raises ValueError on any mismatch (the caller's reference
-    validation then says what is wrong)."""
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            attn_mask: Any = None) -> AttentionCall:
+    """`revalidate_sizes` of a dense call without a KV cache (a decode step, a new batch size, a padded batch's
+    masked step): the size checks of `_read_heads_and_dims` in one frame — it runs once per new length of a decode
+    loop's first pass. The head dims are not read: each tensor's last dim (the head dim in every dense layout) is in
+    the key that found the template, so they are the template's; so are a mask's dtype, device and rank (the key
+    holds them): its kind and broadcast to the scores are read again. Raises ValueError on any mismatch (the
+    caller's reference validation then says what is wrong)."""
     b_at, s_at, h_at, _ = LAYOUT_DIMS[template.layout]
     qs, ks, vs = q.shape, k.shape, v.shape
     batch, seqlen_k, heads_kv = ks[b_at], ks[s_at], ks[h_at]
@@ -540,7 +542,12 @@ def _revalidate_dense_sizes(template: AttentionCall, causal: bool, causal_alignm
     call.causal, call.causal_alignment = causal, causal_alignment  # as _read_flags sets them (checked there)
     call.window = None if window is None else _check_window(window, causal)
     call.batch, call.seqlen_q, call.seqlen_k = batch, qs[s_at], seqlen_k
-    call.seqused_k = call.block_table = call.attn_mask = None
+    call.seqused_k = call.block_table = None
+    if attn_mask is not None and not (type(attn_mask) is torch.Tensor and attn_mask.layout == torch.strided
+                                      and not attn_mask.is_nested
+                                      and _broadcastable(attn_mask.shape, (batch, heads_q, qs[s_at], seqlen_k))):
+        raise ValueError("a mask that does not validate")  # validate_attention words it
+    call.attn_mask = attn_mask
     call.requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     call.rewrites = ()
     canonicalize(call)
