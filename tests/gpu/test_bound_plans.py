@@ -123,10 +123,10 @@ def test_a_masked_decode_binds_size_generic_and_equals_run_and_reference(impl, g
     mask = torch.ones(b, 1, 1, 300, dtype=torch.bool, device="cuda")
     mask[1::2, ..., :16] = False
     manager = opdispatch.get_manager()
-    implementation = manager.registry.get("attention", impl).impl
     for n in (129, 130, 200, 257):
         k, v, m = cache_k[:, :, :n], cache_v[:, :, :n], mask[..., :n]
         out = opdispatch.attention(q, k, v, layout="bhsd", attn_mask=m, impl=impl)
+        implementation = manager.registry.get("attention", impl).impl  # (plugins load at the first call)
         fn = next(f for key, f in manager.fast.items() if key and key[0] == "attention" and k.shape in key)
         assert fn.size_generic and fn.decision.chosen_id == impl
         via_run = implementation.run(opdispatch.validate_attention(q, k, v, layout="bhsd", attn_mask=m))
