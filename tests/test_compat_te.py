@@ -603,3 +603,38 @@ def test_debug_off_is_silent_and_decides_nothing_extra(te_debug, monkeypatch, ca
     DotProductAttention(HEADS, DIM, qkv_format="bshd")(*_qkv())
     assert _te_lines(caplog) == []
 
+
+
+def test_te_docs_example_arbitrary_mask_equals_post_scale_bias():
+    """TransformerEngine's docs example (docs/examples/attention/arbitrary_mask_to_post_scale_bias.py) with only the
+    import swapped and its sizes shrunk for the CPU: the module built with the example's constructor arguments and
+    `.to(dtype, device)`, an 'arbitrary' boolean mask (True = masked out) on one call and the same mask as a
+    post-scale bias of -2**15 on another, both forward and backward; they agree as the example asserts, and the mask
+    call matches the float64 oracle."""
+    gen = torch.Generator().manual_seed(1234)
+    b, h, d, s, dtype = 2, 4, 16, 512, torch.float32  # 512 keys: a row masking every key has probability ~1e-11
+    inp = torch.randn(b, s, 3, h, d, generator=gen, dtype=dtype)
+    out_grad = torch.randn(b, s, h * d, generator=gen, dtype=dtype)
+    mask = torch.randint(-10, 10, (b, h, s, s), generator=gen).to(torch.bool)
+
+    def run(**call):
+        q, k, v = (inp[:, :, i].clone().requires_grad_() for i in range(3))
+        block = DotProductAttention(h, d, num_gqa_groups=h, qkv_format="bshd", attention_dropout=0.0,
+                                    sequence_parallel=False, tp_size=1, get_rng_state_tracker=None, tp_group=None,
+                                    layer_number=1).to(dtype=dtype, device="cpu")
+        out = block(q, k, v, qkv_format="bshd", **call)
+        out.backward(out_grad)
+        return out, (q.grad, k.grad, v.grad)
+
+    masked, masked_grads = run(attention_mask=mask, attn_mask_type="arbitrary", core_attention_bias_type="no_bias",
+                               core_attention_bias=None)
+    bias = torch.where(mask == 0, 0.0, -(2.0 ** 15)).to(dtype)
+    biased, biased_grads = run(attention_mask=None, attn_mask_type="no_mask",
+                               core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
+    torch.testing.assert_close(masked, biased, atol=2.5e-2, rtol=2.5e-2)  # the example's own bound
+    for got, want in zip(masked_grads, biased_grads):
+        torch.testing.assert_close(got, want, atol=2.5e-2, rtol=2.5e-2)
+    q, k, v = (inp[:, :, i].double().transpose(1, 2) for i in range(3))
+    scores = (q @ k.transpose(-1, -2)) / d ** 0.5
+    want = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
+    torch.testing.assert_close(masked.double(), want.transpose(1, 2).reshape(b, s, h * d), atol=1e-5, rtol=1e-5)
