@@ -603,3 +603,50 @@ def test_debug_off_is_silent_and_decides_nothing_extra(te_debug, monkeypatch, ca
     DotProductAttention(HEADS, DIM, qkv_format="bshd")(*_qkv())
     assert _te_lines(caplog) == []
 
+
+
+# -- forward's fast path: a repeated dense signature reuses its checked call, and still honours every change --------
+
+def test_repeated_signature_honours_module_changes_switches_and_refusals(monkeypatch):
+    module, fwd, tensors, ref = _case("sbhd", "causal_bottom_right", 2, True, True, "vanilla", seed=12)
+    m = DotProductAttention(**{**module, "attention_dropout": 0.5}).eval()
+    q64, k64, v64 = (t.double() for t in tensors)
+    for _ in range(3):  # the first call checks and remembers the signature, the next ones reuse it
+        torch.testing.assert_close(m(*tensors).double(), oracle(q64, k64, v64, "sbhd", **ref), atol=ATOL, rtol=1e-4)
+    assert len(m._dense_plans) == 1
+    # module attributes the check read are part of the signature: a new scale and mask type take effect
+    m.softmax_scale = 0.2
+    want = oracle(q64, k64, v64, "sbhd", **{**ref, "scale": 0.2})
+    for _ in range(2):
+        torch.testing.assert_close(m(*tensors).double(), want, atol=ATOL, rtol=1e-4)
+    m.attn_mask_type, m.window_size = "no_mask", (-1, -1)
+    want = oracle(q64, k64, v64, "sbhd", **{**ref, "scale": 0.2, "causal": False, "window": None})
+    for _ in range(2):
+        torch.testing.assert_close(m(*tensors).double(), want, atol=ATOL, rtol=1e-4)
+    m.train()  # dropout applies again in training
+    assert not torch.allclose(m(*tensors), m.eval()(*tensors))
+    # a coerced window warns on every call, not only on the first
+    for _ in range(2):
+        with pytest.warns(UserWarning, match=r"window_size should be"):
+            m(*tensors, attn_mask_type="causal", window_size=(-1, -1))
+    # values equal to a remembered signature's but of the wrong type are still refused
+    m(*tensors, bottom_right_diagonal=True)
+    with pytest.raises(ValueError, match="bottom_right_diagonal"):
+        m(*tensors, bottom_right_diagonal=1)
+    m(*tensors, window_size=(1, 1))
+    with pytest.raises(TypeError, match="window_size"):
+        m(*tensors, window_size=(True, 1))
+    # a switch turned off after the signature was remembered denies its family on the next call
+    m.softmax_scale, m.attn_mask_type, m.window_size = DIM ** -0.5, "causal_bottom_right", (2, 0)
+    monkeypatch.delenv("NVTE_UNFUSED_ATTN", raising=False)
+    with opdispatch.policy_override(deny=["cpu.flash", "torch.flex"]):
+        m(*tensors)
+        m(*tensors)
+        monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+        with pytest.raises(Exception, match="reference.math|no implementation"):
+            m(*tensors)
+        monkeypatch.setenv("NVTE_UNFUSED_ATTN", "not a number")
+        with pytest.raises(ValueError, match="NVTE_UNFUSED_ATTN"):
+            m(*tensors)
+        monkeypatch.setenv("NVTE_UNFUSED_ATTN", "1")
+        torch.testing.assert_close(m(*tensors).double(), oracle(q64, k64, v64, "sbhd", **ref), atol=ATOL, rtol=1e-4)
