@@ -18,7 +18,9 @@ NVIDIA/TransformerEngine ``transformer_engine/pytorch/attention/dot_product_atte
 - Padding in ``sbhd``/``bshd`` (from ``attention_mask``, or ``cu_seqlens_q/kv`` which TE prefers): the kept
   tokens are packed and attended as ``thd``, so positions (the causal diagonal, the window, ALiBi) count kept
   tokens, and padded query rows come out as zeros — TE's fused kernels' behaviour, which assumes each
-  sequence's real tokens come first (right padding; there TE's backends all agree).
+  sequence's real tokens come first (right padding; there TE's backends all agree). Without a gradient, and where
+  it computes the same attention (no window, ALiBi or dropout; a causal mask only with one mask for queries and
+  keys), forward makes one dense call with the padding as a boolean key mask instead — no host sync per call.
 - ``thd`` with ``cu_seqlens_q_padded``/``cu_seqlens_kv_padded``: sequence i's tokens start at the padded offset;
   the tokens between sequences (and after the last) are skipped and come out as zeros.
 - ``softmax_type`` ``vanilla``, ``off-by-one`` (a zero sink logit per head) and ``learnable`` (the
@@ -951,7 +953,8 @@ class DotProductAttention(torch.nn.Module):
                 raise _refuse("cu_seqlens_q" if cu_q is None else "cu_seqlens_kv", None,
                               "must be given with its pair (cu_seqlens_q and cu_seqlens_kv)")
             keep_q = _lengths_keep(cu_q, "cu_seqlens_q", batch, sq, q.device)
-            keep_kv = _lengths_keep(cu_kv, "cu_seqlens_kv", batch, skv, q.device)
+            keep_kv = (keep_q if cu_kv is cu_q and skv == sq
+                       else _lengths_keep(cu_kv, "cu_seqlens_kv", batch, skv, q.device))
         elif self.attention_type == "self":
             if isinstance(attention_mask, (tuple, list)):
                 raise _refuse("attention_mask", attention_mask, "must be one [b, 1, 1, s] tensor for "
@@ -988,13 +991,41 @@ class DotProductAttention(torch.nn.Module):
                       "max_seqlen_q": max(max_sq, 1), "max_seqlen_k": max(max_skv, 1)}
             return (pq, pk, pv), index_q, varlen
 
+        # Without a gradient, the same attention as one dense call: the keys' padding as a boolean mask
+        # (b, 1, 1, skv) beside the mask type's causal pattern, the padded queries' rows then zeroed — no
+        # nonzero or max-length read back to the host, so no sync per call. Exact (the tests check both paths
+        # against the oracle) where positions counted over kept tokens and over the padded axis order the
+        # tokens alike: with no window or ALiBi (they measure distances), and for a causal mask only when one
+        # mask pads queries and keys (ranks among kept tokens are monotone in position; bottom-right equals
+        # top-left there). Training keeps the packed varlen call: on the H100 it was faster than the dense masked
+        # kernel forward and backward (bshd padding_causal GQA 4x2048: 3.26 vs 4.06 ms fwd+bwd,
+        # benchmarks/results/h100-7b1efc7/te_module-h100.md; module/op 0.779 at c8026d6), while its forward paid
+        # the syncs (1.69 vs 1.17 ms there).
+        dense_ok = (options["window"] is None and "alibi_slopes" not in options and not options["dropout_p"]
+                    and (not options["causal"] or keep_q is keep_kv))
+        key_mask = keep_kv[:, None, None, :]  # True = attend (opdispatch), broadcast over heads and queries
+        query_rows = (keep_q.t() if fmt == "sbhd" else keep_q)[:, :, None, None]
+
+        def dense(q: Tensor, k: Tensor, v: Tensor) -> bool:
+            if not dense_ok or not torch.is_grad_enabled():
+                return dense_ok
+            sinks = options.get("sinks")
+            return not (q.requires_grad or k.requires_grad or v.requires_grad
+                        or (sinks is not None and sinks.requires_grad))
+
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if dense(q, k, v):
+                out = attention(q, k, v, layout=fmt, attn_mask=key_mask, **options)
+                out = out.masked_fill(~query_rows, 0.0)  # TE's zeros for padded queries (a keyless row included)
+                return out.reshape(*out.shape[:2], -1)  # type: ignore[no-any-return]
             packed, index_q, varlen = pack(q, k, v)
             out = pad_input(attention(*packed, **opts, **varlen), index_q, batch, sq)  # zeros where padded
             out = out.transpose(0, 1) if fmt == "sbhd" else out
             return out.reshape(*out.shape[:2], -1)
 
         def describe() -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+            if dense(q, k, v):
+                return (q, k, v), {"layout": fmt, "attn_mask": key_mask, **options}
             packed, _, varlen = pack(q, k, v)
             return packed, {**opts, **varlen}
 
