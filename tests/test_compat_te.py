@@ -638,3 +638,128 @@ def test_te_docs_example_arbitrary_mask_equals_post_scale_bias():
     scores = (q @ k.transpose(-1, -2)) / d ** 0.5
     want = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
     torch.testing.assert_close(masked.double(), want.transpose(1, 2).reshape(b, s, h * d), atol=1e-5, rtol=1e-5)
+
+
+# -- forward's fast path: a repeated dense signature reuses its checked call, and still honours every change --------
+
+def test_repeated_signature_honours_module_changes_switches_and_refusals(monkeypatch):
+    module, fwd, tensors, ref = _case("sbhd", "causal_bottom_right", 2, True, True, "vanilla", seed=12)
+    m = DotProductAttention(**{**module, "attention_dropout": 0.5}).eval()
+    q64, k64, v64 = (t.double() for t in tensors)
+    for _ in range(3):  # the first call checks and remembers the signature, the next ones reuse it
+        torch.testing.assert_close(m(*tensors).double(), oracle(q64, k64, v64, "sbhd", **ref), atol=ATOL, rtol=1e-4)
+    assert len(m._dense_plans) == 1
+    # module attributes the check read are part of the signature: a new scale and mask type take effect
+    m.softmax_scale = 0.2
+    want = oracle(q64, k64, v64, "sbhd", **{**ref, "scale": 0.2})
+    for _ in range(2):
+        torch.testing.assert_close(m(*tensors).double(), want, atol=ATOL, rtol=1e-4)
+    m.attn_mask_type, m.window_size = "no_mask", (-1, -1)
+    want = oracle(q64, k64, v64, "sbhd", **{**ref, "scale": 0.2, "causal": False, "window": None})
+    for _ in range(2):
+        torch.testing.assert_close(m(*tensors).double(), want, atol=ATOL, rtol=1e-4)
+    m.train()  # dropout applies again in training
+    assert not torch.allclose(m(*tensors), m.eval()(*tensors))
+    # a coerced window warns on every call, not only on the first
+    for _ in range(2):
+        with pytest.warns(UserWarning, match=r"window_size should be"):
+            m(*tensors, attn_mask_type="causal", window_size=(-1, -1))
+    # values equal to a remembered signature's but of the wrong type are still refused
+    m(*tensors, bottom_right_diagonal=True)
+    with pytest.raises(ValueError, match="bottom_right_diagonal"):
+        m(*tensors, bottom_right_diagonal=1)
+    m(*tensors, window_size=(1, 1))
+    with pytest.raises(TypeError, match="window_size"):
+        m(*tensors, window_size=(True, 1))
+    # a switch turned off after the signature was remembered denies its family on the next call
+    m.softmax_scale, m.attn_mask_type, m.window_size = DIM ** -0.5, "causal_bottom_right", (2, 0)
+    monkeypatch.delenv("NVTE_UNFUSED_ATTN", raising=False)
+    with opdispatch.policy_override(deny=["cpu.flash", "torch.flex"]):
+        m(*tensors)
+        m(*tensors)
+        monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+        with pytest.raises(Exception, match="reference.math|no implementation"):
+            m(*tensors)
+        monkeypatch.setenv("NVTE_UNFUSED_ATTN", "not a number")
+        with pytest.raises(ValueError, match="NVTE_UNFUSED_ATTN"):
+            m(*tensors)
+        monkeypatch.setenv("NVTE_UNFUSED_ATTN", "1")
+        torch.testing.assert_close(m(*tensors).double(), oracle(q64, k64, v64, "sbhd", **ref), atol=ATOL, rtol=1e-4)
+
+
+# -- padded dense batches without a gradient: one dense masked call (no unpadding, no host sync) -------------------
+
+def _no_unpadding(monkeypatch):
+    import opdispatch.compat.te as te
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the forward without a gradient unpadded its batch")
+    monkeypatch.setattr(te, "unpad_input", refuse)
+
+
+@pytest.mark.parametrize("heads_kv", [HEADS, 1], ids=["mha", "gqa4"])
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("mask_type", PADDED_MASKS)
+def test_padded_forward_without_gradient_against_the_oracle(monkeypatch, mask_type, fmt, cross, heads_kv):
+    index = PADDED_MASKS.index(mask_type) * 8 + 4 * (fmt == "bshd") + 2 * cross + (heads_kv == 1)
+    softmax_type = ("vanilla", "off-by-one", "learnable")[index % 3]
+    module, fwd, tensors, ref = _case(fmt, mask_type, heads_kv, cross, False, softmax_type, seed=40 + index)
+    m = DotProductAttention(**module)
+    if m.softmax_type == "learnable":
+        with torch.no_grad():
+            m.softmax_offset.copy_(torch.linspace(-1.0, 1.5, HEADS))
+    sinks = None if m.softmax_offset is None else m.softmax_offset.detach().double()
+    want = oracle(*(t.double() for t in tensors), fmt, sinks=sinks, **ref)
+    with_grad = m(*(t.clone().requires_grad_() for t in tensors), **fwd)  # the packed varlen call
+    torch.testing.assert_close(with_grad.detach().double(), want, atol=ATOL, rtol=1e-4)
+    if not cross or "causal" not in mask_type:  # a causal pair of masks keeps the varlen call (exact per sequence)
+        _no_unpadding(monkeypatch)
+    with torch.no_grad():
+        out = m(*tensors, **fwd)
+    torch.testing.assert_close(out.double(), want, atol=ATOL, rtol=1e-4)
+    # the zeros of padded queries are exact zeros
+    assert bool((out.double() == 0).eq(want == 0).all())
+    # a window (it counts kept tokens) keeps the varlen call too, and still equals the oracle
+    if "causal" in mask_type and not cross:
+        monkeypatch.undo()
+        windowed = oracle(*(t.double() for t in tensors), fmt, sinks=sinks, **{**ref, "window": (2, 0)})
+        with torch.no_grad():
+            torch.testing.assert_close(m(*tensors, window_size=(2, 0), **fwd).double(), windowed, atol=ATOL,
+                                       rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask_type", PADDED_MASKS)
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_padding_with_holes_agrees_between_the_dense_and_the_packed_call(monkeypatch, fmt, mask_type):
+    """A mask with holes and left padding (not TE's right padding): positions count kept tokens in the packed
+    call; the dense call orders them alike (one mask for queries and keys), so both equal the oracle over the kept
+    tokens."""
+    gen = torch.Generator().manual_seed(31)
+    batch, s = 3, 7
+    q, k, v = _dense(batch, s, HEADS, DIM, fmt, gen), _dense(batch, s, 2, DIM, fmt, gen), _dense(batch, s, 2, DIM_V,
+                                                                                                  fmt, gen)
+    padded = torch.rand(batch, s, generator=gen) < 0.4  # True = padding (TE)
+    padded[0, :2] = True  # left padding
+    padded[1] = False
+    padded[2] = True  # a sequence without tokens
+    seqs = [(i, [i * s + j for j in range(s) if not padded[i, j]], [i * s + j for j in range(s) if not padded[i, j]])
+            for i in range(batch) if not padded[i].all()]  # the oracle leaves a tokenless sequence's rows zero
+    ref = dict(seqs=seqs, causal="causal" in mask_type, bottom_right=mask_type.endswith("bottom_right"), window=None,
+               scale=DIM ** -0.5, out_shape=(batch, s))
+    want = oracle(q.double(), k.double(), v.double(), fmt, **ref)
+    m = DotProductAttention(HEADS, (DIM, DIM_V), num_gqa_groups=2, qkv_format=fmt, attn_mask_type=mask_type)
+    mask = padded.view(batch, 1, 1, s)
+    packed = m(q.requires_grad_(), k, v, attention_mask=mask)
+    torch.testing.assert_close(packed.detach().double(), want, atol=ATOL, rtol=1e-4)
+    _no_unpadding(monkeypatch)
+    with torch.no_grad():
+        dense = m(q, k, v, attention_mask=mask)
+    torch.testing.assert_close(dense.double(), want, atol=ATOL, rtol=1e-4)
+    assert bool((dense == 0).eq(want == 0).all())
+    if "causal" in mask_type:  # a window counts kept tokens: it keeps the packed call, and equals the oracle
+        monkeypatch.undo()
+        windowed = oracle(q.double(), k.double(), v.double(), fmt, **{**ref, "window": (1, 0)})
+        with torch.no_grad():
+            torch.testing.assert_close(m(q, k, v, attention_mask=mask, window_size=(1, 0)).double(), windowed,
+                                       atol=ATOL, rtol=1e-4)

@@ -18,7 +18,9 @@ NVIDIA/TransformerEngine ``transformer_engine/pytorch/attention/dot_product_atte
 - Padding in ``sbhd``/``bshd`` (from ``attention_mask``, or ``cu_seqlens_q/kv`` which TE prefers): the kept
   tokens are packed and attended as ``thd``, so positions (the causal diagonal, the window, ALiBi) count kept
   tokens, and padded query rows come out as zeros — TE's fused kernels' behaviour, which assumes each
-  sequence's real tokens come first (right padding; there TE's backends all agree).
+  sequence's real tokens come first (right padding; there TE's backends all agree). Without a gradient, and where
+  it computes the same attention (no window, ALiBi or dropout; a causal mask only with one mask for queries and
+  keys), forward makes one dense call with the padding as a boolean key mask instead — no host sync per call.
 - ``thd`` with ``cu_seqlens_q_padded``/``cu_seqlens_kv_padded``: sequence i's tokens start at the padded offset;
   the tokens between sequences (and after the last) are skipped and come out as zeros.
 - ``softmax_type`` ``vanilla``, ``off-by-one`` (a zero sink logit per head) and ``learnable`` (the
@@ -123,6 +125,10 @@ SWITCHES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 _NAME = "opdispatch.compat.te.DotProductAttention"
+# forward's fast path takes these argument types only (a bool where an int is meant, or an int where a bool is,
+# would otherwise match a checked signature by equal hash and skip its check).
+_FLAG_TYPES = (type(None), bool)
+_LENGTH_TYPES = (type(None), int)
 
 # TE's backend families (what TE's log lines name) for the implementations its switches turn off; any other
 # opdispatch implementation is named by its id alone.
@@ -144,11 +150,15 @@ _stream_handler: logging.Handler | None = None
 # What has been logged, process-wide as TE's `_attention_backends`: the dispatch keys (decision class, device,
 # policy, overrides, scope) already looked at, and per (decision class, device) the implementation last logged.
 _SEEN_KEYS: dict[Any, None] = {}
+_UNREAD = object()
 _LOGGED_CHOICE: dict[Any, str | None] = {}
 
 
-def _switch_off(name: str) -> bool:
-    raw = os.environ.get(name, "1")
+def _switch_off(name: str, raw: Any = _UNREAD) -> bool:
+    """Whether switch `name` is 0: its value `raw` (as read from os.environ or its encoded dict; None = unset), or
+    read now."""
+    raw = os.environ.get(name) if raw is _UNREAD else raw
+    raw = "1" if raw is None else os.fsdecode(raw)
     try:
         return int(raw) == 0
     except ValueError:
@@ -156,15 +166,38 @@ def _switch_off(name: str) -> bool:
                          f"it as int (0 = off, 1 = on)") from None
 
 
+_SWITCH_NAMES = tuple(name for name, _ in SWITCHES)
+# os.environ keeps its variables in `_data` under encoded names (POSIX: bytes); os.environ.get reads that dict
+# through an encode/decode wrapper per name. Reading the dict itself gives the same values — every change made
+# through os.environ lands there, and a bare putenv is invisible to os.environ.get too — at one dict lookup a
+# name, so forward reads all six switches afresh every call (as TE, which reads them per call) for well under a
+# microsecond. The parsed result is cached per raw tuple of values.
+_SWITCH_KEYS = tuple(os.fsencode(name) for name in _SWITCH_NAMES) if os.name == "posix" else None
+_SWITCH_STATES: dict[tuple[Any, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _raw_switches() -> tuple[Any, ...]:
+    data = getattr(os.environ, "_data", None)
+    if _SWITCH_KEYS is not None and type(data) is dict:
+        return tuple(map(data.get, _SWITCH_KEYS))
+    return tuple(map(os.environ.get, _SWITCH_NAMES))
+
+
 def te_switches() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the NVTE_* switches set to 0, the opdispatch implementation ids they deny), from the environment now."""
+    raw = _raw_switches()
+    state = _SWITCH_STATES.get(raw)
+    if state is not None:
+        return state
     names: list[str] = []
     denied: list[str] = []
-    for name, impls in SWITCHES:
-        if _switch_off(name):
+    for (name, impls), value in zip(SWITCHES, raw):
+        if _switch_off(name, value):  # a value that is not an integer is refused (and never cached)
             names.append(f"{name}=0")
             denied.extend(i for i in impls if i not in denied)
-    return tuple(names), tuple(denied)
+    state = tuple(names), tuple(denied)
+    bounded_put(_SWITCH_STATES, raw, state, limit=64)
+    return state
 
 
 def _env_int(name: str, default: str) -> int:
@@ -214,12 +247,9 @@ def te_backend(impl_id: str | None) -> str:
 
 
 @contextlib.contextmanager
-def _switch_scope() -> Iterator[None]:
-    """TE's switches as a `policy_override(deny=...)` for the attention op (explain names this scope)."""
-    _, denied = te_switches()
-    if not denied:
-        yield
-        return
+def _switch_scope(denied: tuple[str, ...]) -> Iterator[None]:
+    """TE's switches as a `policy_override(deny=...)` for the attention op, entered here so that explain's
+    provenance names this file."""
     with policy_override(deny=list(denied), op="attention"):
         yield
 
@@ -494,6 +524,7 @@ class DotProductAttention(torch.nn.Module):
         # every DotProductAttention.__init__); forward logs only below WARNING.
         self._log_level = te_log_level()
         self.logger = _te_logger(self._log_level)
+        self._dense_plans: dict[Any, tuple[str, dict[str, Any]]] = {}  # forward's checked signatures
         self.return_max_logit = False
         self.name = name
         self.softmax_type = softmax_type
@@ -554,6 +585,44 @@ class DotProductAttention(torch.nn.Module):
         Every argument is honoured or refused (module docstring); `fast_zero_fill`, `bf16_backward` (FP8 only)
         and `num_splits` (FA3 scheduling) cannot change the result. Padded positions are zeros."""
         del fast_zero_fill, bf16_backward, num_splits  # see the docstring: no effect on the result here
+        denied = te_switches()[1]  # TE reads its switches per call: so does forward (read once, here)
+        # The per-call fast path: a dense call (no mask, lengths, bias tensor, packing, context parallelism,
+        # sinks or debug logging) whose signature — tensor shapes, dtypes and devices, every other argument, and
+        # every module attribute the plan reads — was checked before reuses that check's opdispatch call.
+        key = None
+        if (attention_mask is None and cu_seqlens_q is None and cu_seqlens_kv is None and cu_seqlens_q_padded is None
+                and cu_seqlens_kv_padded is None and core_attention_bias is None and alibi_slopes is None
+                and qkv_layer is None and kv_layer is None and inference_params is None and score_mod is None
+                and score_mod_bprop is None and score_mod_tensors is None and score_mod_bprop_tensors is None
+                and fp8_output is False and checkpoint_core_attention is False and self.cp_group is None
+                and self.softmax_offset is None and self._log_level >= logging.WARNING
+                and type(query_layer) is Tensor and type(key_layer) is Tensor and type(value_layer) is Tensor
+                and (window_size is None or (type(window_size) is tuple and len(window_size) == 2
+                                             and type(window_size[0]) is int and type(window_size[1]) is int))
+                and type(bottom_right_diagonal) in _FLAG_TYPES and type(pad_between_seqs) in _FLAG_TYPES
+                and type(max_seqlen_q) in _LENGTH_TYPES and type(max_seqlen_kv) in _LENGTH_TYPES
+                and not torch.compiler.is_dynamo_compiling()):
+            key = (query_layer.shape, key_layer.shape, value_layer.shape, query_layer.dtype, key_layer.dtype,
+                   value_layer.dtype, query_layer.device, key_layer.device, value_layer.device, qkv_format,
+                   attn_mask_type, window_size, bottom_right_diagonal, bottom_right_diagonal.__class__,
+                   pad_between_seqs, pad_between_seqs.__class__, max_seqlen_q, max_seqlen_kv,
+                   core_attention_bias_type, self.training, self.qkv_format, self.attn_mask_type, self.window_size,
+                   self.bottom_right_diagonal, self.softmax_scale, self.attention_dropout, self.deterministic,
+                   self.cp_comm_type, self.cp_stream, self.num_attention_heads, self.tp_size,
+                   self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k,
+                   self.hidden_size_per_attention_head_v)
+            try:
+                dense = self._dense_plans.get(key)
+            except TypeError:  # an unhashable argument: the general path checks it
+                key = dense = None
+            if dense is not None:
+                fmt, options = dense
+                if self.name is None and not denied:
+                    out = attention(query_layer, key_layer, value_layer, layout=fmt, **options)
+                else:
+                    with self._scopes(denied):
+                        out = attention(query_layer, key_layer, value_layer, layout=fmt, **options)
+                return out.reshape(*out.shape[:2], -1)  # type: ignore[no-any-return]
         plan = self._plan(query_layer, key_layer, value_layer, attention_mask, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                           cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attn_mask_type,
                           window_size, bottom_right_diagonal, core_attention_bias_type, core_attention_bias,
@@ -561,8 +630,11 @@ class DotProductAttention(torch.nn.Module):
                           score_mod_tensors, score_mod_bprop_tensors, qkv_layer, kv_layer, qkv_interleave_dim)
         if not isinstance(checkpoint_core_attention, bool):
             raise _refuse("checkpoint_core_attention", checkpoint_core_attention, "must be a bool")
-        with self._scopes():
-            if self._log_level < logging.WARNING:  # NVTE_DEBUG on; off, this comparison is all forward pays
+        if key is not None and plan.dense is not None and not plan.warned:
+            bounded_put(self._dense_plans, key, plan.dense, limit=64)
+        with self._scopes(denied):
+            # NVTE_DEBUG on (off, these comparisons are all forward pays), and the logger still listening.
+            if self._log_level < logging.WARNING and self.logger.isEnabledFor(logging.INFO):
                 _log_selection(self.logger, plan)
             if checkpoint_core_attention and torch.is_grad_enabled():
                 # Recompute the attention in backward (torch's checkpoint restores the RNG state for dropout).
@@ -595,11 +667,16 @@ class DotProductAttention(torch.nn.Module):
             return explain(*qkv, **options)
 
     @contextlib.contextmanager
-    def _scopes(self) -> Iterator[None]:
+    def _scopes(self, denied: tuple[str, ...] | None = None) -> Iterator[None]:
+        """The module's `name` as opdispatch's scope, and TE's switches (`denied`: read now when None) as a
+        `policy_override(deny=...)` for the attention op (explain names this scope)."""
+        if denied is None:
+            denied = te_switches()[1]
         with contextlib.ExitStack() as stack:
             if self.name is not None:
                 stack.enter_context(scope(self.name))
-            stack.enter_context(_switch_scope())
+            if denied:
+                stack.enter_context(_switch_scope(denied))
             yield
 
     def _plan(self, query_layer: Any, key_layer: Any, value_layer: Any, attention_mask: Any, qkv_format: Any,
@@ -627,7 +704,9 @@ class DotProductAttention(torch.nn.Module):
         q, k, v = _unpack(query_layer, key_layer, value_layer, qkv_layer, kv_layer, qkv_interleave_dim, fmt)
         self._check_qkv(q, k, v, fmt)
         mask_type = self.attn_mask_type if attn_mask_type is None else _mask_type(attn_mask_type, "attn_mask_type")
-        window = _window_size(mask_type, self.window_size if window_size is None else window_size, "window_size")
+        given_window = self.window_size if window_size is None else window_size
+        window = _window_size(mask_type, given_window, "window_size")
+        coerced = given_window is not None and tuple(given_window) != window  # _window_size warned
         if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
             raise _refuse("bottom_right_diagonal", bottom_right_diagonal, "must be None, True or False")
         bottom_right = self.bottom_right_diagonal if bottom_right_diagonal is None else bottom_right_diagonal
@@ -743,7 +822,10 @@ class DotProductAttention(torch.nn.Module):
             plan = self._plan_padded(q, k, v, fmt, options, attention_mask, cu_seqlens_q, cu_seqlens_kv)
         else:
             plan = _Plan(_dense_run(fmt, options), (q, k, v), lambda: ((q, k, v), {"layout": fmt, **options}))
+            if "alibi_slopes" not in options or alibi_slopes is None:  # options made from the signature alone
+                plan.dense = (fmt, options)
         plan.config = config
+        plan.warned = coerced
         return plan
 
     def _check_context_parallel(self, cp: _ContextParallel, q: Tensor, k: Tensor, fmt: str, mask_type: str,
@@ -871,7 +953,8 @@ class DotProductAttention(torch.nn.Module):
                 raise _refuse("cu_seqlens_q" if cu_q is None else "cu_seqlens_kv", None,
                               "must be given with its pair (cu_seqlens_q and cu_seqlens_kv)")
             keep_q = _lengths_keep(cu_q, "cu_seqlens_q", batch, sq, q.device)
-            keep_kv = _lengths_keep(cu_kv, "cu_seqlens_kv", batch, skv, q.device)
+            keep_kv = (keep_q if cu_kv is cu_q and skv == sq
+                       else _lengths_keep(cu_kv, "cu_seqlens_kv", batch, skv, q.device))
         elif self.attention_type == "self":
             if isinstance(attention_mask, (tuple, list)):
                 raise _refuse("attention_mask", attention_mask, "must be one [b, 1, 1, s] tensor for "
@@ -908,13 +991,41 @@ class DotProductAttention(torch.nn.Module):
                       "max_seqlen_q": max(max_sq, 1), "max_seqlen_k": max(max_skv, 1)}
             return (pq, pk, pv), index_q, varlen
 
+        # Without a gradient, the same attention as one dense call: the keys' padding as a boolean mask
+        # (b, 1, 1, skv) beside the mask type's causal pattern, the padded queries' rows then zeroed — no
+        # nonzero or max-length read back to the host, so no sync per call. Exact (the tests check both paths
+        # against the oracle) where positions counted over kept tokens and over the padded axis order the
+        # tokens alike: with no window or ALiBi (they measure distances), and for a causal mask only when one
+        # mask pads queries and keys (ranks among kept tokens are monotone in position; bottom-right equals
+        # top-left there). Training keeps the packed varlen call: on the H100 it was faster than the dense masked
+        # kernel forward and backward (bshd padding_causal GQA 4x2048: 3.26 vs 4.06 ms fwd+bwd,
+        # benchmarks/results/h100-7b1efc7/te_module-h100.md; module/op 0.779 at c8026d6), while its forward paid
+        # the syncs (1.69 vs 1.17 ms there).
+        dense_ok = (options["window"] is None and "alibi_slopes" not in options and not options["dropout_p"]
+                    and (not options["causal"] or keep_q is keep_kv))
+        key_mask = keep_kv[:, None, None, :]  # True = attend (opdispatch), broadcast over heads and queries
+        query_rows = (keep_q.t() if fmt == "sbhd" else keep_q)[:, :, None, None]
+
+        def dense(q: Tensor, k: Tensor, v: Tensor) -> bool:
+            if not dense_ok or not torch.is_grad_enabled():
+                return dense_ok
+            sinks = options.get("sinks")
+            return not (q.requires_grad or k.requires_grad or v.requires_grad
+                        or (sinks is not None and sinks.requires_grad))
+
         def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            if dense(q, k, v):
+                out = attention(q, k, v, layout=fmt, attn_mask=key_mask, **options)
+                out = out.masked_fill(~query_rows, 0.0)  # TE's zeros for padded queries (a keyless row included)
+                return out.reshape(*out.shape[:2], -1)  # type: ignore[no-any-return]
             packed, index_q, varlen = pack(q, k, v)
             out = pad_input(attention(*packed, **opts, **varlen), index_q, batch, sq)  # zeros where padded
             out = out.transpose(0, 1) if fmt == "sbhd" else out
             return out.reshape(*out.shape[:2], -1)
 
         def describe() -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+            if dense(q, k, v):
+                return (q, k, v), {"layout": fmt, "attn_mask": key_mask, **options}
             packed, _, varlen = pack(q, k, v)
             return packed, {**opts, **varlen}
 
@@ -926,12 +1037,16 @@ class _Plan:
     (q, k, v) and its keyword arguments (what `explain` is asked about); `config`: TE's run configuration of the
     call (set with NVTE_DEBUG on only)."""
 
-    __slots__ = ("run", "tensors", "describe", "config")
+    __slots__ = ("run", "tensors", "describe", "config", "dense", "warned")
 
     def __init__(self, run: Callable[..., Tensor], tensors: tuple[Tensor, ...],
                  describe: Callable[[], tuple[tuple[Tensor, ...], dict[str, Any]]]) -> None:
         self.run, self.tensors, self.describe = run, tensors, describe
         self.config: dict[str, Any] | None = None
+        # A dense call's (layout, opdispatch options), when they follow from the call's signature alone (what
+        # forward's fast path may reuse); whether checking the call warned (then it is not reused: it warns again).
+        self.dense: tuple[str, dict[str, Any]] | None = None
+        self.warned = False
 
 
 _UNSET = object()
