@@ -258,7 +258,7 @@ def _native_size_entry(*args: Any) -> Any:
     watched = (manager.state.decisions, manager.size_generic, *manager.breaker.watched())
     template = manager.size_generic.get(size_generic_key(key))
     constraints = None if template is None else _class_constraints(manager, template, args[_IMPL])
-    if constraints is None:
+    if template is None or constraints is None:
         return (None, (), 0, None, watched, None)
     call = template.call
     capturing = None if call.device.type == "cpu" else functools.partial(is_capturing, call.device)
