@@ -1123,13 +1123,21 @@ OPDISPATCH_COLD PyObject* sized_or_miss(Door* d, PyObject* const* args, Py_ssize
     if (PyErr_Occurred()) PyErr_Clear();
     return miss(d, args, nargs, kwnames, slots, key, h, known);
   }
+  // A signature's second call goes to Python, which reads its exact entry back (`miss`): a repeated signature
+  // ends on an exact hit, never on this slower path.
+  if (d->seen_once.count(h) != 0) return miss(d, args, nargs, kwnames, slots, key, h, known);
   const uint64_t rh = reduced.hash();
   SizedEntry* s = d->find_sized(reduced, rh);
   const bool current = s != nullptr && s->current(manager_of(d));
   if (current) {
     if (s->fn != nullptr && d->inside(*s, sizes)) {
       PyObject* out = sized_call(d, s, slots, sizes);
-      if (out != kPass) return out;
+      if (out != kPass) {
+        if (out != nullptr && d->seen_once.insert(h).second && d->seen_once.size() > kMaxEntries) {
+          d->seen_once.clear();
+        }
+        return out;
+      }
     }
     return miss(d, args, nargs, kwnames, slots, key, h, known);
   }

@@ -597,11 +597,10 @@ def _index_key(t: Any) -> Any:
 
 # The compiled fast path where built (opdispatch.base._native): the same front door with its hit path in C, handing
 # every other call to the Python one above.
-# Size-generic entries in the compiled door: opt-in (OPDISPATCH_NATIVE_SIZED=1) until the tests that count the
-# Python path's misses and slow calls of a decode loop count these hits too (issue 31, s41-fp1's report).
+# Size-generic entries in the compiled door: on unless OPDISPATCH_NATIVE_SIZED=0 (read once, at import).
 attention = _native.from_arguments(
     attention, ATTENTION_ARGS, globals(), _attention_failed, globals(),
-    size_entry=_native_size_entry if os.environ.get("OPDISPATCH_NATIVE_SIZED") == "1" else None)
+    size_entry=None if os.environ.get("OPDISPATCH_NATIVE_SIZED") == "0" else _native_size_entry)
 _attention_key = ATTENTION_ARGS.key_function(globals())  # the key the Python front door keeps calls under
 
 
