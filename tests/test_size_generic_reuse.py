@@ -9,6 +9,7 @@ import torch
 
 import opdispatch
 from opdispatch.doors import _api
+from opdispatch.engine._stats import stats as usage_stats
 from opdispatch.policies import parse_policy
 from tests.test_numerics import naive_attention
 
@@ -526,25 +527,33 @@ def test_revalidating_a_dense_calls_sizes_gives_full_validations_call(case, grad
 
 
 def test_template_calls_are_counted_once_each_and_from_zero_after_a_reset(basic_manager, door):
-    """The usage counters' slow calls count each template call on its decision's row, and a reset starts the row
-    over (the counters keep the last row they counted: it must not outlive the reset)."""
+    """The usage counters count each template call once — on its decision's row where the Python path ran it, as a
+    compiled fast-path hit where the compiled door's size-generic entry did — and a reset starts them over (the
+    counters keep the last row they counted: it must not outlive the reset)."""
     gen = torch.Generator().manual_seed(3)
     q = make("bshd", 1, 1, 4, 8, gen)
     cache = make("bshd", 1, 20, 2, 8, gen)
+
+    def calls():
+        return usage_stats(False, basic_manager).ops["attention"].calls
 
     def slow_calls():
         _, rows = basic_manager.usage.snapshot()
         return sum(r.slow_calls for r in rows)
 
     door(q, cache[:, :4], cache[:, :4])
-    first = slow_calls()
+    first, first_slow = calls(), slow_calls()
     for n in range(5, 9):
         door(q, cache[:, :n], cache[:, :n])
-    assert slow_calls() == first + 4
-    basic_manager.usage.snapshot(reset=True)
+    assert calls() == first + 4
+    sized = getattr(door, "__self__", None)
+    sized_hits = 0 if sized is None else sized.stats()["sized_hits"]
+    assert slow_calls() + sized_hits == first_slow + 4
+    usage_stats(True, basic_manager)
     for n in range(9, 12):
         door(q, cache[:, :n], cache[:, :n])
-    assert slow_calls() == 3
+    assert calls() == 3
+    assert slow_calls() + (0 if sized is None else sized.stats()["sized_hits"] - sized_hits) == 3
 
 
 def test_a_mask_of_another_rank_or_broadcast_pattern_takes_its_own_template(basic_manager, door, validations):

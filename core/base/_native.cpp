@@ -20,11 +20,13 @@
 
 #include <Python.h>
 
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <c10/core/GradMode.h>
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -138,6 +140,51 @@ struct Entry {
   }
 };
 
+// What a door keeps for calls that differ from a signature the Python path ran only in sizes (its key reduced as
+// opdispatch.doors._api's `size_generic_key` does): the function its template bound, the sizes of its decision class
+// as constraints on the tensors' sizes, what its output must be, and the dicts whose change may change what the
+// Python path (`_sized_reuse`) would do — each with its version tag when read. `fn` nullptr: none is taken (until
+// a watched dict changes). Made by the door's `size_entry` hook (`_native_size_entry`).
+struct SizedEntry {
+  std::vector<uint64_t> words;
+  std::vector<PyObject*> equal;  // strong
+  std::vector<PyObject*> held;   // strong
+  PyObject* manager = nullptr;   // strong
+  PyObject* fn = nullptr;        // strong, or nullptr
+  PyObject* capturing = nullptr;  // strong, or nullptr: capturing() true hands the call to Python
+  std::vector<int64_t> constraints;  // six per constraint: see _native_size_entry
+  int64_t head_dim_v = 0;
+  int scalar_type = -1;
+  std::vector<std::pair<PyObject*, uint64_t>> watched;  // strong dicts, with their version tags
+
+  bool matches(const Key& key) const {
+    if (words.size() != key.n_words || equal.size() != key.n_equal) return false;
+    if (std::memcmp(words.data(), key.words, key.n_words * sizeof(uint64_t)) != 0) return false;
+    for (size_t i = 0; i < key.n_equal; ++i) {
+      if (equal[i] != key.equal[i] && PyUnicode_Compare(equal[i], key.equal[i]) != 0) return false;
+    }
+    return true;
+  }
+  bool current(PyObject* now_manager) const {
+    if (now_manager != manager) return false;
+    for (const auto& w : watched) {
+      if (dict_version(w.first) != w.second) return false;
+    }
+    return true;
+  }
+  void release() {
+    for (PyObject* o : equal) Py_DECREF(o);
+    for (PyObject* o : held) Py_DECREF(o);
+    for (auto& w : watched) Py_DECREF(w.first);
+    equal.clear();
+    held.clear();
+    watched.clear();
+    Py_CLEAR(manager);
+    Py_CLEAR(fn);
+    Py_CLEAR(capturing);
+  }
+};
+
 // How one call site's arguments bind to a door's slots. A call site passes the same keyword-name tuple (a code
 // constant) with the same number of positionals on every call, so the binding is worked out once per
 // (nargs, kwnames) and reused: its slots, whether Python would accept it, and which slots were passed.
@@ -160,6 +207,9 @@ struct SlotSpec {
   bool exact;    // tensors must be torch.Tensor exactly (not Parameter)
   bool grad;     // requires_grad joins the grad field
 };
+
+struct Door;
+PyObject* manager_of(Door* d);
 
 struct Door {
   std::string name;
@@ -187,9 +237,11 @@ struct Door {
   std::unordered_map<uint64_t, std::vector<std::unique_ptr<Entry>>> table;
   size_t n_entries = 0;
   Entry* last = nullptr;  // the entry of the last hit or miss: a loop of one signature skips hashing
+  PyObject* size_entry = nullptr;  // size_entry(*arguments) -> a SizedEntry's fields, or None (no sized entries)
+  std::unordered_map<uint64_t, std::unique_ptr<SizedEntry>> sized;  // by reduced key hash (a collision replaces)
   uint64_t generation = 0;  // bumped by clear_table
   std::unordered_set<uint64_t> seen_once;  // hashes of keys missed once (read back from their second call)
-  uint64_t hits = 0, misses = 0, passes = 0, revalidated = 0;
+  uint64_t hits = 0, misses = 0, passes = 0, revalidated = 0, sized_hits = 0;
   uint64_t compiler_version = 0;  // torch.compiler's globals' version tag when `compiling` was read
   bool compiling = false;
 
@@ -205,6 +257,7 @@ struct Door {
     Py_XDECREF(result);
     Py_XDECREF(api_globals);
     Py_XDECREF(compiler_globals);
+    Py_XDECREF(size_entry);
   }
 
   // Empties the table before releasing anything: a release may run Python code (a finaliser) that calls this
@@ -212,6 +265,8 @@ struct Door {
   void clear_table() {
     decltype(table) old;
     old.swap(table);
+    decltype(sized) old_sized;
+    old_sized.swap(sized);
     last = nullptr;
     seen_once.clear();
     n_entries = 0;
@@ -219,6 +274,7 @@ struct Door {
     for (auto& bucket : old) {
       for (auto& e : bucket.second) e->release();
     }
+    for (auto& entry : old_sized) entry.second->release();
   }
 
   // The binding of a call site (nargs positionals, these keyword names), worked out on its first call.
@@ -351,6 +407,149 @@ struct Door {
     *w++ = any_grad && c10::GradMode::is_enabled();  // grad mode read only when it matters
     key.n_words = static_cast<size_t>(w - key.words);
     return context_words(key);
+  }
+
+  // The key of a call with every tensor's sizes reduced to its rank and last dim (`size_generic_key`), its sizes
+  // into `sizes` by slot; false where no sized entry may take it (an optional tensor given, an index tensor).
+  bool make_sized_key(PyObject** slots, const CallShape& shape, Key& key, c10::IntArrayRef* sizes) const {
+    bool any_grad = false;
+    Cursor w = key.words;
+    const uint64_t* end = key.words + kMaxWords;
+    *w++ = shape.passed;
+    for (Py_ssize_t j = 0; j < shape.n_keyed; ++j) {
+      const Py_ssize_t i = shape.keyed[j];
+      const SlotSpec spec = specs[i];
+      PyObject* v = slots[i];
+      if (spec.kind == kTensor || spec.kind == kStrided) {
+        if (!is_tensor(v, spec.exact) || end - w < 5) return false;
+        c10::TensorImpl* impl = THPVariable_Unpack(v).unsafeGetTensorImpl();
+        c10::IntArrayRef dims = impl->sizes();
+        const size_t dim = dims.size();
+        if (dim == 0) return false;
+        sizes[i] = dims;
+        *w++ = dim;
+        *w++ = static_cast<uint64_t>(dims[dim - 1]);
+        const c10::Device device = impl->device();
+        *w++ = static_cast<uint64_t>(impl->dtype().toScalarType()) |
+               (static_cast<uint64_t>(device.type()) << 16) |
+               (static_cast<uint64_t>(static_cast<uint8_t>(device.index())) << 32);
+        if (spec.kind == kStrided) *w++ = static_cast<uint64_t>(impl->strides()[dim - 1]);
+        if (spec.grad) any_grad = any_grad || impl->requires_grad();
+        continue;
+      }
+      if ((spec.kind == kOptTensor || spec.kind == kIndex) && v != Py_None && !PyLong_CheckExact(v)) return false;
+      if (spec.kind == kOptTensor && v != Py_None) return false;
+      if (!value_words_into(w, end, key, i, v, any_grad)) return false;
+    }
+    if (w == end) return false;
+    *w++ = any_grad && c10::GradMode::is_enabled();
+    key.n_words = static_cast<size_t>(w - key.words);
+    return context_words(key);
+  }
+
+  // Whether `sizes` meet the entry's constraints (what _native_size_entry says they are).
+  bool inside(const SizedEntry& s, const c10::IntArrayRef* sizes) const {
+    const std::vector<int64_t>& c = s.constraints;
+    auto at = [&](int64_t slot, int64_t dim, int64_t& out) {
+      if (slot < 0 || slot >= n || dim < 0 || static_cast<size_t>(dim) >= sizes[slot].size()) return false;
+      out = sizes[slot][static_cast<size_t>(dim)];
+      return true;
+    };
+    for (size_t i = 0; i + 6 <= c.size(); i += 6) {
+      int64_t x = 0, y = 0;
+      if (!at(c[i + 1], c[i + 2], x)) return false;
+      switch (c[i]) {
+        case 0:
+          if (x < c[i + 3] || (c[i + 4] >= 0 && x >= c[i + 4])) return false;
+          break;
+        case 1:
+          if (!at(c[i + 3], c[i + 4], y) || x != y) return false;
+          break;
+        case 2:
+          if (!at(c[i + 3], c[i + 4], y) || x != c[i + 5] * y) return false;
+          break;
+        default:
+          return false;
+      }
+    }
+    return true;
+  }
+
+  SizedEntry* find_sized(const Key& key, uint64_t h) {
+    auto it = sized.find(h);
+    return it != sized.end() && it->second->matches(key) ? it->second.get() : nullptr;
+  }
+
+  // After the Python path ran a call: what the size_entry hook says, kept under the call's reduced key. Errors
+  // from the hook keep nothing (the next miss asks again).
+  void refresh_sized(const Key& key, uint64_t h, PyObject** slots) {
+    PyObject* manager = manager_of(this);
+    if (manager == nullptr) return;
+    PyObject* got = PyObject_Vectorcall(size_entry, slots, n, nullptr);
+    if (got == nullptr) {
+      PyErr_Clear();
+      return;
+    }
+    auto entry = std::make_unique<SizedEntry>();
+    if (fill_sized(*entry, got, manager)) {
+      entry->words.assign(key.words, key.words + key.n_words);
+      for (size_t i = 0; i < key.n_equal; ++i) {
+        Py_INCREF(key.equal[i]);
+        entry->equal.push_back(key.equal[i]);
+      }
+      for (size_t i = 0; i < key.n_held; ++i) {
+        Py_INCREF(key.held[i]);
+        entry->held.push_back(key.held[i]);
+      }
+      if (sized.size() >= kMaxEntries) clear_table();
+      std::unique_ptr<SizedEntry> old;
+      auto it = sized.find(h);
+      if (it != sized.end()) old.swap(it->second);
+      sized[h] = std::move(entry);
+      if (old) old->release();  // last: releasing may run Python code
+    } else {
+      entry->release();
+      if (PyErr_Occurred()) PyErr_Clear();
+    }
+    Py_DECREF(got);
+  }
+
+  // (fn, constraints, head_dim_v, dtype, watched dicts, capturing) into `s`; false for None or anything else.
+  bool fill_sized(SizedEntry& s, PyObject* got, PyObject* manager) const {
+    if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 6) return false;
+    PyObject* fn = PyTuple_GET_ITEM(got, 0);
+    PyObject* constraints = PyTuple_GET_ITEM(got, 1);
+    PyObject* watched = PyTuple_GET_ITEM(got, 4);
+    PyObject* capturing = PyTuple_GET_ITEM(got, 5);
+    if (!PyTuple_CheckExact(constraints) || PyTuple_GET_SIZE(constraints) % 6 != 0 || !PyTuple_CheckExact(watched))
+      return false;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(watched); ++i) {
+      PyObject* dict = PyTuple_GET_ITEM(watched, i);
+      if (!PyDict_CheckExact(dict)) return false;
+      Py_INCREF(dict);
+      s.watched.emplace_back(dict, dict_version(dict));
+    }
+    Py_INCREF(manager);
+    s.manager = manager;
+    if (fn == Py_None) return true;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(constraints); ++i) {
+      const long long c = PyLong_AsLongLong(PyTuple_GET_ITEM(constraints, i));
+      if (c == -1 && PyErr_Occurred()) return false;
+      s.constraints.push_back(c);
+    }
+    const long long head_dim_v = PyLong_AsLongLong(PyTuple_GET_ITEM(got, 2));
+    if (head_dim_v == -1 && PyErr_Occurred()) return false;
+    PyObject* dtype = PyTuple_GET_ITEM(got, 3);
+    if (!THPDtype_Check(dtype)) return false;
+    s.head_dim_v = head_dim_v;
+    s.scalar_type = static_cast<int>(reinterpret_cast<THPDtype*>(dtype)->scalar_type);
+    if (capturing != Py_None) {
+      Py_INCREF(capturing);
+      s.capturing = capturing;
+    }
+    Py_INCREF(fn);
+    s.fn = fn;
+    return true;
   }
 
   // Whether a default keys as a constant (the same words every call, whatever state tensors are in).
@@ -853,13 +1052,107 @@ __attribute__((always_inline)) inline PyObject* hit(Door* d, Entry* e, PyObject*
   return out;
 }
 
+// A call that the size-generic entry `s` (current, with a function, its constraints met) takes: capture and
+// optional arguments checked, its function run, its output checked as `_sized_reuse` does. `kPass` where the
+// Python path must run the call instead (capture under way, an optional argument given, an Exception raised,
+// an output not as the call's), nullptr for any other exception.
+PyObject kPassObject;
+PyObject* const kPass = &kPassObject;  // a sentinel address, never a Python object handed out
+
+OPDISPATCH_COLD PyObject* sized_call(Door* d, SizedEntry* s, PyObject** slots, const c10::IntArrayRef* sizes) {
+  for (Py_ssize_t i : d->bound_optional) {
+    if (slots[i] != Py_None) return kPass;
+  }
+  if (s->capturing != nullptr) {
+    PyObject* capturing = PyObject_CallNoArgs(s->capturing);
+    const int yes = capturing == nullptr ? -1 : PyObject_IsTrue(capturing);
+    Py_XDECREF(capturing);
+    if (yes != 0) {
+      PyErr_Clear();
+      return kPass;
+    }
+  }
+  PyObject* fn = s->fn;
+  const int64_t head_dim_v = s->head_dim_v;
+  const int scalar_type = s->scalar_type;
+  PyObject* call[kMaxArgs + kMaxKernelArgs];
+  Py_ssize_t count = 0;
+  for (Py_ssize_t i : d->bound) call[count++] = slots[i];
+  Py_INCREF(fn);  // the entry may go while the kernel runs (a re-entrant call)
+  PyObject* out = Py_TYPE(fn) == &KernelCallType && count <= kMaxKernelArgs
+                      ? kernel_call_invoke(reinterpret_cast<KernelCallObject*>(fn), call, count)
+                      : PyObject_Vectorcall(fn, call, count, nullptr);
+  Py_DECREF(fn);
+  if (out == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+    PyErr_Clear();  // what a failure means is the Python path's to say: it runs the call again
+    return kPass;
+  }
+  const c10::IntArrayRef q = sizes[d->bound[0]];
+  bool fine = Door::is_tensor(out, true);
+  if (fine) {
+    c10::TensorImpl* impl = THPVariable_Unpack(out).unsafeGetTensorImpl();
+    c10::IntArrayRef got = impl->sizes();
+    fine = got.size() == q.size() && got[got.size() - 1] == head_dim_v &&
+           std::equal(got.begin(), got.end() - 1, q.begin()) &&
+           static_cast<int>(impl->dtype().toScalarType()) == scalar_type &&
+           impl->device() == THPVariable_Unpack(slots[d->bound[0]]).unsafeGetTensorImpl()->device();
+  }
+  if (!fine) {
+    Py_DECREF(out);
+    return kPass;
+  }
+  ++d->sized_hits;
+  return out;
+}
+
+// A miss of the exact key at a door with sized entries: the entry of the call's reduced key takes it where it is
+// current and its constraints hold; else the Python path runs it (and a missing or outdated entry is made again).
+OPDISPATCH_COLD PyObject* sized_or_miss(Door* d, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames,
+                                        PyObject** slots, const CallShape* shape, const Key& key, uint64_t h,
+                                        bool known) {
+  Key reduced;
+  c10::IntArrayRef sizes[kMaxArgs];
+  bool keyed;
+  try {
+    keyed = d->make_sized_key(slots, *shape, reduced, sizes);
+  } catch (...) {
+    keyed = false;
+  }
+  if (!keyed) {
+    if (PyErr_Occurred()) PyErr_Clear();
+    return miss(d, args, nargs, kwnames, slots, key, h, known);
+  }
+  // A signature's second call goes to Python, which reads its exact entry back (`miss`): a repeated signature
+  // ends on an exact hit, never on this slower path.
+  if (d->seen_once.count(h) != 0) return miss(d, args, nargs, kwnames, slots, key, h, known);
+  const uint64_t rh = reduced.hash();
+  SizedEntry* s = d->find_sized(reduced, rh);
+  const bool current = s != nullptr && s->current(manager_of(d));
+  if (current) {
+    if (s->fn != nullptr && d->inside(*s, sizes)) {
+      PyObject* out = sized_call(d, s, slots, sizes);
+      if (out != kPass) {
+        if (out != nullptr && d->seen_once.insert(h).second && d->seen_once.size() > kMaxEntries) {
+          d->seen_once.clear();
+        }
+        return out;
+      }
+    }
+    return miss(d, args, nargs, kwnames, slots, key, h, known);
+  }
+  PyObject* out = miss(d, args, nargs, kwnames, slots, key, h, known);
+  if (out != nullptr) d->refresh_sized(reduced, rh, slots);
+  return out;
+}
+
 // An entry whose dict changed since it was read (another signature, another front door, a demotion), or none.
 // The entry stands if the Python path would still find this very function under its key — one dict lookup, not a
 // Python call. Hashing the key may run Python code (and let another thread clear the table): hold what is read,
 // check the generation.
 OPDISPATCH_COLD PyObject* stale_or_miss(Door* d, Entry* e, PyObject* const* args, Py_ssize_t nargs,
-                                        PyObject* kwnames, PyObject** slots, const Key& key, uint64_t h,
-                                        bool optional_given) {
+                                        PyObject* kwnames, PyObject** slots, const CallShape* shape,
+                                        const Key& key, uint64_t h, bool optional_given) {
   if (e != nullptr) {
     const uint64_t generation = d->generation;
     PyObject *fast = e->fast, *pykey = e->pykey, *fn = e->fn;
@@ -884,6 +1177,9 @@ OPDISPATCH_COLD PyObject* stale_or_miss(Door* d, Entry* e, PyObject* const* args
     }
   }
   if (h == 0) h = key.hash();
+  if (d->size_entry != nullptr && d->result == nullptr && d->flag < 0 && e == nullptr) {
+    return sized_or_miss(d, args, nargs, kwnames, slots, shape, key, h, false);
+  }
   return miss(d, args, nargs, kwnames, slots, key, h, e != nullptr);
 }
 
@@ -922,7 +1218,7 @@ PyObject* door_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
     d->last = e;
     return hit(d, e, e->manager, slots, optional_given);
   }
-  return stale_or_miss(d, e, args, nargs, kwnames, slots, key, h, optional_given);
+  return stale_or_miss(d, e, args, nargs, kwnames, slots, shape, key, h, optional_given);
 }
 
 // -- the door's state object --------------------------------------------------------------------------------------
@@ -954,6 +1250,14 @@ int door_traverse(PyObject* self, visitproc visit, void* arg) {
       Py_VISIT(e->fn);
     }
   }
+  Py_VISIT(d->size_entry);
+  for (auto& entry : d->sized) {
+    SizedEntry& s = *entry.second;
+    for (PyObject* o : s.held) Py_VISIT(o);
+    Py_VISIT(s.manager);
+    Py_VISIT(s.fn);
+    Py_VISIT(s.capturing);
+  }
   return 0;
 }
 
@@ -967,16 +1271,28 @@ int door_clear(PyObject* self) {
   Py_CLEAR(d->key_of);
   Py_CLEAR(d->failed);
   Py_CLEAR(d->result);
+  Py_CLEAR(d->size_entry);
   return 0;
 }
 
 PyObject* door_stats(PyObject* self, PyObject*) {
   Door* d = reinterpret_cast<DoorObject*>(self)->door;
-  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:n}", "hits", static_cast<unsigned long long>(d->hits), "misses",
+  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:n,s:K,s:n}", "hits", static_cast<unsigned long long>(d->hits), "misses",
                        static_cast<unsigned long long>(d->misses), "passes",
                        static_cast<unsigned long long>(d->passes), "revalidated",
                        static_cast<unsigned long long>(d->revalidated), "entries",
-                       static_cast<Py_ssize_t>(d->n_entries));
+                       static_cast<Py_ssize_t>(d->n_entries), "sized_hits",
+                       static_cast<unsigned long long>(d->sized_hits), "sized_entries",
+                       static_cast<Py_ssize_t>(d->sized.size()));
+}
+
+PyObject* door_set_size_entry(PyObject* self, PyObject* hook) {
+  Door* d = reinterpret_cast<DoorObject*>(self)->door;
+  if (!PyCallable_Check(hook)) return PyErr_Format(PyExc_TypeError, "size_entry must be callable");
+  Py_INCREF(hook);
+  Py_XSETREF(d->size_entry, hook);
+  d->clear_table();
+  Py_RETURN_NONE;
 }
 
 PyObject* door_forget(PyObject* self, PyObject*) {
@@ -989,6 +1305,8 @@ PyMethodDef door_methods[] = {
                                        "to Python unkeyed), revalidated (hits after the manager's dict changed, "
                                        "checked by one lookup) and entries of this front door"},
     {"forget", door_forget, METH_NOARGS, "Drop every entry (the next call of each signature goes through Python)"},
+    {"set_size_entry", door_set_size_entry, METH_O, "The hook that makes this door's size-generic entries "
+                                                     "(opdispatch.base._native.compiled_front_door's size_entry)"},
     {nullptr, nullptr, 0, nullptr}};
 
 // -- thread flags -------------------------------------------------------------------------------------------------

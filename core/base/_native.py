@@ -249,7 +249,8 @@ def compiled_front_door(python: Callable[..., Any], *, name: str, names: Sequenc
                         failed: Callable[..., Any], bound: Sequence[str], bound_optional: Sequence[str] = (),
                         context: Sequence[Any] = (), exact: Sequence[str] = (), grad: Sequence[str] | None = None,
                         result: Callable[..., Any] | None = None, result_arg: str | None = None,
-                        flag: Any = None, api_globals: dict[str, Any]) -> Callable[..., Any]:
+                        flag: Any = None, api_globals: dict[str, Any],
+                        size_entry: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """`python` (a front door) as a C builtin with a compiled hit path, or `python` itself where the extension
     is not loaded.
 
@@ -263,11 +264,13 @@ def compiled_front_door(python: Callable[..., Any], *, name: str, names: Sequenc
     (default: every tensor); result(out, arguments[result_arg]) shapes the output when that argument is true;
     flag: a `thread_flag()` set while the kernel runs (calls made meanwhile go to Python); api_globals: the
     namespace whose ``_manager`` a hit reads (the front doors' module, whose ``_manager`` follows the process-wide
-    manager: core/engine/_current.py).
+    manager: core/engine/_current.py); size_entry(*arguments): after the Python path ran a call whose exact
+    signature missed, what the door keeps for calls that differ from it only in sizes (opdispatch.doors._api's
+    `_native_size_entry` says what; None: no such entries).
     """
     spec = dict(name=name, names=names, n_positional=n_positional, defaults=defaults, kinds=kinds, key_of=key_of,
                 failed=failed, bound=bound, bound_optional=bound_optional, context=context, exact=exact, grad=grad,
-                result=result, result_arg=result_arg, flag=flag, api_globals=api_globals)
+                result=result, result_arg=result_arg, flag=flag, api_globals=api_globals, size_entry=size_entry)
     python.__opdispatch_native_spec__ = spec  # type: ignore[attr-defined]  # for twin(): the same door, compiled
     native = native_module()
     if native is None:
@@ -284,6 +287,8 @@ def compiled_front_door(python: Callable[..., Any], *, name: str, names: Sequenc
         failed=failed, api_globals=api_globals,
         compiler_globals=torch.compiler.__dict__, result=result,
         result_arg=-1 if result_arg is None else index[result_arg], flag=flag)
+    if size_entry is not None:
+        door.__self__.set_size_entry(size_entry)
     _doors[:] = [(ref, fn) for ref, fn in _doors if ref() is not None]  # doors gone (tests' twins) drop out
     _doors.append((weakref.ref(door), python))
     _polyfill_when_dynamo_loads(door, python)
@@ -313,15 +318,16 @@ def twin(front_door: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def from_arguments(python: Callable[..., Any], arguments: OpArguments, namespace: dict[str, Any],
-                   failed: Callable[..., Any], api_globals: dict[str, Any]) -> Callable[..., Any]:
+                   failed: Callable[..., Any], api_globals: dict[str, Any],
+                   size_entry: Callable[..., Any] | None = None) -> Callable[..., Any]:
     """The compiled front door of an op's generated one (`OpArguments.front_door`, made in `namespace`), keyed
-    exactly as it is; `api_globals`: see `compiled_front_door`."""
+    exactly as it is; `api_globals`, `size_entry`: see `compiled_front_door`."""
     return compiled_front_door(
         python, name=arguments.op, names=arguments.names, n_positional=sum(a.positional for a in arguments.args),
         defaults=[a.default for a in arguments.args], kinds=arguments.native_kinds(),
         key_of=arguments.key_function(namespace), failed=failed, bound=arguments.bound,
         bound_optional=arguments.bound_optional, context=context_sources(*(namespace[c] for c in arguments.context)),
-        api_globals=api_globals)
+        api_globals=api_globals, size_entry=size_entry)
 
 
 AUTOCAST = "autocast"  # a context marker: see compiled_front_door

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Callable
@@ -11,7 +12,7 @@ import torch
 
 from ..base._arguments import OpArguments
 from ..engine._breaker import RetryDue
-from ..ops._attention import ATTENTION_ARGS, AttentionCall, revalidate_sizes, validate_attention
+from ..ops._attention import LAYOUT_DIMS, ATTENTION_ARGS, AttentionCall, revalidate_sizes, validate_attention
 from ..base._decision import Decision
 from ..base._device import DeviceInfo, resolve_device
 from ..engine._graphs import is_capturing, raise_if_capturing
@@ -227,6 +228,91 @@ def _sized_reuse(manager: OpManager, key: Any, template: SizeTemplate, impl: Any
         bounded_put(manager.fast, key, fn)
     manager.usage.called(decision, reference_counted=True)
     return out
+
+
+# -- the compiled door's size-generic entries ---------------------------------------------------------------------
+#
+# `_sized_reuse` in C: on an exact-signature miss the compiled front door reduces its key as `size_generic_key`
+# does and finds an entry this hook made from the template: the bound function, the sizes of the template's
+# decision class as constraints on the tensors' sizes, and the dicts whose change may change what `_sized_reuse`
+# would do (the decision cache, the templates, the breaker's demotions: while none changed, a call inside the
+# constraints revalidates to the template's class and resolves to its very decision). It then runs the function
+# and checks its output as `_sized_reuse` does; anything else (outside the box, a watched dict changed, a raise, a
+# wrong output) goes to this Python path. The constraints, by code (six ints each): 0 `size(slot a, dim b) in
+# [c, d)` (d -1: unbounded); 1 `size(a, b) == size(c, d)`; 2 `size(a, b) == e * size(c, d)`.
+
+_RANGE, _EQUAL, _MULTIPLE = 0, 1, 2
+
+
+def _native_size_entry(*args: Any) -> Any:
+    """What the compiled attention door keeps for the size-generic key of the call `args` (the front door's, in
+    definition order), which the Python path just ran: ``(fn, constraints, head_dim_v, dtype, watched,
+    capturing)``, with fn None where no call of other sizes may take the template's function (then nothing
+    changes until a watched dict does); None where nothing may be kept."""
+    manager = _manager
+    if manager is None:
+        return None
+    key = _attention_key(*args)
+    if key is None:
+        return None
+    watched = (manager.state.decisions, manager.size_generic, *manager.breaker.watched())
+    template = manager.size_generic.get(size_generic_key(key))
+    constraints = None if template is None else _class_constraints(manager, template, args[_IMPL])
+    if template is None or constraints is None:
+        return (None, (), 0, None, watched, None)
+    call = template.call
+    capturing = None if call.device.type == "cpu" else functools.partial(is_capturing, call.device)
+    return (template.fn, constraints, call.head_dim_v, call.dtype, watched, capturing)
+
+
+def _class_constraints(manager: OpManager, template: SizeTemplate, impl: Any) -> tuple[int, ...] | None:
+    """The sizes of q, k and v (as constraints: see above) for which `_sized_reuse` of `template` revalidates
+    (`_revalidate_dense_sizes`) to a call of the template's class — its `class_key` (the canonical causal flag
+    and alignment, equal lengths, keyless rows, GQA ratio) and its size tests (`DecisionClasses.size_box`) —
+    and resolves to the template's decision, which it runs; None where that is not so for all of them or cannot
+    be said by such constraints (the Python path then decides each new signature)."""
+    call, decision = template.call, template.decision
+    if (not getattr(template.fn, "size_generic", False) or call.layout not in LAYOUT_DIMS or call.return_lse
+            or template.window is not None or call.attn_mask is not None or call.sinks is not None
+            or call.alibi_slopes is not None or call.attn_bias is not None or decision.retry_at is not None
+            or manager.agreement is not None or manager.breaker or decision.policy_hash != manager.policy.hash):
+        return None
+    if manager.cached_decision("attention", call, impl=impl) is not decision:
+        return None
+    classes = manager.state.classes.get("attention")
+    keyed = None if classes is None else classes.keyed_on.get(manager.device_info(call.device).key)
+    box = None if classes is None or keyed is None else classes.size_box(call, keyed)
+    if box is None:
+        return None
+    b_at, s_at, h_at, _ = LAYOUT_DIMS[call.layout]
+    seqlen_q, seqlen_k = call.seqlen_q, call.seqlen_k
+    ranges = {(_Q, b_at): box["batch"], (_Q, s_at): box["seqlen_q"], (_K, s_at): box["seqlen_k"],
+              (_Q, h_at): box["heads_q"], (_K, h_at): box["heads_kv"]}
+
+    def narrow(at: tuple[int, int], low: int, high: int | None) -> None:
+        old_low, old_high = ranges[at]
+        ranges[at] = (max(old_low, low), high if old_high is None else old_high if high is None
+                      else min(old_high, high))
+
+    # One query or more (canonicalization drops a bottom-right causal mask for one query).
+    narrow((_Q, s_at), *((1, 2) if seqlen_q == 1 else (2, None)))
+    constraints = [_EQUAL, _K, b_at, _Q, b_at, 0, _EQUAL, _V, b_at, _Q, b_at, 0,  # validation's own agreements
+                   _EQUAL, _V, s_at, _K, s_at, 0, _EQUAL, _V, h_at, _K, h_at, 0,
+                   _MULTIPLE, _Q, h_at, _K, h_at, call.heads_q // call.heads_kv]  # the GQA ratio kept
+    # Equal lengths stay equal; unequal ones keep their order (which decides alignment and keyless rows).
+    if seqlen_q == seqlen_k:
+        constraints += [_EQUAL, _Q, s_at, _K, s_at, 0]
+    elif seqlen_q < seqlen_k:
+        narrow((_Q, s_at), 1, seqlen_q + 1)
+        narrow((_K, s_at), seqlen_q + 1, None)
+    else:
+        narrow((_K, s_at), 1, seqlen_k + 1)
+        narrow((_Q, s_at), seqlen_k + 1, None)
+    for (slot, dim), (low, high) in ranges.items():
+        if high is not None and high <= low:
+            return None
+        constraints += [_RANGE, slot, dim, low, -1 if high is None else high, 0]
+    return tuple(constraints)
 
 
 def _remember_sinks(manager: OpManager, key: Any, call: Any, impl: str | None) -> None:
@@ -511,7 +597,11 @@ def _index_key(t: Any) -> Any:
 
 # The compiled fast path where built (opdispatch.base._native): the same front door with its hit path in C, handing
 # every other call to the Python one above.
-attention = _native.from_arguments(attention, ATTENTION_ARGS, globals(), _attention_failed, globals())
+# Size-generic entries in the compiled door: on unless OPDISPATCH_NATIVE_SIZED=0 (read once, at import).
+attention = _native.from_arguments(
+    attention, ATTENTION_ARGS, globals(), _attention_failed, globals(),
+    size_entry=None if os.environ.get("OPDISPATCH_NATIVE_SIZED") == "0" else _native_size_entry)
+_attention_key = ATTENTION_ARGS.key_function(globals())  # the key the Python front door keeps calls under
 
 
 # The other built-in ops' front doors and explains, made from their argument definitions (RMS_NORM_ARGS,

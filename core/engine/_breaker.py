@@ -169,6 +169,12 @@ class Breaker:
             self._warned.add((impl_id, demotion.scope))
         return demotion, loud
 
+    def watched(self) -> tuple[dict[tuple[Hashable, str], Demotion],
+                               dict[Hashable, dict[str, dict[Hashable, Demotion]]]]:
+        """The dicts every demotion is recorded in first (while none is recorded, a new one changes one of them):
+        what a cache of "no demotion applies" watches for changes."""
+        return self._classes, self._signatures
+
     def __bool__(self) -> bool:
         return bool(self._classes) or bool(self._signatures)
 

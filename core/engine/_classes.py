@@ -71,6 +71,60 @@ class DecisionClasses:
             key.append(tuple(round(4 * math.log2(max(s, 1))) for s in self.tuned_sizes(call)))
         return tuple(key)
 
+    def size_box(self, call: Any, keyed: Sequence[Any]) -> dict[str, tuple[int, int | None]] | None:
+        """Per size field (`SIZE_FIELDS`), the interval [low, high) around `call`'s value (high None: unbounded)
+        inside which every size test of `key` — the policy's thresholds and the candidates' `max_seqlen` limits —
+        answers as it does for `call`: a call whose sizes all lie in it (and whose `class_key` is `call`'s) is of
+        `call`'s class. None where the class reads sizes otherwise: an op without classes, a candidate's
+        selection key (Python code), autotune buckets. What the compiled front door checks sizes against
+        (opdispatch.doors._api, `_native_size_entry`)."""
+        # A candidate's selection key is Python code: only one that declares it reads no size of a dense call
+        # without a KV cache, mask or bias (`dense_key_reads_sizes = False`; the caller boxes only those) passes.
+        if (self.generic or self.tuned_sizes is not None
+                or any(getattr(impl, "dense_key_reads_sizes", True) for impl in keyed)):
+            return None
+        box: dict[str, tuple[int, int | None]] = {field: (1, None) for field in SIZE_FIELDS}
+
+        def narrow(field: str, low: int, high: int | None) -> None:
+            old_low, old_high = box[field]
+            box[field] = (max(old_low, low), high if old_high is None else old_high if high is None
+                          else min(old_high, high))
+
+        for field, spec in self.size_tests:
+            cuts = _cuts(spec)
+            if cuts is None:
+                return None
+            value = getattr(call, field)
+            narrow(field, max((c for c in cuts if c <= value), default=1),
+                   min((c for c in cuts if c > value), default=None))
+        seqlen_q, seqlen_k = call.seqlen_q, call.seqlen_k
+        for limit in self.max_seqlens:  # `max(seqlen_q, seqlen_k) <= limit`: kept true, or kept false by the longer
+            if max(seqlen_q, seqlen_k) <= limit:
+                narrow("seqlen_q", 1, limit + 1)
+                narrow("seqlen_k", 1, limit + 1)
+            else:
+                narrow("seqlen_k" if seqlen_k > limit else "seqlen_q", limit + 1, None)
+        return box
+
+
+# Where a comparison's answer may change: it is constant on each interval between consecutive cuts.
+_CUTS: dict[str, Callable[[int], tuple[int, ...]]] = {
+    ">=": lambda n: (n,), "<": lambda n: (n,), ">": lambda n: (n + 1,), "<=": lambda n: (n + 1,),
+    "==": lambda n: (n, n + 1), "!=": lambda n: (n, n + 1)}
+
+
+def _cuts(spec: Any) -> list[int] | None:
+    """The values at which `spec.matches` may change its answer (between two consecutive ones it is constant);
+    None for a form not known here."""
+    if spec.values is not None:
+        return [c for v in spec.values for c in (v, v + 1)]
+    cuts: list[int] = []
+    for op, n in spec.comps:
+        if op not in _CUTS or type(n) is not int:
+            return None
+        cuts.extend(_CUTS[op](n))
+    return cuts
+
 
 def _reads_more(impl: Any) -> bool:
     """Whether `impl` overrides its op's default checks (`selection_key`, `extra_reasons`): the defaults are those

@@ -271,7 +271,8 @@ def _door_hits(reset: bool) -> dict[str, int]:
     hits: dict[str, int] = {}
     with _hits_lock:
         for door in _native.front_doors():
-            count = int(door.__self__.stats()["hits"])
+            door_stats = door.__self__.stats()  # a size-generic entry's hit is a compiled hit too
+            count = int(door_stats["hits"]) + int(door_stats.get("sized_hits", 0))
             ref, base = _door_baseline.get(id(door), (None, 0))
             if ref is None or ref() is not door:
                 base = 0

@@ -383,6 +383,10 @@ class TorchFlashAttention(AttentionImpl):
         causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True,
     )
 
+    # Of a dense call without a KV cache (not paged), selection_key and extra_reasons read no size (the determinism
+    # flag is the compiled door's context): opdispatch.engine._classes, `DecisionClasses.size_box`.
+    dense_key_reads_sizes = False
+
     def selection_key(self, call: AttentionCall) -> Any:
         # torch's global determinism flag, which extra_reasons reads for deterministic training; for a paged call
         # whether its gather would pass the bound (sizes: a call class may hold both).
@@ -612,6 +616,10 @@ class MemEfficientAttention(AttentionImpl):
         # one kv head), which no other kernel here takes.
         causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True,
     )
+
+    # Of a dense call without a KV cache (not paged), selection_key and extra_reasons read no size (dtype, head
+    # dims, the determinism flag: the compiled door's context): opdispatch.engine._classes.
+    dense_key_reads_sizes = False
 
     def selection_key(self, call: AttentionCall) -> Any:
         # torch's global determinism flag, which extra_reasons reads for deterministic training; for a paged call
@@ -888,6 +896,9 @@ class FlashAttn2(AttentionImpl):
         kv_cache_alibi=True,
     )
 
+    # Of a dense call without ALiBi or a KV cache, extra_reasons reads no size (opdispatch.engine._classes).
+    dense_key_reads_sizes = False
+
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads head dims, flags, alignment and the device: no sizes
 
@@ -948,6 +959,9 @@ class FlashAttn3(AttentionImpl):
         # and flash_attn_varlen_func(seqused_k=) for packed queries over an unpaged cache.
         causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True,
     )
+
+    # Of a dense call without a KV cache, extra_reasons reads nothing (opdispatch.engine._classes).
+    dense_key_reads_sizes = False
 
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads flags and alignment: no sizes

@@ -81,6 +81,9 @@ class FlashAttn4(AttentionImpl):
         deterministic_forward=False, deterministic_backward=False,
     )
 
+    # extra_reasons reads no size of any call (opdispatch.engine._classes).
+    dense_key_reads_sizes = False
+
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads head dims, flags and the device: no sizes
 

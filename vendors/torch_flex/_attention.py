@@ -641,6 +641,9 @@ class TorchFlexAttention(AttentionImpl):
                 reasons.append(too_large)
         return reasons
 
+    # Of a dense call without a KV cache or bias, selection_key reads no size (opdispatch.engine._classes).
+    dense_key_reads_sizes = False
+
     def selection_key(self, call: AttentionCall) -> Any:
         # extra_reasons reads the device, the options (both part of every decision key), head dims, flags,
         # whether attn_bias requires grad and, for a paged call, whether its gather passes the bound (sizes).
