@@ -597,10 +597,13 @@ def _index_key(t: Any) -> Any:
 
 # The compiled fast path where built (opdispatch.base._native): the same front door with its hit path in C, handing
 # every other call to the Python one above.
-# Size-generic entries in the compiled door: on unless OPDISPATCH_NATIVE_SIZED=0 (read once, at import).
+# Size-generic entries in the compiled door: off unless OPDISPATCH_NATIVE_SIZED=1 (read once, at import). On the
+# H100 (09d0fa1, benchmarks/results/h100-09d0fa1/) they made a growing decode's first pass slower (161 vs 118 µs a
+# call): the decode's class there keeps no entry (nvidia.cudnn's selection key reads sizes), and each new length
+# paid for asking — on until that is mended and measured.
 attention = _native.from_arguments(
     attention, ATTENTION_ARGS, globals(), _attention_failed, globals(),
-    size_entry=None if os.environ.get("OPDISPATCH_NATIVE_SIZED") == "0" else _native_size_entry)
+    size_entry=_native_size_entry if os.environ.get("OPDISPATCH_NATIVE_SIZED") == "1" else None)
 _attention_key = ATTENTION_ARGS.key_function(globals())  # the key the Python front door keeps calls under
 
 
