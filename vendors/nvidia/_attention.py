@@ -237,6 +237,13 @@ def _binds_mask(call: AttentionCall) -> bool:
         or call.positional_mask or call.alibi_slopes is not None or _needs_padding(call))
 
 
+def _mask_bias_4d(attn_mask: torch.Tensor, zero: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as run()'s additive bias (0 where kept, `blocked` elsewhere: `mask_bias_values`), with leading
+    dims of 1 up to (b, h, sq, sk) — what the masked binds broadcast."""
+    bias = torch.where(attn_mask, zero, blocked)
+    return bias if bias.dim() == 4 else bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+
+
 def _bind_cudnn_masked(call: AttentionCall) -> Any:
     """A boolean-masked call (`_binds_mask`) bound to cuDNN's aten op: the mask turned into run()'s additive bias
     in one kernel (`mask_bias_values`: 0 / -inf in q's dtype, the values additive_bias writes) and broadcast to
@@ -245,13 +252,10 @@ def _bind_cudnn_masked(call: AttentionCall) -> Any:
     from its tensors, so it serves every length and batch of its decision (`size_generic`)."""
     zero, blocked = mask_bias_values(call.dtype, call.device)
     need_lse, causal, scale = call.requires_grad, call.causal, call.scale
-    where = torch.where
     if call.layout == "bhsd":  # transformers' layout: no views per call
         def masked_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Any, block_table: Any,
                         attn_mask: torch.Tensor, sinks: Any) -> torch.Tensor:
-            bias = where(attn_mask, zero, blocked)
-            if bias.dim() < 4:
-                bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+            bias = _mask_bias_4d(attn_mask, zero, blocked)
             bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             return _cudnn_sdpa(q, k, v, bias, need_lse, 0.0, causal, False, scale=scale)[0]  # type: ignore[no-any-return]
         return size_generic(masked_bhsd)
@@ -260,9 +264,7 @@ def _bind_cudnn_masked(call: AttentionCall) -> Any:
     def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Any, block_table: Any,
                attn_mask: torch.Tensor, sinks: Any) -> torch.Tensor:
         q, k, v = to_bhsd(q), to_bhsd(k), to_bhsd(v)
-        bias = where(attn_mask, zero, blocked)
-        if bias.dim() < 4:
-            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bias = _mask_bias_4d(attn_mask, zero, blocked)
         bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         return from_bhsd(_cudnn_sdpa(q, k, v, bias, need_lse, 0.0, causal, False, scale=scale)[0])
 
@@ -817,14 +819,11 @@ def _bind_efficient_masked(call: AttentionCall) -> Any:
     zero, blocked = mask_bias_values(call.dtype, call.device)
     need_lse, causal, scale = call.requires_grad, call.causal, call.scale
     to_bhsd, from_bhsd = layout_views(call.layout)
-    where = torch.where
 
     def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqused_k: Any, block_table: Any,
                attn_mask: torch.Tensor, sinks: Any) -> torch.Tensor:
         q, k, v = to_bhsd(q), to_bhsd(k), to_bhsd(v)
-        bias = where(attn_mask, zero, blocked)
-        if bias.dim() < 4:
-            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bias = _mask_bias_4d(attn_mask, zero, blocked)
         hq, hkv = q.shape[1], k.shape[1]
         if hq != hkv:
             if not causal and bias.shape[1] == 1 and bias.shape[2] == 1:  # `_mask_folds`
