@@ -30,6 +30,7 @@ from opdispatch.plugins.toolkit import (additive_bias, alibi_alignment_reason, a
                                         varlen_lse_fix, version_tuple)
 
 _LOW = frozenset({torch.float16, torch.bfloat16})
+_FA3_FP8 = torch.float8_e4m3fn  # FA3's one FP8 kind (hopper/flash_api.cpp)
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
 _DENSE = frozenset({"bshd", "bhsd", "sbhd"})
 
@@ -948,10 +949,16 @@ class FlashAttn3(AttentionImpl):
     requires = (Requirement(module="flash_attn_interface", distribution="flash_attn_3", key="flash_attn_3",
                             install_hint="build FA3: git clone flash-attention && cd hopper && "
                                          "python setup.py install"),)
-    # hopper/flash_api.cpp: fp16/bf16 (fp8 forward only, not offered here); head_dim <= 256, a multiple of 8;
-    # GQA; causal/window bottom-right; softcap; no dropout, no ALiBi; deterministic backward on request.
+    # hopper/flash_api.cpp: fp16/bf16; head_dim <= 256, a multiple of 8; GQA; causal/window bottom-right;
+    # softcap; no dropout, no ALiBi; deterministic backward on request. FP8 (forward; the op refuses grad on FP8
+    # inputs): float8_e4m3fn only ("FlashAttention only supports fp16, bf16, and fp8_e4m3"), on sm90, head dims
+    # a multiple of 16 (extra_reasons), output bf16 only ("For FP8 input, output must have dtype BF16"); each
+    # descale float32 of shape (batch, num_heads_k) — `_fa3_descales` broadcasts a per-tensor factor there. The
+    # kernel folds q_descale * k_descale into the softmax scale (so the LSE is the real scores') and v_descale
+    # into the final row scale, in every entry: dense, varlen and with_kvcache (paged or not).
     caps: ClassVar[AttentionCaps] = AttentionCaps(
-        dtypes=_LOW, head_dim_min=8, head_dim_max=256, head_dim_multiple=8, layouts=_ALL_LAYOUTS,
+        dtypes=_LOW | {_FA3_FP8}, fp8_out_dtypes=frozenset({torch.bfloat16}), fp8_descale_per_head=True,
+        head_dim_min=8, head_dim_max=256, head_dim_multiple=8, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, lse=True,
         backward=True, deterministic_backward=True,
         # KV caches: flash_attn_with_kvcache (dense or packed q; a dense cache or a page_table of any page size)
@@ -966,7 +973,11 @@ class FlashAttn3(AttentionImpl):
         return ()  # extra_reasons reads flags and alignment: no sizes
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        return kv_cache_reasons(call, "FlashAttention-3")
+        reasons = kv_cache_reasons(call, "FlashAttention-3")
+        if call.fp8 and call.head_dim % 16:
+            reasons.append(f"FP8 head_dim {call.head_dim} is not a multiple of 16 (flash_api.cpp: float8_e4m3fn "
+                           "needs \"head_size should be a multiple of 16\"); pad the head dim or use bf16/fp16")
+        return reasons
 
     def run(self, call: AttentionCall) -> Any:
         import flash_attn_interface as fa3
@@ -976,7 +987,7 @@ class FlashAttn3(AttentionImpl):
 
         window = kernel_window(call)
         common = dict(softmax_scale=call.scale, causal=call.causal, window_size=window, softcap=call.softcap,
-                      deterministic=call.deterministic, return_attn_probs=call.return_lse)
+                      deterministic=call.deterministic, return_attn_probs=call.return_lse, **_fa3_descales(call))
         if call.varlen:
             res = fa3.flash_attn_varlen_func(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k,
                                              call.max_seqlen_q, call.max_seqlen_k, **common)
@@ -989,8 +1000,21 @@ class FlashAttn3(AttentionImpl):
         return call.from_bshd(res[0]), empty_rows_to_neg_inf(res[1])
 
 
+def _fa3_descales(call: AttentionCall) -> dict[str, torch.Tensor]:
+    """FA3's q_descale/k_descale/v_descale of an FP8 call (none for others): flash_api.cpp checks each is
+    (batch, num_heads_k) and reads it through its strides, so a per-tensor factor goes as a stride-0 expanded view
+    of itself — the same factor at every (batch, kv head), no copy."""
+    if not call.fp8:
+        return {}
+    shape = (call.batch, call.heads_kv)
+    given = {"q_descale": call.q_descale, "k_descale": call.k_descale, "v_descale": call.v_descale}
+    return {name: t if t.dim() == 2 else t.reshape(()).expand(shape)
+            for name, t in given.items() if t is not None}
+
+
 def _fa3_kv_cache(fa3: Any, call: AttentionCall) -> Any:
-    common = dict(softmax_scale=call.scale, causal=call.causal, window_size=kernel_window(call), softcap=call.softcap)
+    common = dict(softmax_scale=call.scale, causal=call.causal, window_size=kernel_window(call), softcap=call.softcap,
+                  **_fa3_descales(call))
     if call.varlen and not call.paged:
         res = fa3.flash_attn_varlen_func(call.q, call.k, call.v, call.cu_seqlens_q, call.cu_seqlens_k,
                                          call.max_seqlen_q, call.max_seqlen_k, seqused_k=call.seqused_k,
