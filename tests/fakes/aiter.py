@@ -12,6 +12,15 @@ per row in the scaled scores' units, without a value, the LSE including it (aite
 sink is dropped where gfx942/gfx950's ASM "fmha v3" forward takes the call (`can_impl_fmha_v3_fwd` does not look
 at sink_ptr, `fmha_v3_fwd`/`fmha_v3_varlen_fwd` have no sink argument): bf16, (d, dv) (128, 128) or (192, 128), no
 sliding window, alibi or dropout; dense with seqlen_q > 128, varlen without softcap.
+
+`flash_attn_fp8_pertensor_func(q, k, v, q_descale, k_descale, v_descale, causal=False, window_size=(-1, -1, 0),
+softmax_scale=None)` (L3974; HEAD also has a trailing `sink_ptr=None`, which opdispatch never passes): bshd FP8
+q/k/v, head dims padded to a multiple of 8 and the output cut back, no LSE. Its checks (mha_fwd_kernels.cu,
+`_flash_attn_forward`): q/k/v one dtype, float8_e4m3fn or float8_e4m3fnuz ("FlashAttention only support fp16, bf16
+and fp8_e4m3 data type"; which one a build reads is its arch's `dtypes.fp8`: fnuz on gfx942, fn on gfx950); the three
+descales all given ("q_descale, k_descale, v_descale must be all provided or all not provided"), per tensor ("only
+support per-tensor quantization for now": float32 of shape (1,), as the `# [1]` of the C++ signature); the output
+bfloat16 ("only support bf16 out for fp8"). Computed in float64 from the dequantized inputs.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch
 from . import _fa_math, _math, _norm
 
 __version__ = "0.1.9"
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, n))
 
 
 def _assemble(out, lse, return_lse, return_attn_probs):
@@ -97,6 +107,34 @@ def make(calls: list) -> types.ModuleType:
                                         softcap=logits_soft_cap, alibi=alibi_slopes, sink=sink)
         return _assemble(o, lse, return_lse, return_attn_probs)
 
+    def flash_attn_fp8_pertensor_func(q, k, v, q_descale, k_descale, v_descale, causal=False,
+                                      window_size=(-1, -1, 0), softmax_scale=None, sink_ptr=None):
+        calls.append(("flash_attn_fp8_pertensor_func", (q, k, v), dict(
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, causal=causal, window_size=window_size,
+            softmax_scale=softmax_scale, sink_ptr=sink_ptr)))
+        if q.dtype not in _FP8 or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise RuntimeError("FlashAttention only support fp16, bf16 and fp8_e4m3 data type")
+        descales = (q_descale, k_descale, v_descale)
+        if any(d is None for d in descales):
+            raise RuntimeError("q_descale, k_descale, v_descale must be all provided or all not provided")
+        for d in descales:
+            if tuple(d.shape) != (1,) or d.dtype != torch.float32 or d.device != q.device:
+                raise RuntimeError(f"only support per-tensor quantization: descale float32 (1,) on q's device, "
+                                   f"got {tuple(d.shape)} {d.dtype} {d.device}")
+        assert sink_ptr is None, "opdispatch passes no sink_ptr to the FP8 entry"
+        assert q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.shape[2] % k.shape[2] == 0
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        dv = v.shape[-1]
+        q, k, v = (t.double() * d.double() for t, d in zip((q, k, v), descales))
+        if q.shape[-1] % 8:  # the wrapper's padding: zero columns change no score
+            pad = 8 - q.shape[-1] % 8
+            q, k = (torch.nn.functional.pad(t, [0, pad]) for t in (q, k))
+        if dv % 8:
+            v = torch.nn.functional.pad(v, [0, 8 - dv % 8])
+        out, _ = _math.bshd_attention(q, k, v, scale=scale, causal=causal, window=tuple(window_size[:2]),
+                                      alignment="bottom_right")
+        return out[..., :dv].to(torch.bfloat16)
+
     # aiter/ops/rmsnorm.py (HEAD 0bc300f): fp16/bf16/fp32, weight of the input's dtype, contiguous buffers.
     def _check(input, weight):
         assert input.dtype in (torch.float16, torch.bfloat16, torch.float32), input.dtype
@@ -120,6 +158,7 @@ def make(calls: list) -> types.ModuleType:
 
     mod.flash_attn_func = flash_attn_func
     mod.flash_attn_varlen_func = flash_attn_varlen_func
+    mod.flash_attn_fp8_pertensor_func = flash_attn_fp8_pertensor_func
     mod.rms_norm = rms_norm
     mod.rmsnorm2d_fwd_with_add = rmsnorm2d_fwd_with_add
     return mod

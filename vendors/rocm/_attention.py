@@ -34,6 +34,14 @@ this code; see docs/vendors.md):
   3. Whether the CK kernel's returned LSE includes the sink is not established from the sources read here, so a
      call returning the LSE takes the epilogue.
   No AMD machine ran this; tests/fakes/aiter.py mirrors the three.
+  FP8 (forward), read at the same commit: `flash_attn_fp8_pertensor_func(q, k, v, q_descale, k_descale, v_descale,
+  causal=False, window_size=(-1, -1, 0), softmax_scale=None)` (bshd; pads head dims to a multiple of 8; returns
+  the output only, no LSE; no dropout, ALiBi, softcap or autograd). mha_fwd_kernels.cu takes float8_e4m3fn or
+  e4m3fnuz, writes bfloat16 only ("only support bf16 out for fp8") and per-tensor descales only (`# [1]`,
+  "only support per-tensor quantization for now"), so caps say e4m3fn, bf16 out, no per-head descales. The FP8
+  kind a build reads is its arch's `aiter.dtypes.fp8` (aiter/utility/dtypes.py): float8_e4m3fnuz on gfx942
+  (MI300X/MI325X), float8_e4m3fn on gfx950 (MI350/MI355X). opdispatch takes no fnuz, and e4m3fn bytes read as
+  fnuz are a different number, so FP8 runs here on gfx950 only and gfx942 refuses it (`_aiter_fp8_reasons`).
 - `rocm.aotriton`: pytorch/pytorch `aten/src/ATen/native/transformers/hip/flash_attn/flash_api.h` (`mha_fwd`
   dispatching to `mha_fwd_aot` or `mha_fwd_ck` on `getROCmFAPreferredBackend()`), `sdp_utils.cpp` (fp16/bf16,
   causal with seqlen_q != seqlen_k refused, `TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL`), `torch/backends/cuda/
@@ -57,6 +65,7 @@ from opdispatch.plugins.toolkit import (alibi_alignment_reason, cache_as_pages, 
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _AITER_V3_HEAD_DIMS = ((128, 128), (192, 128))  # (d, dv) of aiter's ASM fmha v3 bf16 forward, which has no sink
+_AITER_FP8 = torch.float8_e4m3fn  # aiter.dtypes.fp8 on gfx950; gfx942's is e4m3fnuz, which the op does not take
 _AITER_PAGE = 256  # keys a page of rocm.aiter's KV caches holds a multiple of (see RocmAiter.caps)
 _ALL_LAYOUTS = frozenset({"bshd", "bhsd", "sbhd", "thd"})
 
@@ -197,7 +206,10 @@ class RocmAiter(AttentionImpl):
     # machine was at hand: pages must hold a multiple of 256 keys, the strictest rule of the FlashAttention line
     # (flash-attn's CUDA kernels), so what is claimed holds under any smaller tile.
     caps: ClassVar[AttentionCaps] = AttentionCaps(
-        dtypes=_HALF, head_dim_max=256, head_dim_v_differs=True, layouts=_ALL_LAYOUTS,
+        # FP8: e4m3fn, bf16 out, one descale per tensor (module docstring); the rest of an FP8 call's limits:
+        # `_aiter_fp8_reasons`.
+        dtypes=_HALF | {_AITER_FP8}, fp8_out_dtypes=frozenset({torch.bfloat16}), fp8_descale_per_head=False,
+        head_dim_max=256, head_dim_v_differs=True, layouts=_ALL_LAYOUTS,
         causal_alignments=frozenset({"bottom_right"}), gqa=True, window=True, softcap=True, alibi=True,
         dropout=True, lse=True, backward=True, deterministic_backward=True,
         causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, page_size_multiple=_AITER_PAGE,
@@ -230,6 +242,8 @@ class RocmAiter(AttentionImpl):
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = [r for r in (alibi_alignment_reason(call),) if r]
+        if call.fp8:
+            return reasons + _aiter_fp8_reasons(call, device)
         if call.kv_cache:
             reasons += kv_cache_reasons(call, "aiter") + _aiter_kv_cache_reasons(call)
         return reasons
@@ -246,6 +260,8 @@ class RocmAiter(AttentionImpl):
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         import aiter
 
+        if call.fp8:
+            return _aiter_fp8(aiter, call)
         if call.kv_cache:
             return _aiter_kv_cache(aiter, call)
         opts = self.options
@@ -285,6 +301,36 @@ class RocmAiter(AttentionImpl):
             return out
         assert lse is not None
         return out, empty_rows_to_neg_inf(lse)
+
+
+def _aiter_fp8_reasons(call: AttentionCall, device: DeviceInfo) -> list[str]:
+    """What aiter's FP8 entry cannot take of an FP8 call beyond caps (dtype, bf16 out, per-tensor descales)."""
+    reasons = []
+    if device.arch == "gfx942":
+        reasons.append("aiter's FP8 attention on gfx942 reads float8_e4m3fnuz (aiter.dtypes.fp8), not these "
+                       "float8_e4m3fn inputs, and opdispatch takes no fnuz; on MI300X/MI325X use bf16/fp16 q/k/v")
+    aiter = sys.modules.get("aiter")  # availability imported it, if here
+    if aiter is not None and not hasattr(aiter, "flash_attn_fp8_pertensor_func"):
+        reasons.append("this aiter has no flash_attn_fp8_pertensor_func (FP8 attention needs a newer aiter)")
+    unsupported = {
+        "layout 'thd'": call.varlen, "a KV cache": call.kv_cache, "return_lse": call.return_lse,
+        "alibi_slopes": call.alibi_slopes is not None, f"dropout_p={call.dropout_p:g}": call.dropout_p > 0,
+        f"softcap={call.softcap:g}": call.softcap > 0,  # sinks: the op refuses them on FP8 calls
+        f"head_dim_v {call.head_dim_v} != head_dim {call.head_dim}": call.head_dim_v != call.head_dim}
+    for what, present in unsupported.items():
+        if present:
+            reasons.append(f"FP8 with {what} not supported: aiter's flash_attn_fp8_pertensor_func is dense bshd "
+                           "with equal head dims, causal/window only, and returns no LSE; use bf16/fp16 inputs")
+    return reasons
+
+
+def _aiter_fp8(aiter: Any, call: AttentionCall) -> torch.Tensor:
+    """An FP8 call on flash_attn_fp8_pertensor_func: bshd, the per-tensor descales as the (1,) the C++ reads."""
+    q, k, v = (call.bshd(t) for t in (call.q, call.k, call.v))
+    descales = (t.reshape(1) for t in (call.q_descale, call.k_descale, call.v_descale) if t is not None)
+    out = aiter.flash_attn_fp8_pertensor_func(q, k, v, *descales, causal=call.causal,
+                                              window_size=kernel_window(call), softmax_scale=call.scale)
+    return call.from_bshd(out)
 
 
 def _aiter_kv_cache_reasons(call: AttentionCall) -> list[str]:
