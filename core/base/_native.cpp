@@ -110,15 +110,11 @@ struct Key {
   }
 };
 
-struct Entry {
+// A key kept in a table: its words and strong references to its objects (what `Key` borrows or owns per call).
+struct StoredKey {
   std::vector<uint64_t> words;
   std::vector<PyObject*> equal;  // strong
   std::vector<PyObject*> held;   // strong
-  PyObject* manager = nullptr;   // strong: the manager it was read from (its failure hook's first argument)
-  PyObject* fast = nullptr;      // strong: the manager's dict the function was read from
-  uint64_t fast_version = 0;
-  PyObject* pykey = nullptr;  // strong: the Python path's key (the failure hook pops it)
-  PyObject* fn = nullptr;     // strong: the bound function
 
   bool matches(const Key& key) const {
     if (words.size() != key.n_words || equal.size() != key.n_equal) return false;
@@ -128,11 +124,34 @@ struct Entry {
     }
     return true;
   }
-  void release() {
+  void adopt(const Key& key) {
+    words.assign(key.words, key.words + key.n_words);
+    for (size_t i = 0; i < key.n_equal; ++i) {
+      Py_INCREF(key.equal[i]);
+      equal.push_back(key.equal[i]);
+    }
+    for (size_t i = 0; i < key.n_held; ++i) {
+      Py_INCREF(key.held[i]);
+      held.push_back(key.held[i]);
+    }
+  }
+  void release_key() {
     for (PyObject* o : equal) Py_DECREF(o);
     for (PyObject* o : held) Py_DECREF(o);
     equal.clear();
     held.clear();
+  }
+};
+
+struct Entry : StoredKey {
+  PyObject* manager = nullptr;   // strong: the manager it was read from (its failure hook's first argument)
+  PyObject* fast = nullptr;      // strong: the manager's dict the function was read from
+  uint64_t fast_version = 0;
+  PyObject* pykey = nullptr;  // strong: the Python path's key (the failure hook pops it)
+  PyObject* fn = nullptr;     // strong: the bound function
+
+  void release() {
+    release_key();
     Py_CLEAR(manager);
     Py_CLEAR(fast);
     Py_CLEAR(pykey);
@@ -145,10 +164,7 @@ struct Entry {
 // as constraints on the tensors' sizes, what its output must be, and the dicts whose change may change what the
 // Python path (`_sized_reuse`) would do — each with its version tag when read. `fn` nullptr: none is taken (until
 // a watched dict changes). Made by the door's `size_entry` hook (`_native_size_entry`).
-struct SizedEntry {
-  std::vector<uint64_t> words;
-  std::vector<PyObject*> equal;  // strong
-  std::vector<PyObject*> held;   // strong
+struct SizedEntry : StoredKey {
   PyObject* manager = nullptr;   // strong
   PyObject* fn = nullptr;        // strong, or nullptr
   PyObject* capturing = nullptr;  // strong, or nullptr: capturing() true hands the call to Python
@@ -157,14 +173,6 @@ struct SizedEntry {
   int scalar_type = -1;
   std::vector<std::pair<PyObject*, uint64_t>> watched;  // strong dicts, with their version tags
 
-  bool matches(const Key& key) const {
-    if (words.size() != key.n_words || equal.size() != key.n_equal) return false;
-    if (std::memcmp(words.data(), key.words, key.n_words * sizeof(uint64_t)) != 0) return false;
-    for (size_t i = 0; i < key.n_equal; ++i) {
-      if (equal[i] != key.equal[i] && PyUnicode_Compare(equal[i], key.equal[i]) != 0) return false;
-    }
-    return true;
-  }
   bool current(PyObject* now_manager) const {
     if (now_manager != manager) return false;
     for (const auto& w : watched) {
@@ -173,11 +181,8 @@ struct SizedEntry {
     return true;
   }
   void release() {
-    for (PyObject* o : equal) Py_DECREF(o);
-    for (PyObject* o : held) Py_DECREF(o);
+    release_key();
     for (auto& w : watched) Py_DECREF(w.first);
-    equal.clear();
-    held.clear();
     watched.clear();
     Py_CLEAR(manager);
     Py_CLEAR(fn);
@@ -492,15 +497,7 @@ struct Door {
     }
     auto entry = std::make_unique<SizedEntry>();
     if (fill_sized(*entry, got, manager)) {
-      entry->words.assign(key.words, key.words + key.n_words);
-      for (size_t i = 0; i < key.n_equal; ++i) {
-        Py_INCREF(key.equal[i]);
-        entry->equal.push_back(key.equal[i]);
-      }
-      for (size_t i = 0; i < key.n_held; ++i) {
-        Py_INCREF(key.held[i]);
-        entry->held.push_back(key.held[i]);
-      }
+      entry->adopt(key);
       if (sized.size() >= kMaxEntries) clear_table();
       std::unique_ptr<SizedEntry> old;
       auto it = sized.find(h);
@@ -738,15 +735,7 @@ struct Door {
       std::vector<std::unique_ptr<Entry>>& bucket = table[h];
       bucket.push_back(std::make_unique<Entry>());
       e = bucket.back().get();
-      e->words.assign(key.words, key.words + key.n_words);
-      for (size_t i = 0; i < key.n_equal; ++i) {
-        Py_INCREF(key.equal[i]);
-        e->equal.push_back(key.equal[i]);
-      }
-      for (size_t i = 0; i < key.n_held; ++i) {
-        Py_INCREF(key.held[i]);
-        e->held.push_back(key.held[i]);
-      }
+      e->adopt(key);
       ++n_entries;
     }
     // The old references go last: releasing them may run Python code that clears this table.
