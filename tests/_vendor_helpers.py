@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -90,6 +91,26 @@ def allowed_keys(sq: int, sk: int, causal: bool, window: Any, alignment: str) ->
         if window[1] >= 0:
             ok &= rel <= window[1]
     return ok
+
+
+def dense_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, allowed: torch.Tensor | None = None,
+                 drop: torch.Tensor | None = None, keep: float = 1.0, bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain float64 attention over (batch, heads, seq, dim), written from the definition: q (b, h, sq, d), k/v
+    (b, hk, sk, d); `allowed` bool and `bias` float broadcast to (b, h, sq, sk). Rows that see no key: output 0,
+    LSE -inf (opdispatch's definition). `drop` (b, h, sq, sk) bool keeps, scaled by 1/keep. Returns (out, lse)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = s.masked_fill(~allowed, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    if drop is not None:
+        p = p * drop / keep
+    return p @ v, lse
 
 
 def to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:

@@ -6,7 +6,6 @@ refusals (wider v, KV caches, mthreads' head dims) say why; overridden bind/back
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,6 +25,7 @@ from opdispatch.vendors.mthreads import MthreadsSdpa
 from opdispatch.vendors.rocm import RocmAOTriton, RocmFlashAttnCK
 
 from tests._vendor_helpers import allowed_keys, dense_inputs, to_bhsd
+from tests._vendor_helpers import dense_oracle as oracle
 from tests.conftest import DEVICES_DIR, TOLERANCES
 from tests.fakes import flag_gems as fake_flag_gems
 from tests.fakes import flash_attn_rocm as fake_fa
@@ -33,17 +33,6 @@ from tests.fakes import install
 from tests.fakes import ixformer as fake_ixformer
 from tests.fakes import kunlun_ops as fake_kunlun
 from tests.fakes import torch_npu as fake_npu
-
-
-def oracle(q, k, v, scale, allowed):
-    """float64 attention over (b, h, s, d) from the definition; rows without a key: output 0, LSE -inf."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    if allowed is not None:
-        s = s.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    return torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0) @ v, lse
 
 
 @dataclass

@@ -3,7 +3,6 @@ independent float64 oracle, forward and backward; selection on the simulated Asc
 
 from __future__ import annotations
 
-import math
 import sys
 import types
 
@@ -16,6 +15,7 @@ from opdispatch.vendors.ascend import AscendFusionAttention
 from opdispatch.vendors.ascend._attention import COMPRESSED_MASK_SIZE, INT32_MAX
 
 from tests._vendor_helpers import allowed_keys, dense_inputs, real_device, to_bhsd, varlen_inputs
+from tests._vendor_helpers import dense_oracle as oracle
 from tests.conftest import DEVICES_DIR, TOLERANCES
 from tests.fakes import install
 from tests.fakes import torch_npu as fake_npu
@@ -28,24 +28,6 @@ def npu_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     calls: list = []
     install(monkeypatch, fake_npu.make(calls))
     return calls
-
-
-# -- the oracle: plain float64 attention over (batch, heads, seq, dim), written here from the definition ---------
-
-def oracle(q, k, v, scale, allowed=None, drop=None, keep=1.0):
-    """q (b, h, sq, d), k/v (b, hk, sk, d) float64; `allowed` bool broadcast to (b, h, sq, sk). Rows that see no
-    key: output 0, LSE -inf (opdispatch's definition). `drop` (b, h, sq, sk) bool keeps, scaled by 1/keep."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    if allowed is not None:
-        s = s.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
-    if drop is not None:
-        p = p * drop / keep
-    return p @ v, lse
-
 
 
 def assert_close(got, want, dtype, what):

@@ -5,7 +5,6 @@ handed is recorded; selection on the simulated MLU590 / MTT S4000; availability 
 
 from __future__ import annotations
 
-import math
 import types
 
 import pytest
@@ -19,7 +18,7 @@ from opdispatch.vendors.cambricon._attention import fused_gate
 from opdispatch.vendors.mthreads import MthreadsSdpa
 
 from tests._adapters_on_cpu import unbound_from_device
-from tests._vendor_helpers import allowed_keys, dense_inputs, to_bhsd
+from tests._vendor_helpers import allowed_keys, dense_inputs, dense_oracle, to_bhsd
 from tests.conftest import DEVICES_DIR, TOLERANCES
 from tests.fakes import install
 
@@ -29,18 +28,8 @@ ADAPTERS = [CambriconSdpa, MthreadsSdpa]
 
 
 def oracle(q, k, v, scale, allowed=None, bias=None):
-    """q (b, h, sq, d), k/v (b, hk, sk, d) float64; `allowed` bool and `bias` float broadcast to (b, h, sq, sk).
-    Rows that see no key: output 0 (opdispatch's definition)."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    if bias is not None:
-        s = s + bias
-    if allowed is not None:
-        s = s.masked_fill(~allowed, -math.inf)
-    lse = torch.logsumexp(s, -1, keepdim=True)
-    p = torch.exp(s - lse).nan_to_num(0.0)
-    return p @ v
+    """The output of tests/_vendor_helpers.dense_oracle (F.sdpa, these adapters' kernel, returns no LSE)."""
+    return dense_oracle(q, k, v, scale, allowed, bias=bias)[0]
 
 
 
