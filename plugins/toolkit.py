@@ -99,7 +99,8 @@ Library versions (device probes, version checks):
 - `installed_versions({key: distribution})`: versions of installed pip distributions, without importing them.
 - `private_use1_backend(device, type, module, distribution)`: a PrivateUse1 device probe's common part
   (``torch.<type>``, the index, the library versions), or None when the device is not one.
-- `unaccepted_keywords(fn, keywords)`: the keywords a vendor function would refuse (readable signatures only).
+- `unaccepted_keywords(fn, keywords)`: the keywords a vendor function would refuse (readable signatures only);
+  `unaccepted_keywords_reason(fn, keywords, name)`: that as an availability reason, with the signature.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ from ._kv_cache import (PAGED_GATHER_MAX_BYTES, KvQueries, cache_as_pages, cache
                         unpack_kv_out)
 from ._private_use1 import private_use1_backend
 from ._packing import PackedCall, pack_dense, pack_padded_lse, uniform_cu_seqlens, unpack_lse, unpack_out
-from ._signatures import unaccepted_keywords
+from ._signatures import unaccepted_keywords, unaccepted_keywords_reason
 from ._versions import at_least, installed_versions, version_tuple
 
 __all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCall", "V_PADDING_COST",
@@ -135,6 +136,7 @@ __all__ = ["FP8_DTYPES", "FP8_OUT_DTYPES", "LAYOUT_DIMS", "KvQueries", "PackedCa
            "paged_as_dense", "paged_gather_reason", "private_use1_backend", "sequence_keys", "kv_lse_fix",
            "layout_views", "mask_bias_values", "pack_dense",
            "pack_padded_lse",
-           "packed_queries", "shift_rows", "size_generic", "unaccepted_keywords", "uniform_cu_seqlens",
+           "packed_queries", "shift_rows", "size_generic", "unaccepted_keywords",
+           "unaccepted_keywords_reason", "uniform_cu_seqlens",
            "unpack_kv_out", "unpack_lse",
            "unpack_out", "varlen_lse_fix", "version_tuple"]

@@ -157,6 +157,10 @@ def test_unaccepted_keywords():
     assert toolkit.unaccepted_keywords(kernel, ["q", "causal", "window_size"]) == ["window_size"]
     assert toolkit.unaccepted_keywords(anything, ["whatever"]) == []  # **kwargs: only the call can tell
     assert toolkit.unaccepted_keywords(torch.add, ["alpha", "nonsense"]) in ([], ["nonsense"])  # builtin: maybe unreadable
+    assert toolkit.unaccepted_keywords_reason(kernel, ["q", "causal"], "lib.kernel") is None
+    assert toolkit.unaccepted_keywords_reason(kernel, ["q", "window_size"], "lib.kernel") == (
+        "lib.kernel does not accept the keywords ['window_size'] this adapter passes; signature "
+        "(q, k, *, causal=False, scale=None)")
 
 
 def test_aten_sdpa_call_leaves_out_exactly_the_default_arguments():

@@ -43,14 +43,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import allowed_positions, pads_v_head_dim, unaccepted_keywords
+from opdispatch.plugins.toolkit import allowed_positions, pads_v_head_dim, unaccepted_keywords_reason
 
 FUNCTION = "npu_fusion_attention"
 KEYWORDS = ("query", "key", "value", "head_num", "input_layout", "atten_mask", "scale", "keep_prob", "pre_tockens",
@@ -161,11 +160,7 @@ class AscendFusionAttention(AttentionImpl):
             fn = resolve_function()
         except Exception as exc:
             return f"torch_npu is installed but has no usable {FUNCTION}: {type(exc).__name__}: {exc}"
-        missing = unaccepted_keywords(fn, KEYWORDS)
-        if missing:
-            return (f"torch_npu.{FUNCTION} does not accept the keywords {missing} this adapter passes; signature "
-                    f"{inspect.signature(fn)}")
-        return None
+        return unaccepted_keywords_reason(fn, KEYWORDS, f"torch_npu.{FUNCTION}")
 
     def run(self, call: AttentionCall) -> Any:
         fn = resolve_function()

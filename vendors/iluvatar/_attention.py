@@ -20,14 +20,13 @@ claimed: no public call site shows ixformer taking them, and no Iluvatar machine
 from __future__ import annotations
 
 import importlib
-import inspect
 from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
-from opdispatch.plugins.toolkit import pack_dense, pads_v_head_dim, unaccepted_keywords, unpack_out
+from opdispatch.plugins.toolkit import pack_dense, pads_v_head_dim, unaccepted_keywords_reason, unpack_out
 
 MODULES = ("ixformer.contrib.vllm_flash_attn", "ixformer")
 FUNCTION = "flash_attn_varlen_func"
@@ -93,11 +92,7 @@ class IluvatarIxformer(AttentionImpl):
             fn, where = resolve_varlen(self.options.module)
         except Exception as exc:
             return f"ixformer is installed but has no usable {FUNCTION}: {exc}"
-        missing = unaccepted_keywords(fn, KEYWORDS)
-        if missing:
-            return (f"{where} does not accept the keywords {missing} this adapter passes; signature "
-                    f"{inspect.signature(fn)}")
-        return None
+        return unaccepted_keywords_reason(fn, KEYWORDS, where)
 
     def run(self, call: AttentionCall) -> torch.Tensor:
         fn, _ = resolve_varlen(self.options.module)

@@ -22,14 +22,13 @@ ixformer is closed source; what public callers show (no Iluvatar hardware ran th
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from opdispatch import DeviceInfo, Requirement, RmsNormCall, RmsNormCaps, RmsNormImpl
-from opdispatch.plugins.toolkit import unaccepted_keywords
+from opdispatch.plugins.toolkit import unaccepted_keywords_reason
 
 from ._attention import IluvatarIxformer, find_functions
 
@@ -80,11 +79,7 @@ class IxformerRmsNorm(RmsNormImpl):
             _, residual_fn, where = resolve_functions(self.options.module)
         except Exception as exc:
             return f"ixformer is installed but has no usable {' / '.join(FUNCTIONS)}: {exc}"
-        unaccepted = unaccepted_keywords(residual_fn, RESIDUAL_KEYWORDS)
-        if unaccepted:
-            return (f"{where}.residual_rms_norm does not accept the keywords {unaccepted} this adapter passes; "
-                    f"signature {inspect.signature(residual_fn)}")
-        return None
+        return unaccepted_keywords_reason(residual_fn, RESIDUAL_KEYWORDS, f"{where}.residual_rms_norm")
 
     def run(self, call: RmsNormCall) -> Any:
         x, hidden = call.x, call.hidden_size
