@@ -376,7 +376,7 @@ _LOWERED = {"window": ("SymInt window_left", "SymInt window_right"), "scale": ("
 _EPILOGUE_ARGS = ("sinks",)
 # Not in the graph: FP8 calls (descales, an output dtype of their own) run eagerly; `attention_for_compile` refuses
 # them (an output dtype equal to q's, the only one other calls take, is no argument at all).
-_EAGER_ONLY_ARGS = ("q_descale", "k_descale", "v_descale", "out_dtype")
+_EAGER_ONLY_ARGS = ("q_descale", "k_descale", "v_descale", "out_dtype", "out_scale", "out_amax")
 _SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "str": "str", "bool": "bool",
                  "float": "float", "int | None": "SymInt?"}
 
@@ -769,18 +769,19 @@ def attention_for_compile(
     cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None, seqused_k: Tensor | None = None, block_table: Tensor | None = None,
     q_descale: Tensor | None = None, k_descale: Tensor | None = None, v_descale: Tensor | None = None,
-    out_dtype: torch.dtype | None = None, return_lse: bool = False, deterministic: bool = False,
-    impl: str | None = None,
+    out_dtype: torch.dtype | None = None, out_scale: Tensor | None = None, out_amax: Tensor | None = None,
+    return_lse: bool = False, deterministic: bool = False, impl: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`opdispatch.attention` as one graph node: decided at trace time, traced without a graph break.
 
     Same arguments and results as `opdispatch.attention`. Validation and the decision run once per trace on
     meta tensors (errors are the same as in eager mode); the graph keeps only ``opdispatch::attention``.
     """
-    if q_descale is not None or k_descale is not None or v_descale is not None or (
-            out_dtype is not None and out_dtype != q.dtype):
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_scale is not None or (
+            out_amax is not None) or (out_dtype is not None and out_dtype != q.dtype):
         raise ValueError("attention() under torch.compile does not take FP8 calls (q_descale, k_descale, v_descale, "
-                         "an out_dtype other than q's): run this call eagerly (torch.compiler.disable around it)")
+                         "out_scale, out_amax, an out_dtype other than q's): run this call eagerly "
+                         "(torch.compiler.disable around it)")
     if layout == "thd" and (max_seqlen_q is None or max_seqlen_k is None):
         raise ValueError("attention() under torch.compile with layout='thd' needs max_seqlen_q and max_seqlen_k: "
                          "computing them from cu_seqlens is a data-dependent host sync; pass the longest "

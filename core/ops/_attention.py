@@ -87,7 +87,16 @@ ATTENTION_ARGS = OpArguments("attention", (
     Arg("k_descale", "torch.Tensor | None", None, key="bypass", doc="FP8 only: k's factor, shaped as q_descale"),
     Arg("v_descale", "torch.Tensor | None", None, key="bypass", doc="FP8 only: v's factor, shaped as q_descale"),
     Arg("out_dtype", "torch.dtype | None", None,
-        doc="FP8 q/k/v: the output's dtype, bfloat16 (None) or float16; other calls: None or q's dtype"),
+        doc="FP8 q/k/v: the output's dtype, bfloat16 (None), float16, or an FP8 kind (float8_e4m3fn, float8_e5m2: "
+            "quantized by `out_scale`, as TransformerEngine's fp8_mha keeps FP8 across attention); other calls: "
+            "None or q's dtype"),
+    Arg("out_scale", "torch.Tensor | None", None, key="bypass",
+        doc="FP8 output only (required with an FP8 `out_dtype`, refused otherwise): float32 quantization factor "
+            "of the output, shape () or (1,): out = saturate(real * out_scale) to FP8's largest finite "
+            "(cuDNN's scale_o)"),
+    Arg("out_amax", "torch.Tensor | None", None, key="bypass",
+        doc="FP8 q/k/v only: a float32 tensor of shape () or (1,) the op writes max|real output| into (before "
+            "any quantization; cuDNN's Amax_O), for delayed or current scaling of the next call's `out_scale`"),
     Arg("return_lse", "bool", False, doc="also return the log-sum-exp of the scores"),
     Arg("deterministic", "bool", False, doc="only implementations with a deterministic backward"),
     Arg("impl", "str | None", None, doc="pin one implementation id for this call (never falls back)"),
@@ -132,8 +141,11 @@ class AttentionCall:
     q_descale: torch.Tensor | None
     k_descale: torch.Tensor | None
     v_descale: torch.Tensor | None
-    # The output's dtype: q's for every call but an FP8 one (bfloat16 or float16 there).
+    # The output's dtype: q's for every call but an FP8 one (bfloat16, float16 or an FP8 kind there).
     out_dtype: torch.dtype
+    # An FP8 output's quantization factor (None for any other output); where an FP8 call writes its output's amax.
+    out_scale: torch.Tensor | None
+    out_amax: torch.Tensor | None
     return_lse: bool
     deterministic: bool
     batch: int
@@ -167,6 +179,11 @@ class AttentionCall:
         if q is None and k is None and v is None:  # every call but FP8 ones: read on each class key
             return False
         return any(t is not None and t.dim() == 2 for t in (q, k, v))
+
+    @property
+    def fp8_out(self) -> bool:
+        """Whether an FP8 call's output is FP8 itself (quantized by `out_scale`)."""
+        return self.out_dtype in FP8_DTYPES
 
     @property
     def gqa_ratio(self) -> int:
@@ -301,7 +318,7 @@ class AttentionCall:
             None if bias is None else (tuple(bias.shape), bias.dtype, bias.requires_grad),
             None if self.sinks is None else self.sinks.requires_grad,
             self.return_lse, self.deterministic, self.requires_grad, self.module,
-            self.out_dtype, self.descale_per_head,
+            self.out_dtype, self.descale_per_head, self.out_amax is not None,
         )
 
     def class_key(self) -> tuple[Any, ...]:
@@ -323,7 +340,7 @@ class AttentionCall:
             None if bias is None else (tuple(s == 1 for s in bias.shape), bias.dtype, bias.requires_grad),
             None if self.sinks is None else self.sinks.requires_grad,
             self.return_lse, self.deterministic, self.requires_grad, self.module,
-            self.out_dtype, self.descale_per_head,
+            self.out_dtype, self.descale_per_head, self.out_amax is not None,
         )
 
     def describe(self) -> str:
@@ -336,6 +353,8 @@ class AttentionCall:
         if self.fp8:
             granularity = "per (batch, kv head)" if self.descale_per_head else "per tensor"
             parts.append(f"out_dtype={dtype_name(self.out_dtype)} descales {granularity}")
+            if self.out_amax is not None:
+                parts.append("out_amax")
         if self.varlen:
             parts.append(f"varlen batch={self.batch} max_seqlen_q={self.seqlen_q} max_seqlen_k={self.seqlen_k}")
         if self.block_table is not None:
@@ -436,6 +455,7 @@ def validate_attention(
     attn_mask: Any = None, attn_bias: Any = None, sinks: Any = None, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
     max_seqlen_q: Any = None, max_seqlen_k: Any = None, seqused_k: Any = None, block_table: Any = None,
     q_descale: Any = None, k_descale: Any = None, v_descale: Any = None, out_dtype: Any = None,
+    out_scale: Any = None, out_amax: Any = None,
     return_lse: Any = False, deterministic: Any = False, module: str | None = None, check_values: bool = True,
     varlen_same: bool | None = None,
 ) -> AttentionCall:
@@ -480,6 +500,7 @@ def validate_attention(
         call.attn_bias is not None and call.attn_bias.requires_grad) or (
         call.sinks is not None and call.sinks.requires_grad))
     _read_fp8(call, q_descale, k_descale, v_descale, out_dtype, check_values)
+    _read_fp8_output(call, out_scale, out_amax, check_values)
     call.rewrites = ()
     canonicalize(call, varlen_rewritten=layout == "thd" and call.cu_seqlens_k is not cu_seqlens_k)
     return call
@@ -739,11 +760,66 @@ def _read_fp8(call: AttentionCall, q_descale: Any, k_descale: Any, v_descale: An
                          "drop sinks or dequantize q/k/v")
     if out_dtype is None:
         out_dtype = torch.bfloat16
-    if out_dtype not in FP8_OUT_DTYPES:
+    if out_dtype not in FP8_OUT_DTYPES and out_dtype not in FP8_DTYPES:
+        allowed = [*map(str, FP8_OUT_DTYPES), *sorted(map(str, FP8_DTYPES))]
         raise ValueError(f"attention(): out_dtype={out_dtype!r} is not an FP8 call's output; allowed: "
-                         f"{', '.join(map(str, FP8_OUT_DTYPES))} (None: torch.bfloat16)")
+                         f"{', '.join(allowed)} (None: torch.bfloat16; an FP8 kind with out_scale)")
     call.q_descale, call.k_descale, call.v_descale = q_descale, k_descale, v_descale
     call.out_dtype = out_dtype
+
+
+def _read_fp8_output(call: AttentionCall, out_scale: Any, out_amax: Any, check_values: bool) -> None:
+    """An FP8 output's quantization factor `out_scale` (given exactly when `out_dtype` is an FP8 kind) and the
+    optional `out_amax` of any FP8 call (a float32 tensor the implementation writes). Runs after `_read_fp8`."""
+    if out_scale is None and out_amax is None and not call.fp8_out:  # the common call: nothing to check
+        call.out_scale = call.out_amax = None
+        return
+    if not call.fp8:
+        passed = ", ".join(n for n, t in (("out_scale", out_scale), ("out_amax", out_amax)) if t is not None)
+        raise ValueError(f"attention(): {passed} given but q/k/v are {dtype_name(call.dtype)}; out_scale and "
+                         "out_amax belong to FP8 calls (q/k/v in "
+                         f"{', '.join(sorted(map(str, FP8_DTYPES)))} with descales): drop them")
+    if call.fp8_out and out_scale is None:
+        raise ValueError(f"attention(): out_dtype={call.out_dtype} needs out_scale, the output's float32 "
+                         "quantization factor (out = saturate(real * out_scale)), shape () or (1,): e.g. "
+                         "torch.full((), fp8_max / expected_amax, device=q.device), or the last call's out_amax "
+                         "turned into a scale (delayed scaling)")
+    if not call.fp8_out and out_scale is not None:
+        raise ValueError(f"attention(): out_scale given but out_dtype is {call.out_dtype}; out_scale quantizes an "
+                         "FP8 output only: drop it, or pass out_dtype=torch.float8_e4m3fn (or float8_e5m2)")
+    for name, value in (("out_scale", out_scale), ("out_amax", out_amax)):
+        if value is None:
+            continue
+        t = _check_tensor(name, value)
+        if t.dtype != torch.float32:
+            raise TypeError(f"attention(): {name} must be float32, got {t.dtype}; use "
+                            f"{'.float()' if name == 'out_scale' else 'torch.zeros((), dtype=torch.float32)'}")
+        if tuple(t.shape) not in ((), (1,)):
+            raise ValueError(f"attention(): {name} has shape {_shape_of(t)}; allowed: () or (1,) (one factor per "
+                             "tensor)")
+        if t.device != call.device:
+            raise ValueError(f"attention(): {name} is on {t.device} but q is on {call.device}; pass "
+                             f"{name}.to(q.device)")
+        if t.requires_grad and (name == "out_amax" or torch.is_grad_enabled()):
+            raise ValueError(f"attention(): {name} requires grad; FP8 attention is forward-only "
+                             f"{'and writes out_amax in place' if name == 'out_amax' else ''}: pass "
+                             f"{name}.detach()".replace("  ", " "))
+    if out_amax is not None and out_amax.device.type != "meta":  # (meta tensors have no memory to share)
+        written = out_amax.untyped_storage().data_ptr()
+        overlaps = [n for n, t in (("q", call.q), ("k", call.k), ("v", call.v), ("out_scale", out_scale),
+                                   ("q_descale", call.q_descale), ("k_descale", call.k_descale),
+                                   ("v_descale", call.v_descale))
+                    if t is not None and t.untyped_storage().data_ptr() == written]
+        if overlaps:
+            raise ValueError(f"attention(): out_amax shares memory with {', '.join(overlaps)}, an input the call "
+                             "reads; pass a tensor of its own (torch.zeros((), device=q.device))")
+    # A host read: on CPU only (on accelerators the factor is data the kernel reads, as the descales are).
+    if check_values and out_scale is not None and out_scale.device.type == "cpu":
+        factor = float(out_scale.reshape(()))
+        if not (math.isfinite(factor) and factor > 0.0):
+            raise ValueError(f"attention(): out_scale={factor!r} is not a finite positive factor; out = "
+                             "saturate(real * out_scale) needs one (fp8_max / amax of the expected output)")
+    call.out_scale, call.out_amax = out_scale, out_amax
 
 
 def _read_varlen(call: AttentionCall, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
@@ -1263,6 +1339,8 @@ class AttentionCaps:
     # one per tensor.
     fp8_out_dtypes: frozenset[torch.dtype] = frozenset()
     fp8_descale_per_head: bool = False
+    # Whether the implementation writes an FP8 call's output amax into `out_amax` (cuDNN's Amax_O).
+    fp8_out_amax: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return caps_as_dict(self)
@@ -1436,7 +1514,17 @@ def _fp8_output(caps: AttentionCaps, call: AttentionCall) -> str | None:
     if not call.fp8 or call.dtype not in caps.dtypes or call.out_dtype in caps.fp8_out_dtypes:
         return None
     allowed = ", ".join(sorted(dtype_name(d) for d in caps.fp8_out_dtypes)) or "none"
-    return f"FP8 output dtype {dtype_name(call.out_dtype)} not supported (supported: {allowed})"
+    reason = f"FP8 output dtype {dtype_name(call.out_dtype)} not supported (supported: {allowed})"
+    if call.fp8_out and not FP8_DTYPES & caps.fp8_out_dtypes:
+        reason += ": this kernel cannot produce an FP8 output (it returns a dequantized one only)"
+    return reason
+
+
+def _fp8_amax(caps: AttentionCaps, call: AttentionCall) -> str | None:
+    if call.out_amax is None or caps.fp8_out_amax or call.dtype not in caps.dtypes:
+        return None
+    return "the output's amax (out_amax) not produced: this kernel writes no amax; drop out_amax or compute it " \
+           "from the output"
 
 
 def _fp8_descales(caps: AttentionCaps, call: AttentionCall) -> str | None:
@@ -1668,7 +1756,7 @@ def _sequence_limit(caps: AttentionCaps, call: AttentionCall) -> str | None:
 
 # `AttentionCaps` turned into reasons (`opdispatch.base._impl.unmet_capabilities`), in the order they are printed.
 ATTENTION_CAPABILITY_RULES: tuple[CapabilityRule, ...] = (
-    _dtype, _layout, _fp8_output, _fp8_descales,
+    _dtype, _layout, _fp8_output, _fp8_amax, _fp8_descales,
     _head_dim, _head_dim_v,
     feature_rule("gqa", lambda call: call.heads_q != call.heads_kv,
                  lambda call: f"grouped-query attention ({call.heads_q} q heads over {call.heads_kv} kv heads) not "

@@ -4,7 +4,9 @@ keywords (an unknown keyword is a TypeError), the build steps, and `execute`, wh
 through the dims and strides the graph declared (`torch.as_strided`: a wrong stride convention reads the wrong
 elements) and computes in float64: FP8 inputs times their descales, the band of fp16_ref.py (key j of query i kept
 when i + o - left_bound < j <= i + o + right_bound, o = s_kv - s_q bottom-right), GQA by head // (h_q / h_k), the
-output times scale_o for FP8, rounded to the output's declared dtype and written through its dims and strides.
+output times scale_o for FP8 (saturated to FP8's largest finite, as the kernels' satfinite conversion), rounded to
+the output's declared dtype and written through its dims and strides; amax_s and amax_o are max|P| and max|O| in
+real units, before scale_s / scale_o (test/python/sdpa/fp8_ref.py's o_amax).
 `sdpa_fp8_backward` (python/pygraph/sdpa.cpp, test/python/sdpa/fp8.py's backward graph) computes dQ/dK/dV in float64
 from the forward's stats (its log-sum-exp), writes them times their scales as saturating FP8 and their amaxes in real
 units. Every built graph is recorded in `graphs` (its tensors and options) and every execution in `executions`
@@ -314,11 +316,11 @@ class pygraph:  # noqa: N801
         out = probs @ v
         if op["generate_stats"]:  # the softmax's log-sum-exp per query row (natural log), (b, h, s_q, 1)
             write(op["outputs"][1], torch.logsumexp(scores, dim=-1, keepdim=True))
-        if fp8:
+        if fp8:  # the amaxes in real units, before their scales (fp8_ref.py: o_amax = max|o|, then o * scale_o)
+            amax_s, amax_o = op["outputs"][2:4]
+            write(amax_s, probs.abs().max().reshape(1, 1, 1, 1))
+            write(amax_o, out.abs().max().reshape(1, 1, 1, 1))
             out = out * read(op["scale_o"])
-            for name in ("amax_s", "amax_o"):
-                t = op["outputs"][2 if name == "amax_s" else 3]
-                variant_pack[t.uid].fill_(1.0 if name == "amax_s" else float(out.abs().max() / read(op["scale_o"])))
         write(op["outputs"][0], out)
 
     @staticmethod

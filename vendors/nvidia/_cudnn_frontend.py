@@ -299,7 +299,7 @@ class CudnnFrontendAttention(AttentionImpl):
         head_dim_multiple=8, head_dim_v_differs=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True,
         backward=True,  # FP8's, for fp8_dpa calls (extra_reasons refuses a bf16/fp16 call with grad otherwise)
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True,
-        fp8_out_dtypes=frozenset(FP8_OUT_DTYPES), fp8_descale_per_head=False,
+        fp8_out_dtypes=frozenset(FP8_OUT_DTYPES) | FP8_DTYPES, fp8_descale_per_head=False, fp8_out_amax=True,
         # Not measured: cuDNN picks plans per shape; neither determinism is claimed.
         deterministic_forward=False,
     )
@@ -324,7 +324,10 @@ class CudnnFrontendAttention(AttentionImpl):
                         "ops.attention.options.'nvidia.cudnn_frontend': {fp8_dpa: true})"]
             return []
         reasons = []
-        if _triton_kernels() is None:
+        if call.fp8_out and call.out_dtype != call.dtype:
+            reasons.append(f"cuDNN's FP8 SDPA writes its FP8 output in the inputs' kind ({call.dtype}), not "
+                           f"{call.out_dtype}: pass out_dtype={call.dtype}")
+        if _triton_kernels() is None and not call.fp8_out:
             reasons.append("FP8 calls need Triton (the output's scale and dequantization kernels around the cuDNN "
                            "graph): pip install triton (torch's CUDA wheels bring it)")
         if device.capability is not None and device.capability < (9, 0):
@@ -341,7 +344,8 @@ class CudnnFrontendAttention(AttentionImpl):
         if call.fp8:
             assert call.q_descale is not None and call.k_descale is not None and call.v_descale is not None
             return self._forward(cudnn, call, call.q, call.k, call.v, (call.q_descale, call.k_descale,
-                                 call.v_descale), call.out_dtype, with_stats=False)[0]
+                                 call.v_descale), call.out_dtype, with_stats=False, out_scale=call.out_scale,
+                                 out_amax=call.out_amax)[0]
         if not self.options.fp8_dpa:
             return self._forward(cudnn, call, call.q, call.k, call.v, None, call.out_dtype, with_stats=False)[0]
         if call.requires_grad:
@@ -352,10 +356,13 @@ class CudnnFrontendAttention(AttentionImpl):
 
     def _forward(self, cudnn: Any, call: AttentionCall, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
                  descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype,
-                 with_stats: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                 with_stats: bool, out_scale: torch.Tensor | None = None, out_amax: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Attention of q/k/v in the call's layout (FP8 with `descales`, or bf16/fp16): (the output in
         `out_dtype`, the graph's own output — FP8 for FP8 —, its descale for FP8, the softmax stats (b, h, s_q, 1)
-        float32 when `with_stats`)."""
+        float32 when `with_stats`). FP8 only: `out_scale` (the caller's, for an FP8 `out_dtype`) is the graph's
+        scale_o — no v amax, no dequantization: the graph's output is the result —, and `out_amax` receives
+        cuDNN's Amax_O (max|output| in real units)."""
         q, k, v = call.bhsd(q_in), call.bhsd(k_in), call.bhsd(v_in)
         fp8 = descales is not None
         out = torch.empty((*q_in.shape[:-1], call.head_dim_v), dtype=q.dtype if fp8 else out_dtype,
@@ -389,10 +396,12 @@ class CudnnFrontendAttention(AttentionImpl):
                 _UID["descale_k"]: descales[1].reshape(1, 1, 1, 1),
                 _UID["descale_v"]: descales[2].reshape(1, 1, 1, 1),
                 _UID["scale_s"]: constants["scale_s"], _UID["descale_s"]: constants["descale_s"],
-                _UID["scale_o"]: scratch.scale_o, _UID["amax_s"]: scratch.amax_s, _UID["amax_o"]: scratch.amax_o})
+                _UID["scale_o"]: scratch.scale_o if out_scale is None else out_scale.reshape(1, 1, 1, 1),
+                _UID["amax_s"]: scratch.amax_s,
+                _UID["amax_o"]: scratch.amax_o if out_amax is None else out_amax.view(1, 1, 1, 1)})
         with device_lock:  # one handle per device: its stream, and the scratch's use, belong to one call at a time
             cudnn.set_stream(handle=handle, stream=stream)
-            if scratch is not None:
+            if scratch is not None and out_scale is None:
                 assert descales is not None
                 _output_scale(v, descales[2], scratch)
             if plan is None:  # the signature's first call, autotuning: after the scale, on the real tensors
@@ -403,7 +412,7 @@ class CudnnFrontendAttention(AttentionImpl):
                 if scratch is not None and not capturing:
                     scratch.workspaces[key] = workspace
             plan.execute(pack, workspace, handle)
-            if scratch is None:
+            if scratch is None or out_scale is not None:  # bf16/fp16, or the caller's FP8 output
                 return out, out, None, stats
             result = torch.empty(out.shape, dtype=out_dtype, device=out.device)
             _dequantize(out, scratch.scale_o, result)

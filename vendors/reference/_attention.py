@@ -8,7 +8,10 @@ every other implementation is tested against:
 - ALiBi adds -slope * |i + o - j|; softcap applies softcap * tanh(s / softcap) before bias and masks.
 - A query that may see no key returns zeros and lse = -inf.
 - FP8 q/k/v are dequantized to float32 first (real = fp8 * descale; a (batch, heads_kv) descale scales sequence
-  b's kv head h, and q's query heads of group h) and the output returned in `out_dtype`.
+  b's kv head h, and q's query heads of group h) and the output returned in `out_dtype`; an FP8 `out_dtype` is
+  quantized as cuDNN's sdpa_fp8 writes its output (NVIDIA/cudnn-frontend test/python/sdpa/fp8_ref.py: the float32
+  output times scale_o, converted with saturation to the largest finite, as Hopper's cvt.satfinite does), and
+  `out_amax` gets max|output| of the float32 output, before any scaling (the reference's o_amax, cuDNN's Amax_O).
 - A KV cache (seqused_k): sequence b attends to its first seqused_k[b] keys — of its cache rows (dense), of its
   cu_seqlens_k span (thd), or of its pages in block_table order (paged) — as if they were all its keys.
 """
@@ -71,12 +74,25 @@ class ReferenceAttention(AttentionImpl):
         alibi=True, dropout=True, attn_mask=True, attn_bias=True, bias_grad=True, lse=True, lse_grad=True,
         backward=True, deterministic_backward=True, strided_inputs=True,
         causal=True, deterministic_forward=True, kv_cache=True, paged_kv=True, kv_cache_alibi=True,
-        fp8_out_dtypes=frozenset(FP8_OUT_DTYPES), fp8_descale_per_head=True,
+        fp8_out_dtypes=frozenset(FP8_OUT_DTYPES) | FP8_DTYPES, fp8_descale_per_head=True, fp8_out_amax=True,
     )
 
     def run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if call.fp8:
-            call = dequantized(call)
+            out_scale, out_amax, out_dtype = call.out_scale, call.out_amax, call.out_dtype
+            if out_scale is None and out_amax is None:
+                return self._run(dequantized(call))
+            real = dequantized(call)
+            real.dtype = real.out_dtype = torch.float32  # the float32 output, quantized below
+            result = self._run(real)
+            out, lse = result if isinstance(result, tuple) else (result, None)
+            if out_amax is not None:
+                out_amax.copy_(out.abs().amax().reshape(out_amax.shape))
+            out = out.to(out_dtype) if out_scale is None else quantize_fp8(out, out_scale, out_dtype)
+            return out if lse is None else (out, lse)
+        return self._run(call)
+
+    def _run(self, call: AttentionCall) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         compute = torch.float32 if call.dtype in (torch.float16, torch.bfloat16) else call.dtype
         if call.varlen or call.kv_cache:
             out, lse = self._per_sequence(call, compute)
@@ -113,6 +129,13 @@ class ReferenceAttention(AttentionImpl):
         return call.from_bshd(torch.stack(outs).to(call.dtype)), torch.stack(lses)
 
 
+def quantize_fp8(real: torch.Tensor, scale: torch.Tensor, kind: torch.dtype) -> torch.Tensor:
+    """saturate(real * scale) in the FP8 `kind`: rounded to nearest, magnitudes beyond the largest finite (and
+    infinities) clamped to it, NaN kept (torch's cast alone turns an e4m3fn overflow into NaN)."""
+    fp8_max = torch.finfo(kind).max
+    return (real.float() * scale.reshape(())).clamp(-fp8_max, fp8_max).to(kind)
+
+
 def dequantized(call: AttentionCall) -> AttentionCall:
     """An FP8 call as the float32 call it stands for: q/k/v times their descales, output in `out_dtype` — what the
     reference computes, then rounds to the output dtype. A paged call with per-sequence descales gets pools of its
@@ -130,7 +153,7 @@ def dequantized(call: AttentionCall) -> AttentionCall:
         k, v = (t.float() * _factors(call, t, call.cu_seqlens_k, descale, 1)
                 for t, descale in ((call.k, call.k_descale), (call.v, call.v_descale)))
     out = call.with_tensors(q, k, v, call.seqused_k, table)
-    out.q_descale = out.k_descale = out.v_descale = None
+    out.q_descale = out.k_descale = out.v_descale = out.out_scale = out.out_amax = None
     out.dtype = out.out_dtype = call.out_dtype
     return out
 
