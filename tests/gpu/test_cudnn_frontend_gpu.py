@@ -84,3 +84,52 @@ def test_fp8_dpa_forward_and_backward_against_float32_autograd(options, causal):
             assert leaf.grad.dtype == torch.bfloat16
             error = _rel_error(leaf.grad, ref.grad)
             assert error <= 0.25, f"{name} at gradient scale {grad_scale}: {error:.3f} of the max"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headroom", [0.5, 3.0])  # 3.0: a third of the outputs' range beyond FP8's: saturated
+def test_fp8_output_with_the_caller_s_scale_and_amax(options, causal, headroom):
+    """out_dtype=e4m3 with out_scale: cuDNN's FP8 output as the result (scale_o the caller's), out_amax cuDNN's
+    Amax_O — against float32 attention of the dequantized inputs, quantized with saturation."""
+    options(autotune=True)
+    (q8, qs), (k8, ks), (v8, vs) = (_quantize(t) for t in _qkv(2))
+    want = _reference(q8.float() * qs, k8.float() * ks, v8.float() * vs, causal)
+    peak = want.abs().max()
+    out_scale = (headroom * torch.finfo(E4M3).max / peak).reshape(())
+    out_amax = torch.full((), -1.0, device="cuda")
+    bf16_amax = torch.full((1,), -1.0, device="cuda")
+    for _ in range(2):  # the first call builds and tunes, the second runs the kept plan
+        out = opdispatch.attention(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs,
+                                   out_dtype=E4M3, out_scale=out_scale, out_amax=out_amax, impl=IMPL)
+        assert out.dtype == E4M3 and not torch.isnan(out.float()).any()
+        assert abs(out_amax.item() - peak.item()) <= 0.02 * peak.item()  # FP8 P and V: a few % off float32
+        got = out.float() / out_scale
+        inside = want.abs() * out_scale < torch.finfo(E4M3).max * 0.9
+        assert _rel_error(got[inside], want[inside]) <= 0.08
+        if headroom > 1:
+            assert out.float().abs().max().item() == torch.finfo(E4M3).max
+    # the bf16 output of the same call writes the same amax (both cuDNN's Amax_O)
+    opdispatch.attention(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks, v_descale=vs, out_amax=bf16_amax,
+                         impl=IMPL)
+    assert abs(bf16_amax.item() - out_amax.item()) <= 1e-6 * peak.item()
+
+
+def test_fp8_output_is_cuda_graph_capturable_after_warm_up(options):
+    """The FP8 output launches cuDNN's graph only (no Triton kernels): warm up, capture, replay with new values."""
+    options(autotune=False)
+    (q8, qs), (k8, ks), (v8, vs) = (_quantize(t) for t in _qkv(3, s=512))
+    out_scale = torch.full((), 64.0, device="cuda")
+    out_amax = torch.zeros((), device="cuda")
+    call = dict(q_descale=qs, k_descale=ks, v_descale=vs, out_dtype=E4M3, out_scale=out_scale, out_amax=out_amax,
+                impl=IMPL)
+    opdispatch.attention(q8, k8, v8, **call)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = opdispatch.attention(q8, k8, v8, **call)
+    qs.mul_(2.0)  # new descale, read by the replay
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _reference(q8.float() * qs, k8.float() * ks, v8.float() * vs, False)
+    assert _rel_error(out.float() / out_scale, want) <= 0.08
+    assert abs(out_amax.item() - want.abs().max().item()) <= 0.02 * want.abs().max().item()
