@@ -37,7 +37,11 @@ bf16/fp16 output ("only supported on Blackwell with cuDNN >= 9.13"): the graph's
 kind with `scale_o` = fp8_max / max|v| (the output is a convex mix of v's rows, so it never exceeds max|v|), and
 this adapter divides it back to `call.out_dtype`. The probabilities are FP8 with scale_s 256 (they lie in [0, 1]).
 
-Per FP8 call, around the graph, three Triton launches (vendors/nvidia/_cudnn_fp8_triton.py), no host read: max|v| as
+An FP8 output (`out_dtype` the inputs' FP8 kind, with the caller's `out_scale`, TransformerEngine's fp8_mha) is the
+graph's own output with scale_o = out_scale: no v amax, no dequantization, no Triton launch; `out_amax` (any FP8
+call) is bound as the graph's Amax_O, max|O| in real units.
+
+Per FP8 call with a bf16/fp16 output, around the graph, three Triton launches (vendors/nvidia/_cudnn_fp8_triton.py), no host read: max|v| as
 FP8 magnitude bits (one read of v in memory order, one atomic max per program), scale_o from them and v_descale (one
 program), and the dequantization o8 / scale_o -> out_dtype in one pass (read 1 byte, write 2 per element;
 `(o.float() / s).to(dt)` took three passes and a float32 temporary: 19 bytes per element, most of the FP8 call's
