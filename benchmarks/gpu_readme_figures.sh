@@ -68,7 +68,7 @@ for part in $parts; do
         --out "$out/dispatch_overhead-h100.md" > "$out/dispatch_overhead-h100.log" 2>&1
       echo "dispatch_overhead exit $?"; tail -12 "$out/dispatch_overhead-h100.md" | cut -c1-300 ;;
     fp8)
-      timeout 300 python3 "$repo/benchmarks/fp8_attention.py" --out "$out/fp8_attention-h100.json" \
+      timeout "${FP8_TIMEOUT:-420}" python3 "$repo/benchmarks/fp8_attention.py" --out "$out/fp8_attention-h100.json" \
         > "$out/fp8_attention-h100.log" 2>&1
       echo "fp8_attention exit $?"; grep -E '^### |^\| (bf16|fp8)[^|]*\| [0-9]' "$out/fp8_attention-h100.md" \
         | cut -c1-200; tail -3 "$out/fp8_attention-h100.log" | cut -c1-300 ;;
