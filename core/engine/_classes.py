@@ -103,12 +103,11 @@ class DecisionClasses:
             narrow(field, max((c for c in cuts if c <= value), default=1),
                    min((c for c in cuts if c > value), default=None))
 
-        for field, cuts in self._size_cuts:
-            assert cuts is not None  # boxable
-            between(field, cuts)
+        for field, policy_cuts in self._size_cuts:
+            between(field, policy_cuts or ())  # never None here: boxable
         for impl in keyed:
-            for field, cuts in _dense_key_cuts(impl).items():  # type: ignore[union-attr]  # boxable
-                between(field, cuts)
+            for field, key_cuts in (_dense_key_cuts(impl) or {}).items():  # never None here: boxable
+                between(field, key_cuts)
         seqlen_q, seqlen_k = call.seqlen_q, call.seqlen_k
         for limit in self.max_seqlens:  # `max(seqlen_q, seqlen_k) <= limit`: kept true, or kept false by the longer
             if max(seqlen_q, seqlen_k) <= limit:
