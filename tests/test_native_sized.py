@@ -213,3 +213,176 @@ def test_masks_kv_caches_and_lse_never_take_the_sized_path(basic_manager, sized)
         seqused = torch.tensor([n, n - 1], dtype=torch.int32)
         assert torch.equal(sized(q, k, v, seqused_k=seqused), full_path(basic_manager, q, k, v, seqused_k=seqused))
     assert _sized_hits(sized) == 0
+
+
+# -- classes whose candidates' selection keys read sizes --------------------------------------------------------
+#
+# On the H100 the decode's class is keyed by nvidia.cudnn, whose selection key reads whether each length is 1.
+# `_OneKeyOnly` plays that part on the CPU: keyed (its checks read sizes), and chosen only across its cut (one
+# key), where it computes in float64 — so a call decided afresh there gives other bits than cpu.flash's.
+
+
+class _OneKeyOnly(opdispatch.AttentionImpl):
+    vendor, name, priority = "test", "one_key", 1000
+    caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, layouts=frozenset({"bshd"}),
+                                    causal=True, causal_alignments=frozenset({"top_left", "bottom_right"}))
+
+    def selection_key(self, call):
+        return (call.seqlen_k == 1, call.seqlen_q == 1)
+
+    def extra_reasons(self, call, device):
+        return [] if call.seqlen_k == 1 else [f"seqlen_k {call.seqlen_k}: this test kernel takes one key"]
+
+    def run(self, call):
+        q, k, v = (call.bhsd(t).double() for t in (call.q, call.k, call.v))
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+        p = torch.softmax(q @ k.transpose(-1, -2) * call.scale, -1)  # one key: every mask keeps it
+        return call.from_bhsd((p @ v).to(call.dtype))
+
+
+class _ExactSizesKey(_OneKeyOnly):
+    """Checks that read sizes without a selection key: the default key is the exact signature (each length is a
+    class of its own, decided afresh)."""
+
+    name = "exact_sizes"
+    selection_key = opdispatch.AttentionImpl.selection_key
+
+
+@pytest.fixture
+def counted_hook(loaded, basic_manager, monkeypatch):  # noqa: F811
+    """A compiled attention door with size-generic entries on, and how often it asked its hook."""
+    asked = [0]
+
+    def hook(*args):
+        asked[0] += 1
+        return _api._native_size_entry(*args)
+
+    python = _native.python_of(opdispatch.attention)
+    door = _native.compiled_front_door(python, **dict(python.__opdispatch_native_spec__, size_entry=hook))
+    return door, asked
+
+
+def _decode_pass(door: Any, manager: Any, lengths: Any, seed: int) -> list[bool]:
+    gen = torch.Generator().manual_seed(seed)
+    cache_k, cache_v = make("bshd", 2, max(lengths), 2, 16, gen), make("bshd", 2, max(lengths), 2, 16, gen)
+    q = make("bshd", 2, 1, 4, 16, gen)
+    return _decode(door, manager, q, cache_k, cache_v, lengths)
+
+
+@pytest.mark.parametrize("keyed", [_OneKeyOnly, _ExactSizesKey], ids=["reads-length-one", "exact-sizes"])
+def test_a_class_without_a_box_asks_its_hook_once_not_per_new_length(basic_manager, counted_hook, keyed):
+    """A keyed candidate that declares no cuts leaves the class without a box: the door keeps "nothing" for its
+    size-generic key, and new lengths (each a new decision, for the exact-sizes key) ask the hook no more."""
+    door, asked = counted_hook
+    basic_manager.register_impl(keyed())
+    hits = _decode_pass(door, basic_manager, range(3, 40), seed=21)
+    assert not any(hits) and asked[0] == 1
+    assert basic_manager.cached_decision(
+        "attention", opdispatch.validate_attention(*(make("bshd", 2, n, h, 16, torch.Generator()) for n, h in
+                                                     ((1, 4), (39, 2), (39, 2))))).chosen_id == "cpu.flash"
+    basic_manager.clear_cache()  # a new state: asked again
+    _decode_pass(door, basic_manager, range(40, 44), seed=22)
+    assert asked[0] == 2
+
+
+def test_a_function_bound_per_call_asks_its_hook_once_not_per_new_length(basic_manager, counted_hook):
+    """reference.math binds per call (not size-generic): each new length binds through Python, which keeps the
+    template it has (same decision), so the entry the door keeps for "nothing" stays current."""
+    door, asked = counted_hook
+    basic_manager.set_policy(parse_policy("ops: {attention: {order: [reference.math]}}", "<p>"))
+    hits = _decode_pass(door, basic_manager, range(3, 30), seed=23)
+    assert not any(hits) and asked[0] == 1
+
+
+def test_declared_cuts_box_the_class_a_call_across_the_cut_is_decided_afresh(basic_manager, counted_hook,
+                                                                           monkeypatch):
+    door, asked = counted_hook
+    monkeypatch.setattr(_OneKeyOnly, "dense_key_size_cuts", {"seqlen_q": (2,), "seqlen_k": (2,)})
+    basic_manager.register_impl(_OneKeyOnly())
+    basic_manager.set_policy(parse_policy("ops: {attention: {order: ['test.*', cpu.flash]}}", "<p>"))
+    gen = torch.Generator().manual_seed(25)
+    cache_k, cache_v = make("bshd", 2, 40, 2, 16, gen), make("bshd", 2, 40, 2, 16, gen)
+    q = make("bshd", 2, 1, 4, 16, gen)
+    lengths = [5, 6, 7, 30, 1, 2, 9, 10]
+    pending: list[Any] = []
+    hits = [_check(door, pending, "bshd", q, cache_k[:, :n], cache_v[:, :n]) for n in lengths]
+    # One key lies across the cut: decided afresh (the test kernel); back inside, Python once (its dicts
+    # changed), then sized hits again.
+    assert hits == [False, True, True, True, False, False, True, True]
+    for (*_, kw), n in zip(pending, lengths):
+        kw["impl"] = "test.one_key" if n == 1 else "cpu.flash"
+    _verify(basic_manager, pending)
+    # Which implementation each side's class went to (one key's output is v under any correct kernel).
+    chosen = {n: basic_manager.cached_decision("attention", opdispatch.validate_attention(
+        q, cache_k[:, :n], cache_v[:, :n])).chosen_id for n in (1, 2, 30)}
+    assert chosen == {1: "test.one_key", 2: "cpu.flash", 30: "cpu.flash"}
+
+
+def _keyed_builtins() -> list[type]:
+    """Every built-in attention implementation whose checks read more than the class key (the ones that join it
+    with their selection key), imported from every vendor package."""
+    import importlib
+    import pkgutil
+
+    import opdispatch.vendors as vendors
+    from opdispatch.engine._classes import _reads_more
+
+    for module in pkgutil.iter_modules(vendors.__path__):
+        importlib.import_module(f"{vendors.__name__}.{module.name}")
+
+    def subclasses(cls: type) -> list[type]:
+        return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
+
+    return sorted({c for c in subclasses(opdispatch.AttentionImpl) if c.__module__.startswith(vendors.__name__)
+                   and _reads_more(c.__new__(c))}, key=lambda c: f"{c.vendor}.{c.name}")
+
+
+def test_nvidia_cudnns_selection_key_reads_sizes_and_declares_them():
+    ids = {f"{c.vendor}.{c.name}": c for c in _keyed_builtins()}
+    assert ids["nvidia.cudnn"].dense_key_size_cuts == {"seqlen_q": (2,), "seqlen_k": (2,)}
+
+
+@pytest.mark.parametrize("impl_class", _keyed_builtins(), ids=lambda c: f"{c.vendor}.{c.name}")
+def test_every_builtin_declaration_of_dense_key_cuts_is_exact(impl_class):
+    """Where a built-in declares `dense_key_size_cuts`, its selection key of dense calls is constant between
+    consecutive cuts of every field and changes at each cut (varying one field at a time, over both sides of
+    every cut, from a decode and a prefill call); where it declares none, nothing is claimed."""
+    from opdispatch.engine._classes import SIZE_FIELDS, _dense_key_cuts
+
+    declared = impl_class.dense_key_size_cuts
+    if declared is None:
+        pytest.skip(f"{impl_class.vendor}.{impl_class.name} declares no cuts (its class keeps no size box)")
+    cuts = _dense_key_cuts(impl_class.__new__(impl_class))
+    assert cuts == declared, f"{declared!r}: not a valid declaration (fields {SIZE_FIELDS}, tuples of ints)"
+    impl = impl_class.__new__(impl_class)
+    gen = torch.Generator().manual_seed(31)
+
+    def key(sizes: dict[str, int]) -> Any:
+        b, sq, sk, hq, hkv = (sizes[f] for f in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv"))
+        q = torch.randn(b, sq, hq, 8, generator=gen).to(torch.bfloat16)
+        k = torch.randn(b, sk, hkv, 8, generator=gen).to(torch.bfloat16)
+        return impl.selection_key(opdispatch.validate_attention(q, k, k.clone(), causal=True))
+
+    for base in (dict(batch=2, seqlen_q=1, seqlen_k=9, heads_q=4, heads_kv=2),
+                 dict(batch=1, seqlen_q=6, seqlen_k=6, heads_q=2, heads_kv=1)):
+        for field in SIZE_FIELDS:
+            field_cuts = sorted(cuts.get(field, ()))
+            values = sorted({1, 2, 3, 17, *(c + d for c in field_cuts for d in (-1, 0, 1))} - {0})
+
+            def sizes(value: int) -> dict[str, int]:
+                s = dict(base, **{field: value})
+                if field == "heads_kv":
+                    s["heads_q"] = 2 * value
+                elif field == "heads_q":
+                    s["heads_kv"] = 1
+                elif field == "seqlen_q" and base["seqlen_q"] == base["seqlen_k"]:
+                    s["seqlen_k"] = value  # a prefill keeps equal lengths (the class key holds that)
+                return s
+
+            keys = {v: key(sizes(v)) for v in values}
+            interval = {v: sum(c <= v for c in field_cuts) for v in values}
+            for a in values:
+                for b in values:
+                    same = interval[a] == interval[b]
+                    assert (keys[a] == keys[b]) == same, (field, a, b, keys[a], keys[b])

@@ -1117,21 +1117,23 @@ OPDISPATCH_COLD PyObject* sized_or_miss(Door* d, PyObject* const* args, Py_ssize
   if (d->seen_once.count(h) != 0) return miss(d, args, nargs, kwnames, slots, key, h, known);
   const uint64_t rh = reduced.hash();
   SizedEntry* s = d->find_sized(reduced, rh);
-  const bool current = s != nullptr && s->current(manager_of(d));
-  if (current) {
-    if (s->fn != nullptr && d->inside(*s, sizes)) {
-      PyObject* out = sized_call(d, s, slots, sizes);
-      if (out != kPass) {
-        if (out != nullptr && d->seen_once.insert(h).second && d->seen_once.size() > kMaxEntries) {
-          d->seen_once.clear();
-        }
-        return out;
+  if (s != nullptr && s->fn != nullptr && s->current(manager_of(d)) && d->inside(*s, sizes)) {
+    PyObject* out = sized_call(d, s, slots, sizes);
+    if (out != kPass) {
+      if (out != nullptr && d->seen_once.insert(h).second && d->seen_once.size() > kMaxEntries) {
+        d->seen_once.clear();
       }
+      return out;
     }
-    return miss(d, args, nargs, kwnames, slots, key, h, known);
   }
   PyObject* out = miss(d, args, nargs, kwnames, slots, key, h, known);
-  if (out != nullptr) d->refresh_sized(reduced, rh, slots);
+  // The hook is asked only where the entry is missing or outdated once the Python path ran (it may have just
+  // made the template, or changed a watched dict): an entry of "nothing" (fn nullptr) that stays current — a
+  // class without a size box, a function bound per call — costs each new length no Python call.
+  if (out != nullptr) {
+    s = d->find_sized(reduced, rh);  // again: the Python path may have cleared the table
+    if (s == nullptr || !s->current(manager_of(d))) d->refresh_sized(reduced, rh, slots);
+  }
   return out;
 }
 

@@ -255,14 +255,33 @@ def _native_size_entry(*args: Any) -> Any:
     key = _attention_key(*args)
     if key is None:
         return None
-    watched = (manager.state.decisions, manager.size_generic, *manager.breaker.watched())
     template = manager.size_generic.get(size_generic_key(key))
+    if template is not None and _never_boxed(manager, template):
+        # No decision, demotion or template of this state changes that: watch nothing (a new state, which any
+        # clear_cache, policy or registry change makes, empties the door's tables).
+        return (None, (), 0, None, (), None)
+    watched = (manager.state.decisions, manager.size_generic, *manager.breaker.watched())
     constraints = None if template is None else _class_constraints(manager, template, args[_IMPL])
     if template is None or constraints is None:
         return (None, (), 0, None, watched, None)
     call = template.call
     capturing = None if call.device.type == "cpu" else functools.partial(is_capturing, call.device)
     return (template.fn, constraints, call.head_dim_v, call.dtype, watched, capturing)
+
+
+def _never_boxed(manager: OpManager, template: SizeTemplate) -> bool:
+    """Whether no call of `template`'s size-generic key may take a sized entry under this state, whatever is
+    decided or demoted later: what its key fixes (layout, LSE, window, mask, sinks, ALiBi, bias) or its op's
+    classes on its device (`DecisionClasses.boxable`: a keyed candidate whose selection key declares no cuts, a
+    policy size test of unknown form, autotune buckets) rules a box out. See `_class_constraints`."""
+    call = template.call
+    if (call.layout not in LAYOUT_DIMS or call.return_lse or template.window is not None
+            or call.attn_mask is not None or call.sinks is not None or call.alibi_slopes is not None
+            or call.attn_bias is not None):
+        return True
+    classes = manager.state.classes.get("attention")
+    keyed = None if classes is None else classes.keyed_on.get(manager.device_info(call.device).key)
+    return classes is not None and keyed is not None and not classes.boxable(keyed)
 
 
 def _class_constraints(manager: OpManager, template: SizeTemplate, impl: Any) -> tuple[int, ...] | None:
@@ -580,7 +599,14 @@ def _run_and_remember(manager: OpManager, op: str, key: Any, call: Any, impl: st
         if fn.decision.policy_hash == manager.policy.hash:
             bounded_put(manager.fast, key, fn)
             if generic is not None and call.sinks is None and call.alibi_slopes is None and call.attn_bias is None:
-                bounded_put(manager.size_generic, size_generic_key(key), SizeTemplate(call, generic, fn))
+                reduced = size_generic_key(key)
+                kept = manager.size_generic.get(reduced)
+                # A template of the same decision whose function is not size-generic either does what the new one
+                # would (`_sized_reuse` binds afresh with both): keep it, so the dict the compiled door's entries
+                # watch does not change at every new length of such a class (reference.math, an unequal-length
+                # bottom-right prefill on cpu.flash).
+                if kept is None or kept.decision is not fn.decision or kept.fn.size_generic or fn.size_generic:
+                    bounded_put(manager.size_generic, reduced, SizeTemplate(call, generic, fn))
 
     return manager.run_bound(op, call, impl, tensors, remember)
 
@@ -597,13 +623,13 @@ def _index_key(t: Any) -> Any:
 
 # The compiled fast path where built (opdispatch.base._native): the same front door with its hit path in C, handing
 # every other call to the Python one above.
-# Size-generic entries in the compiled door: off unless OPDISPATCH_NATIVE_SIZED=1 (read once, at import). On the
-# H100 (09d0fa1, benchmarks/results/h100-09d0fa1/) they made a growing decode's first pass slower (161 vs 118 µs a
-# call): the decode's class there keeps no entry (nvidia.cudnn's selection key reads sizes), and each new length
-# paid for asking — on until that is mended and measured.
+# Size-generic entries in the compiled door: on unless OPDISPATCH_NATIVE_SIZED=0 (read once, at import). A class
+# that keeps no box (a keyed candidate whose selection key declares no cuts: `dense_key_size_cuts`) keeps an entry
+# of "nothing" that new lengths do not ask again (`_never_boxed`); nvidia.cudnn declares its cuts, so the H100's
+# decode class is boxed (it was not at 09d0fa1, benchmarks/results/h100-2a13858/: 2.43x on vs 2.28x off).
 attention = _native.from_arguments(
     attention, ATTENTION_ARGS, globals(), _attention_failed, globals(),
-    size_entry=_native_size_entry if os.environ.get("OPDISPATCH_NATIVE_SIZED") == "1" else None)
+    size_entry=None if os.environ.get("OPDISPATCH_NATIVE_SIZED") == "0" else _native_size_entry)
 _attention_key = ATTENTION_ARGS.key_function(globals())  # the key the Python front door keeps calls under
 
 

@@ -51,6 +51,8 @@ class DecisionClasses:
         self.tuned = self.tuned_sizes is not None
         self.generic = not impls or not all(hasattr(impl, "selection_key") for impl in impls)
         self.policy_hash: str = policy.hash
+        # Where each policy size test may change its answer (None: a form `_cuts` does not know).
+        self._size_cuts = [(field, _cuts(spec)) for field, spec in self.size_tests]
         # Compiled once: the key is computed on every call that misses the per-call fast path (each decode step).
         self._tests = [(operator.attrgetter(field), _predicate(spec)) for field, spec in self.size_tests]
 
@@ -71,17 +73,23 @@ class DecisionClasses:
             key.append(tuple(round(4 * math.log2(max(s, 1))) for s in self.tuned_sizes(call)))
         return tuple(key)
 
+    def boxable(self, keyed: Sequence[Any]) -> bool:
+        """Whether `size_box` can say a box for any call of this op with `keyed` counting: the policy's size
+        tests have known cuts, no autotune buckets, and every keyed candidate declares the sizes its dense
+        selection key reads (`dense_key_size_cuts`). Fixed for a state and device: a "no" holds for every size."""
+        return (not self.generic and self.tuned_sizes is None
+                and all(cuts is not None for _, cuts in self._size_cuts)
+                and all(_dense_key_cuts(impl) is not None for impl in keyed))
+
     def size_box(self, call: Any, keyed: Sequence[Any]) -> dict[str, tuple[int, int | None]] | None:
         """Per size field (`SIZE_FIELDS`), the interval [low, high) around `call`'s value (high None: unbounded)
-        inside which every size test of `key` — the policy's thresholds and the candidates' `max_seqlen` limits —
-        answers as it does for `call`: a call whose sizes all lie in it (and whose `class_key` is `call`'s) is of
-        `call`'s class. None where the class reads sizes otherwise: an op without classes, a candidate's
-        selection key (Python code), autotune buckets. What the compiled front door checks sizes against
-        (opdispatch.doors._api, `_native_size_entry`)."""
-        # A candidate's selection key is Python code: only one that declares it reads no size of a dense call
-        # without a KV cache, mask or bias (`dense_key_reads_sizes = False`; the caller boxes only those) passes.
-        if (self.generic or self.tuned_sizes is not None
-                or any(getattr(impl, "dense_key_reads_sizes", True) for impl in keyed)):
+        inside which every size test of `key` — the policy's thresholds, the candidates' `max_seqlen` limits and
+        the sizes the keyed candidates' selection keys read (`dense_key_size_cuts`) — answers as it does for
+        `call`: a dense call without a KV cache, mask or bias whose sizes all lie in it (and whose `class_key`
+        is `call`'s) is of `call`'s class. None where the class reads sizes otherwise (`boxable`): an op without
+        classes, a candidate's selection key that declares no cuts (Python code), autotune buckets. What the
+        compiled front door checks sizes against (opdispatch.doors._api, `_native_size_entry`)."""
+        if not self.boxable(keyed):
             return None
         box: dict[str, tuple[int, int | None]] = {field: (1, None) for field in SIZE_FIELDS}
 
@@ -90,13 +98,16 @@ class DecisionClasses:
             box[field] = (max(old_low, low), high if old_high is None else old_high if high is None
                           else min(old_high, high))
 
-        for field, spec in self.size_tests:
-            cuts = _cuts(spec)
-            if cuts is None:
-                return None
+        def between(field: str, cuts: Sequence[int]) -> None:  # the interval of consecutive cuts holding the value
             value = getattr(call, field)
             narrow(field, max((c for c in cuts if c <= value), default=1),
                    min((c for c in cuts if c > value), default=None))
+
+        for field, policy_cuts in self._size_cuts:
+            between(field, policy_cuts or ())  # never None here: boxable
+        for impl in keyed:
+            for field, key_cuts in (_dense_key_cuts(impl) or {}).items():  # never None here: boxable
+                between(field, key_cuts)
         seqlen_q, seqlen_k = call.seqlen_q, call.seqlen_k
         for limit in self.max_seqlens:  # `max(seqlen_q, seqlen_k) <= limit`: kept true, or kept false by the longer
             if max(seqlen_q, seqlen_k) <= limit:
@@ -105,6 +116,20 @@ class DecisionClasses:
             else:
                 narrow("seqlen_k" if seqlen_k > limit else "seqlen_q", limit + 1, None)
         return box
+
+
+def _dense_key_cuts(impl: Any) -> dict[str, Sequence[int]] | None:
+    """`impl.dense_key_size_cuts` where it is a valid declaration — per size field (`SIZE_FIELDS`), the values at
+    which the implementation's `selection_key` of a dense call (no KV cache, mask, bias, ALiBi or window) may
+    change (constant between two consecutive ones; a field not named is not read) — else None: the key may read
+    any size. A declaration naming another field, or a cut that is not an int, counts as none (and fails
+    tests/test_native_sized.py's check of every built-in declaration)."""
+    cuts = getattr(impl, "dense_key_size_cuts", None)
+    if not isinstance(cuts, dict) or not all(
+            field in SIZE_FIELDS and isinstance(values, tuple) and all(type(c) is int for c in values)
+            for field, values in cuts.items()):
+        return None
+    return cuts
 
 
 # Where a comparison's answer may change: it is constant on each interval between consecutive cuts.

@@ -1356,6 +1356,13 @@ class AttentionImpl(Impl):
     # (the mask's values change from call to call; sinks are None there). False: masked calls take the default
     # `bind` (through `run`), as overrides written for (q, k, v) expect.
     binds_attn_mask: ClassVar[bool] = False
+    # The sizes `selection_key` reads of a dense call (no KV cache, mask, bias, ALiBi or window), as data: per field
+    # (seqlen_q, seqlen_k, batch, heads_q, heads_kv), the values at which its answer may change (constant between
+    # two consecutive ones; a field not named is not read): ``{"seqlen_k": (2,)}`` for ``call.seqlen_k == 1``,
+    # ``{}`` for a key that reads no size. None (not declared): it may read any size, and the compiled front door
+    # keeps no size-generic entry for classes it is keyed in (opdispatch.engine._classes, `size_box`). It must
+    # match `selection_key` exactly: the door reuses a decision for every size between the cuts.
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = None
 
     def check_declaration(self) -> list[str]:
         problems = super().check_declaration()

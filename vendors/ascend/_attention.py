@@ -137,6 +137,9 @@ class AscendFusionAttention(AttentionImpl):
     )
     options_model: ClassVar[type[BaseModel]] = FusionAttentionOptions
 
+    # Of a dense call, selection_key reads whether heads_q exceeds MAX_HEADS_Q (opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {"heads_q": (MAX_HEADS_Q + 1,)}
+
     def selection_key(self, call: AttentionCall) -> Any:
         return (call.heads_q > MAX_HEADS_Q, call.varlen and call.batch > MAX_VARLEN_BATCH)
 

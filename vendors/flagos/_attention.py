@@ -145,6 +145,9 @@ class FlagGemsAttention(AttentionImpl):
     def extra_availability(self, device: DeviceInfo) -> str | None:
         return gems_vendor_mismatch(device)
 
+    # Of a call without a window, selection_key reads no size (opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
+
     def selection_key(self, call: AttentionCall) -> Any:
         # extra_reasons reads class features (flags, alignment, same_lengths, head_dim, options) and, for a
         # left-only window, whether the queries outnumber the keys

@@ -77,6 +77,9 @@ class KunlunxinPrefill(AttentionImpl):
     def requires(self) -> tuple[Requirement, ...]:  # type: ignore[override]
         return (ops_requirement(self.options.ops_module),)
 
+    # selection_key reads no size (opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
+
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
 

@@ -74,6 +74,9 @@ class MthreadsSdpa(AttentionImpl):
         deterministic_forward=True, deterministic_backward=False,
     )
 
+    # selection_key reads no size (opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
+
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads only class features (requires_grad, head_dim)
 

@@ -151,6 +151,9 @@ class CudnnAttention(AttentionImpl):
     def __init__(self) -> None:
         self._alibi = _PreparedAlibi()
 
+    # Of a dense call, selection_key reads whether each length is 1 (sizes: opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {"seqlen_q": (2,), "seqlen_k": (2,)}
+
     def selection_key(self, call: AttentionCall) -> Any:
         return (call.seqlen_k == 1, call.seqlen_q == 1)  # the sizes extra_reasons reads
 
@@ -388,7 +391,7 @@ class TorchFlashAttention(AttentionImpl):
 
     # Of a dense call without a KV cache (not paged), selection_key and extra_reasons read no size (the determinism
     # flag is the compiled door's context): opdispatch.engine._classes, `DecisionClasses.size_box`.
-    dense_key_reads_sizes = False
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
 
     def selection_key(self, call: AttentionCall) -> Any:
         # torch's global determinism flag, which extra_reasons reads for deterministic training; for a paged call
@@ -622,7 +625,7 @@ class MemEfficientAttention(AttentionImpl):
 
     # Of a dense call without a KV cache (not paged), selection_key and extra_reasons read no size (dtype, head
     # dims, the determinism flag: the compiled door's context): opdispatch.engine._classes.
-    dense_key_reads_sizes = False
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
 
     def selection_key(self, call: AttentionCall) -> Any:
         # torch's global determinism flag, which extra_reasons reads for deterministic training; for a paged call
@@ -897,7 +900,7 @@ class FlashAttn2(AttentionImpl):
     )
 
     # Of a dense call without ALiBi or a KV cache, extra_reasons reads no size (opdispatch.engine._classes).
-    dense_key_reads_sizes = False
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
 
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads head dims, flags, alignment and the device: no sizes
@@ -967,7 +970,7 @@ class FlashAttn3(AttentionImpl):
     )
 
     # Of a dense call without a KV cache, extra_reasons reads nothing (opdispatch.engine._classes).
-    dense_key_reads_sizes = False
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
 
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads flags and alignment: no sizes

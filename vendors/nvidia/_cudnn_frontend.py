@@ -314,6 +314,9 @@ class CudnnFrontendAttention(AttentionImpl):
         super().__init__()
         self._graphs = _Graphs()
 
+    # selection_key reads no size (opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
+
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads the dtype, head dims, the options and the device: no sizes
 

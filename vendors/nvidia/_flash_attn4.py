@@ -82,7 +82,7 @@ class FlashAttn4(AttentionImpl):
     )
 
     # extra_reasons reads no size of any call (opdispatch.engine._classes).
-    dense_key_reads_sizes = False
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
 
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads head dims, flags and the device: no sizes

@@ -85,6 +85,9 @@ class VllmFlashAttn(AttentionImpl):
         backward=False, native_sinks=True, native_sinks_backward=False,
     )
 
+    # selection_key reads no size (opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
+
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # the capabilities read flags and head dims only; per-call sink routes are native_sinks_limit's
 

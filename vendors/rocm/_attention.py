@@ -122,6 +122,9 @@ class RocmFlashAttnCK(AttentionImpl):
     )
     options_model: ClassVar[type[BaseModel]] = CkOptions
 
+    # selection_key reads no size (opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
+
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)
 
@@ -235,6 +238,9 @@ class RocmAiter(AttentionImpl):
         if fn is None or unaccepted_keywords(fn, ("sink_ptr",)):
             return f"this aiter's {entry} takes no sink_ptr (aiter >= the gptoss_sink change, #1753): the epilogue"
         return None
+
+    # Of a dense call without a KV cache, selection_key reads no size (opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
 
     def selection_key(self, call: AttentionCall) -> Any:
         # Class features, and for a dense KV cache whether its length makes whole pages.
@@ -425,6 +431,9 @@ class RocmAOTriton(AttentionImpl):
         causal=True, deterministic_forward=True,
     )
     options_model: ClassVar[type[BaseModel]] = AOTritonOptions
+
+    # selection_key reads no size (opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
 
     def selection_key(self, call: AttentionCall) -> Any:
         return ()  # extra_reasons reads only class features (flags, alignment, same_lengths, head_dim, options)

@@ -642,7 +642,7 @@ class TorchFlexAttention(AttentionImpl):
         return reasons
 
     # Of a dense call without a KV cache or bias, selection_key reads no size (opdispatch.engine._classes).
-    dense_key_reads_sizes = False
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
 
     def selection_key(self, call: AttentionCall) -> Any:
         # extra_reasons reads the device, the options (both part of every decision key), head dims, flags,
