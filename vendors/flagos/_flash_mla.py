@@ -126,7 +126,14 @@ class FlagGemsFlashMLA(AttentionImpl):
             return "flag_gems has no flash_mla (added in FlagGems 5.0)"
         return None
 
+    # A dense call (no paged cache) is refused whatever its sizes (extra_reasons), so its key is one constant and
+    # reads no size: the class of a dense decode keeps its size box on devices with FlagGems (the compiled door's
+    # size-generic entries; on the H100 this key alone kept every growing decode on the Python path).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
+
     def selection_key(self, call: AttentionCall) -> Any:
+        if not call.paged:
+            return None
         return (call.seqlen_q == 1, v_is_k_prefix(call), scale_is_kernels(call),
                 call.k.is_contiguous(), call.k.numel() < _INT32_LIMIT, call.heads_kv == 1)
 
