@@ -6,7 +6,8 @@ runs the GPU's bound path — the device-side check (``OPDISPATCH_KV_CHECKS=devi
 append (``OPDISPATCH_KV_APPEND=triton``, compiled once through Triton's interpreter) — on CPU tensors, then replaces
 the Triton launches and the attention kernel (shared with the raw step) by no-ops, so the time left is the Python
 around them; the raw step gets the same no-op kernel and its real (CPU) `index_put_` append. Not a test: a
-measurement; CUDA-only host work (stream look-ups, events) is not in it.
+measurement; Triton's launch gate runs as on a GPU (`_triton_direct.stream_for`, faked C getters), but CUDA events
+(record, query) are not in it.
 
     python benchmarks/kvcache_host.py                    # µs per step, ours and raw, median of --repeat rounds
     python benchmarks/kvcache_host.py --profile          # and cProfile call counts of one loop of ours
@@ -59,6 +60,18 @@ def main() -> None:
 
     bound.fn = kernel
     _triton_direct.DirectKernel.launch = lambda self, *a: None  # the Triton launches: not measured
+    # A GPU's launch gate (`_triton_direct.stream_for`'s checks, with Triton's real knobs), as if the tensors were on
+    # CUDA device 0 and a kernel had been captured: its device and stream getters are the C calls of a GPU.
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    active = object()
+    _triton_direct._gate = SimpleNamespace(  # type: ignore[assignment]
+        drivers=SimpleNamespace(_active=active), active=active, knobs=knobs, runtime=knobs.runtime,
+        compilation=knobs.compilation, debug=knobs.runtime.debug,
+        instrumentation=knobs.compilation.instrumentation_mode, get_device=int, get_stream=abs)
+    bound.fused.index = 0
     rows, step = torch.arange(b).unsqueeze(1), torch.arange(1)
 
     def ours() -> None:

@@ -129,6 +129,17 @@ def stream_for(index: int | None) -> int | None:
     return stream
 
 
+def stream_again(stream: int | None, index: int | None) -> int | None:
+    """`stream` — what `stream_for(index)` gave a call's first launches — for a later launch of the same call,
+    where `index` is still the current device (the work in between ran on that stream, through torch's device
+    guards, which restore the current device; Triton's driver, hooks and options are not changed by it): a
+    device look-up instead of `stream_for`'s whole check. None (the jit launch) otherwise."""
+    gate = _gate
+    if stream is None or gate is None or gate.get_device() != index:
+        return None
+    return stream
+
+
 class DirectKernel:
     """``launch(grid, args, key, index, stream)``: the jit kernel `jit` launched on `grid` (a 3-tuple) with `args`,
     every parameter in declaration order (constexprs included), on CUDA device `index` (where the call's tensors

@@ -616,6 +616,7 @@ class _KvcacheBound:
             lens = cache_seqlens
         row: ReportRow | None = None  # the fused verdict's report row, deferred once the attention is queued
         scratch: Scratch | None = None  # the fused path's buffers (its verdict, lengths, clamped indices)
+        stream: int | None = None  # the stream its kernels were launched on directly (None: through Triton's jit)
         fused, index = self.fused, None
         if host_checks(device):
             if not self._valid_on_host(lens, rows, table, type(cache_seqlens) is Tensor):
@@ -623,7 +624,7 @@ class _KvcacheBound:
             bad = report = None
         else:
             if fused is not None and k is not None and v is not None and cos is None:
-                scratch, row, report = self._fused_append(fused, lens, rows, table, k, v, k_cache, v_cache)
+                scratch, row, report, stream = self._fused_append(fused, lens, rows, table, k, v, k_cache, v_cache)
             if scratch is not None:
                 # Checked and appended by the Triton kernels (core.compat._kv_append); the lengths come back grown.
                 lens, bad = scratch.lens_out, scratch.bad
@@ -668,7 +669,7 @@ class _KvcacheBound:
         # After the kernel: this call's own error is raised by a later call, never from inside this one.
         if report is not None:  # a device tensor (the torch-op check, or the fused one under CUDA graph capture)
             defer_report(device, report, self.recheck)
-        if scratch is not None and fused is not None and fused.poison(scratch, result):
+        if scratch is not None and fused is not None and fused.poison(scratch, result, stream):
             return result  # NaN in place by one kernel, where the verdict is bad
         if type(result) is tuple:
             return tuple(torch.where(bad, self.nan, r) if r.is_floating_point() else r for r in result)
@@ -676,12 +677,13 @@ class _KvcacheBound:
 
     def _fused_append(self, fused: FusedAppend, lens: Tensor, rows: Tensor | None, table: Tensor | None, k: Tensor,
                       v: Tensor, k_cache: Tensor, v_cache: Tensor
-                      ) -> tuple[Scratch | None, ReportRow | None, Tensor | None]:
+                      ) -> tuple[Scratch | None, ReportRow | None, Tensor | None, int | None]:
         """The fused check and append: (the call's buffers, the report ring row the verdict kernel writes — or,
         under CUDA graph capture, None and a device report for `defer_report`, as a replay must not write a ring
-        row the host hands out again). Where its kernels fail to compile or launch (synchronous errors: the
+        row the host hands out again —, the stream its kernels were launched on directly, for the NaN kernel's:
+        `stream_for`'s). Where its kernels fail to compile or launch (synchronous errors: the
         verdict kernel writes only its own outputs, so nothing of the caches was written) (None, the row if the
-        verdict kernel was queued, None) — this signature then keeps the torch ops, with one warning naming the
+        verdict kernel was queued, None, None) — this signature then keeps the torch ops, with one warning naming the
         error."""
         device = lens.device
         row = None
@@ -692,7 +694,7 @@ class _KvcacheBound:
                 row = report_row(device, fused.report_width, torch.int32)
                 try:
                     fused(lens, rows, table, k, v, k_cache, v_cache, row.tensor, scratch, stream)
-                    return scratch, row, None
+                    return scratch, row, None, stream
                 except ValueError:  # Triton's launcher: "Pointer argument ... cannot be accessed from Triton"
                     release_row(row)  # nothing was queued: the host row is not mapped; a device report from now on
                     row, fused.report_on_host = None, False
@@ -700,7 +702,7 @@ class _KvcacheBound:
             # a device that cannot write the ring: the report as a device tensor, copied by `defer_report`.
             report = torch.empty(fused.report_width, dtype=torch.int32, device=device)
             fused(lens, rows, table, k, v, k_cache, v_cache, report, scratch, stream)
-            return scratch, None, report
+            return scratch, None, report, stream
         except Exception as exc:  # a Triton compile or launch error, never a bad index (those are data)
             self.fused = None
             _log.warning("flash_attn_with_kvcache: the fused KV-cache check and append failed (%s: %s); this "
@@ -709,7 +711,7 @@ class _KvcacheBound:
             if row is not None and not isinstance(exc, VerdictQueued):
                 release_row(row)  # nothing that writes it was queued
                 row = None
-            return None, row, None  # a row: the verdict kernel was queued before the append failed, and writes it
+            return None, row, None, None  # a row: the verdict kernel was queued before the append failed, and writes it
 
     def _attend_again(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
                       table: Tensor | None) -> Any:
