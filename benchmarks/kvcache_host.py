@@ -59,7 +59,9 @@ def main() -> None:
         return out
 
     bound.fn = kernel
-    _triton_direct.DirectKernel.launch = lambda self, *a: None  # the Triton launches: not measured
+    # The Triton launches, not measured: a direct launch (the steady state on a GPU) taken, or a jit one a no-op.
+    _triton_direct.DirectKernel.launch_direct = lambda self, *a: True  # type: ignore[method-assign]
+    _triton_direct.DirectKernel.launch = lambda self, *a: None  # type: ignore[method-assign]
     # A GPU's launch gate (`_triton_direct.stream_for`'s checks, with Triton's real knobs), as if the tensors were on
     # CUDA device 0 and a kernel had been captured: its device and stream getters are the C calls of a GPU.
     from types import SimpleNamespace

@@ -127,7 +127,7 @@ class Scratch:
     the lengths after the append, then the rows or table clamped) and `bad` ((1,) bool); `stream` the torch
     stream their calls run on (None on CPU, or not kept); `kept` False for one call's own (CUDA graph capture)."""
 
-    __slots__ = ("words", "bad", "verdict", "lens_out", "safe", "stream", "kept", "outputs")
+    __slots__ = ("words", "bad", "verdict", "lens_out", "safe", "stream", "kept", "outputs", "pointers")
 
     def __init__(self, fused: FusedAppend, device: torch.device, stream: Any, kept: bool) -> None:
         batch = fused.batch
@@ -141,6 +141,8 @@ class Scratch:
         # The kernels' output parameters (bad, verdict, lens_out, safe — the lengths where nothing is clamped), in
         # their declaration order: one tuple, not four attribute reads per call.
         self.outputs = (self.bad, self.verdict, self.lens_out, self.safe if self.safe is not None else self.lens_out)
+        # Their device addresses, for the direct launches (`DirectKernel.launch_direct`): the buffers never move.
+        self.pointers = tuple(t.data_ptr() for t in self.outputs)
 
 
 SCRATCH_LIMIT = 64  # (stream, thread) pairs a signature keeps buffers for: streams and threads come and go
@@ -217,26 +219,44 @@ class FusedAppend:
         # ints that may change between calls (the strides), all else is fixed for this signature.
         table_strides = table.stride() if table is not None else self.dense_table
         strides = (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
-        outputs = scratch.outputs
+        key = (*table_strides, *strides)
+        outputs, index = scratch.outputs, self.index
+        # Each kernel launched directly where it can, its tensors as device addresses (`launch_direct`: the
+        # launcher asks the driver about none of them but the report row, whose pinned host memory it checks a
+        # device can address); else through `launch`, with the tensors.
         if self.single:
             kernel = self.verdict_append
             if kernel is None:
                 kernel = self.verdict_append = DirectKernel(_kernels()[3])
-            kernel.launch(self.append_grid, (
-                lens, rows if rows is not None else lens, table if table is not None else lens, report, *outputs, k,
-                v, k_cache, v_cache, *self.sizes, *table_strides, self.heads_dim, self.dim, *strides, *self.flags,
-                self.append_block), (*table_strides, *strides), self.index, stream)
+            ptr = lens.data_ptr()
+            if not kernel.launch_direct(self.append_grid, (
+                    ptr, rows.data_ptr() if rows is not None else ptr, table.data_ptr() if table is not None else ptr,
+                    report, *scratch.pointers, k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                    *self.sizes, *table_strides, self.heads_dim, self.dim, *strides, *self.flags,
+                    self.append_block), key, index, stream):
+                kernel.launch(self.append_grid, (
+                    lens, rows if rows is not None else lens, table if table is not None else lens, report, *outputs,
+                    k, v, k_cache, v_cache, *self.sizes, *table_strides, self.heads_dim, self.dim, *strides,
+                    *self.flags, self.append_block), key, index, stream)
             return
         if self.verdict is None or self.append is None:
             verdict, append, _, _ = _kernels()
             self.verdict, self.append = DirectKernel(verdict), DirectKernel(append)
-        self.verdict.launch(self.verdict_grid, (
-            lens, rows if rows is not None else lens, table if table is not None else lens, report, *outputs,
-            *self.sizes, *table_strides, *self.flags), table_strides, self.index, stream)
+        ptr = lens.data_ptr()
+        if not self.verdict.launch_direct(self.verdict_grid, (
+                ptr, rows.data_ptr() if rows is not None else ptr, table.data_ptr() if table is not None else ptr,
+                report, *scratch.pointers, *self.sizes, *table_strides, *self.flags), table_strides, index, stream):
+            self.verdict.launch(self.verdict_grid, (
+                lens, rows if rows is not None else lens, table if table is not None else lens, report, *outputs,
+                *self.sizes, *table_strides, *self.flags), table_strides, index, stream)
+        tail = (self.new, self.heads_dim, self.dim, self.page, self.width, *strides, self.has_rows, self.paged,
+                self.append_block)
         try:
-            self.append.launch(self.append_grid, (
-                k, v, k_cache, v_cache, *outputs[1:], self.new, self.heads_dim, self.dim, self.page, self.width,
-                *strides, self.has_rows, self.paged, self.append_block), strides, self.index, stream)
+            if not self.append.launch_direct(self.append_grid, (
+                    k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *scratch.pointers[1:],
+                    *tail), strides, index, stream):
+                self.append.launch(self.append_grid, (k, v, k_cache, v_cache, *outputs[1:], *tail), strides, index,
+                                   stream)
         except Exception as exc:
             raise VerdictQueued(f"{type(exc).__name__}: {exc}") from exc
 
@@ -260,10 +280,14 @@ class FusedAppend:
             poisoner = self.poisoner
             if poisoner is None:
                 poisoner = self.poisoner = DirectKernel(_kernels()[2])
-            poisoner.launch((-(-numel // _POISON_BLOCK), 1, 1), (
-                out, lse if lse is not None else out, scratch.verdict, out.numel(),
-                lse.numel() if lse is not None else 0, lse is not None, _POISON_BLOCK),
-                (out.dtype, lse.dtype if lse is not None else None), self.index, stream_again(stream, self.index))
+            grid, key = (-(-numel // _POISON_BLOCK), 1, 1), (out.dtype, lse.dtype if lse is not None else None)
+            stream = stream_again(stream, self.index)
+            sizes = (out.numel(), lse.numel() if lse is not None else 0, lse is not None, _POISON_BLOCK)
+            ptr = out.data_ptr()
+            if not poisoner.launch_direct(grid, (ptr, lse.data_ptr() if lse is not None else ptr,
+                                                 scratch.pointers[1], *sizes), key, self.index, stream):
+                poisoner.launch(grid, (out, lse if lse is not None else out, scratch.verdict, *sizes), key,
+                                self.index, stream)
         except Exception as exc:  # raised before anything was queued: the caller's torch op, from now on
             self.poison_failed = True
             _log.warning("flash_attn_with_kvcache: the NaN kernel for a bad call's output failed (%s: %s); "

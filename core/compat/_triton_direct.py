@@ -163,6 +163,25 @@ class DirectKernel:
         self.call: Any = None
         self.prefix: tuple[Any, ...] = ()
 
+    def launch_direct(self, grid: tuple[int, int, int], args: tuple[Any, ...], key: tuple[Any, ...],
+                      index: int | None, stream: int | None) -> bool:
+        """The direct launch alone, with `args` as `launch` takes them except that device tensors may be passed as
+        their ``data_ptr()``: the launcher takes an int pointer as it is, where for a tensor it calls
+        ``data_ptr()`` and asks the driver (``cuPointerGetAttribute``) for the pointer's device address — the same
+        address for memory of the current CUDA device (unified addressing), which is what the caller passes (a
+        signature's tensors are on device `index`, the current one whenever `stream` is not None). False, with
+        nothing queued, where `launch` would not launch directly (or the launch raised before queuing): the caller
+        then calls `launch` with the tensors."""
+        if stream is None or key != self.key or self.kernel is None or index != self.device \
+                or self.jit.pre_run_hooks:
+            return False
+        try:
+            self.call(grid[0], grid[1], grid[2], stream, *self.prefix, *args)
+        except Exception:  # raised before the kernel was queued: the jit launch takes it, from now on
+            self.kernel = None
+            return False
+        return True
+
     def launch(self, grid: tuple[int, int, int], args: tuple[Any, ...], key: tuple[Any, ...], index: int | None,
                stream: int | None) -> None:
         if stream is not None and key == self.key and self.kernel is not None and index == self.device \
