@@ -271,7 +271,8 @@ class FusedAppend:
                 or (lse is not None and (type(lse) is not torch.Tensor or lse.requires_grad
                                          or not lse.is_floating_point() or not lse.is_contiguous()))):
             return False
-        numel = max(out.numel(), lse.numel() if lse is not None else 0)
+        out_numel, lse_numel = out.numel(), lse.numel() if lse is not None else 0
+        numel = max(out_numel, lse_numel)
         if numel >= 1 << 31:
             return False
         if numel == 0:
@@ -282,7 +283,7 @@ class FusedAppend:
                 poisoner = self.poisoner = DirectKernel(_kernels()[2])
             grid, key = (-(-numel // _POISON_BLOCK), 1, 1), (out.dtype, lse.dtype if lse is not None else None)
             stream = stream_again(stream, self.index)
-            sizes = (out.numel(), lse.numel() if lse is not None else 0, lse is not None, _POISON_BLOCK)
+            sizes = (out_numel, lse_numel, lse is not None, _POISON_BLOCK)
             ptr = out.data_ptr()
             if not poisoner.launch_direct(grid, (ptr, lse.data_ptr() if lse is not None else ptr,
                                                  scratch.pointers[1], *sizes), key, self.index, stream):

@@ -562,7 +562,7 @@ class _KvcacheBound:
 
     __slots__ = ("fn", "decision", "signature", "described", "call", "batch", "new", "page", "capacity",
                  "cache_rows", "paged", "own_rows", "row_table", "steps", "columns", "page_starts", "no_lengths",
-                 "local", "interleaved", "recheck", "nan", "fused")
+                 "local", "interleaved", "recheck", "nan", "fused", "device")
 
     def __init__(self, fn: Any, call: Any, q: Tensor, k_cache: Tensor, k: Tensor | None, block_table: Tensor | None,
                  cache_batch_idx: Tensor | None, cache_seqlens: Any, local: bool, interleaved: bool) -> None:
@@ -570,7 +570,7 @@ class _KvcacheBound:
         self.fn, self.decision, self.signature = fn, fn.decision, fn.signature
         self.described = getattr(fn, "described", None) or call.describe()
         self.call = call.stripped()  # to run the attention again after the kernel failed (`_attend_again`)
-        device = q.device
+        device = self.device = q.device  # keyed: every call's q is on it
         self.batch, self.page, self.cache_rows = q.shape[0], k_cache.shape[1], k_cache.shape[0]
         self.new = k.shape[1] if k is not None else 0
         self.paged = block_table is not None
@@ -604,7 +604,7 @@ class _KvcacheBound:
     def __call__(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None,
                  v: Tensor | None, cos: Tensor | None, sin: Tensor | None, cache_seqlens: Any, rows: Any,
                  table: Any) -> Any:
-        device, new = q.device, self.new
+        device, new = self.device, self.new
         raise_pending(device)  # an earlier call's failed device-side check
         if cache_seqlens is None:
             lens = self.no_lengths
