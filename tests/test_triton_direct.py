@@ -433,3 +433,20 @@ def test_launch_direct_launches_only_the_captured_kernel_and_else_queues_nothing
     direct.call = failing
     assert not direct.launch_direct((5, 1, 1), pointers, (3,), 0, 1000) and direct.kernel is None
     assert len(jit.launches) == count
+
+
+def test_the_installed_triton_launcher_takes_an_int_pointer_as_the_address():
+    """What `launch_direct`'s callers rely on, read from the installed Triton's launcher source (its C, generated
+    by backends/nvidia/driver.py): a pointer parameter is parsed as an object and given to getPointer, which takes
+    an int as the device address as it is — before the data_ptr() call and the driver's cuPointerGetAttribute
+    that a tensor gets."""
+    import triton.backends.nvidia.driver as nvidia
+
+    source = " ".join(inspect.getsource(nvidia).split())
+    assert "if ty[0] == '*': return \"O\"" in source
+    assert "getPointer(_arg{i}, {i}); if (!ptr_info{i}.valid) return NULL;" in source
+    get_pointer = source[source.index("static inline DevicePtrInfo getPointer(PyObject *obj, int idx)"):]
+    get_pointer = get_pointer[:get_pointer.index("cleanup:")]
+    assert get_pointer.index("if (PyLong_Check(obj)) {{ ptr_info.dev_ptr = PyLong_AsUnsignedLongLong(obj); "
+                             "return ptr_info; }}") < get_pointer.index("PyObject_CallMethodNoArgs(obj, data_ptr_str)")
+    assert get_pointer.index("return ptr_info; }}") < get_pointer.index("cuPointerGetAttribute")

@@ -26,7 +26,10 @@ to the torch ops, with one warning (nothing is written before the kernel that ap
 After a signature's first call the kernels are launched through their compiled kernels' C launcher, skipping
 `JITFunction.run`'s binder, specialization and cache key (~60 µs of host time per launch on the H100 host) and the
 launcher's Python wrapper; the current device and stream are checked once per call (`stream_for`; the NaN kernel's
-launch after the attention only checks again that the device is still current, `stream_again`):
+launch after the attention only checks again that the device is still current, `stream_again`), each device tensor
+passed as its address (an int: the launcher then skips its ``data_ptr()`` call and the driver's
+``cuPointerGetAttribute``, 14 driver calls per dense decode step; the report row stays a tensor, so the launcher
+still checks that the device can address its pinned host memory):
 `core.compat._triton_direct`, which says which Triton 3.6.0 internals that relies on and when it falls back.
 
 Per call the host does little else: the verdict, lengths and clamped indices go to device buffers made once per

@@ -33,6 +33,10 @@ What this relies on, Triton 3.6.0 exactly (`TESTED_TRITON`; any other version ke
   launch_cooperative_grid, launch_pdl, global_scratch, profile_scratch, *args)``: a kernel whose scratch sizes are
   0 (read at capture) is launched by that C call directly, with the flags read from its launcher; any other
   launcher is called as `JITFunction.run` calls it.
+- ``backends/nvidia/driver.py`` the generated launcher's ``getPointer`` (lines 388-429): a pointer parameter (parsed
+  as an object, ``format_of``) that is an int is taken as the device address as it is; a tensor costs a
+  ``data_ptr()`` call and the driver's ``cuPointerGetAttribute``. `DirectKernel.launch_direct` passes the device
+  tensors of a call as ints (their ``data_ptr()``: the same address for memory of the current device).
 - ``backends/driver.py`` `GPUDriver`: ``get_current_device`` is ``torch.cuda.current_device`` (its lazy init done,
   then ``torch._C._cuda_getDevice``: the C getter is called), ``get_current_stream`` the C
   ``_cuda_getCurrentRawStream``; ``runtime/driver.py`` `DriverConfig.active` a property returning ``_active``.
