@@ -442,12 +442,13 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
             and not _inside.active):
         manager = _api._manager or _api.get_manager()
         try:
-            # (`_tensor_key` written out for the arguments a decode step passes: no call per argument.)
-            key = (_KV_BOUND, q.shape, q.dtype, q.device, q.stride(-1), k_cache.shape, k_cache.dtype, k_cache.device,
-                   k_cache.stride(-1), v_cache.shape, v_cache.dtype, v_cache.device, v_cache.stride(-1),
-                   (k.shape, k.dtype, k.device, k.stride(-1)) if type(k) is Tensor else _tensor_key(k),
-                   (v.shape, v.dtype, v.device, v.stride(-1)) if type(v) is Tensor else _tensor_key(v),
-                   (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device, cache_seqlens.stride(-1))
+            # (`_tensor_key` written out for the arguments a decode step passes: no call per argument; ``stride()[-1]``,
+            # its value, costs less than ``stride(-1)``'s argument parsing — a 0-d tensor's IndexError: not keyed.)
+            key = (_KV_BOUND, q.shape, q.dtype, q.device, q.stride()[-1], k_cache.shape, k_cache.dtype, k_cache.device,
+                   k_cache.stride()[-1], v_cache.shape, v_cache.dtype, v_cache.device, v_cache.stride()[-1],
+                   (k.shape, k.dtype, k.device, k.stride()[-1]) if type(k) is Tensor else _tensor_key(k),
+                   (v.shape, v.dtype, v.device, v.stride()[-1]) if type(v) is Tensor else _tensor_key(v),
+                   (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device, cache_seqlens.stride()[-1])
                    if type(cache_seqlens) is Tensor else _lengths_key(cache_seqlens),
                    None if cache_batch_idx is None else _tensor_key(cache_batch_idx),
                    None if block_table is None else _tensor_key(block_table),
@@ -462,7 +463,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
             bound = manager.fast[key]
         except KeyError:
             pass  # the first call of this signature: the reference path remembers it
-        except (TypeError, RuntimeError):
+        except (TypeError, RuntimeError, IndexError):
             key = None  # an argument that cannot key (a tensor subclass, an unhashable value): checked every call
         else:
             out = bound(manager, key, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
