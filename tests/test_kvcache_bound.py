@@ -329,3 +329,18 @@ def test_the_fused_append_takes_the_sizes_its_kernels_were_built_for(monkeypatch
     assert not _kv_append.available(torch.device("cpu"), batch, new, width, rows)  # CPU: only when asked
     monkeypatch.setenv("OPDISPATCH_KV_APPEND", "torch")
     assert not _kv_append.available(torch.device("cuda"), batch, new, width, rows)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "cache_seqlens"])
+def test_a_0d_tensor_cannot_key_the_bound_path_and_gets_the_reference_error(basic_manager, where):
+    """A 0-d tensor has no last stride to key: the call goes to the reference path, which refuses it with its own
+    error (not an IndexError from the key), and nothing is written."""
+    k_cache, v_cache = torch.randn(BATCH, CAPACITY, 1, DIM), torch.randn(BATCH, CAPACITY, 1, DIM)
+    before = k_cache.clone(), v_cache.clone()
+    given = dict(q=torch.randn(BATCH, 1, HEADS, DIM), k=torch.randn(BATCH, 1, 1, DIM), v=torch.randn(BATCH, 1, 1, DIM),
+                 cache_seqlens=torch.tensor(START, dtype=I32))
+    fa.flash_attn_with_kvcache(k_cache=k_cache.clone(), v_cache=v_cache.clone(), **given)  # a valid call: bound
+    given[where] = torch.tensor(1, dtype=I32) if where == "cache_seqlens" else torch.tensor(1.0)
+    with pytest.raises(ValueError, match="flash_attn_with_kvcache: .*(must|shape)"):
+        fa.flash_attn_with_kvcache(k_cache=k_cache, v_cache=v_cache, **given)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])

@@ -321,16 +321,34 @@ def test_the_installed_triton_launches_as_the_fake_does():
 @pytest.mark.parametrize("layout", ["dense", "rows", "paged"])
 def test_the_fused_append_passes_every_parameter_in_declaration_order(monkeypatch, layout, single):
     """FusedAppend's argument tuples bind to the real kernels' parameters by position, constexprs included, with
-    the values they name; the key is the strides (the ints that may change between calls)."""
-    seen = {}
+    the values they name; the key is the strides (the ints that may change between calls). The direct launch's
+    tuple is the same, each tensor but the report row (the launcher checks a device can address its pinned host
+    memory) passed as its data_ptr()."""
+    seen, direct, given_to = {}, {}, {}
 
     class Recording:
         def __init__(self, name, jit):
             self.name, self.jit = name, jit
 
+        def launch_direct(self, grid, given, key, index, stream):
+            direct[self.name] = (grid, given, key)
+            return False  # not launched: the caller then calls `launch` with the tensors
+
         def launch(self, grid, given, key, index, stream):
             assert index is None and stream is None  # CPU tensors
             seen[self.name] = (grid, inspect.signature(self.jit.fn).bind(*given).arguments, key)
+            given_to[self.name] = given
+
+    def pointers_for_tensors(report):
+        """Each kernel's direct tuple: its launch tuple with the tensors but `report` as their addresses."""
+        assert set(direct) == set(given_to)
+        for name, (grid, given, key) in direct.items():
+            assert (grid, key) == (seen[name][0], seen[name][2]) and len(given) == len(given_to[name])
+            for passed, tensor_or_value in zip(given, given_to[name], strict=True):
+                if isinstance(tensor_or_value, torch.Tensor) and tensor_or_value is not report:
+                    assert type(passed) is int and passed == tensor_or_value.data_ptr()
+                else:
+                    assert passed is tensor_or_value
 
     monkeypatch.setattr(_kv_append, "DirectKernel", lambda jit: Recording(jit.__name__, jit))
     batch, new, heads_k, dim, page, width = 3, 2, 2, 8, 4, 5
@@ -365,6 +383,12 @@ def test_the_fused_append_passes_every_parameter_in_declaration_order(monkeypatc
         assert bound["HAS_ROWS"] is has_rows and bound["PAGED"] is paged and bound["page"] == page
         assert bound["W_BLOCKS"] == -(-fused.width // bound["BLOCK_W"]) and bound["width"] == fused.width
         assert bound["cache_rows"] == 7 and list(seen) == ["verdict_append"]
+        pointers_for_tensors(report)
+        out = torch.zeros(batch, new, 3, dim)
+        assert fused.poison(scratch, out, None)  # the NaN kernel: its output and the verdict as addresses too
+        grid, bound, key = seen["poison"]
+        assert bound["out_ptr"] is out and bound["verdict_ptr"] is scratch.verdict and key == (out.dtype, None)
+        pointers_for_tensors(report)
         return
     grid, bound, key = seen["verdict"]
     assert grid == (1, 1, 1) and bound["lens_ptr"] is lens and bound["batch"] == batch and bound["new"] == new
@@ -380,3 +404,50 @@ def test_the_fused_append_passes_every_parameter_in_declaration_order(monkeypatc
     assert (bound["v_sb"], bound["v_st"], bound["v_sh"], bound["v_sd"]) == v.stride()
     assert key == (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
     assert bound["heads_dim"] == heads_k * dim and bound["BLOCK"] == 16 and bound["PAGED"] is paged
+    pointers_for_tensors(report)
+
+
+def test_launch_direct_launches_only_the_captured_kernel_and_else_queues_nothing(fake_triton):
+    """`launch_direct` (the fused append's launches, its pointers as ints): False and nothing launched before the
+    first jit launch captured the kernel, for another key or device, or without a stream; after a capture, the C
+    launch given exactly its arguments; a direct launch that raises drops the captured kernel (nothing queued)."""
+    drivers, _ = fake_triton
+    jit = Jit(drivers)
+    direct = DirectKernel(jit)
+    pointers = (0x1000, 0x2000, 64, 3, 128)
+    assert not direct.launch_direct((5, 1, 1), pointers, (3,), 0, _triton_direct.stream_for(0))
+    assert jit.launches == []
+    go(direct, (5, 1, 1), args(), (3,))  # the jit launch, captured
+    assert direct.launch_direct((5, 1, 1), pointers, (3,), 0, _triton_direct.stream_for(0))
+    assert jit.launches[-1] == ("direct", (5, 1, 1), 1000, 0xF00D, False, True, None, None, (4, 1, 0), None, None,
+                                None, pointers)
+    count = len(jit.launches)
+    assert not direct.launch_direct((5, 1, 1), pointers, (4,), 0, 1000)  # another key (a stride changed)
+    assert not direct.launch_direct((5, 1, 1), pointers, (3,), 1, 1000)  # another device
+    assert not direct.launch_direct((5, 1, 1), pointers, (3,), 0, None)  # stream_for refused
+    assert len(jit.launches) == count
+
+    def failing(*given):
+        raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+
+    direct.call = failing
+    assert not direct.launch_direct((5, 1, 1), pointers, (3,), 0, 1000) and direct.kernel is None
+    assert len(jit.launches) == count
+
+
+@pytest.mark.skipif(triton.__version__ != _triton_direct.TESTED_TRITON, reason="reads Triton 3.6.0's sources")
+def test_the_installed_triton_launcher_takes_an_int_pointer_as_the_address():
+    """What `launch_direct`'s callers rely on, read from the installed Triton's launcher source (its C, generated
+    by backends/nvidia/driver.py): a pointer parameter is parsed as an object and given to getPointer, which takes
+    an int as the device address as it is — before the data_ptr() call and the driver's cuPointerGetAttribute
+    that a tensor gets."""
+    import triton.backends.nvidia.driver as nvidia
+
+    source = " ".join(inspect.getsource(nvidia).split())
+    assert "if ty[0] == '*': return \"O\"" in source
+    assert "getPointer(_arg{i}, {i}); if (!ptr_info{i}.valid) return NULL;" in source
+    get_pointer = source[source.index("static inline DevicePtrInfo getPointer(PyObject *obj, int idx)"):]
+    get_pointer = get_pointer[:get_pointer.index("cleanup:")]
+    assert get_pointer.index("if (PyLong_Check(obj)) {{ ptr_info.dev_ptr = PyLong_AsUnsignedLongLong(obj); "
+                             "return ptr_info; }}") < get_pointer.index("PyObject_CallMethodNoArgs(obj, data_ptr_str)")
+    assert get_pointer.index("return ptr_info; }}") < get_pointer.index("cuPointerGetAttribute")

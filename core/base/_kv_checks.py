@@ -220,7 +220,10 @@ def report_row(device: torch.device, width: int, dtype: torch.dtype) -> ReportRo
                 ring, slot = state.ring(width, dtype), 0
         ring.taken[slot] = True
         ring.next = slot + 1 if slot + 1 < len(ring.rows) else 0
-        return ReportRow(state, ring, slot)
+        row = ring.handles[slot]
+        if row is None:  # the slot's handle, made at its first use and handed out again with the slot
+            row = ring.handles[slot] = ReportRow(state, ring, slot)
+        return row
 
 
 def defer_written(row: ReportRow, describe: Callable[[torch.Tensor], str], stream: Any = None) -> None:
@@ -258,13 +261,14 @@ class _Ring:
     a row is handed out again only after the host read it, which it does once its copy finished (its event
     completed). Its events are made once per row and recorded again at each use: no allocation per call."""
 
-    __slots__ = ("host", "rows", "events", "taken", "next", "words", "width")
+    __slots__ = ("host", "rows", "events", "taken", "next", "words", "width", "handles")
 
     def __init__(self, device: torch.device, width: int, dtype: torch.dtype) -> None:
         self.host = torch.zeros(RING_ROWS, width, dtype=dtype, pin_memory=device.type == "cuda")
         self.rows = list(self.host.unbind(0))  # the rows' views, made once
         self.events: list[Any] = [None] * RING_ROWS
         self.taken = [False] * RING_ROWS
+        self.handles: list[ReportRow | None] = [None] * RING_ROWS  # `report_row`'s, one per row
         self.next = 0
         # Each row's first entry (the verdict) read straight from host memory: a tensor read costs two ops.
         word = ctypes.c_int32 if dtype == torch.int32 else ctypes.c_int64

@@ -25,7 +25,11 @@ to the torch ops, with one warning (nothing is written before the kernel that ap
 
 After a signature's first call the kernels are launched through their compiled kernels' C launcher, skipping
 `JITFunction.run`'s binder, specialization and cache key (~60 µs of host time per launch on the H100 host) and the
-launcher's Python wrapper; the current device and stream are checked once per call (`stream_for`):
+launcher's Python wrapper; the current device and stream are checked once per call (`stream_for`; the NaN kernel's
+launch after the attention only checks again that the device is still current, `stream_again`), each device tensor
+passed as its address (an int: the launcher then skips its ``data_ptr()`` call and the driver's
+``cuPointerGetAttribute``, 14 driver calls per dense decode step; the report row stays a tensor, so the launcher
+still checks that the device can address its pinned host memory):
 `core.compat._triton_direct`, which says which Triton 3.6.0 internals that relies on and when it falls back.
 
 Per call the host does little else: the verdict, lengths and clamped indices go to device buffers made once per
@@ -48,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ._triton_direct import DirectKernel, stream_for
+from ._triton_direct import DirectKernel, stream_again
 
 MODE_ENV = "OPDISPATCH_KV_APPEND"  # "triton": the kernels on CPU too (under TRITON_INTERPRET=1); "torch": never
 MAX_SLOTS = 256  # appended keys per call (batch × new)
@@ -126,7 +130,7 @@ class Scratch:
     the lengths after the append, then the rows or table clamped) and `bad` ((1,) bool); `stream` the torch
     stream their calls run on (None on CPU, or not kept); `kept` False for one call's own (CUDA graph capture)."""
 
-    __slots__ = ("words", "bad", "verdict", "lens_out", "safe", "stream", "kept")
+    __slots__ = ("words", "bad", "verdict", "lens_out", "safe", "stream", "kept", "outputs", "pointers")
 
     def __init__(self, fused: FusedAppend, device: torch.device, stream: Any, kept: bool) -> None:
         batch = fused.batch
@@ -137,6 +141,11 @@ class Scratch:
         self.safe = (self.words[1 + batch:].view(batch, fused.width) if fused.paged
                      else self.words[1 + batch:] if fused.has_rows else None)
         self.stream, self.kept = stream, kept
+        # The kernels' output parameters (bad, verdict, lens_out, safe — the lengths where nothing is clamped), in
+        # their declaration order: one tuple, not four attribute reads per call.
+        self.outputs = (self.bad, self.verdict, self.lens_out, self.safe if self.safe is not None else self.lens_out)
+        # Their device addresses, for the direct launches (`DirectKernel.launch_direct`): the buffers never move.
+        self.pointers = tuple(t.data_ptr() for t in self.outputs)
 
 
 SCRATCH_LIMIT = 64  # (stream, thread) pairs a signature keeps buffers for: streams and threads come and go
@@ -152,7 +161,7 @@ class FusedAppend:
     __slots__ = ("batch", "new", "width", "page", "cache_rows", "max_len", "has_rows", "paged", "blocks",
                  "heads_dim", "dim", "report_width", "single", "verdict", "append", "verdict_append", "poisoner",
                  "poison_failed", "verdict_grid", "append_grid", "append_block", "scratches", "lock",
-                 "report_on_host", "index")
+                 "report_on_host", "index", "sizes", "flags", "dense_table")
 
     def __init__(self, batch: int, new: int, width: int, page: int, cache_rows: int, capacity: int,
                  has_rows: bool, paged: bool, heads_k: int, dim: int, device: torch.device) -> None:
@@ -175,6 +184,11 @@ class FusedAppend:
         self.poison_failed = False  # the NaN kernel failed to launch once: the caller's torch op from then on
         self.verdict_grid, self.append_grid = (1, 1, 1), (batch * new, -(-self.heads_dim // _TILE), 1)
         self.append_block = min(_TILE, _next_power_of_2(self.heads_dim))
+        # The launch arguments that are fixed for this signature, as the runs of the parameter lists they fill
+        # (built once: a call adds its tensors and strides around them).
+        self.sizes = (batch, new, width, page, cache_rows, capacity - new)
+        self.flags = (has_rows, paged, *self.blocks, -(-width // self.blocks[2]))
+        self.dense_table = (0, 0)  # a call without a table: its strides
         # Buffers per (stream, thread): a call on another stream is not ordered after this one's readers, and two
         # threads on one stream could interleave their launches between a verdict and its append.
         self.scratches: dict[tuple[int, int], Scratch] = {}
@@ -204,43 +218,55 @@ class FusedAppend:
                  v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, report: torch.Tensor,
                  scratch: Scratch, stream: int | None) -> None:
         """Queue the check and append (`stream`: `stream_for(self.index)`, for the direct launches)."""
-        batch, lens_out = self.batch, scratch.lens_out
-        safe_or_lens = scratch.safe if scratch.safe is not None else lens_out
-        block_b, block_s, block_w = self.blocks
         # Every parameter in declaration order (constexprs too: what a direct launch passes); the key holds the
         # ints that may change between calls (the strides), all else is fixed for this signature.
-        table_strides = table.stride() if table is not None else (0, 0)
+        table_strides = table.stride() if table is not None else self.dense_table
         strides = (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride())
+        key = (*table_strides, *strides)
+        outputs, index = scratch.outputs, self.index
+        # Each kernel launched directly where it can, its tensors as device addresses (`launch_direct`: the
+        # launcher asks the driver about none of them but the report row, whose pinned host memory it checks a
+        # device can address); else through `launch`, with the tensors.
         if self.single:
             kernel = self.verdict_append
             if kernel is None:
                 kernel = self.verdict_append = DirectKernel(_kernels()[3])
-            kernel.launch(self.append_grid, (
-                lens, rows if rows is not None else lens, table if table is not None else lens, report, scratch.bad,
-                scratch.verdict, lens_out, safe_or_lens, k, v, k_cache, v_cache, batch, self.new, self.width,
-                self.page, self.cache_rows, self.max_len, *table_strides, self.heads_dim, self.dim, *strides,
-                self.has_rows, self.paged, block_b, block_s, block_w, -(-self.width // block_w), self.append_block),
-                (*table_strides, *strides), self.index, stream)
+            ptr = lens.data_ptr()
+            if not kernel.launch_direct(self.append_grid, (
+                    ptr, rows.data_ptr() if rows is not None else ptr, table.data_ptr() if table is not None else ptr,
+                    report, *scratch.pointers, k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                    *self.sizes, *table_strides, self.heads_dim, self.dim, *strides, *self.flags,
+                    self.append_block), key, index, stream):
+                kernel.launch(self.append_grid, (
+                    lens, rows if rows is not None else lens, table if table is not None else lens, report, *outputs,
+                    k, v, k_cache, v_cache, *self.sizes, *table_strides, self.heads_dim, self.dim, *strides,
+                    *self.flags, self.append_block), key, index, stream)
             return
         if self.verdict is None or self.append is None:
             verdict, append, _, _ = _kernels()
             self.verdict, self.append = DirectKernel(verdict), DirectKernel(append)
-        self.verdict.launch(self.verdict_grid, (
-            lens, rows if rows is not None else lens, table if table is not None else lens, report, scratch.bad,
-            scratch.verdict, lens_out, safe_or_lens, batch, self.new, self.width, self.page, self.cache_rows,
-            self.max_len, *table_strides, self.has_rows, self.paged, block_b, block_s, block_w,
-            -(-self.width // block_w)), table_strides, self.index, stream)
+        ptr = lens.data_ptr()
+        if not self.verdict.launch_direct(self.verdict_grid, (
+                ptr, rows.data_ptr() if rows is not None else ptr, table.data_ptr() if table is not None else ptr,
+                report, *scratch.pointers, *self.sizes, *table_strides, *self.flags), table_strides, index, stream):
+            self.verdict.launch(self.verdict_grid, (
+                lens, rows if rows is not None else lens, table if table is not None else lens, report, *outputs,
+                *self.sizes, *table_strides, *self.flags), table_strides, index, stream)
+        tail = (self.new, self.heads_dim, self.dim, self.page, self.width, *strides, self.has_rows, self.paged,
+                self.append_block)
         try:
-            self.append.launch(self.append_grid, (
-                k, v, k_cache, v_cache, scratch.verdict, lens_out, safe_or_lens, self.new, self.heads_dim, self.dim,
-                self.page, self.width, *strides, self.has_rows, self.paged, self.append_block), strides, self.index,
-                stream)
+            if not self.append.launch_direct(self.append_grid, (
+                    k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *scratch.pointers[1:],
+                    *tail), strides, index, stream):
+                self.append.launch(self.append_grid, (k, v, k_cache, v_cache, *outputs[1:], *tail), strides, index,
+                                   stream)
         except Exception as exc:
             raise VerdictQueued(f"{type(exc).__name__}: {exc}") from exc
 
-    def poison(self, scratch: Scratch, result: Any) -> bool:
+    def poison(self, scratch: Scratch, result: Any, stream: int | None) -> bool:
         """`result` (the output, or the output and its LSE) NaN in place where the call's verdict is bad, as one
-        launch; False (nothing launched) where it does not suit that — autograd holds it (an in-place write would
+        launch (`stream`: what `stream_for` gave the call's check and append, checked again by `stream_again`);
+        False (nothing launched) where it does not suit that — autograd holds it (an in-place write would
         break its backward), not contiguous or too large, or the kernel failed to launch (then never again) — and
         the caller poisons it itself."""
         out, lse = (result[0], result[1]) if type(result) is tuple and len(result) == 2 else (result, None)
@@ -248,7 +274,8 @@ class FusedAppend:
                 or (lse is not None and (type(lse) is not torch.Tensor or lse.requires_grad
                                          or not lse.is_floating_point() or not lse.is_contiguous()))):
             return False
-        numel = max(out.numel(), lse.numel() if lse is not None else 0)
+        out_numel, lse_numel = out.numel(), lse.numel() if lse is not None else 0
+        numel = max(out_numel, lse_numel)
         if numel >= 1 << 31:
             return False
         if numel == 0:
@@ -257,10 +284,14 @@ class FusedAppend:
             poisoner = self.poisoner
             if poisoner is None:
                 poisoner = self.poisoner = DirectKernel(_kernels()[2])
-            poisoner.launch((-(-numel // _POISON_BLOCK), 1, 1), (
-                out, lse if lse is not None else out, scratch.verdict, out.numel(),
-                lse.numel() if lse is not None else 0, lse is not None, _POISON_BLOCK),
-                (out.dtype, lse.dtype if lse is not None else None), self.index, stream_for(self.index))
+            grid, key = (-(-numel // _POISON_BLOCK), 1, 1), (out.dtype, lse.dtype if lse is not None else None)
+            stream = stream_again(stream, self.index)
+            sizes = (out_numel, lse_numel, lse is not None, _POISON_BLOCK)
+            ptr = out.data_ptr()
+            if not poisoner.launch_direct(grid, (ptr, lse.data_ptr() if lse is not None else ptr,
+                                                 scratch.pointers[1], *sizes), key, self.index, stream):
+                poisoner.launch(grid, (out, lse if lse is not None else out, scratch.verdict, *sizes), key,
+                                self.index, stream)
         except Exception as exc:  # raised before anything was queued: the caller's torch op, from now on
             self.poison_failed = True
             _log.warning("flash_attn_with_kvcache: the NaN kernel for a bad call's output failed (%s: %s); "

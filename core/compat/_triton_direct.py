@@ -33,6 +33,10 @@ What this relies on, Triton 3.6.0 exactly (`TESTED_TRITON`; any other version ke
   launch_cooperative_grid, launch_pdl, global_scratch, profile_scratch, *args)``: a kernel whose scratch sizes are
   0 (read at capture) is launched by that C call directly, with the flags read from its launcher; any other
   launcher is called as `JITFunction.run` calls it.
+- ``backends/nvidia/driver.py`` the generated launcher's ``getPointer`` (lines 388-429): a pointer parameter (parsed
+  as an object, ``format_of``) that is an int is taken as the device address as it is; a tensor costs a
+  ``data_ptr()`` call and the driver's ``cuPointerGetAttribute``. `DirectKernel.launch_direct` passes the device
+  tensors of a call as ints (their ``data_ptr()``: the same address for memory of the current device).
 - ``backends/driver.py`` `GPUDriver`: ``get_current_device`` is ``torch.cuda.current_device`` (its lazy init done,
   then ``torch._C._cuda_getDevice``: the C getter is called), ``get_current_stream`` the C
   ``_cuda_getCurrentRawStream``; ``runtime/driver.py`` `DriverConfig.active` a property returning ``_active``.
@@ -129,6 +133,17 @@ def stream_for(index: int | None) -> int | None:
     return stream
 
 
+def stream_again(stream: int | None, index: int | None) -> int | None:
+    """`stream` — what `stream_for(index)` gave a call's first launches — for a later launch of the same call,
+    where `index` is still the current device (the work in between ran on that stream, through torch's device
+    guards, which restore the current device; Triton's driver, hooks and options are not changed by it): a
+    device look-up instead of `stream_for`'s whole check. None (the jit launch) otherwise."""
+    gate = _gate
+    if stream is None or gate is None or gate.get_device() != index:
+        return None
+    return stream
+
+
 class DirectKernel:
     """``launch(grid, args, key, index, stream)``: the jit kernel `jit` launched on `grid` (a 3-tuple) with `args`,
     every parameter in declaration order (constexprs included), on CUDA device `index` (where the call's tensors
@@ -151,6 +166,25 @@ class DirectKernel:
         self.key: Any = None
         self.call: Any = None
         self.prefix: tuple[Any, ...] = ()
+
+    def launch_direct(self, grid: tuple[int, int, int], args: tuple[Any, ...], key: tuple[Any, ...],
+                      index: int | None, stream: int | None) -> bool:
+        """The direct launch alone, with `args` as `launch` takes them except that device tensors may be passed as
+        their ``data_ptr()``: the launcher takes an int pointer as it is, where for a tensor it calls
+        ``data_ptr()`` and asks the driver (``cuPointerGetAttribute``) for the pointer's device address — the same
+        address for memory of the current CUDA device (unified addressing), which is what the caller passes (a
+        signature's tensors are on device `index`, the current one whenever `stream` is not None). False, with
+        nothing queued, where `launch` would not launch directly (or the launch raised before queuing): the caller
+        then calls `launch` with the tensors."""
+        if stream is None or key != self.key or self.kernel is None or index != self.device \
+                or self.jit.pre_run_hooks:
+            return False
+        try:
+            self.call(grid[0], grid[1], grid[2], stream, *self.prefix, *args)
+        except Exception:  # raised before the kernel was queued: the jit launch takes it, from now on
+            self.kernel = None
+            return False
+        return True
 
     def launch(self, grid: tuple[int, int, int], args: tuple[Any, ...], key: tuple[Any, ...], index: int | None,
                stream: int | None) -> None:

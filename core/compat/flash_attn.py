@@ -442,12 +442,13 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
             and not _inside.active):
         manager = _api._manager or _api.get_manager()
         try:
-            # (`_tensor_key` written out for the arguments a decode step passes: no call per argument.)
-            key = (_KV_BOUND, q.shape, q.dtype, q.device, q.stride(-1), k_cache.shape, k_cache.dtype, k_cache.device,
-                   k_cache.stride(-1), v_cache.shape, v_cache.dtype, v_cache.device, v_cache.stride(-1),
-                   (k.shape, k.dtype, k.device, k.stride(-1)) if type(k) is Tensor else _tensor_key(k),
-                   (v.shape, v.dtype, v.device, v.stride(-1)) if type(v) is Tensor else _tensor_key(v),
-                   (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device, cache_seqlens.stride(-1))
+            # (`_tensor_key` written out for the arguments a decode step passes: no call per argument; ``stride()[-1]``,
+            # its value, costs less than ``stride(-1)``'s argument parsing — a 0-d tensor's IndexError: not keyed.)
+            key = (_KV_BOUND, q.shape, q.dtype, q.device, q.stride()[-1], k_cache.shape, k_cache.dtype, k_cache.device,
+                   k_cache.stride()[-1], v_cache.shape, v_cache.dtype, v_cache.device, v_cache.stride()[-1],
+                   (k.shape, k.dtype, k.device, k.stride()[-1]) if type(k) is Tensor else _tensor_key(k),
+                   (v.shape, v.dtype, v.device, v.stride()[-1]) if type(v) is Tensor else _tensor_key(v),
+                   (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device, cache_seqlens.stride()[-1])
                    if type(cache_seqlens) is Tensor else _lengths_key(cache_seqlens),
                    None if cache_batch_idx is None else _tensor_key(cache_batch_idx),
                    None if block_table is None else _tensor_key(block_table),
@@ -462,7 +463,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tens
             bound = manager.fast[key]
         except KeyError:
             pass  # the first call of this signature: the reference path remembers it
-        except (TypeError, RuntimeError):
+        except (TypeError, RuntimeError, IndexError):
             key = None  # an argument that cannot key (a tensor subclass, an unhashable value): checked every call
         else:
             out = bound(manager, key, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
@@ -562,7 +563,7 @@ class _KvcacheBound:
 
     __slots__ = ("fn", "decision", "signature", "described", "call", "batch", "new", "page", "capacity",
                  "cache_rows", "paged", "own_rows", "row_table", "steps", "columns", "page_starts", "no_lengths",
-                 "local", "interleaved", "recheck", "nan", "fused")
+                 "local", "interleaved", "recheck", "nan", "fused", "device")
 
     def __init__(self, fn: Any, call: Any, q: Tensor, k_cache: Tensor, k: Tensor | None, block_table: Tensor | None,
                  cache_batch_idx: Tensor | None, cache_seqlens: Any, local: bool, interleaved: bool) -> None:
@@ -570,7 +571,7 @@ class _KvcacheBound:
         self.fn, self.decision, self.signature = fn, fn.decision, fn.signature
         self.described = getattr(fn, "described", None) or call.describe()
         self.call = call.stripped()  # to run the attention again after the kernel failed (`_attend_again`)
-        device = q.device
+        device = self.device = q.device  # keyed: every call's q is on it
         self.batch, self.page, self.cache_rows = q.shape[0], k_cache.shape[1], k_cache.shape[0]
         self.new = k.shape[1] if k is not None else 0
         self.paged = block_table is not None
@@ -604,7 +605,7 @@ class _KvcacheBound:
     def __call__(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None,
                  v: Tensor | None, cos: Tensor | None, sin: Tensor | None, cache_seqlens: Any, rows: Any,
                  table: Any) -> Any:
-        device, new = q.device, self.new
+        device, new = self.device, self.new
         raise_pending(device)  # an earlier call's failed device-side check
         if cache_seqlens is None:
             lens = self.no_lengths
@@ -616,6 +617,7 @@ class _KvcacheBound:
             lens = cache_seqlens
         row: ReportRow | None = None  # the fused verdict's report row, deferred once the attention is queued
         scratch: Scratch | None = None  # the fused path's buffers (its verdict, lengths, clamped indices)
+        stream: int | None = None  # the stream its kernels were launched on directly (None: through Triton's jit)
         fused, index = self.fused, None
         if host_checks(device):
             if not self._valid_on_host(lens, rows, table, type(cache_seqlens) is Tensor):
@@ -623,7 +625,7 @@ class _KvcacheBound:
             bad = report = None
         else:
             if fused is not None and k is not None and v is not None and cos is None:
-                scratch, row, report = self._fused_append(fused, lens, rows, table, k, v, k_cache, v_cache)
+                scratch, row, report, stream = self._fused_append(fused, lens, rows, table, k, v, k_cache, v_cache)
             if scratch is not None:
                 # Checked and appended by the Triton kernels (core.compat._kv_append); the lengths come back grown.
                 lens, bad = scratch.lens_out, scratch.bad
@@ -668,7 +670,7 @@ class _KvcacheBound:
         # After the kernel: this call's own error is raised by a later call, never from inside this one.
         if report is not None:  # a device tensor (the torch-op check, or the fused one under CUDA graph capture)
             defer_report(device, report, self.recheck)
-        if scratch is not None and fused is not None and fused.poison(scratch, result):
+        if scratch is not None and fused is not None and fused.poison(scratch, result, stream):
             return result  # NaN in place by one kernel, where the verdict is bad
         if type(result) is tuple:
             return tuple(torch.where(bad, self.nan, r) if r.is_floating_point() else r for r in result)
@@ -676,12 +678,13 @@ class _KvcacheBound:
 
     def _fused_append(self, fused: FusedAppend, lens: Tensor, rows: Tensor | None, table: Tensor | None, k: Tensor,
                       v: Tensor, k_cache: Tensor, v_cache: Tensor
-                      ) -> tuple[Scratch | None, ReportRow | None, Tensor | None]:
+                      ) -> tuple[Scratch | None, ReportRow | None, Tensor | None, int | None]:
         """The fused check and append: (the call's buffers, the report ring row the verdict kernel writes — or,
         under CUDA graph capture, None and a device report for `defer_report`, as a replay must not write a ring
-        row the host hands out again). Where its kernels fail to compile or launch (synchronous errors: the
+        row the host hands out again —, the stream its kernels were launched on directly, for the NaN kernel's:
+        `stream_for`'s). Where its kernels fail to compile or launch (synchronous errors: the
         verdict kernel writes only its own outputs, so nothing of the caches was written) (None, the row if the
-        verdict kernel was queued, None) — this signature then keeps the torch ops, with one warning naming the
+        verdict kernel was queued, None, None) — this signature then keeps the torch ops, with one warning naming the
         error."""
         device = lens.device
         row = None
@@ -692,7 +695,7 @@ class _KvcacheBound:
                 row = report_row(device, fused.report_width, torch.int32)
                 try:
                     fused(lens, rows, table, k, v, k_cache, v_cache, row.tensor, scratch, stream)
-                    return scratch, row, None
+                    return scratch, row, None, stream
                 except ValueError:  # Triton's launcher: "Pointer argument ... cannot be accessed from Triton"
                     release_row(row)  # nothing was queued: the host row is not mapped; a device report from now on
                     row, fused.report_on_host = None, False
@@ -700,7 +703,7 @@ class _KvcacheBound:
             # a device that cannot write the ring: the report as a device tensor, copied by `defer_report`.
             report = torch.empty(fused.report_width, dtype=torch.int32, device=device)
             fused(lens, rows, table, k, v, k_cache, v_cache, report, scratch, stream)
-            return scratch, None, report
+            return scratch, None, report, stream
         except Exception as exc:  # a Triton compile or launch error, never a bad index (those are data)
             self.fused = None
             _log.warning("flash_attn_with_kvcache: the fused KV-cache check and append failed (%s: %s); this "
@@ -709,7 +712,7 @@ class _KvcacheBound:
             if row is not None and not isinstance(exc, VerdictQueued):
                 release_row(row)  # nothing that writes it was queued
                 row = None
-            return None, row, None  # a row: the verdict kernel was queued before the append failed, and writes it
+            return None, row, None, None  # a row: the verdict kernel was queued before the append failed, and writes it
 
     def _attend_again(self, manager: Any, key: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, lens: Tensor,
                       table: Tensor | None) -> Any:
