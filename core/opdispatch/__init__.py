@@ -6,7 +6,7 @@ plug in through the ``opdispatch.plugins`` entry-point group (see ``opdispatch.p
 
 from typing import Any
 
-from .plugins.hookspec import hookimpl  # plugin modules use it at import time; pluggy only, no torch
+from opdispatch.plugins.hookspec import hookimpl  # plugin modules use it at import time; pluggy only, no torch
 
 # The public names, by the module that defines them. They load on first use (PEP 562), so `opdispatch --help`,
 # `--version` and plugin modules that only need `hookimpl` start without importing torch.
@@ -28,7 +28,7 @@ _EXPORTS: dict[str, str] = {
     "OpManager": ".engine._manager",
     **dict.fromkeys(("PACKED_LAYOUTS", "attention_packed", "packed_views"), ".doors._packed"),
     **dict.fromkeys(("Origin", "Registry"), ".engine._registry"),
-    **dict.fromkeys(("policy_override", "scope"), ".policies._overrides"),
+    **dict.fromkeys(("policy_override", "scope"), "opdispatch.policies._overrides"),
     **dict.fromkeys(("context_parallel_attention", "shard_sequence", "unshard_sequence"),
                     ".distributed._context_parallel"),
     "AgreementError": ".engine._agreement",
@@ -58,7 +58,7 @@ def __dir__() -> list[str]:
 
 
 # Type checkers read __init__.pyi instead of this file: the same names, with the front doors typed from the ops'
-# argument definitions (generated: `opdispatch stubs > core/__init__.pyi`; tests/test_stubs.py checks it).
+# argument definitions (generated: `opdispatch stubs > core/opdispatch/__init__.pyi`; tests/test_stubs.py checks it).
 
 from .base import __version__  # noqa: E402  (defined at the bottom of the layers, which every layer may read)
 

@@ -1,6 +1,7 @@
 """Tuning cases, shared by the ops that declare them and every layer that reads them: an op's tuning description
 (`OpSpec.tuning`, a `TuningSpec`), its presets, cases loaded from YAML, and the helpers an op's spec builds its
-cases with (`grid`, `known_fields`, `random_tensor`). Measuring them is the tools' job (core/tools/_tuning.py).
+cases with (`grid`, `known_fields`, `random_tensor`). Measuring them is the tools' job
+(core/opdispatch/tools/_tuning.py).
 """
 
 from __future__ import annotations

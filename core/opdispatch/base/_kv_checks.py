@@ -23,7 +23,7 @@ A path that runs every step (``flash_attn_with_kvcache``'s bound path) reports m
 one row holding its verdict and its indices as given, copied in stream order (the caller may change its
 ``cache_seqlens`` in place right after the call); the message is worked out from that host copy, by the same host
 check, only once the verdict says the call was bad — no device read, no device copy of the indices. Its fused
-kernels (core/compat/_kv_append.py) skip even that copy: `report_row` hands out a ring row, which the verdict
+kernels (core/opdispatch/compat/_kv_append.py) skip even that copy: `report_row` hands out a ring row, which the verdict
 kernel writes directly (a CUDA device addresses pinned host memory), and `defer_written` records it.
 """
 

@@ -264,7 +264,7 @@ def compiled_front_door(python: Callable[..., Any], *, name: str, names: Sequenc
     (default: every tensor); result(out, arguments[result_arg]) shapes the output when that argument is true;
     flag: a `thread_flag()` set while the kernel runs (calls made meanwhile go to Python); api_globals: the
     namespace whose ``_manager`` a hit reads (the front doors' module, whose ``_manager`` follows the process-wide
-    manager: core/engine/_current.py); size_entry(*arguments): after the Python path ran a call whose exact
+    manager: core/opdispatch/engine/_current.py); size_entry(*arguments): after the Python path ran a call whose exact
     signature missed, what the door keeps for calls that differ from it only in sizes (opdispatch.doors._api's
     `_native_size_entry` says what; None: no such entries).
     """

@@ -23,7 +23,7 @@ __all__ = ["FEATURE_KINDS", "REQUIRED", "BucketFeature", "OpSpec", "TuningSpec",
            "known_ops", "op_spec", "register_op", "tunable_ops"]
 
 # How a `when:` key is written and compared: int (a number, list or range such as '<=16'), bool, name (a name or
-# a list), dtype (bf16, fp16…), glob (fnmatch patterns). policies/_match.py parses each kind.
+# a list), dtype (bf16, fp16…), glob (fnmatch patterns). policies/opdispatch/policies/_match.py parses each kind.
 FEATURE_KINDS = frozenset({"int", "bool", "name", "dtype", "glob"})
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # Keyword arguments a validator may take beyond the op's own: the module scope and how far to read index values.
@@ -46,8 +46,8 @@ class BucketFeature:
 
 @dataclass(frozen=True)
 class TuningSpec:
-    """How `opdispatch tune` and `opdispatch bench` time an op (core/tools/_tuning.py) and how a tuned table of it is
-    keyed (policies/_tuned_table.py).
+    """How `opdispatch tune` and `opdispatch bench` time an op (core/opdispatch/tools/_tuning.py) and how a tuned table
+    of it is keyed (policies/opdispatch/policies/_tuned_table.py).
 
     case: the type of one call signature to time, without data: ``case.from_dict(mapping, where)`` (ValueError
       naming unknown fields), ``to_dict()``, ``describe()`` (one line), ``inputs(device, generator)`` (fresh random

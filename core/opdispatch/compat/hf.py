@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..doors._api import attention
-from ..policies._overrides import MODULE, scope
+from opdispatch.policies._overrides import MODULE, scope
 
 __all__ = ["NAME", "attention_forward", "name_modules", "register"]
 

@@ -92,7 +92,7 @@ from ..engine._current import get_manager
 from ..ops._attention import validate_attention
 from ..base._decision import CHOSEN, DENIED, ELIGIBLE
 from ..engine._state import bounded_put
-from ..policies._overrides import MODULE, OVERRIDES, policy_override, scope
+from opdispatch.policies._overrides import MODULE, OVERRIDES, policy_override, scope
 from ._padding import pad_input, unpad_input
 
 __all__ = ["DotProductAttention", "te_log_level", "te_switches"]

@@ -30,8 +30,9 @@ stack active when the graph was traced, as a context token (a small int constant
 kernel runs eagerly on every call: when the overrides or module active then differ from the token's, it decides
 again for the current context (outputs never depend on which implementation runs, so the graph stays valid),
 with no re-trace. `scope()`/`policy_override()` entered *inside* a traced function defer, while Dynamo traces
-(Dynamo cannot trace ``ContextVar.set``), to stand-ins that record their arguments (policies/_overrides.py:
-`traced_scope`, `traced_policy_override`); the decision and the kernel enter the real context managers around each call,
+(Dynamo cannot trace ``ContextVar.set``), to stand-ins that record their arguments
+(policies/opdispatch/policies/_overrides.py: `traced_scope`, `traced_policy_override`); the decision and the kernel
+enter the real context managers around each call,
 stacked over the caller's context. The backward recomputes the
 implementation the latest forward of the same token ran (it may run outside the scope): two forwards of one
 graph under different contexts, both before their backwards, recompute with the latter's implementation (the
@@ -76,7 +77,7 @@ from ..engine._current import get_manager
 from ..ops._attention import LAYOUT_DIMS, validate_attention
 from ._compile_ops import autograd_reenabled, constant_result
 from ..engine._profiling import call_range, profiling, range_name
-from ..policies._overrides import MODULE, OVERRIDES, TRACED_SCOPES, entered
+from opdispatch.policies._overrides import MODULE, OVERRIDES, TRACED_SCOPES, entered
 
 __all__ = ["attention_for_compile", "compiled_attention", "decide_for_compile", "fake_outputs",
            "invalidate_compiled_decisions"]

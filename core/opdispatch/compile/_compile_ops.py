@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..base._arguments import OpArguments
-from ..policies._overrides import TRACED_SCOPES, entered
+from opdispatch.policies._overrides import TRACED_SCOPES, entered
 
 __all__ = ["opaque_compiled_op"]
 

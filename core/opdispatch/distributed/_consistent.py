@@ -1,5 +1,5 @@
 """`consistent()` and `local()`: turn agreement of new decisions across a torch.distributed group on and off for
-the process-wide manager (or a given one). The rule itself is the engine's (core/engine/_agreement.py).
+the process-wide manager (or a given one). The rule itself is the engine's (core/opdispatch/engine/_agreement.py).
 """
 
 from __future__ import annotations

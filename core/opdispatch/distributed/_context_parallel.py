@@ -508,7 +508,7 @@ def _settle(blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]],
     shard): each rank deciding all the blocks any rank computes, in one order, keeps the collectives aligned.
     Cache hits after the first step."""
     from ..engine._current import get_manager
-    from ..policies._overrides import MODULE
+    from opdispatch.policies._overrides import MODULE
 
     manager = get_manager()
     for q, k, v, causal in blocks:
@@ -718,7 +718,7 @@ def _block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     the softmax only through them, so each block's share is exact). The chosen implementation's own `backward`
     where it has one; the same formula in torch otherwise."""
     from ..engine._current import get_manager
-    from ..policies._overrides import MODULE
+    from opdispatch.policies._overrides import MODULE
 
     manager = get_manager()
     with torch.enable_grad():  # decided as a training call: an implementation with a backward

@@ -24,10 +24,10 @@ from ..base._ops import op_spec
 from ..engine._profiling import profiling
 from ..ops._sinks import run_with_sinks
 from ..engine._state import bounded_put
-from ..policies._overrides import MODULE, OVERRIDES
+from opdispatch.policies._overrides import MODULE, OVERRIDES
 
-# The process-wide manager lives in core/engine/_current.py; the front doors read it as this module's `_manager`
-# (one global read per call, in Python and in the compiled doors' C), which `_mirror` keeps equal to it.
+# The process-wide manager lives in core/opdispatch/engine/_current.py; the front doors read it as this module's
+# `_manager` (one global read per call, in Python and in the compiled doors' C), which `_mirror` keeps equal to it.
 _manager: OpManager | None = None
 
 
@@ -608,7 +608,7 @@ _attention_key = ATTENTION_ARGS.key_function(globals())  # the key the Python fr
 
 
 # The other built-in ops' front doors and explains, made from their argument definitions (RMS_NORM_ARGS,
-# ROTARY_ARGS in core/ops/); op_spec loads the op modules on first use.
+# ROTARY_ARGS in core/opdispatch/ops/); op_spec loads the op modules on first use.
 rms_norm = define_front_door("rms_norm", doc="""\
     RMSNorm over the last dim by the best implementation the device and the policy allow.
 

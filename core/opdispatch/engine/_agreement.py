@@ -36,7 +36,7 @@ from ..base._decision import CHOSEN, ELIGIBLE, Decision, Provenance
 from ..base._errors import OpDispatchError
 
 if TYPE_CHECKING:
-    from ..policies._tuned_table import TunedTable
+    from opdispatch.policies._tuned_table import TunedTable
 
 log = logging.getLogger("opdispatch")
 
@@ -337,7 +337,7 @@ def agree_tuned_table(table: TunedTable, group: Any = None) -> TunedTable:
     (its `failed` entry says where), and the buckets are ranked by those times. Collective: every rank calls it
     with its own table; each gets the same result. AgreementError when the ranks' device fingerprints or cases
     differ."""
-    from ..policies._tuned_table import TunedEntry, TunedTable
+    from opdispatch.policies._tuned_table import TunedEntry, TunedTable
 
     import torch.distributed as dist
 

@@ -2,7 +2,7 @@
 on it by default (`stats`, `shadow_flush`, `export_decisions`, `diff_decisions`).
 
 The top of the engine: it builds on `OpManager` (`_manager`) and the modules whose functions it wraps, and none of
-them imports it. The front doors (core/doors/_api.py) read the manager as a module global of their own, kept
+them imports it. The front doors (core/opdispatch/doors/_api.py) read the manager as a module global of their own, kept
 equal to this one through `on_manager_change`.
 """
 
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .. import policies as _policies
+from opdispatch import policies as _policies
 from ..base import _native
 from . import _decisions_lock, _shadow, _stats
 from ._decisions_lock import Drift, LockEntry
@@ -70,7 +70,7 @@ def _install(manager: OpManager | None) -> None:
 
 def stats(reset: bool = False, manager: OpManager | None = None) -> _stats.UsageSnapshot:
     """A snapshot of the usage counters of `manager` (default: the process-wide one) and of the front doors'
-    fast-path hits; `reset=True` starts every counter over after taking it (see core/engine/_stats.py)."""
+    fast-path hits; `reset=True` starts every counter over after taking it (see core/opdispatch/engine/_stats.py)."""
     return _stats.stats(reset, manager if manager is not None else get_manager())
 
 

@@ -160,7 +160,7 @@ def write_lock(path: str | os.PathLike[str], entries: list[LockEntry], device: A
 
 def export_decisions(path: str | os.PathLike[str], manager: Any) -> list[LockEntry]:
     """`opdispatch.export_decisions` for a given `manager` (the public one, whose default is the process-wide
-    manager, is core/engine/_current.py's)."""
+    manager, is core/opdispatch/engine/_current.py's)."""
     entries = lock_entries(manager)
     if not entries:
         raise ValueError(f"export_decisions({str(path)!r}): this process has decided no call class yet; run the "
@@ -339,9 +339,9 @@ def _case_call(entry: LockEntry, device: Any) -> Any:
 
 def diff_decisions(path: str | os.PathLike[str], manager: Any, device: Any = None) -> list[Drift]:
     """`opdispatch.diff_decisions` for a given `manager` (the public one, whose default is the process-wide
-    manager, is core/engine/_current.py's)."""
+    manager, is core/opdispatch/engine/_current.py's)."""
     from ..base._device import resolve_device
-    from ..policies._overrides import OVERRIDES
+    from opdispatch.policies._overrides import OVERRIDES
 
     lock = load_lock(path)
     manager.ensure_initialized()

@@ -12,13 +12,13 @@ from typing import Any
 
 import pluggy
 
-from ..plugins import hookspec as _hookspec
-from ..plugins._loader import (PluginRecord, check_hooks, check_plugin_api, load_entry_point_plugins,
-                                        plugin_namespaces)
+from opdispatch.plugins import hookspec as _hookspec
+from opdispatch.plugins._loader import (PluginRecord, check_hooks, check_plugin_api, load_entry_point_plugins,
+                                         plugin_namespaces)
 
 from ..base._decision import (CHOSEN, DEMOTED, DENIED, ELIGIBLE, FAILED, REJECTED, UNAVAILABLE, Candidate, Decision,
                               NoImplementationError, PinnedImplementationError, Provenance)
-from ..policies._overrides import OVERRIDES
+from opdispatch.policies._overrides import OVERRIDES
 
 from ..base import _native
 from ._breaker import CLASS, Breaker, RetryDue, may_fail_over
@@ -71,7 +71,7 @@ class OpManager:
 
     def __init__(self, *, load_entry_points: bool = True, entry_points: Iterable[Any] | None = None,
                  policy: Any = None, environ: dict[str, str] | None = None) -> None:
-        from ..policies._policy import Policy
+        from opdispatch.policies._policy import Policy
 
         self._load_entry_points = load_entry_points
         self._entry_points = entry_points
@@ -155,7 +155,8 @@ class OpManager:
                     raise RegistrationError(
                         f"plugin {record.name!r} registered {getattr(impl, 'id', impl)!r}, outside its namespaces "
                         f"{', '.join(record.namespaces)}; a plugin's ids start with its entry-point name, or with a "
-                        "name its module lists in OPDISPATCH_NAMESPACES (plugins/hookspec.py)", impl=impl)
+                        "name its module lists in OPDISPATCH_NAMESPACES (plugins/opdispatch/plugins/hookspec.py)",
+                        impl=impl)
                 if not record.builtin and vendor in reserved:
                     raise RegistrationError(
                         f"plugin {record.name!r} registered {impl.id!r}, but {vendor!r} is the namespace of the "
@@ -229,8 +230,8 @@ class OpManager:
         return self.state.policy
 
     def _load_policy(self) -> Any:
-        from ..policies._policy import load_policy
-        from ..policies._policy import EnvOverrides
+        from opdispatch.policies._policy import load_policy
+        from opdispatch.policies._policy import EnvOverrides
 
         if self._policy_object is not None:
             policy = self._policy_object.with_env(EnvOverrides.from_environ(self.environ))
@@ -243,8 +244,8 @@ class OpManager:
         same file (e.g. OPDISPATCH_QUARANTINE's)."""
         if not self._added_quarantines:
             return policy
-        from ..policies._policy import Policy
-        from ..policies._policy import read_quarantine_file
+        from opdispatch.policies._policy import Policy
+        from opdispatch.policies._policy import read_quarantine_file
 
         from ..base._errors import PolicyError
 
@@ -289,7 +290,7 @@ class OpManager:
 
         A path is re-read by `reload()`; a Policy object is kept (reload re-reads only the env vars over it).
         """
-        from ..policies._policy import Policy
+        from opdispatch.policies._policy import Policy
 
         if isinstance(policy, Policy):
             self._policy_object, self._policy_path = policy, None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..base._errors import RegistrationError
 from ..base._impl import Impl
 from ..base._ops import known_ops, op_spec
-from ..plugins.hookspec import PLUGIN_API_CHANGES, PLUGIN_API_VERSION
+from opdispatch.plugins.hookspec import PLUGIN_API_CHANGES, PLUGIN_API_VERSION
 
 
 @dataclass(frozen=True)

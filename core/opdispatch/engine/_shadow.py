@@ -75,7 +75,7 @@ def shadow_from_environ(manager: Any, environ: Any) -> Shadow | None:
         return None
     path = None
     if raw_path is not None:
-        from ..policies._quarantine import read_existing_quarantine
+        from opdispatch.policies._quarantine import read_existing_quarantine
 
         path = Path(raw_path)
         try:
@@ -259,8 +259,9 @@ class Shadow:
         import hashlib
         import json
 
-        from ..policies._quarantine import (env_conditions, merge_quarantine, quarantine_text, read_existing_quarantine,
-                                            rule_libraries, rule_name, write_quarantine)
+        from opdispatch.policies._quarantine import (env_conditions, merge_quarantine, quarantine_text,
+                                                     read_existing_quarantine, rule_libraries, rule_name,
+                                                     write_quarantine)
 
         assert self.quarantine is not None
         decision = job.decision
@@ -339,6 +340,6 @@ def class_conditions(features: dict[str, Any]) -> dict[str, Any]:
 
 def shadow_flush(timeout: float | None, manager: Any) -> bool:
     """`opdispatch.shadow_flush` for a given `manager` (the public one, whose default is the process-wide manager,
-    is core/engine/_current.py's)."""
+    is core/opdispatch/engine/_current.py's)."""
     shadow: Shadow | None = manager.shadow
     return True if shadow is None else shadow.flush(timeout)

@@ -295,7 +295,7 @@ def _python_door_hits(reset: bool) -> dict[str, int]:
 
 def stats(reset: bool, manager: Any) -> UsageSnapshot:
     """`opdispatch.stats` for a given `manager` (the public one, whose default is the process-wide manager, is
-    core/engine/_current.py's)."""
+    core/opdispatch/engine/_current.py's)."""
     if not isinstance(reset, bool):
         raise TypeError(f"stats(reset={reset!r}): reset must be True or False")
     slow, classes = manager.usage.snapshot(reset)

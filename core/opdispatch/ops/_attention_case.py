@@ -1,8 +1,8 @@
 """Attention's case: the shapes, dtype and flags of one attention call, without data — the one record of it.
 
 `opdispatch tune` and `bench` time cases (`_attention_tuning`'s presets, or a YAML file of them), and
-`opdispatch validate` builds each cell of its conformance matrix around one (`core/tools/_validate.py`, which adds
-what only a conformance check has: KV caches, masks, biases, strided views, per-sequence lengths).
+`opdispatch validate` builds each cell of its conformance matrix around one (`core/opdispatch/tools/_validate.py`, which
+adds what only a conformance check has: KV caches, masks, biases, strided views, per-sequence lengths).
 """
 
 from __future__ import annotations

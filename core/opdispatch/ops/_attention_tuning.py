@@ -1,5 +1,5 @@
 """How `opdispatch tune` and `bench` time the attention op: its presets of cases (`AttentionCase`, in
-`_attention_case`) and tuned-table buckets — the `TuningSpec` of attention's `OpSpec` (core/ops/_attention.py
+`_attention_case`) and tuned-table buckets — the `TuningSpec` of attention's `OpSpec` (core/opdispatch/ops/_attention.py
 registers it).
 
 It sits below `_attention`: the op's validator comes in as an argument (`attention_tuning(validate_attention)`,

@@ -1,9 +1,9 @@
 """`opdispatch tune` and `opdispatch bench`: time an op's implementations on this device (``--op``, default
 attention; any op whose `OpSpec` has a tuning description).
 
-`tune` writes a tuned table (policies/_tuned_table.py; measuring is core/tools/_tuning.py); `bench` writes a markdown
-report and a PNG chart of TFLOP/s per implementation per shape, with the policy's pick and its regret against
-the fastest.
+`tune` writes a tuned table (policies/opdispatch/policies/_tuned_table.py; measuring is
+core/opdispatch/tools/_tuning.py); `bench` writes a markdown report and a PNG chart of TFLOP/s per implementation per
+shape, with the policy's pick and its regret against the fastest.
 """
 
 from __future__ import annotations

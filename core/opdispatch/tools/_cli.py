@@ -99,7 +99,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         raise ValueError(f"--op {args.op!r} is not an op; known ops: {', '.join(known_ops())}")
     device = _device_arg(args)
     from ..base._table import format_fields, format_table, terminal_width
-    from ..policies._plan import standing_plan
+    from opdispatch.policies._plan import standing_plan
 
     width = terminal_width(args.wide)
     policy = manager.policy
@@ -447,7 +447,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- policy tools ----------------------------------------------------------------------------------------------
 
 def cmd_policy_lint(args: argparse.Namespace) -> int:
-    from ..policies._lint import lint_policy_file
+    from opdispatch.policies._lint import lint_policy_file
 
     manager = get_manager()
     manager.ensure_initialized()
@@ -502,7 +502,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ._validate import run_validation
-    from ..policies._policy import user_quarantine_path
+    from opdispatch.policies._policy import user_quarantine_path
 
     if not args.timeout > 0:
         raise ValueError(f"--timeout {args.timeout} must be a positive number of seconds")
@@ -559,7 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ops)
 
     p = sub.add_parser("stubs", help="the typing stub of `import opdispatch`, generated from the ops' argument "
-                                     "definitions (core/__init__.pyi: `opdispatch stubs > core/__init__.pyi`)")
+                                     "definitions (core/opdispatch/__init__.pyi: "
+                                     "`opdispatch stubs > core/opdispatch/__init__.pyi`)")
     p.set_defaults(func=cmd_stubs)
 
     p = sub.add_parser("explain", help="which implementation a call would use, and why",

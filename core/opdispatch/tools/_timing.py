@@ -1,5 +1,5 @@
 """Timing kernels: the median of repeated calls (CUDA events on GPUs, perf_counter on the CPU), device syncs and a
-progress line for long runs. Used by `opdispatch tune` / `bench` (core/tools/_tuning.py)."""
+progress line for long runs. Used by `opdispatch tune` / `bench` (core/opdispatch/tools/_tuning.py)."""
 
 from __future__ import annotations
 

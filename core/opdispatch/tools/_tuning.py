@@ -1,10 +1,11 @@
 """Measured autotune for any op with a tuning description (`OpSpec.tuning`): time every eligible implementation
 on each case (a call signature without data) and keep the ranking per shape bucket in a tuned table
-(policies/_tuned_table.py) that a policy references with ``autotune: <path>``.
+(policies/opdispatch/policies/_tuned_table.py) that a policy references with ``autotune: <path>``.
 
 The op's spec says what a case is, its presets and how a call falls into a bucket; this module times
-(core/tools/_timing.py) and writes the table with the device's fingerprint (core/base/_fingerprint.py).
-`opdispatch tune` and `opdispatch bench` (core/tools/_bench.py) are its command line.
+(core/opdispatch/tools/_timing.py) and writes the table with the device's fingerprint
+(core/opdispatch/base/_fingerprint.py).
+`opdispatch tune` and `opdispatch bench` (core/opdispatch/tools/_bench.py) are its command line.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..base._fingerprint import device_fingerprint
 from ._timing import Progress, Spread, resolve_device, time_samples
 
 if TYPE_CHECKING:
-    from ..policies._tuned_table import TunedTable
+    from opdispatch.policies._tuned_table import TunedTable
 
 __all__ = ["ALL", "Measurement", "TuningCase", "grid", "known_fields", "load_cases", "measure", "preset",
            "preset_names", "random_tensor", "tune", "tuning_of"]
@@ -173,7 +174,7 @@ def tune(cases: Sequence[TuningCase], *, op: str = "attention", manager: Any = N
 def tuned_table(results: Sequence[Measurement], *, op: str, manager: Any, device: torch.device | str | None,
                 impls: Sequence[str] | None, warmup: int, reps: int) -> TunedTable:
     """The tuned table of `measure`'s results (what `tune` returns)."""
-    from ..policies._tuned_table import TunedEntry, TunedTable
+    from opdispatch.policies._tuned_table import TunedEntry, TunedTable
 
     info = manager.device_info(resolve_device(device))
     entries = []

@@ -39,8 +39,8 @@ from typing import Any, TextIO
 
 from ..base._tolerance import RELATIVE_NORM
 from ..ops._attention_case import AttentionCase
-from ..policies._quarantine import (env_conditions, merge_quarantine, quarantine_text, read_existing_quarantine,
-                                   rule_libraries, rule_name, write_quarantine)
+from opdispatch.policies._quarantine import (env_conditions, merge_quarantine, quarantine_text,
+                                             read_existing_quarantine, rule_libraries, rule_name, write_quarantine)
 
 __all__ = ["FACTORS", "TOLERANCE", "Case", "CaseResult", "attention_cases", "covering_rows", "merge_quarantine",
            "quarantine_rules", "quarantine_yaml", "run_case", "run_validation"]

@@ -46,7 +46,7 @@ class PluginRecord:
     impl_ids: list[str] = field(default_factory=list)
     builtin: bool = False
     # The vendor prefixes this plugin's implementation ids may use: its name, plus the plugin module's
-    # OPDISPATCH_NAMESPACES (plugins/hookspec.py). A built-in plugin's namespaces are reserved for it.
+    # OPDISPATCH_NAMESPACES (plugins/opdispatch/plugins/hookspec.py). A built-in plugin's namespaces are its own.
     namespaces: tuple[str, ...] = ()
 
     @property
@@ -143,7 +143,7 @@ def check_hooks(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
         hints = "; ".join(f"{n!r}: did you mean {difflib.get_close_matches(n, known, n=1) or known}?"
                           for n in unknown)
         raise ValueError(f"plugin {name!r} implements hook(s) opdispatch does not define ({hints or exc}); the "
-                         f"hooks are {', '.join(known)} (plugins/hookspec.py)") from exc
+                         f"hooks are {', '.join(known)} (plugins/opdispatch/plugins/hookspec.py)") from exc
 
 
 def plugin_namespaces(plugin: Any, name: str) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ __all__ = [
 ]
 
 
-# How to find the process-wide manager, registered by the engine when it holds one (core/engine/_current.py):
+# How to find the process-wide manager, registered by the engine when it holds one (core/opdispatch/engine/_current.py):
 # this package sits below the engine and does not import it.
 _process_manager: list[Callable[[], Any]] = []
 

@@ -97,8 +97,8 @@ def scope(module: str) -> Iterator[str]:
 # -- scope() and policy_override() inside a function torch.compile traces -------------------------------------
 
 # Dynamo cannot trace ContextVar.set, so while it traces, `scope` and `policy_override` defer to these stand-ins,
-# which record their arguments here (a plain list Dynamo tracks); each compiled op's call (core/compile/) passes the
-# record to its decision and kernel, which enter the real context managers around it (`entered`).
+# which record their arguments here (a plain list Dynamo tracks); each compiled op's call (core/opdispatch/compile/)
+# passes the record to its decision and kernel, which enter the real context managers around it (`entered`).
 TRACED_SCOPES: list[tuple[str, Any]] = []
 
 

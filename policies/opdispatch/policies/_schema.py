@@ -1,7 +1,7 @@
 """The policy file schema (pydantic v2). docs/policy.md describes it for users; this module is the source of truth.
 
-Conditions are parsed here, at load time, into matcher objects (policies/_match.py), so a malformed range such
-as ``">=smX"`` fails when the file is read, with its line, and never at dispatch time.
+Conditions are parsed here, at load time, into matcher objects (policies/opdispatch/policies/_match.py), so a malformed
+range such as ``">=smX"`` fails when the file is read, with its line, and never at dispatch time.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The tuned table: a policy input (``ops.<op>.autotune: <path>``) written by `opdispatch tune` (core/tools/_tuning.py).
+"""The tuned table: a policy input (``ops.<op>.autotune: <path>``) written by `opdispatch tune`
+(core/opdispatch/tools/_tuning.py).
 
-It lives with the policy because the plan reads it (policies/_plan.py, the ``autotune`` layer); measuring lives
-next to the bench command. A table records its op (tables without one are attention's, as before the field) and
-is keyed by a fingerprint of the device, its driver and the library versions; a table whose fingerprint differs
-from the running process is stale and ignored with a warning. A lookup matches the discrete features of a call
+It lives with the policy because the plan reads it (policies/opdispatch/policies/_plan.py, the ``autotune`` layer);
+measuring lives next to the bench command. A table records its op (tables without one are attention's, as before the
+field) and is keyed by a fingerprint of the device, its driver and the library versions; a table whose fingerprint
+differs from the running process is stale and ignored with a warning. A lookup matches the discrete features of a call
 exactly (the op's `TuningSpec.discrete`, e.g. attention's dtype, dense/varlen, head_dim, heads, causal, window?,
 softcap?, requires_grad) and blends the nearest buckets in log2 space of its sizes (attention's seqlen_q,
 seqlen_k, batch), so shapes between tuned buckets get a weighted verdict of their neighbours.

@@ -37,9 +37,9 @@ bf16/fp16 output ("only supported on Blackwell with cuDNN >= 9.13"): the graph's
 kind with `scale_o` = fp8_max / max|v| (the output is a convex mix of v's rows, so it never exceeds max|v|), and
 this adapter divides it back to `call.out_dtype`. The probabilities are FP8 with scale_s 256 (they lie in [0, 1]).
 
-Per FP8 call, around the graph, three Triton launches (vendors/nvidia/_cudnn_fp8_triton.py), no host read: max|v| as
-FP8 magnitude bits (one read of v in memory order, one atomic max per program), scale_o from them and v_descale (one
-program), and the dequantization o8 / scale_o -> out_dtype in one pass (read 1 byte, write 2 per element;
+Per FP8 call, around the graph, three Triton launches (vendors/opdispatch/vendors/nvidia/_cudnn_fp8_triton.py), no host
+read: max|v| as FP8 magnitude bits (one read of v in memory order, one atomic max per program), scale_o from them and
+v_descale (one program), and the dequantization o8 / scale_o -> out_dtype in one pass (read 1 byte, write 2 per element;
 `(o.float() / s).to(dt)` took three passes and a float32 temporary: 19 bytes per element, most of the FP8 call's
 time below 16k keys on an H100, benchmarks/results/fp8_attention-h100.log). The constant scalars (scale_s,
 descale_s) are made once per device; the amax outputs cuDNN writes (read by nobody), the max|v| accumulator, scale_o
@@ -125,7 +125,8 @@ def _bounds(call: AttentionCall) -> tuple[int | None, int | None]:
 
 @functools.cache
 def _triton_kernels() -> Any:
-    """vendors/nvidia/_cudnn_fp8_triton (imported at first use: Triton is optional), or None without Triton."""
+    """The Triton kernels beside this module, _cudnn_fp8_triton (imported at first use: Triton is optional), or None
+    without Triton."""
     try:
         from . import _cudnn_fp8_triton as kernels
     except ImportError:
