@@ -1,6 +1,7 @@
 """The layering contract (docs/architecture.md, "The layer map"): every import of core/, plugins/ and policies/ —
 module-level and inside functions, relative or absolute — points down the layers or stays inside its own, and no
-modules import each other in a circle.
+modules import each other in a circle. And no relative import leaves its top-level folder (core/, plugins/,
+policies/, vendors/): written absolutely, every import of opdispatch names a path.
 
 The checker reads the sources (no import runs): each file's module name comes from pyproject.toml's package-dir
 map, each `import`/`from ... import` is resolved to the module it loads (a `from package import name` naming a
@@ -202,12 +203,44 @@ def check(root: Path, folders: Iterable[str] = ("core", "plugins", "policies")) 
     return problems
 
 
+def relative_imports_across_folders(root: Path, folders: Iterable[str] = ("core", "plugins", "policies", "vendors")
+                                    ) -> list[str]:
+    """Each relative import that resolves into another top-level folder, as text: such an import names no path
+    (core/opdispatch/engine/'s `..policies` is policies/opdispatch/policies/), so it must be written absolutely."""
+    files = module_files(root, package_dirs(root), folders)
+    problems = []
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            base = package.split(".")
+            module = ".".join([*base[:len(base) - (node.level - 1)], *([node.module] if node.module else [])])
+            for alias in node.names:
+                target = f"{module}.{alias.name}" if f"{module}.{alias.name}" in files else module
+                while target and target not in files:  # a name the tree does not hold: its package
+                    target = target.rpartition(".")[0]
+                if not target:
+                    continue
+                here, there = path.relative_to(root).parts[0], files[target].relative_to(root).parts[0]
+                if here != there:
+                    problems.append(f"{path.relative_to(root)}:{node.lineno}: `from {'.' * node.level}"
+                                    f"{node.module or ''} import {alias.name}` reaches {target} in {there}/; "
+                                    f"write it `from {module} import {alias.name}`")
+    return problems
+
+
 # -- the contract on this repository ---------------------------------------------------------------------------
 
 
 def test_every_import_of_core_plugins_and_policies_points_down_the_layers_and_nothing_circles():
     problems = check(REPO)
     assert not problems, "the layering contract is broken:\n" + "\n".join(problems)
+
+
+def test_no_relative_import_crosses_a_top_level_folder():
+    problems = relative_imports_across_folders(REPO)
+    assert not problems, "\n".join(problems)
 
 
 def test_every_core_folder_is_a_layer_of_the_map():
@@ -299,3 +332,12 @@ def test_the_checker_names_a_module_outside_the_map(tmp_path):
     tree = _fake_tree(tmp_path, {**_CLEAN, "core/opdispatch/attic/_old.py": "from ..base import _errors\n"})
     (problem,) = check(tree)
     assert "opdispatch.attic._old -> opdispatch.base._errors: a module outside the layer map" in problem
+
+
+def test_the_checker_catches_a_relative_import_across_top_level_folders(tmp_path):
+    tree = _fake_tree(tmp_path, {**_CLEAN, "core/opdispatch/engine/_manager.py": "from ..policies._plan import plan\n"})
+    assert relative_imports_across_folders(tree) == [
+        "core/opdispatch/engine/_manager.py:1: `from ..policies._plan import plan` reaches opdispatch.policies._plan in "
+        "policies/; write it `from opdispatch.policies._plan import plan`"]
+    (tmp_path / "clean").mkdir()
+    assert relative_imports_across_folders(_fake_tree(tmp_path / "clean", _CLEAN)) == []
