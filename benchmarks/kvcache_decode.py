@@ -21,7 +21,7 @@ the host runs ahead within a round, as a serving loop does).
     python benchmarks/kvcache_decode.py --paged 256 ...                   # a paged cache (256 keys per page)
 
 On a GPU the device-side check and the append run as one Triton kernel (two for a block table of more than
-4096 entries), and a bad step's output is made NaN by another (core/compat/_kv_append.py);
+4096 entries), and a bad step's output is made NaN by another (core/opdispatch/compat/_kv_append.py);
 ``OPDISPATCH_KV_APPEND=torch`` measures the same check written with torch ops.
 """
 

@@ -80,7 +80,7 @@ def paged_call(mla: bool) -> dict:
 BEFORE = ("Before issue 35 (same devices and calls): 80 of 140 training, 71 of 140 forward and 25 of 28 paged cells "
           "went to reference.math.")
 
-# Paged MLA decode: flagos.flash_mla (vendors/flagos/_flash_mla.py) adapts FlagGems 5.0.2's flash_mla.
+# Paged MLA decode: flagos.flash_mla (vendors/opdispatch/vendors/flagos/_flash_mla.py) adapts FlagGems 5.0.2's flash_mla.
 PAGED_MLA_NOTE = (
     "paged16 MLA: flagos.flash_mla runs FlagGems' `flash_mla(q, block_table, blocked_k, max_seqlen_pad, "
     "block_size, b, s_q, cache_seqlens, h_q, h_kv, d, dv, causal)` (any page size) where 5.0.2 has tiles for the "

@@ -1,4 +1,4 @@
-"""The Triton kernels around nvidia.cudnn_frontend's FP8 graph (vendors/nvidia/_cudnn_fp8_triton.py), run where
+"""The Triton kernels around nvidia.cudnn_frontend's FP8 graph (vendors/opdispatch/vendors/nvidia/_cudnn_fp8_triton.py), run where
 the suite runs (Triton's interpreter on CPU, tests/conftest.py; the GPU as they are): the output scale against
 fp8_max / max|v| computed in float64 from the dequantized values, on strided views, both FP8 kinds, subnormal-only,
 zero, NaN/inf and negative-descale rows, twice on one accumulator (it must come back zeroed); the dequantization

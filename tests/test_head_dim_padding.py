@@ -1,4 +1,4 @@
-"""`pads_v_head_dim` (plugins/_head_dim_padding.py): adapters whose kernels need one head dim for q/k/v take MLA
+"""`pads_v_head_dim` (plugins/opdispatch/plugins/_head_dim_padding.py): adapters whose kernels need one head dim for q/k/v take MLA
 calls (q/k 192, v 128) by zero-padding v, exactly. Each opted-in adapter runs on CPU behind its vendor fake against
 an independent float64 oracle — forward, LSE where returned, backward where it trains — over MHA/GQA ×
 causal/not × layouts; the kernel must be handed v as wide as q/k; equal head dims pass v through untouched; the

@@ -1,4 +1,4 @@
-"""The fused KV-cache check and append's per-call host work (issue 31, core/compat/_kv_append.py): its device
+"""The fused KV-cache check and append's per-call host work (issue 31, core/opdispatch/compat/_kv_append.py): its device
 buffers made once per (stream, thread) and reused by later steps, fresh and never kept during CUDA graph capture;
 its report written by the verdict kernel straight into a report-ring row (no device copy); a bad step's output made
 NaN in place. Run on CPU through Triton's interpreter (streams and capture simulated by their keys), each step

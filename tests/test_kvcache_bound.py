@@ -44,7 +44,7 @@ def reference_calls(monkeypatch):
 @pytest.fixture(params=["host", "device", "fused", "fused-two"])
 def checks(request, monkeypatch):
     """The host check (CPU's), the device-side one written with torch ops, and the device-side one as the
-    Triton kernels a GPU runs (core/compat/_kv_append.py, through Triton's interpreter), forced on CPU: the check
+    Triton kernels a GPU runs (core/opdispatch/compat/_kv_append.py, through Triton's interpreter), forced on CPU: the check
     and append as one kernel ("fused", wherever the block table is small) or as two ("fused-two", a large one's)."""
     if request.param != "host":
         monkeypatch.setenv("OPDISPATCH_KV_CHECKS", "device")

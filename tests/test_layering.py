@@ -1,6 +1,7 @@
 """The layering contract (docs/architecture.md, "The layer map"): every import of core/, plugins/ and policies/ —
 module-level and inside functions, relative or absolute — points down the layers or stays inside its own, and no
-modules import each other in a circle.
+modules import each other in a circle. And no relative import leaves its top-level folder (core/, plugins/,
+policies/, vendors/): written absolutely, every import of opdispatch names a path.
 
 The checker reads the sources (no import runs): each file's module name comes from pyproject.toml's package-dir
 map, each `import`/`from ... import` is resolved to the module it loads (a `from package import name` naming a
@@ -22,17 +23,17 @@ from tests.conftest import REPO
 # Each layer: the folders (or files) that make it, relative to the repository root. A module belongs to the first
 # layer whose path contains it.
 LAYER_PATHS: dict[str, tuple[str, ...]] = {
-    "face": ("core/__init__.py", "core/__main__.py"),
-    "base": ("core/base",),
-    "ops": ("core/ops",),
-    "plugins": ("plugins",),
-    "policies": ("policies",),
-    "engine": ("core/engine",),
-    "compile": ("core/compile",),
-    "doors": ("core/doors",),
-    "distributed": ("core/distributed",),
-    "compat": ("core/compat",),
-    "tools": ("core/tools",),
+    "face": ("core/opdispatch/__init__.py", "core/opdispatch/__main__.py"),
+    "base": ("core/opdispatch/base",),
+    "ops": ("core/opdispatch/ops",),
+    "plugins": ("plugins/opdispatch/plugins",),
+    "policies": ("policies/opdispatch/policies",),
+    "engine": ("core/opdispatch/engine",),
+    "compile": ("core/opdispatch/compile",),
+    "doors": ("core/opdispatch/doors",),
+    "distributed": ("core/opdispatch/distributed",),
+    "compat": ("core/opdispatch/compat",),
+    "tools": ("core/opdispatch/tools",),
 }
 
 # The direction table: which layers a layer may import besides itself. The same table as docs/architecture.md's
@@ -202,6 +203,33 @@ def check(root: Path, folders: Iterable[str] = ("core", "plugins", "policies")) 
     return problems
 
 
+def relative_imports_across_folders(root: Path, folders: Iterable[str] = ("core", "plugins", "policies", "vendors")
+                                    ) -> list[str]:
+    """Each relative import that resolves into another top-level folder, as text: such an import names no path
+    (core/opdispatch/engine/'s `..policies` is policies/opdispatch/policies/), so it must be written absolutely."""
+    files = module_files(root, package_dirs(root), folders)
+    problems = []
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            base = package.split(".")
+            module = ".".join([*base[:len(base) - (node.level - 1)], *([node.module] if node.module else [])])
+            for alias in node.names:
+                target = f"{module}.{alias.name}" if f"{module}.{alias.name}" in files else module
+                while target and target not in files:  # a name the tree does not hold: its package
+                    target = target.rpartition(".")[0]
+                if not target:
+                    continue
+                here, there = path.relative_to(root).parts[0], files[target].relative_to(root).parts[0]
+                if here != there:
+                    problems.append(f"{path.relative_to(root)}:{node.lineno}: `from {'.' * node.level}"
+                                    f"{node.module or ''} import {alias.name}` reaches {target} in {there}/; "
+                                    f"write it `from {module} import {alias.name}`")
+    return problems
+
+
 # -- the contract on this repository ---------------------------------------------------------------------------
 
 
@@ -210,11 +238,16 @@ def test_every_import_of_core_plugins_and_policies_points_down_the_layers_and_no
     assert not problems, "the layering contract is broken:\n" + "\n".join(problems)
 
 
+def test_no_relative_import_crosses_a_top_level_folder():
+    problems = relative_imports_across_folders(REPO)
+    assert not problems, "\n".join(problems)
+
+
 def test_every_core_folder_is_a_layer_of_the_map():
-    folders = {p.relative_to(REPO).as_posix() for p in (REPO / "core").iterdir() if p.is_dir()
+    folders = {p.relative_to(REPO).as_posix() for p in (REPO / "core" / "opdispatch").iterdir() if p.is_dir()
                and p.name != "__pycache__"}
     layered = {place for places in LAYER_PATHS.values() for place in places}
-    assert folders <= layered, f"folders of core/ outside the layer map: {sorted(folders - layered)}"
+    assert folders <= layered, f"folders of core/opdispatch/ outside the layer map: {sorted(folders - layered)}"
     assert set(ALLOWED) == set(LAYER_PATHS)
 
 
@@ -226,7 +259,7 @@ def test_the_direction_table_is_the_one_docs_architecture_md_states():
     rows = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        layer = cells[0].strip("`").rstrip("/").rpartition("/")[2]  # `core/engine/` -> engine
+        layer = cells[0].strip("`").rstrip("/").rpartition("/")[2]  # `core/opdispatch/engine/` -> engine
         if len(cells) >= 4 and layer in ALLOWED:
             rows[layer] = {w.strip("`/ ,") for w in cells[-1].replace(",", " ").split()} & set(ALLOWED)
     assert set(rows) == set(ALLOWED) - {"face"}, sorted(rows)
@@ -237,6 +270,9 @@ def test_the_direction_table_is_the_one_docs_architecture_md_states():
 # -- the checker itself, on fake trees ----------------------------------------------------------------------
 
 
+CORE, PLUGINS, POLICIES = "core/opdispatch", "plugins/opdispatch/plugins", "policies/opdispatch/policies"
+
+
 def _fake_tree(tmp_path: Path, modules: Mapping[str, str]) -> Path:
     """A tree with this repository's package-dir map and the given files (path -> source); every package folder
     gets an empty __init__.py unless given."""
@@ -245,7 +281,7 @@ def _fake_tree(tmp_path: Path, modules: Mapping[str, str]) -> Path:
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(source)
-    for folder in ("core", "plugins", "policies", *{str(Path(rel).parent) for rel in modules}):
+    for folder in (CORE, PLUGINS, POLICIES, *{str(Path(rel).parent) for rel in modules}):
         init = tmp_path / folder / "__init__.py"
         if not init.exists():
             init.parent.mkdir(parents=True, exist_ok=True)
@@ -254,11 +290,11 @@ def _fake_tree(tmp_path: Path, modules: Mapping[str, str]) -> Path:
 
 
 _CLEAN = {
-    "core/base/_errors.py": "class E(Exception): ...\n",
-    "core/ops/_op.py": "from ..base._errors import E\n",
-    "core/engine/_manager.py": "from opdispatch.ops import _op\nfrom ..policies._plan import plan\n",
-    "policies/_plan.py": "from opdispatch.base._errors import E\ndef plan(): ...\n",
-    "core/doors/_api.py": "from ..engine._manager import *\n",
+    "core/opdispatch/base/_errors.py": "class E(Exception): ...\n",
+    "core/opdispatch/ops/_op.py": "from ..base._errors import E\n",
+    "core/opdispatch/engine/_manager.py": "from opdispatch.ops import _op\nfrom opdispatch.policies._plan import plan\n",
+    "policies/opdispatch/policies/_plan.py": "from opdispatch.base._errors import E\ndef plan(): ...\n",
+    "core/opdispatch/doors/_api.py": "from ..engine._manager import *\n",
 }
 
 
@@ -267,32 +303,41 @@ def test_the_checker_passes_a_clean_fake_tree(tmp_path):
 
 
 def test_the_checker_catches_an_injected_upward_import_inside_a_function(tmp_path):
-    tree = _fake_tree(tmp_path, {**_CLEAN, "core/base/_errors.py": (
+    tree = _fake_tree(tmp_path, {**_CLEAN, "core/opdispatch/base/_errors.py": (
         "class E(Exception): ...\n\ndef current():\n    from ..engine import _manager\n    return _manager\n")})
     (problem, *others) = check(tree)
-    assert "core/base/_errors.py:4: opdispatch.base._errors (base) imports opdispatch.engine._manager (engine)" \
+    assert "core/opdispatch/base/_errors.py:4: opdispatch.base._errors (base) imports opdispatch.engine._manager (engine)" \
         in problem
     # and the circle it closes: errors -> manager -> (op, plan) -> errors
     assert len(others) == 1 and others[0].startswith("import circle of 4 modules: opdispatch.base._errors -> "
-                                                     "opdispatch.engine._manager (core/base/_errors.py:4)")
+                                                     "opdispatch.engine._manager (core/opdispatch/base/_errors.py:4)")
 
 
 def test_the_checker_catches_an_absolute_upward_import_across_top_level_folders(tmp_path):
-    tree = _fake_tree(tmp_path, {**_CLEAN, "policies/_plan.py": "import opdispatch.doors._api\n"})
+    tree = _fake_tree(tmp_path, {**_CLEAN, "policies/opdispatch/policies/_plan.py": "import opdispatch.doors._api\n"})
     problems = check(tree)
-    assert problems[0].startswith("policies/_plan.py:1: opdispatch.policies._plan (policies) imports "
+    assert problems[0].startswith("policies/opdispatch/policies/_plan.py:1: opdispatch.policies._plan (policies) imports "
                                   "opdispatch.doors._api (doors)"), problems
     assert any(p.startswith("import circle of 3 modules") for p in problems)  # plan -> api -> manager -> plan
 
 
 def test_the_checker_catches_a_circle_inside_one_layer(tmp_path):
-    tree = _fake_tree(tmp_path, {**_CLEAN, "core/ops/_other.py": "from . import _op\n",
-                                 "core/ops/_op.py": "from ..base._errors import E\nfrom ._other import x\n"})
+    tree = _fake_tree(tmp_path, {**_CLEAN, "core/opdispatch/ops/_other.py": "from . import _op\n",
+                                 "core/opdispatch/ops/_op.py": "from ..base._errors import E\nfrom ._other import x\n"})
     assert check(tree) == ["import circle of 2 modules: opdispatch.ops._op -> opdispatch.ops._other "
-                           "(core/ops/_op.py:2); opdispatch.ops._other -> opdispatch.ops._op (core/ops/_other.py:1)"]
+                           "(core/opdispatch/ops/_op.py:2); opdispatch.ops._other -> opdispatch.ops._op (core/opdispatch/ops/_other.py:1)"]
 
 
 def test_the_checker_names_a_module_outside_the_map(tmp_path):
-    tree = _fake_tree(tmp_path, {**_CLEAN, "core/attic/_old.py": "from ..base import _errors\n"})
+    tree = _fake_tree(tmp_path, {**_CLEAN, "core/opdispatch/attic/_old.py": "from ..base import _errors\n"})
     (problem,) = check(tree)
     assert "opdispatch.attic._old -> opdispatch.base._errors: a module outside the layer map" in problem
+
+
+def test_the_checker_catches_a_relative_import_across_top_level_folders(tmp_path):
+    tree = _fake_tree(tmp_path, {**_CLEAN, "core/opdispatch/engine/_manager.py": "from ..policies._plan import plan\n"})
+    assert relative_imports_across_folders(tree) == [
+        "core/opdispatch/engine/_manager.py:1: `from ..policies._plan import plan` reaches opdispatch.policies._plan in "
+        "policies/; write it `from opdispatch.policies._plan import plan`"]
+    (tmp_path / "clean").mkdir()
+    assert relative_imports_across_folders(_fake_tree(tmp_path / "clean", _CLEAN)) == []

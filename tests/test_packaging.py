@@ -51,8 +51,23 @@ def test_every_subpackage_is_importable_from_its_folder(package):
 
 
 def test_top_level_layout_is_exactly_as_specified():
-    assert PACKAGE_DIR == {"opdispatch": "core", "opdispatch.plugins": "plugins", "opdispatch.policies": "policies",
-                           "opdispatch.vendors": "vendors", "opdispatch.configs": "configs"}
+    assert PACKAGE_DIR == {"opdispatch": "core/opdispatch", "opdispatch.plugins": "plugins/opdispatch/plugins",
+                           "opdispatch.policies": "policies/opdispatch/policies",
+                           "opdispatch.vendors": "vendors/opdispatch/vendors", "opdispatch.configs": "configs"}
+
+
+@pytest.mark.parametrize("package", [p for p in PACKAGES if not p.startswith("opdispatch.configs")])
+def test_every_code_folder_path_is_its_import_path(package):
+    """Each top-level folder holds its part of the package under its import name, so a tool that reads paths
+    resolves `opdispatch.plugins.toolkit` to plugins/opdispatch/plugins/toolkit.py (configs/ is YAML data)."""
+    top = _folder_of(package).relative_to(REPO).parts[0]
+    assert _folder_of(package) == REPO / top / Path(*package.split("."))
+
+
+@pytest.mark.parametrize("folder", ["plugins", "policies", "vendors"])
+def test_the_name_folders_above_a_part_are_not_packages(folder):
+    """plugins/opdispatch/ is only a name on the path: an __init__.py there would be a second `opdispatch`."""
+    assert not (REPO / folder / "opdispatch" / "__init__.py").exists()
 
 
 @pytest.mark.slow
@@ -64,8 +79,9 @@ def test_a_real_wheel_ships_everything(tmp_path):
     for package in PACKAGES:
         assert "/".join(package.split(".")) + "/__init__.py" in names, package
     assert "opdispatch/py.typed" in names and "opdispatch/base/_native.cpp" in names  # opdispatch build compiles it
-    for source in (REPO / "core").rglob("*.py"):  # every module of every layer, moved ones included
-        assert "opdispatch/" + source.relative_to(REPO / "core").as_posix() in names, source
+    for folder in ("core", "plugins", "policies", "vendors"):  # every module of every layer, at its folder path
+        for source in (REPO / folder).rglob("*.py"):
+            assert source.relative_to(REPO / folder).as_posix() in names, source
     assert "opdispatch/configs/default.yaml" in names
     assert {f"opdispatch/configs/devices/{d}.yaml" for d in ("h100", "mi300x", "bi-v150", "p800", "cpu")} <= names
     assert "opdispatch/plugins/hookspec.py" in names

@@ -1,4 +1,4 @@
-"""The typing stub of ``import opdispatch`` (core/__init__.pyi) is generated from the ops' argument definitions, and a
+"""The typing stub of ``import opdispatch`` (core/opdispatch/__init__.pyi) is generated from the ops' argument definitions, and a
 user's mypy reads it: a wrong argument name or type fails, correct calls type their returns."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO
 
-STUB = REPO / "core" / "__init__.pyi"
+STUB = REPO / "core" / "opdispatch" / "__init__.pyi"
 
 GOOD = """\
 import torch
@@ -48,7 +48,7 @@ def test_the_checked_in_stub_is_generated_from_the_definitions():
     from opdispatch.tools._stubs import init_stub
 
     assert STUB.read_text() == init_stub(), \
-        "core/__init__.pyi is stale: regenerate it with `opdispatch stubs > core/__init__.pyi`"
+        "core/opdispatch/__init__.pyi is stale: regenerate it with `opdispatch stubs > core/opdispatch/__init__.pyi`"
 
 
 def test_every_door_made_from_an_op_definition_is_typed_in_the_stub():
@@ -62,13 +62,15 @@ def test_every_door_made_from_an_op_definition_is_typed_in_the_stub():
 
 
 def _link_tree(root: Path) -> Path:
-    """The package as it imports (core/ is `opdispatch`, plugins/ `opdispatch.plugins`…), as .ci/typecheck builds it."""
+    """The package as it imports (core/opdispatch/ is `opdispatch`, plugins/opdispatch/plugins/ `opdispatch.plugins`…),
+    as .ci/typecheck builds it."""
     package = root / "opdispatch"
     package.mkdir(parents=True)
-    for f in (REPO / "core").iterdir():
+    for f in (REPO / "core" / "opdispatch").iterdir():
         (package / f.name).symlink_to(f)
-    for d in ("plugins", "policies", "vendors", "configs"):
-        (package / d).symlink_to(REPO / d)
+    for d in ("plugins", "policies", "vendors"):
+        (package / d).symlink_to(REPO / d / "opdispatch" / d)
+    (package / "configs").symlink_to(REPO / "configs")
     return root
 
 

@@ -1,4 +1,4 @@
-"""`retainable` (vendors/torch_flex/_attention.py), the wrapper that lets torch.flex's compiled graph be
+"""`retainable` (vendors/opdispatch/vendors/torch_flex/_attention.py), the wrapper that lets torch.flex's compiled graph be
 backpropagated with ``retain_graph=True`` (issue 27), checked on the CPU with an ordinary ``torch.compile``d
 attention (flex itself has no CPU backward; tests/gpu/test_flex_retain_graph_gpu.py runs the real kernel).
 

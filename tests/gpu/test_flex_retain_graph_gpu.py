@@ -5,7 +5,7 @@ Root cause (torch 2.13, torch/_functorch/_aot_autograd: graph_compile.py collect
 ``torch._functorch.config.donated_buffer`` is on at compile time; runtime_wrappers.py `_backward_impl` refuses a
 ``retain_graph=True`` backward when the global flag is on at backward time and ``bw_donated_idxs != []``, which
 also holds for a graph compiled without donation, whose idxs are None). The fix, `retainable` in
-vendors/torch_flex/_attention.py: the compiled flex runs inside an autograd.Function that compiles and
+vendors/opdispatch/vendors/torch_flex/_attention.py: the compiled flex runs inside an autograd.Function that compiles and
 backpropagates it with donated buffers off and forwards the outer ``retain_graph``; the mechanism is checked on
 the CPU in tests/test_vendor_torch_flex_retain.py. The ``attn_bias`` row gives the bias a gradient too
 (``bias_grad``): `retainable` passes it as a leaf of its own. Its gradient is accumulated with atomic adds, so it

@@ -157,7 +157,7 @@ def test_a_long_bound_decode_loop_wraps_the_report_ring_and_a_bad_step_writes_no
 @pytest.mark.parametrize("layout", ["dense", "spare_rows", "batch_idx", "paged"])
 @pytest.mark.parametrize("new", [1, 3])
 def test_the_fused_triton_append_matches_the_torch_op_check_bit_for_bit(manager, monkeypatch, layout, new, kernels):
-    """The check and append as Triton kernels (the GPU default, core/compat/_kv_append.py: one kernel, or two
+    """The check and append as Triton kernels (the GPU default, core/opdispatch/compat/_kv_append.py: one kernel, or two
     for a large block table — forced here) against the same check written with torch ops
     (OPDISPATCH_KV_APPEND=torch): a decode loop of valid steps, then one step with a bad index each kind of layout
     can have — caches and outputs equal bit for bit, the bad step NaN, nothing written, the same error raised."""

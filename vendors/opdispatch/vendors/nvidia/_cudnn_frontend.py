@@ -1,0 +1,689 @@
+"""`nvidia.cudnn_frontend`: cuDNN's SDPA through NVIDIA's cuDNN frontend Python graph API (package `cudnn`, pip
+distribution `nvidia-cudnn-frontend`, the opdispatch extra `[cudnn]`), bf16/fp16 and FP8 forward, and FP8 forward
+and backward for bf16/fp16 calls cast to FP8 inside (option `fp8_dpa`, TransformerEngine's fp8_dpa).
+
+Read from NVIDIA/cudnn-frontend at commit 3929da2ef4c1dba1bb8acb68727b9134f26f40c0 (python/pygraph/sdpa.cpp, the
+bindings; test/python/sdpa/fp16.py, fp8.py, fp16_ref.py, the samples and their reference):
+
+    graph = cudnn.pygraph(io_data_type=, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=)
+    t = graph.tensor(uid=, dim=(b, h, s, d), stride=..., data_type=)   # any strides: bshd memory is
+                                                                        # stride (s*h*d, d, h*d, 1)
+    o, stats = graph.sdpa(q, k, v, generate_stats=, attn_scale=, diagonal_alignment=,
+                          diagonal_band_left_bound=, diagonal_band_right_bound=, ...)
+    o, stats, amax_s, amax_o = graph.sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s,
+                                              scale_o, generate_stats=, attn_scale=, diagonal_alignment=,
+                                              left_bound=, right_bound=, ...)
+    o.set_uid(..).set_output(True).set_dim(..).set_stride(..).set_data_type(..)
+    graph.validate(); graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support(); graph.build_plans()                    # cuDNN's first plan that builds
+    graph.execute({uid: tensor}, workspace (uint8, graph.get_workspace_size()), handle=)
+    # autotuning (python/pygraph/pygraph.cpp, python/cudnn/__init__.py; samples/cpp/misc/autotuning.cpp):
+    graph.build_plans(cudnn.build_plan_policy.ALL)                # every plan; one that fails is skipped
+    graph.get_execution_plan_count(); graph.get_workspace_size_plan_at_index(i)
+    graph.execute_plan_at_index({uid: tensor}, workspace, i, handle=)  # RuntimeError for a plan not built
+    # FP8 backward (test/python/sdpa/fp8.py's generate_graph_bwd; stats from a forward with generate_stats=True):
+    dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dp = graph.sdpa_fp8_backward(
+        q, k, v, o, dO, stats, descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP,
+        scale_s, scale_dQ, scale_dK, scale_dV, scale_dP, attn_scale=, diagonal_alignment=, left_bound=,
+        right_bound=, use_deterministic_algorithm=, ...)
+
+Conventions (fp16_ref.py): the band keeps key j of query i when i + o - left_bound < j <= i + o + right_bound,
+o = s_kv - s_q for DiagonalAlignment BOTTOM_RIGHT and 0 for TOP_LEFT — so opdispatch's window (left, right)
+is left_bound = left + 1 (as TransformerEngine passes it) and right_bound = right, causal is right_bound 0. The
+descales of `sdpa_fp8` are one float32 per tensor, dims (1, 1, 1, 1). On Hopper cuDNN refuses FP8 SDPA with a
+bf16/fp16 output ("only supported on Blackwell with cuDNN >= 9.13"): the graph's output is FP8 of the inputs'
+kind with `scale_o` = fp8_max / max|v| (the output is a convex mix of v's rows, so it never exceeds max|v|), and
+this adapter divides it back to `call.out_dtype`. The probabilities are FP8 with scale_s 256 (they lie in [0, 1]).
+
+An FP8 output (`out_dtype` the inputs' FP8 kind, with the caller's `out_scale`, TransformerEngine's fp8_mha) is the
+graph's own output with scale_o = out_scale: no v amax, no dequantization, no Triton launch; `out_amax` (any FP8
+call) is bound as the graph's Amax_O, max|O| in real units.
+
+Per FP8 call with a bf16/fp16 output, around the graph, three Triton launches
+(vendors/opdispatch/vendors/nvidia/_cudnn_fp8_triton.py), no host read: max|v| as FP8 magnitude bits (one read of v in
+memory order, one atomic max per program), scale_o from them and v_descale (one program), and the dequantization
+o8 / scale_o -> out_dtype in one pass (read 1 byte, write 2 per element;
+`(o.float() / s).to(dt)` took three passes and a float32 temporary: 19 bytes per element, most of the FP8 call's
+time below 16k keys on an H100, benchmarks/results/fp8_attention-h100.log). The constant scalars (scale_s,
+descale_s) are made once per device; the amax outputs cuDNN writes (read by nobody), the max|v| accumulator, scale_o
+and the graph's workspace once per (device, stream): cuDNN runs on the current stream, so a buffer it writes is
+never shared by two streams, and one lock per device makes each call's set_stream .. dequantize sequence atomic
+among host threads. Inside CUDA-graph capture nothing new is cached (a buffer filled during capture holds its value
+only once the graph is replayed): missing buffers are allocated for that call, as the capture's own memory.
+
+Plans (option `autotune`, on by default): cuDNN's heuristics order its plans, and `build_plans()` keeps the first
+that builds; with `autotune` a signature's first call builds them all, runs each on the call's own tensors (one
+warm-up, then the mean of 3 runs timed by CUDA events on the current stream) and keeps the fastest, run by index at
+every later call. The cost, once per signature: the other plans' builds (each about one graph build) and 4 runs of
+each plan; a plan that did not build refuses execution and is skipped. The first call is never inside CUDA-graph
+capture (a new signature there is refused), so the timing's host synchronization never meets a capture.
+
+FP8 backward (option `fp8_dpa`, off by default): bf16/fp16 q/k/v are cast to e4m3 with current per-tensor
+scaling inside the op (as TransformerEngine's fp8_dpa casts inside its module), the forward graph also writes the
+softmax stats, and for inputs that require grad an autograd function keeps the FP8 q/k/v, the FP8 output with its
+descale (1 / scale_o) and the stats; its backward casts dO to e4m3 (current scaling) and runs `sdpa_fp8_backward`.
+On Hopper dQ/dK/dV come out FP8, and their scales (and dP's, an FP8 intermediate) must be set before the graph
+runs: each signature keeps the last call's (delayed scaling, starting at 1), and after the graph the amaxes cuDNN
+reports (real units) are compared on the device with them — one host read per backward: a gradient that would
+clip, or that uses under 1/16 of FP8's range, reruns the graph with scale = fp8_max / (2 amax) (at most 3 runs,
+else an error): never a clipped gradient returned. The gradients are dequantized to the inputs' dtype. That host
+read keeps the backward out of CUDA-graph capture (refused with the reason). A gradient for FP8 *inputs* is never
+offered: autograd casts a leaf's gradient to the leaf's dtype (FP8, unscaled), so the op refuses requires_grad on
+FP8 q/k/v; bf16/fp16 backward is not built (a bf16/fp16 call with grad goes elsewhere unless `fp8_dpa`).
+
+What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): paged K/V
+(`paged_attention_k_table`), ragged thd offsets (`set_ragged_offset`), ALiBi, bias, dropout, the LSE as an output
+(`stats`: only kept for the FP8 backward), the bf16/fp16 backward. Graphs are built once per signature (shapes,
+strides, dtypes, options, device) and never during CUDA-graph capture (building synchronizes): a first call inside
+capture raises with the fix (warm up).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from opdispatch import AttentionCall, AttentionCaps, AttentionImpl, DeviceInfo, Requirement
+from opdispatch.plugins.toolkit import FP8_DTYPES, FP8_OUT_DTYPES
+
+CUDNN_FRONTEND = Requirement(module="cudnn", distribution="nvidia-cudnn-frontend", key="cudnn_frontend",
+                             verify_distribution=True,
+                             install_hint="pip install 'opdispatch[cudnn]' (the nvidia-cudnn-frontend wheel)")
+
+_SCALE_S = 256.0  # the FP8 probabilities' scale: P in [0, 1] maps into e4m3's and e5m2's range exactly
+_AUTOTUNE_REPS = 3  # timed runs per plan after its warm-up run
+_FP8_HEAD_DIMS = frozenset({64, 128})  # FP8 SDPA's head dims claimed (cuDNN's check_support is the last word)
+_UID = {"q": 1, "k": 2, "v": 3, "o": 4, "descale_q": 5, "descale_k": 6, "descale_v": 7, "descale_s": 8,
+        "scale_s": 9, "scale_o": 10, "amax_s": 11, "amax_o": 12, "stats": 13}
+_BWD_UID = {name: uid for uid, name in enumerate((
+    "q", "k", "v", "o", "dO", "stats", "descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s",
+    "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP", "dQ", "dK", "dV", "amax_dQ", "amax_dK",
+    "amax_dV", "amax_dP"), start=1)}
+_DPA_KIND = torch.float8_e4m3fn  # fp8_dpa: q/k/v and dO cast to e4m3 (TransformerEngine's HYBRID keeps e5m2 for
+# gradients; cuDNN's FP8 backward takes one kind for its inputs)
+# The FP8 gradients' scales (dQ, dK, dV and the intermediate dP) must be chosen before the backward runs: each
+# signature keeps the last call's (delayed scaling); after the graph, the amaxes cuDNN reports are checked on the
+# device against them (one host read): a gradient that would clip, or use less than 2**-_GRAD_RANGE_BITS of FP8's
+# range, reruns the graph with scale = fp8_max / (2 amax) — at most _GRAD_ATTEMPTS runs, else an error.
+_GRAD_RANGE_BITS, _GRAD_ATTEMPTS = 4, 3
+
+
+def _cudnn_type(cudnn: Any, dtype: torch.dtype) -> Any:
+    names = {torch.float16: "HALF", torch.bfloat16: "BFLOAT16", torch.float32: "FLOAT"}
+    names.update({d: ("FP8_E4M3" if "e4m3" in str(d) else "FP8_E5M2") for d in FP8_DTYPES})
+    return getattr(cudnn.data_type, names[dtype])
+
+
+def _bounds(call: AttentionCall) -> tuple[int | None, int | None]:
+    """opdispatch's causal/window as cuDNN's (left_bound, right_bound), None unbounded."""
+    left, right = call.window if call.window is not None else (-1, -1)
+    if call.causal:
+        right = 0
+    return (None if left < 0 else left + 1), (None if right < 0 else right)
+
+
+@functools.cache
+def _triton_kernels() -> Any:
+    """The Triton kernels beside this module, _cudnn_fp8_triton (imported at first use: Triton is optional), or None
+    without Triton."""
+    try:
+        from . import _cudnn_fp8_triton as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+_FP8_FORMAT = {  # kind: (largest finite magnitude's bits, mantissa bits, exponent bias)
+    "e4m3": (0x7E, 3, 7), "e5m2": (0x7B, 2, 15)}
+_DEQUANT_BLOCK = 4096
+# v_amax_bits: an 8 KB tile per loop step (32 bytes a thread at 8 warps: 16-byte loads along d), about 4 programs
+# per SM, each folding up to 8 tiles in registers with one atomic at the end (v of 8x8x4096x128 e4m3: 512 programs
+# of 8 tiles, where a program per 64 rows made 4096 programs and 4096 atomics on one word).
+_AMAX_TILE, _AMAX_PROGRAMS_PER_SM, _AMAX_MAX_STEPS = 8192, 4, 8
+
+
+class _Plan:
+    """A built graph and how to run it: `index` the plan autotuning chose (run with `execute_plan_at_index`), or
+    None for cuDNN's own candidate (`execute`); `workspace_size` that plan's."""
+
+    __slots__ = ("graph", "index", "workspace_size")
+
+    def __init__(self, graph: Any, index: int | None, workspace_size: int) -> None:
+        self.graph, self.index, self.workspace_size = graph, index, workspace_size
+
+    def execute(self, pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: Any) -> None:
+        if self.index is None:
+            self.graph.execute(pack, workspace, handle=handle)
+        else:
+            self.graph.execute_plan_at_index(pack, workspace, self.index, handle=handle)
+
+
+def _time_plan(launch: Any, device: torch.device) -> float:
+    """Mean milliseconds of `launch()` over _AUTOTUNE_REPS runs on the current stream (CUDA events; the caller
+    made the warm-up run)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(_AUTOTUNE_REPS):
+        launch()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / _AUTOTUNE_REPS
+
+
+def _fastest_plan(cudnn: Any, graph: Any, pack: dict[int, torch.Tensor], handle: Any, device: torch.device,
+                  signature: str) -> _Plan:
+    """Run every plan `build_plans(ALL)` built on the call's tensors and keep the fastest (a plan that did not
+    build refuses execution: skipped). Leaves `pack`'s outputs written by the last plan run; the caller runs the
+    chosen plan after."""
+    times: dict[int, float] = {}
+    refused: list[str] = []
+    for index in range(graph.get_execution_plan_count()):
+        workspace = torch.empty(graph.get_workspace_size_plan_at_index(index), dtype=torch.uint8, device=device)
+
+        def launch(index: int = index, workspace: torch.Tensor = workspace) -> None:
+            graph.execute_plan_at_index(pack, workspace, index, handle=handle)
+
+        try:
+            launch()  # warm-up; raises for a plan that did not build ("Plan index i did not build.")
+        except (RuntimeError, cudnn.cudnnGraphNotSupportedError) as error:
+            refused.append(f"plan {index}: {error}")
+            continue
+        times[index] = _time_plan(launch, device)
+    if not times:
+        raise RuntimeError(f"nvidia.cudnn_frontend: no built cuDNN plan ran for {signature}: {'; '.join(refused)}. "
+                           "Turn autotuning off (ops.attention.options.'nvidia.cudnn_frontend': {autotune: false}) "
+                           "to run cuDNN's first plan")
+    best = min(times, key=lambda i: (times[i], i))
+    return _Plan(graph, best, graph.get_workspace_size_plan_at_index(best))
+
+
+class _Scratch:
+    """The FP8 call's buffers on one (device, stream): what cuDNN and the Triton kernels write, reused call after
+    call in stream order; `workspaces` by graph signature."""
+
+    __slots__ = ("amax_s", "amax_o", "v_bits", "scale_o", "workspaces")
+
+    def __init__(self, device: torch.device) -> None:
+        scalar: dict[str, Any] = dict(dtype=torch.float32, device=device)
+        self.amax_s = torch.empty((1, 1, 1, 1), **scalar)
+        self.amax_o = torch.empty((1, 1, 1, 1), **scalar)
+        self.scale_o = torch.empty((1, 1, 1, 1), **scalar)
+        self.v_bits = torch.zeros(1, dtype=torch.int32, device=device)  # zeroed again by each `output_scale`
+        self.workspaces: dict[Any, torch.Tensor] = {}
+
+
+class _Graphs:
+    """Built graphs by signature, one cuDNN handle and lock per device, the constant scalars per device and the
+    scratch buffers per (device, stream); thread-safe, bounded."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.lock = threading.Lock()
+        self.graphs: dict[Any, _Plan] = {}
+        self.handles: dict[int, tuple[Any, threading.Lock]] = {}
+        self.constants: dict[int, dict[str, torch.Tensor]] = {}
+        self.scratch: dict[tuple[int, int], _Scratch] = {}
+        self.grad_scales: dict[Any, torch.Tensor] = {}  # FP8 backward: the last scales of dQ, dK, dV, dP
+        self.limit = limit
+
+    def handle(self, cudnn: Any, device: torch.device) -> tuple[Any, threading.Lock]:
+        index = device.index if device.index is not None else 0
+        with self.lock:
+            if index not in self.handles:
+                self.handles[index] = (cudnn.create_handle(), threading.Lock())
+            return self.handles[index]
+
+    def fp8_buffers(self, device: torch.device, stream: int, capturing: bool
+                    ) -> tuple[dict[str, torch.Tensor], _Scratch]:
+        """(scale_s and descale_s, the scratch of `stream`); fresh and uncached during CUDA-graph capture when
+        not made before it."""
+        index = device.index if device.index is not None else 0
+        with self.lock:
+            constants, scratch = self.constants.get(index), self.scratch.get((index, stream))
+        if constants is None:
+            scalar: dict[str, Any] = dict(dtype=torch.float32, device=device)
+            constants = {"scale_s": torch.full((1, 1, 1, 1), _SCALE_S, **scalar),
+                         "descale_s": torch.full((1, 1, 1, 1), 1.0 / _SCALE_S, **scalar)}
+            if not capturing:
+                with self.lock:
+                    constants = self.constants.setdefault(index, constants)
+        if scratch is None:
+            scratch = _Scratch(device)
+            if not capturing:
+                with self.lock:
+                    if len(self.scratch) >= self.limit:  # streams come and go: bounded like the graphs
+                        self.scratch.pop(next(iter(self.scratch)))
+                    scratch = self.scratch.setdefault((index, stream), scratch)
+        return constants, scratch
+
+
+class CudnnFrontendOptions(BaseModel):
+    """Policy knobs of `nvidia.cudnn_frontend` (`ops.attention.options."nvidia.cudnn_frontend"` in the policy)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    half: bool = Field(
+        default=False,
+        description="take bf16/fp16 calls too (FP8 calls always). Off by default: cuDNN builds a graph per new "
+                    "shape — 0.07-1.0 s each on an H100 (benchmarks/results/policy-proof-window-h100/"
+                    "policy_proof.json, first_call_s) — which a workload of changing lengths pays at every new "
+                    "length; at repeated shapes it is the fastest windowed forward there (14-61% over torch's FA2, "
+                    "same file). Turn on for fixed-shape inference")
+    fp8_dpa: bool = Field(
+        default=False,
+        description="compute bf16/fp16 calls in FP8, as TransformerEngine's fp8_dpa does: q/k/v cast to e4m3 with "
+                    "current per-tensor scaling inside the op, the output in the call's dtype, and for inputs that "
+                    "require grad an FP8 backward (sdpa_fp8_backward) returning dq/dk/dv in the inputs' dtype. "
+                    "FP8's error (a few % of the output's max) replaces bf16's: opt in per workload")
+    autotune: bool = Field(
+        default=True,
+        description="at a signature's first call (never inside CUDA-graph capture: a new signature there is "
+                    "refused anyway) build every plan cuDNN's heuristics list (build_plan_policy.ALL) instead of "
+                    "the first, time each on the call's own tensors with CUDA events (1 warm-up and "
+                    f"{_AUTOTUNE_REPS} timed runs) and run the fastest at every later call of the signature. "
+                    "Costs the other plans' builds and a few runs of each once per signature; off: cuDNN's first "
+                    "plan")
+
+
+class CudnnFrontendAttention(AttentionImpl):
+    vendor: ClassVar[str] = "nvidia"
+    name: ClassVar[str] = "cudnn_frontend"
+    priority: ClassVar[int] = 38  # below nvidia.cudnn (torch's binding of the same kernels, no Python per call)
+    description: ClassVar[str] = ("cuDNN SDPA through the cuDNN frontend's Python graph API (nvidia-cudnn-frontend):"
+                                  " bf16/fp16 and FP8 forward")
+    device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
+    min_capability: ClassVar[tuple[int, int] | None] = (8, 0)
+    requires = (CUDNN_FRONTEND,)
+    caps: ClassVar[AttentionCaps] = AttentionCaps(
+        dtypes=frozenset({torch.float16, torch.bfloat16}) | FP8_DTYPES, head_dim_min=8, head_dim_max=256,
+        head_dim_multiple=8, head_dim_v_differs=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True,
+        backward=True,  # FP8's, for fp8_dpa calls (extra_reasons refuses a bf16/fp16 call with grad otherwise)
+        causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True,
+        fp8_out_dtypes=frozenset(FP8_OUT_DTYPES) | FP8_DTYPES, fp8_descale_per_head=False, fp8_out_amax=True,
+        # Not measured: cuDNN picks plans per shape; neither determinism is claimed.
+        deterministic_forward=False,
+    )
+
+    options_model: ClassVar[type[BaseModel]] = CudnnFrontendOptions
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._graphs = _Graphs()
+
+    # selection_key reads no size (opdispatch.engine._classes).
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
+
+    def selection_key(self, call: AttentionCall) -> Any:
+        return ()  # extra_reasons reads the dtype, head dims, the options and the device: no sizes
+
+    def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        if not call.fp8 and not self.options.fp8_dpa:
+            if not self.options.half:
+                return ["bf16/fp16 calls are off by default: cuDNN builds a graph per new shape (0.07-1.0 s on an "
+                        "H100), paid at every new length; enable with ops.attention.options."
+                        "'nvidia.cudnn_frontend': {half: true} for fixed-shape inference"]
+            if call.requires_grad:
+                return ["bf16/fp16 backward is not built here (only FP8's, through the fp8_dpa option: "
+                        "ops.attention.options.'nvidia.cudnn_frontend': {fp8_dpa: true})"]
+            return []
+        reasons = []
+        if call.fp8_out and call.out_dtype != call.dtype:
+            reasons.append(f"cuDNN's FP8 SDPA writes its FP8 output in the inputs' kind ({call.dtype}), not "
+                           f"{call.out_dtype}: pass out_dtype={call.dtype}")
+        if _triton_kernels() is None and not call.fp8_out:
+            reasons.append("FP8 calls need Triton (the output's scale and dequantization kernels around the cuDNN "
+                           "graph): pip install triton (torch's CUDA wheels bring it)")
+        if device.capability is not None and device.capability < (9, 0):
+            reasons.append(f"cuDNN FP8 SDPA needs Hopper or newer (sm90+), device is sm{device.capability[0]}"
+                           f"{device.capability[1]}")
+        if call.head_dim not in _FP8_HEAD_DIMS or call.head_dim_v != call.head_dim:
+            reasons.append(f"cuDNN FP8 SDPA is claimed for head_dim = head_dim_v in {sorted(_FP8_HEAD_DIMS)}, "
+                           f"not {call.head_dim}/{call.head_dim_v}")
+        return reasons
+
+    def run(self, call: AttentionCall) -> torch.Tensor:
+        import cudnn  # type: ignore[import-not-found]  # the optional nvidia-cudnn-frontend wheel
+
+        if call.fp8:
+            assert call.q_descale is not None and call.k_descale is not None and call.v_descale is not None
+            return self._forward(cudnn, call, call.q, call.k, call.v, (call.q_descale, call.k_descale,
+                                 call.v_descale), call.out_dtype, with_stats=False, out_scale=call.out_scale,
+                                 out_amax=call.out_amax)[0]
+        if not self.options.fp8_dpa:
+            return self._forward(cudnn, call, call.q, call.k, call.v, None, call.out_dtype, with_stats=False)[0]
+        if call.requires_grad:
+            result: torch.Tensor = _Fp8DotProductAttention.apply(call.q, call.k, call.v, self, call)
+            return result
+        (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, _DPA_KIND) for t in (call.q, call.k, call.v))
+        return self._forward(cudnn, call, q8, k8, v8, (qd, kd, vd), call.dtype, with_stats=False)[0]
+
+    def _forward(self, cudnn: Any, call: AttentionCall, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
+                 descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype,
+                 with_stats: bool, out_scale: torch.Tensor | None = None, out_amax: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Attention of q/k/v in the call's layout (FP8 with `descales`, or bf16/fp16): (the output in
+        `out_dtype`, the graph's own output — FP8 for FP8 —, its descale for FP8, the softmax stats (b, h, s_q, 1)
+        float32 when `with_stats`). FP8 only: `out_scale` (the caller's, for an FP8 `out_dtype`) is the graph's
+        scale_o — no v amax, no dequantization: the graph's output is the result —, and `out_amax` receives
+        cuDNN's Amax_O (max|output| in real units)."""
+        q, k, v = call.bhsd(q_in), call.bhsd(k_in), call.bhsd(v_in)
+        fp8 = descales is not None
+        out = torch.empty((*q_in.shape[:-1], call.head_dim_v), dtype=q.dtype if fp8 else out_dtype,
+                          device=q.device)
+        o = call.bhsd(out)
+        stats = torch.empty((*q.shape[:3], 1), dtype=torch.float32, device=q.device) if with_stats else None
+        key = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), o.stride(),
+               q.dtype, call.scale, call.causal, call.causal_alignment, call.window, q.device, with_stats)
+        handle, device_lock = self._graphs.handle(cudnn, q.device)
+        cuda = q.device.type == "cuda"  # (the contract tests run this adapter on CPU behind a fake `cudnn`)
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        stream = torch.cuda.current_stream(q.device).cuda_stream if cuda else 0
+        plan = self._graphs.graphs.get(key)
+        graph: Any = None
+        if plan is None:
+            if capturing:
+                raise RuntimeError("nvidia.cudnn_frontend: a call of a new signature inside CUDA-graph capture "
+                                   f"({call.describe()}); building its cuDNN graph synchronizes. Run one call of "
+                                   "this signature before capturing (warm-up)")
+            graph = self._build(cudnn, call, q, k, v, o, stats, handle)
+            if not self.options.autotune:
+                plan = self._remember(key, _Plan(graph, None, graph.get_workspace_size()))
+        pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: o}
+        if stats is not None:
+            pack[_UID["stats"]] = stats
+        scratch = None
+        if descales is not None:
+            constants, scratch = self._graphs.fp8_buffers(q.device, stream, capturing)
+            pack.update({
+                _UID["descale_q"]: descales[0].reshape(1, 1, 1, 1),
+                _UID["descale_k"]: descales[1].reshape(1, 1, 1, 1),
+                _UID["descale_v"]: descales[2].reshape(1, 1, 1, 1),
+                _UID["scale_s"]: constants["scale_s"], _UID["descale_s"]: constants["descale_s"],
+                _UID["scale_o"]: scratch.scale_o if out_scale is None else out_scale.reshape(1, 1, 1, 1),
+                _UID["amax_s"]: scratch.amax_s,
+                _UID["amax_o"]: scratch.amax_o if out_amax is None else out_amax.view(1, 1, 1, 1)})
+        with device_lock:  # one handle per device: its stream, and the scratch's use, belong to one call at a time
+            cudnn.set_stream(handle=handle, stream=stream)
+            if scratch is not None and out_scale is None:
+                assert descales is not None
+                _output_scale(v, descales[2], scratch)
+            if plan is None:  # the signature's first call, autotuning: after the scale, on the real tensors
+                plan = self._remember(key, _fastest_plan(cudnn, graph, pack, handle, q.device, call.describe()))
+            workspace = scratch.workspaces.get(key) if scratch is not None else None
+            if workspace is None:
+                workspace = torch.empty(plan.workspace_size, dtype=torch.uint8, device=q.device)
+                if scratch is not None and not capturing:
+                    scratch.workspaces[key] = workspace
+            plan.execute(pack, workspace, handle)
+            if scratch is None or out_scale is not None:  # bf16/fp16, or the caller's FP8 output
+                return out, out, None, stats
+            result = torch.empty(out.shape, dtype=out_dtype, device=out.device)
+            _dequantize(out, scratch.scale_o, result)
+            # (scale_o is the stream's scratch, rewritten by the next call: the backward keeps its own descale)
+            descale_o = 1.0 / scratch.scale_o if with_stats else None
+        return result, out, descale_o, stats
+
+    def _backward(self, cudnn: Any, call: AttentionCall, saved: _Saved, grad_out: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dq, dk, dv in the inputs' dtype from the FP8 forward's `saved` and the output's gradient (cast to FP8
+        with current scaling), through cuDNN's FP8 backward graph; the gradients' scales as `_GRAD_RANGE_BITS`
+        says."""
+        kind = saved.q8.dtype
+        fp8_max = float(torch.finfo(kind).max)
+        d_o8, d_o_descale = _quantize(grad_out, kind)
+        q, k, v, o, d_o = (call.bhsd(t) for t in (saved.q8, saved.k8, saved.v8, saved.o8, d_o8))
+        grads8 = [torch.empty(t.shape, dtype=kind, device=t.device) for t in (saved.q8, saved.k8, saved.v8)]
+        dq, dk, dv = (call.bhsd(t) for t in grads8)
+        key = ("backward", tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), o.stride(),
+               d_o.stride(), dq.stride(), dk.stride(), dv.stride(), kind, call.scale, call.causal,
+               call.causal_alignment, call.window, q.device)
+        cuda = q.device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("nvidia.cudnn_frontend: the FP8 backward checks its gradients' scales on the host "
+                               f"(one read per call) and cannot run inside CUDA-graph capture ({saved.describe}); "
+                               "capture the forward only, or compute this call in bf16")
+        handle, device_lock = self._graphs.handle(cudnn, q.device)
+        stream = torch.cuda.current_stream(q.device).cuda_stream if cuda else 0
+        constants, _ = self._graphs.fp8_buffers(q.device, stream, capturing=False)
+        plan = self._graphs.graphs.get(key)
+        graph: Any = None
+        if plan is None:
+            graph = self._build_backward(cudnn, call, q, k, v, o, d_o, saved.stats, dq, dk, dv, handle)
+            if not self.options.autotune:
+                plan = self._remember(key, _Plan(graph, None, graph.get_workspace_size()))
+        with self._graphs.lock:
+            last = self._graphs.grad_scales.get(key)
+        scales = last.clone() if last is not None else torch.ones(4, dtype=torch.float32, device=q.device)
+        amax = torch.zeros(4, dtype=torch.float32, device=q.device)  # dQ, dK, dV, dP in real units
+        descales = saved.descales
+        for _attempt in range(_GRAD_ATTEMPTS):
+            pack = {_BWD_UID["q"]: q, _BWD_UID["k"]: k, _BWD_UID["v"]: v, _BWD_UID["o"]: o, _BWD_UID["dO"]: d_o,
+                    _BWD_UID["stats"]: saved.stats, _BWD_UID["dQ"]: dq, _BWD_UID["dK"]: dk, _BWD_UID["dV"]: dv,
+                    _BWD_UID["descale_q"]: descales[0].reshape(1, 1, 1, 1),
+                    _BWD_UID["descale_k"]: descales[1].reshape(1, 1, 1, 1),
+                    _BWD_UID["descale_v"]: descales[2].reshape(1, 1, 1, 1),
+                    _BWD_UID["descale_o"]: saved.descale_o.reshape(1, 1, 1, 1),
+                    _BWD_UID["descale_dO"]: d_o_descale.reshape(1, 1, 1, 1),
+                    _BWD_UID["scale_s"]: constants["scale_s"], _BWD_UID["descale_s"]: constants["descale_s"],
+                    _BWD_UID["descale_dP"]: (1.0 / scales[3:4]).reshape(1, 1, 1, 1)}
+            for i, name in enumerate(("dQ", "dK", "dV", "dP")):
+                pack[_BWD_UID[f"scale_{name}"]] = scales[i:i + 1].reshape(1, 1, 1, 1)
+                pack[_BWD_UID[f"amax_{name}"]] = amax[i:i + 1].reshape(1, 1, 1, 1)
+            with device_lock:
+                cudnn.set_stream(handle=handle, stream=stream)
+                if plan is None:
+                    plan = self._remember(key, _fastest_plan(cudnn, graph, pack, handle, q.device, saved.describe))
+                workspace = torch.empty(plan.workspace_size, dtype=torch.uint8, device=q.device)
+                plan.execute(pack, workspace, handle)
+            used = amax * scales
+            fits = (used <= fp8_max) & ((used >= fp8_max * 2.0 ** -_GRAD_RANGE_BITS) | (amax == 0))
+            if bool(fits.all()):  # the one host read of the backward
+                break
+            scales = torch.where(amax > 0, fp8_max / (2 * amax), torch.ones_like(amax))
+        else:
+            raise RuntimeError(f"nvidia.cudnn_frontend: the FP8 backward's gradients did not fit FP8's range in "
+                               f"{_GRAD_ATTEMPTS} runs ({saved.describe}; amax of dQ, dK, dV, dP: "
+                               f"{amax.tolist()}, scales {scales.tolist()}); compute this call in bf16 (drop the "
+                               "fp8_dpa option)")
+        with self._graphs.lock:
+            if len(self._graphs.grad_scales) >= self._graphs.limit and key not in self._graphs.grad_scales:
+                self._graphs.grad_scales.pop(next(iter(self._graphs.grad_scales)))
+            self._graphs.grad_scales[key] = scales
+        results = []
+        for i, grad8 in enumerate(grads8):
+            grad = torch.empty(grad8.shape, dtype=saved.dtype, device=grad8.device)
+            _dequantize(grad8, scales[i:i + 1], grad)
+            results.append(grad)
+        return results[0], results[1], results[2]
+
+    def _remember(self, key: Any, plan: _Plan) -> _Plan:
+        with self._graphs.lock:
+            if len(self._graphs.graphs) >= self._graphs.limit:
+                self._graphs.graphs.pop(next(iter(self._graphs.graphs)))
+            self._graphs.graphs[key] = plan
+        return plan
+
+    def _build_plans(self, cudnn: Any, graph: Any) -> Any:
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        if self.options.autotune:
+            graph.build_plans(cudnn.build_plan_policy.ALL)  # every plan: `_fastest_plan` times them
+        else:
+            graph.build_plans()
+        return graph
+
+    def _build(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               o: torch.Tensor, stats: torch.Tensor | None, handle: Any) -> Any:
+        io = _cudnn_type(cudnn, q.dtype)
+        graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                              compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        tq, tk, tv = (graph.tensor(uid=_UID[n], dim=tuple(t.shape), stride=t.stride(), data_type=io)
+                      for n, t in (("q", q), ("k", k), ("v", v)))
+        left, right = _bounds(call)
+        align = (cudnn.diagonal_alignment.BOTTOM_RIGHT if call.causal_alignment == "bottom_right"
+                 else cudnn.diagonal_alignment.TOP_LEFT)
+        if q.dtype in FP8_DTYPES:
+            scalars = {n: _scalar(cudnn, graph, _UID[n])
+                       for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")}
+            to, t_stats, amax_s, amax_o = graph.sdpa_fp8(
+                q=tq, k=tk, v=tv, **scalars, generate_stats=stats is not None, attn_scale=call.scale,
+                diagonal_alignment=align, left_bound=left, right_bound=right)
+            for name, t in (("amax_s", amax_s), ("amax_o", amax_o)):
+                _scalar_output(cudnn, t, _UID[name])
+        else:
+            to, t_stats = graph.sdpa(q=tq, k=tk, v=tv, generate_stats=stats is not None, attn_scale=call.scale,
+                                     diagonal_alignment=align, diagonal_band_left_bound=left,
+                                     diagonal_band_right_bound=right)
+        to.set_uid(_UID["o"]).set_output(True).set_dim(tuple(o.shape)).set_stride(o.stride()).set_data_type(io)
+        if stats is not None:
+            t_stats.set_uid(_UID["stats"]).set_output(True).set_dim(tuple(stats.shape)).set_stride(stats.stride()) \
+                .set_data_type(cudnn.data_type.FLOAT)
+        return self._build_plans(cudnn, graph)
+
+    def _build_backward(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor, dq: torch.Tensor,
+                        dk: torch.Tensor, dv: torch.Tensor, handle: Any) -> Any:
+        """cuDNN's FP8 SDPA backward (test/python/sdpa/fp8.py's graph): every tensor FP8 of one kind but the
+        stats, the scales and the amaxes (float32); dQ/dK/dV FP8 with their scales (Hopper has no bf16 output)."""
+        io = _cudnn_type(cudnn, q.dtype)
+        graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                              compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        inputs = {n: graph.tensor(uid=_BWD_UID[n], dim=tuple(t.shape), stride=t.stride(),
+                                  data_type=cudnn.data_type.FLOAT if n == "stats" else io)
+                  for n, t in (("q", q), ("k", k), ("v", v), ("o", o), ("dO", d_o), ("stats", stats))}
+        scalars = {n: _scalar(cudnn, graph, _BWD_UID[n])
+                   for n in ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s",
+                             "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")}
+        left, right = _bounds(call)
+        align = (cudnn.diagonal_alignment.BOTTOM_RIGHT if call.causal_alignment == "bottom_right"
+                 else cudnn.diagonal_alignment.TOP_LEFT)
+        t_dq, t_dk, t_dv, *amaxes = graph.sdpa_fp8_backward(
+            **inputs, **scalars, attn_scale=call.scale, diagonal_alignment=align, left_bound=left,
+            right_bound=right)
+        for name, t, like in (("dQ", t_dq, dq), ("dK", t_dk, dk), ("dV", t_dv, dv)):
+            t.set_uid(_BWD_UID[name]).set_output(True).set_dim(tuple(like.shape)).set_stride(like.stride()) \
+                .set_data_type(io)
+        for name, t in zip(("amax_dQ", "amax_dK", "amax_dV", "amax_dP"), amaxes, strict=True):
+            _scalar_output(cudnn, t, _BWD_UID[name])
+        return self._build_plans(cudnn, graph)
+
+
+class _Saved:
+    """What the FP8 backward needs from the forward: the FP8 q/k/v and output in the call's layout, their
+    descales, the softmax stats, the inputs' dtype and the call's description (for errors)."""
+
+    __slots__ = ("q8", "k8", "v8", "o8", "descales", "descale_o", "stats", "dtype", "describe")
+
+    def __init__(self, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o8: torch.Tensor,
+                 descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor], descale_o: torch.Tensor,
+                 stats: torch.Tensor, dtype: torch.dtype, describe: str) -> None:
+        self.q8, self.k8, self.v8, self.o8, self.descales = q8, k8, v8, o8, descales
+        self.descale_o, self.stats, self.dtype, self.describe = descale_o, stats, dtype, describe
+
+
+class _Fp8DotProductAttention(torch.autograd.Function):
+    """fp8_dpa with inputs that require grad: bf16/fp16 q/k/v cast to FP8 inside (current scaling), FP8 forward
+    with stats, FP8 backward; the gradients come back in the inputs' dtype. (An FP8 *input* is never given a
+    gradient: autograd casts a leaf's gradient to the leaf's dtype — FP8 with no scale —, so the op refuses
+    requires_grad on FP8 q/k/v.)"""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: CudnnFrontendAttention,
+                call: AttentionCall) -> torch.Tensor:
+        import cudnn
+
+        (q8, qd), (k8, kd), (v8, vd) = (_quantize(t, _DPA_KIND) for t in (q, k, v))
+        out, o8, descale_o, stats = impl._forward(cudnn, call, q8, k8, v8, (qd, kd, vd), q.dtype, with_stats=True)
+        assert descale_o is not None and stats is not None
+        ctx.impl, ctx.call = impl, call.stripped()  # (never the caller's tensors)
+        ctx.saved = _Saved(q8, k8, v8, o8, (qd, kd, vd), descale_o, stats, q.dtype, call.describe())
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        import cudnn
+
+        saved, ctx.saved = ctx.saved, None  # freed once used (a second backward needs retain_graph: refused)
+        if saved is None:
+            raise RuntimeError("nvidia.cudnn_frontend: a second backward through an fp8_dpa attention call; its FP8 "
+                               "tensors are freed after the first (retain_graph is not supported here)")
+        dq, dk, dv = ctx.impl._backward(cudnn, ctx.call, saved, grad_out)
+        return dq, dk, dv, None, None
+
+
+def _scalar(cudnn: Any, graph: Any, uid: int) -> Any:
+    return graph.tensor(uid=uid, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=cudnn.data_type.FLOAT)
+
+
+def _scalar_output(cudnn: Any, t: Any, uid: int) -> None:
+    t.set_uid(uid).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(cudnn.data_type.FLOAT)
+
+
+def _quantize(t: torch.Tensor, kind: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t cast to FP8 `kind` with current per-tensor scaling, its float32 descale): real = fp8 * descale, the
+    largest |t| at FP8's largest finite; an all-zero t gets descale 1."""
+    fp8_max = torch.finfo(kind).max
+    amax = t.detach().abs().amax().float()
+    descale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+    # (clamped: amax / descale may round a hair above fp8_max, which the cast would turn into NaN; contiguous: an
+    # expanded gradient, stride 0, is no tensor a graph can take)
+    return (t.detach().float() / descale).clamp(-fp8_max, fp8_max).to(kind).contiguous(), descale
+
+
+def _output_scale(v: torch.Tensor, v_descale: torch.Tensor, scratch: _Scratch) -> None:
+    """scratch.scale_o = fp8_max / max|v| in real units (the output is a convex mix of v's rows, so it never
+    exceeds max|v|) for FP8 `v` (b, h, s, d), any strides: two Triton launches on the current stream, no host
+    read."""
+    kernels = _triton_kernels()
+    max_finite_bits, mantissa_bits, bias = _FP8_FORMAT["e4m3" if "e4m3" in str(v.dtype) else "e5m2"]
+    # max|v| does not depend on the order of rows: walk the row dims by decreasing stride, so that consecutive rows
+    # are neighbours in memory for every layout (bshd's (b, h, s) is walked as (b, s, h)).
+    order = sorted(range(3), key=lambda i: -v.stride()[i])
+    rows_view = v.permute(*order, 3)
+    n0, n1, n2, d = rows_view.shape
+    rows = n0 * n1 * n2
+    block_d = _next_power_of_2(d)
+    block_r = max(1, _AMAX_TILE // block_d)
+    tiles = _cdiv(rows, block_r)
+    # tiles per program: a power of two up to _AMAX_MAX_STEPS (a constexpr, so at most 4 compiled variants)
+    steps = min(_AMAX_MAX_STEPS, _next_power_of_2(_cdiv(tiles, _AMAX_PROGRAMS_PER_SM * _multiprocessors(v.device))))
+    kernels.v_amax_bits[(max(1, _cdiv(tiles, steps)),)](
+        rows_view.view(torch.uint8), scratch.v_bits, rows, n1, n2, d, *rows_view.stride(),
+        MAX_FINITE_BITS=max_finite_bits, BLOCK_R=block_r, BLOCK_D=block_d, STEPS=steps, num_warps=8)
+    kernels.output_scale[(1,)](scratch.v_bits, v_descale.reshape(1), scratch.scale_o,
+                               FP8_MAX=float(torch.finfo(v.dtype).max), MANTISSA_BITS=mantissa_bits,
+                               EXPONENT_BIAS=bias)
+
+
+def _dequantize(o8: torch.Tensor, scale_o: torch.Tensor, out: torch.Tensor) -> None:
+    """out = o8 / scale_o in out's dtype, one pass (both contiguous, same shape)."""
+    n = o8.numel()
+    _triton_kernels().dequantize[(max(1, _cdiv(n, _DEQUANT_BLOCK)),)](o8, scale_o, out, n,
+                                                                            BLOCK=_DEQUANT_BLOCK)
+
+
+@functools.cache
+def _multiprocessors_of(device_type: str, index: int) -> int:
+    if device_type != "cuda":
+        return 1  # Triton's interpreter (the CPU tests): a few programs, each looping over several tiles
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return _multiprocessors_of(device.type, device.index if device.index is not None else 0)
+
+
+def _cdiv(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
