@@ -93,7 +93,7 @@ for part in $parts; do
       tail -16 "$out/first_pass_profile-h100.txt" ;;
     kvc)
       # The default (the check and append fused into one Triton kernel), then the same check as torch ops.
-      for append in triton torch; do
+      for append in ${KVC_APPENDS:-triton torch}; do
         for paged in 0 256; do
           name=kvcache_decode-paged$paged$([ $append = torch ] && echo -torch-ops)-h100
           OPDISPATCH_KV_APPEND=$([ $append = torch ] && echo torch) timeout 120 python3 \
