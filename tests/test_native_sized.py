@@ -2,7 +2,8 @@
 a call of attention that differs from one the Python path ran only in sizes, inside the template's decision class,
 runs the template's bound function from C. Every such call must be the Python door's, bit for bit — results and
 errors, over new lengths and batch sizes — and the float64 oracle's within tolerance; what changes the decision (a
-policy threshold, a demotion, clear_cache, a policy swap) must reach it; masks, KV caches and LSE never take it.
+policy threshold, a demotion, clear_cache, a policy swap) must reach it; KV caches, LSE, biases and sinks never take
+it. Boolean masks do (a padded batch's decode and prefill): their values are data, their broadcast pattern is kept.
 
 Each test makes its own compiled twin with size-generic entries on (whatever OPDISPATCH_NATIVE_SIZED says), so the
 path is tested however the process-wide door was made."""
@@ -18,6 +19,7 @@ import opdispatch
 from opdispatch.base import _native
 from opdispatch.doors import _api
 from opdispatch.engine._stats import stats as usage_stats
+from opdispatch.plugins.toolkit import size_generic
 from opdispatch.policies import parse_policy
 from tests.test_native import loaded  # noqa: F401  (the fixture: skips where the extension is not built)
 from tests.test_size_generic_reuse import full_path, make, oracle
@@ -199,20 +201,224 @@ def test_a_kernel_failure_on_a_sized_hit_fails_over_as_the_python_path_does(basi
     assert hits[0] is False
 
 
-def test_masks_kv_caches_and_lse_never_take_the_sized_path(basic_manager, sized):
+def test_kv_caches_and_lse_never_take_the_sized_path(basic_manager, sized):
     gen = torch.Generator().manual_seed(9)
     q = make("bshd", 2, 1, 4, 8, gen)
     for n in range(4, 8):
         k, v = make("bshd", 2, n, 2, 8, gen), make("bshd", 2, n, 2, 8, gen)
-        mask = torch.ones(2, 1, 1, n, dtype=torch.bool)
-        mask[0, ..., n - 1] = False
-        assert torch.equal(sized(q, k, v, attn_mask=mask), full_path(basic_manager, q, k, v, attn_mask=mask))
         out, lse = sized(q, k, v, return_lse=True)
         want, want_lse = full_path(basic_manager, q, k, v, return_lse=True)
         assert torch.equal(out, want) and torch.equal(lse, want_lse)
         seqused = torch.tensor([n, n - 1], dtype=torch.int32)
         assert torch.equal(sized(q, k, v, seqused_k=seqused), full_path(basic_manager, q, k, v, seqused_k=seqused))
     assert _sized_hits(sized) == 0
+
+
+# -- boolean masks: a padded batch's decode and prefill -----------------------------------------------------------
+#
+# The mask's rank, broadcast pattern, dtype and device are in the reduced key; each of its dims is 1 (broadcast) or
+# the q/k size it lines up with; its values change every call (padding, rows that see no key).
+
+
+def _mask_for(gen: Any, shape: tuple[int, ...]) -> Any:
+    """A random boolean mask of `shape` whose first row sees no key and whose other rows see at least one."""
+    mask = torch.rand(shape, generator=gen) > 0.4
+    rows = mask.reshape(-1, shape[-1])  # a view: the mask is contiguous
+    rows[:, -1] = True
+    rows[0] = False
+    return mask
+
+
+def _check_masked(door: Any, pending: list[Any], layout: str, q: Any, k: Any, v: Any, mask: Any,
+                  **kw: Any) -> bool:
+    """`_check` with `attn_mask`: the oracle sees the same mask (in score coordinates, whatever the layout)."""
+    before = _sized_hits(door)
+    got = door(q, k, v, layout=layout, attn_mask=mask, **kw)
+    want, _ = oracle(layout, q.double(), k.double(), v.double(), mask=mask, scale=q.shape[-1] ** -0.5)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    pending.append((got, q, k, v, dict(kw, layout=layout, attn_mask=mask)))
+    return _sized_hits(door) > before
+
+
+def _scores_mask(form: str, b: int, hq: int, sq: int, sk: int) -> tuple[int, ...]:
+    return {"b11s": (b, 1, 1, sk), "b1qs": (b, 1, sq, sk), "11qs": (1, 1, sq, sk), "bhqs": (b, hq, sq, sk),
+            "qs": (sq, sk)}[form]
+
+
+# (layout, heads_q, heads_kv, head_dim, mask form, [(batch, seqlen_q, seqlen_k), ...]): the first decides; every
+# later one keeps the mask's broadcast pattern (a batch of 1 only where the mask's batch dim is 1 anyway).
+MASKED_CASES = [
+    ("bhsd", 8, 2, 16, "b11s", [(4, 1, 5), (4, 1, 6), (4, 1, 7), (4, 1, 30), (2, 1, 9), (3, 1, 12)]),  # GQA decode
+    ("bshd", 4, 4, 8, "b11s", [(2, 1, 3), (2, 1, 4), (5, 1, 11)]),  # decode without GQA, another layout
+    ("bhsd", 4, 2, 16, "b1qs", [(2, 5, 5), (2, 7, 7), (3, 9, 9), (2, 16, 16)]),  # padded prefill, GQA
+    ("bshd", 4, 2, 8, "11qs", [(2, 6, 6), (3, 8, 8), (1, 10, 10)]),  # one mask for every sequence
+    ("bshd", 4, 2, 8, "11qs", [(1, 3, 9), (2, 3, 12), (1, 2, 17), (2, 3, 5)]),  # chunked prefill: fewer queries
+    ("sbhd", 4, 4, 8, "bhqs", [(2, 4, 4), (3, 6, 6), (2, 11, 11)]),  # a mask per head
+    ("bhsd", 6, 2, 8, "bhqs", [(2, 1, 4), (3, 1, 9), (2, 1, 15)]),  # a mask per head, GQA decode
+    ("bshd", 4, 2, 16, "qs", [(2, 1, 5), (3, 1, 8), (1, 1, 20)]),  # 2-D mask, GQA decode
+    ("bhsd", 2, 2, 8, "qs", [(2, 3, 3), (1, 5, 5), (4, 9, 9)]),  # 2-D mask, prefill
+]
+
+
+@pytest.mark.parametrize("case", range(len(MASKED_CASES)),
+                         ids=[f"{c[4]}-{c[0]}-{c[1]}/{c[2]}-{c[5][0][1]}q" for c in MASKED_CASES])
+def test_masked_calls_of_new_sizes_are_sized_hits_equal_to_the_python_path_and_the_oracle(basic_manager, sized,
+                                                                                        case):
+    layout, hq, hkv, d, form, sizes = MASKED_CASES[case]
+    gen = torch.Generator().manual_seed(100 + case)
+    hits: list[bool] = []
+    pending: list[Any] = []
+    for b, sq, sk in sizes:
+        q, k, v = make(layout, b, sq, hq, d, gen), make(layout, b, sk, hkv, d, gen), make(layout, b, sk, hkv, d, gen)
+        hits.append(_check_masked(sized, pending, layout, q, k, v, _mask_for(gen, _scores_mask(form, b, hq, sq, sk))))
+    _verify(basic_manager, pending)
+    assert hits == [False] + [True] * (len(sizes) - 1)
+    # The mask's values are data: the same sizes with other values hit the exact entry, and are still exact.
+    b, sq, sk = sizes[-1]
+    q, k, v = make(layout, b, sq, hq, d, gen), make(layout, b, sk, hkv, d, gen), make(layout, b, sk, hkv, d, gen)
+    again: list[Any] = []
+    for _ in range(3):
+        _check_masked(sized, again, layout, q, k, v, _mask_for(gen, _scores_mask(form, b, hq, sq, sk)))
+    _verify(basic_manager, again)
+    assert sized.__self__.stats()["hits"] >= 1
+
+
+def test_a_masked_decode_hits_at_every_new_length_and_batch_counted_once_per_call(basic_manager, sized):
+    gen = torch.Generator().manual_seed(41)
+    cache_k, cache_v = make("bhsd", 4, 40, 2, 16, gen), make("bhsd", 4, 40, 2, 16, gen)
+    q = make("bhsd", 4, 1, 8, 16, gen)
+    usage_stats(True, basic_manager)
+    pending: list[Any] = []
+    hits = [_check_masked(sized, pending, "bhsd", q[:b], cache_k[:b, :, :n], cache_v[:b, :, :n],
+                          _mask_for(gen, (b, 1, 1, n)))
+            for b, n in [(4, 5), *((4, n) for n in range(6, 30)), (2, 30), (3, 31)]]
+    ops = usage_stats(False, basic_manager).ops["attention"]
+    _verify(basic_manager, pending)
+    assert hits == [False] + [True] * (len(hits) - 1)
+    assert (ops.calls, ops.slow_calls, ops.compiled_hits) == (len(hits), 1, len(hits) - 1)
+
+
+def test_float_masks_sinks_and_masks_of_another_dtype_or_rank_never_take_the_masked_entry(basic_manager, sized):
+    gen = torch.Generator().manual_seed(43)
+    cache_k, cache_v = make("bhsd", 2, 30, 2, 8, gen), make("bhsd", 2, 30, 2, 8, gen)
+    q = make("bhsd", 2, 1, 4, 8, gen)
+    python = _native.python_of(opdispatch.attention)
+    pending: list[Any] = []
+    # The template: a boolean (b, 1, 1, s) decode, then one sized hit.
+    assert [_check_masked(sized, pending, "bhsd", q, cache_k[:, :, :n], cache_v[:, :, :n],
+                          _mask_for(gen, (2, 1, 1, n))) for n in (4, 5)] == [False, True]
+    before = _sized_hits(sized)
+    for n in range(6, 12):
+        k, v = cache_k[:, :, :n], cache_v[:, :, :n]
+        mask = _mask_for(gen, (2, 1, 1, n))
+        mask[0, ..., 0] = True  # the additive form below needs a key per row (the oracle's -inf rows are NaN)
+        # An additive float mask is a bias (a bypass argument): the Python path, every call.
+        bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        got = sized(q, k, v, layout="bhsd", attn_bias=bias)
+        assert torch.equal(got, full_path(basic_manager, q, k, v, layout="bhsd", attn_bias=bias))
+        want, _ = oracle("bhsd", q.double(), k.double(), v.double(), bias=bias, scale=8 ** -0.5)
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+        # A mask with sinks: the shared epilogue, through Python.
+        sinks = torch.randn(4, generator=gen)
+        got = sized(q, k, v, layout="bhsd", attn_mask=mask, sinks=sinks)
+        assert torch.equal(got, full_path(basic_manager, q, k, v, layout="bhsd", attn_mask=mask, sinks=sinks))
+        # Another dtype (refused by validation): the Python path's very error.
+        with pytest.raises(TypeError) as compiled:
+            sized(q, k, v, layout="bhsd", attn_mask=mask.to(torch.uint8))
+        with pytest.raises(TypeError) as reference:
+            python(q, k, v, layout="bhsd", attn_mask=mask.to(torch.uint8))
+        assert str(compiled.value) == str(reference.value)
+    assert _sized_hits(sized) == before
+    # Another rank (the same pattern in 3-D: one mask for every sequence) is another key: its first call is decided
+    # by Python, and exact; its later ones are its own entry's.
+    pending = []
+    hits = [_check_masked(sized, pending, "bhsd", q, cache_k[:, :, :n], cache_v[:, :, :n],
+                          _mask_for(gen, (1, 1, n))) for n in (12, 13, 14)]
+    _verify(basic_manager, pending)
+    assert hits == [False, True, True]
+
+
+BAD_MASKS = {
+    "key length differs": lambda b, n: (b, 1, 1, n + 1),
+    "batch differs": lambda b, n: (b + 1, 1, 1, n),
+    "more heads than q's": lambda b, n: (b, 9, 1, n),
+    "more queries than q's": lambda b, n: (b, 1, 2, n),
+    "five dims": lambda b, n: (1, b, 1, 1, n),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_MASKS))
+def test_masks_that_do_not_broadcast_raise_the_python_paths_error(basic_manager, sized, bad):
+    gen = torch.Generator().manual_seed(45)
+    cache_k, cache_v = make("bhsd", 3, 20, 2, 8, gen), make("bhsd", 3, 20, 2, 8, gen)
+    for b, n in ((2, 6), (2, 7), (3, 8)):  # a template and its sized entry
+        sized(cache_k[:b, :, :1].repeat(1, 2, 1, 1), cache_k[:b, :, :n], cache_v[:b, :, :n], layout="bhsd",
+              attn_mask=_mask_for(gen, (b, 1, 1, n)))
+    before = _sized_hits(sized)
+    q, k, v = make("bhsd", 2, 1, 4, 8, gen), cache_k[:2, :, :9], cache_v[:2, :, :9]
+    mask = torch.ones(BAD_MASKS[bad](2, 9), dtype=torch.bool)
+    with pytest.raises(Exception) as compiled:
+        sized(q, k, v, layout="bhsd", attn_mask=mask)
+    with pytest.raises(Exception) as python:
+        _native.python_of(opdispatch.attention)(q, k, v, layout="bhsd", attn_mask=mask)
+    assert type(compiled.value) is type(python.value) and str(compiled.value) == str(python.value)
+    assert _sized_hits(sized) == before
+
+
+class _LenientMask(opdispatch.AttentionImpl):
+    """A size-generic masked bind that would run a mask longer than the call (it slices it): only the door's
+    constraints keep such a call from it, so that validation refuses it as the Python path does."""
+
+    vendor, name, priority = "test", "lenient_mask", 1000
+    caps = opdispatch.AttentionCaps(dtypes=frozenset({torch.float32}), gqa=True, layouts=frozenset({"bhsd"}),
+                                    attn_mask=True)
+    binds_attn_mask = True
+
+    def run(self, call):
+        return self.bind(call)(call.q, call.k, call.v, None, None, call.attn_mask, None)
+
+    def bind(self, call):
+        scale = call.scale
+
+        def lenient(q, k, v, seqused_k, block_table, attn_mask, sinks):
+            b, hq, sq, _ = q.shape
+            group = hq // k.shape[1]
+            k, v = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
+            mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))[..., :sq, :k.shape[2]]
+            scores = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+            return (torch.softmax(scores, -1).nan_to_num() @ v).to(q.dtype)
+
+        return size_generic(lenient)
+
+
+@pytest.mark.parametrize("bad", ["key length differs", "more queries than q's"])
+def test_a_mask_the_bound_function_would_take_is_still_refused_as_the_python_path_refuses_it(basic_manager, sized,
+                                                                                           bad):
+    basic_manager.register_impl(_LenientMask())
+    basic_manager.set_policy(parse_policy("ops: {attention: {order: ['test.*', cpu.flash]}}", "<p>"))
+    gen = torch.Generator().manual_seed(49)
+    q, k = make("bhsd", 2, 1, 4, 8, gen), make("bhsd", 2, 9, 2, 8, gen)
+    assert opdispatch.explain(q, k, k, layout="bhsd", attn_mask=_mask_for(gen, (2, 1, 1, 9))).chosen_id == \
+        "test.lenient_mask"
+    test_masks_that_do_not_broadcast_raise_the_python_paths_error(basic_manager, sized, bad)
+
+
+def test_a_policy_threshold_re_decides_a_masked_decode_exactly_where_it_is_crossed(basic_manager, sized):
+    basic_manager.set_policy(parse_policy("version: 1\nops:\n  attention:\n    rules:\n      - name: long\n"
+                                          "        when: {seqlen_k: '>=24'}\n        prefer: [reference.math]\n"))
+    gen = torch.Generator().manual_seed(47)
+    cache_k, cache_v = make("bhsd", 3, 40, 2, 16, gen), make("bhsd", 3, 40, 2, 16, gen)
+    q = make("bhsd", 3, 1, 4, 16, gen)
+    lengths = (10, 20, 23, 24, 25, 30, 12, 13)
+    pending: list[Any] = []
+    hits = [_check_masked(sized, pending, "bhsd", q, cache_k[:, :, :n], cache_v[:, :, :n],
+                          _mask_for(gen, (3, 1, 1, n))) for n in lengths]
+    # As the unmasked decode: the template's side hits, the other side binds through Python (reference.math's
+    # function is bound per call), back below the first call goes to Python once more.
+    assert hits == [False, True, True, False, False, False, False, True]
+    for (*_, kw), n in zip(pending, lengths):
+        kw["impl"] = "reference.math" if n >= 24 else "cpu.flash"
+    _verify(basic_manager, pending)
 
 
 # -- classes whose candidates' selection keys read sizes --------------------------------------------------------
@@ -359,7 +565,8 @@ def test_every_keyed_builtin_declares_its_cuts_but_the_listed_ones():
 def test_every_builtin_declaration_of_dense_key_cuts_is_exact(impl_class):
     """Where a built-in declares `dense_key_size_cuts`, its selection key of dense calls is constant between
     consecutive cuts of every field and changes at each cut (varying one field at a time, over both sides of
-    every cut, from a decode and a prefill call); where it declares none, nothing is claimed."""
+    every cut, from a decode and a prefill call, causal or boolean-masked with each broadcast pattern the compiled
+    door's sized entries take); where it declares none, nothing is claimed."""
     from opdispatch.engine._classes import SIZE_FIELDS, _dense_key_cuts
 
     declared = impl_class.dense_key_size_cuts
@@ -370,14 +577,18 @@ def test_every_builtin_declaration_of_dense_key_cuts_is_exact(impl_class):
     impl = impl_class.__new__(impl_class)
     gen = torch.Generator().manual_seed(31)
 
-    def key(sizes: dict[str, int]) -> Any:
+    def key(sizes: dict[str, int], form: str | None) -> Any:
         b, sq, sk, hq, hkv = (sizes[f] for f in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv"))
         q = torch.randn(b, sq, hq, 8, generator=gen).to(torch.bfloat16)
         k = torch.randn(b, sk, hkv, 8, generator=gen).to(torch.bfloat16)
-        return impl.selection_key(opdispatch.validate_attention(q, k, k.clone(), causal=True))
+        if form is None:
+            return impl.selection_key(opdispatch.validate_attention(q, k, k.clone(), causal=True))
+        mask = _mask_for(gen, _scores_mask(form, b, hq, sq, sk))
+        return impl.selection_key(opdispatch.validate_attention(q, k, k.clone(), attn_mask=mask))
 
-    for base in (dict(batch=2, seqlen_q=1, seqlen_k=9, heads_q=4, heads_kv=2),
-                 dict(batch=1, seqlen_q=6, seqlen_k=6, heads_q=2, heads_kv=1)):
+    for (base, form) in ((base, form) for base in (dict(batch=2, seqlen_q=1, seqlen_k=9, heads_q=4, heads_kv=2),
+                                                   dict(batch=1, seqlen_q=6, seqlen_k=6, heads_q=2, heads_kv=1))
+                         for form in (None, "b11s", "b1qs", "11qs", "bhqs", "qs")):
         for field in SIZE_FIELDS:
             field_cuts = sorted(cuts.get(field, ()))
             values = sorted({1, 2, 3, 17, *(c + d for c in field_cuts for d in (-1, 0, 1))} - {0})
@@ -392,9 +603,9 @@ def test_every_builtin_declaration_of_dense_key_cuts_is_exact(impl_class):
                     s["seqlen_k"] = value  # a prefill keeps equal lengths (the class key holds that)
                 return s
 
-            keys = {v: key(sizes(v)) for v in values}
+            keys = {v: key(sizes(v), form) for v in values}
             interval = {v: sum(c <= v for c in field_cuts) for v in values}
             for a in values:
                 for b in values:
                     same = interval[a] == interval[b]
-                    assert (keys[a] == keys[b]) == same, (field, a, b, keys[a], keys[b])
+                    assert (keys[a] == keys[b]) == same, (form, field, a, b, keys[a], keys[b])

@@ -414,8 +414,9 @@ struct Door {
     return context_words(key);
   }
 
-  // The key of a call with every tensor's sizes reduced to its rank and last dim (`size_generic_key`), its sizes
-  // into `sizes` by slot; false where no sized entry may take it (an optional tensor given, an index tensor).
+  // The key of a call with every tensor's sizes reduced to its rank and last dim, and an optional tensor's (a mask)
+  // to its rank and broadcast pattern (`size_generic_key`), its sizes into `sizes` by slot; false where no sized
+  // entry may take it (an index tensor, an optional tensor of more than 63 dims).
   bool make_sized_key(PyObject** slots, const CallShape& shape, Key& key, c10::IntArrayRef* sizes) const {
     bool any_grad = false;
     Cursor w = key.words;
@@ -442,8 +443,30 @@ struct Door {
         if (spec.grad) any_grad = any_grad || impl->requires_grad();
         continue;
       }
-      if ((spec.kind == kOptTensor || spec.kind == kIndex) && v != Py_None && !PyLong_CheckExact(v)) return false;
-      if (spec.kind == kOptTensor && v != Py_None) return false;
+      if (spec.kind == kOptTensor && v != Py_None) {
+        // As the exact key's words (`value_words_into`), with the sizes as one word of broadcast bits (size 1)
+        // after the rank: the sizes themselves are the entry's constraints to check.
+        if (!is_tensor(v, spec.exact) || end - w < 5) return false;
+        c10::TensorImpl* impl = THPVariable_Unpack(v).unsafeGetTensorImpl();
+        c10::IntArrayRef dims = impl->sizes();
+        const size_t dim = dims.size();
+        if (dim > 63) return false;
+        uint64_t ones = 0;
+        for (size_t b = 0; b < dim; ++b) ones |= static_cast<uint64_t>(dims[b] == 1) << b;
+        sizes[i] = dims;
+        *w++ = 7;
+        *w++ = dim;
+        *w++ = ones;
+        const c10::Device device = impl->device();
+        *w++ = static_cast<uint64_t>(impl->dtype().toScalarType()) |
+               (static_cast<uint64_t>(device.type()) << 16) |
+               (static_cast<uint64_t>(static_cast<uint8_t>(device.index())) << 32);
+        const bool rg = impl->requires_grad();
+        *w++ = rg;
+        any_grad = any_grad || (spec.grad && rg);
+        continue;
+      }
+      if (spec.kind == kIndex && v != Py_None && !PyLong_CheckExact(v)) return false;
       if (!value_words_into(w, end, key, i, v, any_grad)) return false;
     }
     if (w == end) return false;
@@ -1041,17 +1064,14 @@ __attribute__((always_inline)) inline PyObject* hit(Door* d, Entry* e, PyObject*
   return out;
 }
 
-// A call that the size-generic entry `s` (current, with a function, its constraints met) takes: capture and
-// optional arguments checked, its function run, its output checked as `_sized_reuse` does. `kPass` where the
-// Python path must run the call instead (capture under way, an optional argument given, an Exception raised,
-// an output not as the call's), nullptr for any other exception.
+// A call that the size-generic entry `s` (current, with a function, its constraints met) takes: capture checked,
+// its function run — with the optional tensors after q, k, v where one is given (a mask), as `hit` passes them —
+// and its output checked as `_sized_reuse` does. `kPass` where the Python path must run the call instead (capture
+// under way, an Exception raised, an output not as the call's), nullptr for any other exception.
 PyObject kPassObject;
 PyObject* const kPass = &kPassObject;  // a sentinel address, never a Python object handed out
 
 OPDISPATCH_COLD PyObject* sized_call(Door* d, SizedEntry* s, PyObject** slots, const c10::IntArrayRef* sizes) {
-  for (Py_ssize_t i : d->bound_optional) {
-    if (slots[i] != Py_None) return kPass;
-  }
   if (s->capturing != nullptr) {
     PyObject* capturing = PyObject_CallNoArgs(s->capturing);
     const int yes = capturing == nullptr ? -1 : PyObject_IsTrue(capturing);
@@ -1067,6 +1087,11 @@ OPDISPATCH_COLD PyObject* sized_call(Door* d, SizedEntry* s, PyObject** slots, c
   PyObject* call[kMaxArgs + kMaxKernelArgs];
   Py_ssize_t count = 0;
   for (Py_ssize_t i : d->bound) call[count++] = slots[i];
+  bool optional = false;
+  for (Py_ssize_t i : d->bound_optional) optional = optional || slots[i] != Py_None;
+  if (optional) {
+    for (Py_ssize_t i : d->bound_optional) call[count++] = slots[i];
+  }
   Py_INCREF(fn);  // the entry may go while the kernel runs (a re-entrant call)
   PyObject* out = Py_TYPE(fn) == &KernelCallType && count <= kMaxKernelArgs
                       ? kernel_call_invoke(reinterpret_cast<KernelCallObject*>(fn), call, count)

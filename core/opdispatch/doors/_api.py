@@ -239,7 +239,9 @@ def _sized_reuse(manager: OpManager, key: Any, template: SizeTemplate, impl: Any
 # constraints revalidates to the template's class and resolves to its very decision). It then runs the function
 # and checks its output as `_sized_reuse` does; anything else (outside the box, a watched dict changed, a raise, a
 # wrong output) goes to this Python path. The constraints, by code (six ints each): 0 `size(slot a, dim b) in
-# [c, d)` (d -1: unbounded); 1 `size(a, b) == size(c, d)`; 2 `size(a, b) == e * size(c, d)`.
+# [c, d)` (d -1: unbounded); 1 `size(a, b) == size(c, d)`; 2 `size(a, b) == e * size(c, d)`. A boolean mask is
+# one more slot: its rank, broadcast pattern (which dims are 1), dtype and device are in the reduced key, and each
+# of its dims is constrained to 1 or to the q/k size it lines up with (`_class_constraints`); its values are data.
 
 _RANGE, _EQUAL, _MULTIPLE = 0, 1, 2
 
@@ -255,6 +257,8 @@ def _native_size_entry(*args: Any) -> Any:
     key = _attention_key(*args)
     if key is None:
         return None
+    if args[_SINKS] is not None:  # a call with sinks never keeps a template (`_remember_sinks`), whatever the state
+        return (None, (), 0, None, (), None)
     template = manager.size_generic.get(size_generic_key(key))
     if template is not None and _never_boxed(manager, template):
         # No decision, demotion or template of this state changes that: watch nothing (a new state, which any
@@ -271,13 +275,13 @@ def _native_size_entry(*args: Any) -> Any:
 
 def _never_boxed(manager: OpManager, template: SizeTemplate) -> bool:
     """Whether no call of `template`'s size-generic key may take a sized entry under this state, whatever is
-    decided or demoted later: what its key fixes (layout, LSE, window, mask, sinks, ALiBi, bias) or its op's
-    classes on its device (`DecisionClasses.boxable`: a keyed candidate whose selection key declares no cuts, a
-    policy size test of unknown form, autotune buckets) rules a box out. See `_class_constraints`."""
+    decided or demoted later: what its key fixes (layout, LSE, window, sinks, ALiBi, bias) or its op's classes on
+    its device (`DecisionClasses.boxable`: a keyed candidate whose selection key declares no cuts, a policy size
+    test of unknown form, autotune buckets) rules a box out. A boolean mask does not (its dims are constrained
+    like q's and k's). See `_class_constraints`."""
     call = template.call
     if (call.layout not in LAYOUT_DIMS or call.return_lse or template.window is not None
-            or call.attn_mask is not None or call.sinks is not None or call.alibi_slopes is not None
-            or call.attn_bias is not None):
+            or call.sinks is not None or call.alibi_slopes is not None or call.attn_bias is not None):
         return True
     classes = manager.state.classes.get("attention")
     keyed = None if classes is None else classes.keyed_on.get(manager.device_info(call.device).key)
@@ -287,12 +291,15 @@ def _never_boxed(manager: OpManager, template: SizeTemplate) -> bool:
 def _class_constraints(manager: OpManager, template: SizeTemplate, impl: Any) -> tuple[int, ...] | None:
     """The sizes of q, k and v (as constraints: see above) for which `_sized_reuse` of `template` revalidates
     (`_revalidate_dense_sizes`) to a call of the template's class — its `class_key` (the canonical causal flag
-    and alignment, equal lengths, keyless rows, GQA ratio) and its size tests (`DecisionClasses.size_box`) —
-    and resolves to the template's decision, which it runs; None where that is not so for all of them or cannot
-    be said by such constraints (the Python path then decides each new signature)."""
+    and alignment, equal lengths, keyless rows, GQA ratio, a mask's broadcast pattern) and its size tests
+    (`DecisionClasses.size_box`) — and resolves to the template's decision, which it runs; None where that is
+    not so for all of them or cannot be said by such constraints (the Python path then decides each new
+    signature). A boolean mask (a padded batch's decode or prefill) adds its own dims: each is 1 where the
+    template's is (it broadcasts) and else equals the size it lines up with in (batch, heads_q, seqlen_q,
+    seqlen_k), so the mask validates and keeps the template's broadcast pattern."""
     call, decision = template.call, template.decision
     if (not getattr(template.fn, "size_generic", False) or call.layout not in LAYOUT_DIMS or call.return_lse
-            or template.window is not None or call.attn_mask is not None or call.sinks is not None
+            or template.window is not None or call.sinks is not None
             or call.alibi_slopes is not None or call.attn_bias is not None or decision.retry_at is not None
             or manager.agreement is not None or manager.breaker or decision.policy_hash != manager.policy.hash):
         return None
@@ -327,6 +334,13 @@ def _class_constraints(manager: OpManager, template: SizeTemplate, impl: Any) ->
     else:
         narrow((_K, s_at), 1, seqlen_k + 1)
         narrow((_Q, s_at), seqlen_k + 1, None)
+    mask = call.attn_mask
+    if mask is not None:  # a bool tensor of rank <= 4 that broadcasts to the scores: validation said so
+        scores = ((_Q, b_at), (_Q, h_at), (_Q, s_at), (_K, s_at))  # (batch, heads_q, seqlen_q, seqlen_k)
+        rank = mask.dim()
+        for dim, size in enumerate(mask.shape):  # aligned to the scores' trailing dims, as broadcasting does
+            constraints += ([_RANGE, _MASK, dim, 1, 2, 0] if size == 1
+                            else [_EQUAL, _MASK, dim, *scores[len(scores) - rank + dim], 0])
     for (slot, dim), (low, high) in ranges.items():
         if high is not None and high <= low:
             return None

@@ -85,10 +85,11 @@ class DecisionClasses:
         """Per size field (`SIZE_FIELDS`), the interval [low, high) around `call`'s value (high None: unbounded)
         inside which every size test of `key` — the policy's thresholds, the candidates' `max_seqlen` limits and
         the sizes the keyed candidates' selection keys read (`dense_key_size_cuts`) — answers as it does for
-        `call`: a dense call without a KV cache, mask or bias whose sizes all lie in it (and whose `class_key`
-        is `call`'s) is of `call`'s class. None where the class reads sizes otherwise (`boxable`): an op without
-        classes, a candidate's selection key that declares no cuts (Python code), autotune buckets. What the
-        compiled front door checks sizes against (opdispatch.doors._api, `_native_size_entry`)."""
+        `call`: a dense call without a KV cache or bias (with or without a boolean mask) whose sizes all lie in
+        it (and whose `class_key` is `call`'s, which holds the mask's broadcast pattern) is of `call`'s class.
+        None where the class reads sizes otherwise (`boxable`): an op without classes, a candidate's selection
+        key that declares no cuts (Python code), autotune buckets. What the compiled front door checks sizes
+        against (opdispatch.doors._api, `_native_size_entry`)."""
         if not self.boxable(keyed):
             return None
         box: dict[str, tuple[int, int | None]] = {field: (1, None) for field in SIZE_FIELDS}
@@ -120,10 +121,11 @@ class DecisionClasses:
 
 def _dense_key_cuts(impl: Any) -> dict[str, Sequence[int]] | None:
     """`impl.dense_key_size_cuts` where it is a valid declaration — per size field (`SIZE_FIELDS`), the values at
-    which the implementation's `selection_key` of a dense call (no KV cache, mask, bias, ALiBi or window) may
-    change (constant between two consecutive ones; a field not named is not read) — else None: the key may read
-    any size. A declaration naming another field, or a cut that is not an int, counts as none (and fails
-    tests/test_native_sized.py's check of every built-in declaration)."""
+    which the implementation's `selection_key` of a dense call (no KV cache, bias, ALiBi or window; with or
+    without a boolean mask, whose sizes follow the call's) may change (constant between two consecutive ones; a
+    field not named is not read) — else None: the key may read any size. A declaration naming another field, or
+    a cut that is not an int, counts as none (and fails tests/test_native_sized.py's check of every built-in
+    declaration, decode and prefill, causal and masked)."""
     cuts = getattr(impl, "dense_key_size_cuts", None)
     if not isinstance(cuts, dict) or not all(
             field in SIZE_FIELDS and isinstance(values, tuple) and all(type(c) is int for c in values)

@@ -1356,7 +1356,8 @@ class AttentionImpl(Impl):
     # (the mask's values change from call to call; sinks are None there). False: masked calls take the default
     # `bind` (through `run`), as overrides written for (q, k, v) expect.
     binds_attn_mask: ClassVar[bool] = False
-    # The sizes `selection_key` reads of a dense call (no KV cache, mask, bias, ALiBi or window), as data: per field
+    # The sizes `selection_key` reads of a dense call (no KV cache, bias, ALiBi or window; with or without a boolean
+    # mask: a padded batch's decode and prefill take the compiled door's size-generic entries too), as data: per field
     # (seqlen_q, seqlen_k, batch, heads_q, heads_kv), the values at which its answer may change (constant between
     # two consecutive ones; a field not named is not read): ``{"seqlen_k": (2,)}`` for ``call.seqlen_k == 1``,
     # ``{}`` for a key that reads no size. None (not declared): it may read any size, and the compiled front door
