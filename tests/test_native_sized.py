@@ -87,10 +87,11 @@ def test_new_lengths_and_batches_are_sized_hits_equal_to_the_python_path_and_the
     # bottom-right mask of unequal lengths is not: each such call binds through Python, as the Python path does).
     generic = not (options.get("causal_alignment") == "bottom_right" and sizes[0][1] > 1)
     assert hits == [False] + [generic] * (len(sizes) - 1)
-    # A repeated signature ends on an exact entry (its second call reads it back), not on the sized path.
+    # A repeated signature ends on an exact entry (a Python call reads it back): on its second call where Python
+    # served it, after 32 sized calls where a sized entry did (a serving loop's revisited lengths stay sized).
     q, k, v = make(layout, b, sizes[-1][1], hq, d, gen), make(layout, b, sizes[-1][2], hkv, d, gen), None
     v = torch.randn_like(k)
-    for _ in range(3):
+    for _ in range(40):
         sized(q, k, v, layout=layout, **options)
     assert sized.__self__.stats()["hits"] >= 1
 
@@ -609,3 +610,35 @@ def test_every_builtin_declaration_of_dense_key_cuts_is_exact(impl_class):
                 for b in values:
                     same = interval[a] == interval[b]
                     assert (keys[a] == keys[b]) == same, (form, field, a, b, keys[a], keys[b])
+
+
+def test_a_length_revisited_stays_sized_and_only_a_signature_that_keeps_coming_back_turns_exact(basic_manager,
+                                                                                              counted_hook):
+    """A padded decode's second pass over the same lengths (a server's requests revisiting them): every call a
+    sized hit, none through Python (whose cache never saw those lengths: a second call there would run the whole
+    Python path). A signature that keeps coming back (32 sized calls) goes to Python once and ends exact."""
+    door, _ = counted_hook
+    gen = torch.Generator().manual_seed(41)
+    cache_k, cache_v = make("bhsd", 3, 60, 2, 16, gen), make("bhsd", 3, 60, 2, 16, gen)
+    q = make("bhsd", 3, 1, 4, 16, gen)
+    mask = torch.rand(3, 1, 1, 60, generator=gen) > 0.3
+
+    def one_pass() -> list[torch.Tensor]:
+        return [door(q, cache_k[:, :, :n], cache_v[:, :, :n], layout="bhsd", attn_mask=mask[..., :n])
+                for n in range(20, 40)]
+
+    first = one_pass()
+    usage_stats(True, basic_manager)
+    sized_before = _sized_hits(door)
+    second = one_pass()
+    ops = usage_stats(False, basic_manager).ops["attention"]
+    # Length 20 made the template through Python: its second call reads its exact entry back there (a Python hit).
+    assert (ops.compiled_hits, ops.python_hits, ops.slow_calls) == (19, 1, 0)
+    assert _sized_hits(door) - sized_before == 19
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    exact_before = int(door.__self__.stats()["hits"])
+    for _ in range(40):
+        out = door(q, cache_k[:, :, :33], cache_v[:, :, :33], layout="bhsd", attn_mask=mask[..., :33])
+    assert int(door.__self__.stats()["hits"]) > exact_before  # turned exact after 32 sized calls
+    torch.testing.assert_close(out, second[13], atol=0, rtol=0)

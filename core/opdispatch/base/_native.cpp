@@ -62,6 +62,7 @@ enum Kind : int {
 constexpr Py_ssize_t kMaxArgs = 48;
 constexpr size_t kMaxWords = 512;
 constexpr size_t kMaxObjects = 48;
+constexpr uint32_t kSizedCallsBeforeExact = 32;  // see sized_or_miss
 constexpr size_t kMaxEntries = 4096;  // the Python cache's own bound (CACHE_LIMIT) is far below
 
 // One thread-local reentrancy flag per ThreadFlag object (the compat drop-ins' "inside an implementation").
@@ -246,6 +247,7 @@ struct Door {
   std::unordered_map<uint64_t, std::unique_ptr<SizedEntry>> sized;  // by reduced key hash (a collision replaces)
   uint64_t generation = 0;  // bumped by clear_table
   std::unordered_set<uint64_t> seen_once;  // hashes of keys missed once (read back from their second call)
+  std::unordered_map<uint64_t, uint32_t> sized_seen;  // by key hash: calls a signature took through a sized entry
   uint64_t hits = 0, misses = 0, passes = 0, revalidated = 0, sized_hits = 0;
   uint64_t compiler_version = 0;  // torch.compiler's globals' version tag when `compiling` was read
   bool compiling = false;
@@ -274,6 +276,7 @@ struct Door {
     old_sized.swap(sized);
     last = nullptr;
     seen_once.clear();
+    sized_seen.clear();
     n_entries = 0;
     ++generation;
     for (auto& bucket : old) {
@@ -1137,16 +1140,27 @@ OPDISPATCH_COLD PyObject* sized_or_miss(Door* d, PyObject* const* args, Py_ssize
     if (PyErr_Occurred()) PyErr_Clear();
     return miss(d, args, nargs, kwnames, slots, key, h, known);
   }
-  // A signature's second call goes to Python, which reads its exact entry back (`miss`): a repeated signature
-  // ends on an exact hit, never on this slower path.
+  // A signature the Python path ran once goes there again at its second call, which reads its exact entry back
+  // (`miss`, a Python hit): a repeated signature ends on an exact hit. One that came through sized entries has no
+  // entry in Python's cache — there its second call would run the whole Python path, a serving step's budget (a
+  // padded decode revisiting its lengths paid 1.76x torch's SDPA on the H100, h100-ee86431) — so it goes to
+  // Python only once it keeps coming back (kSizedCallsBeforeExact sized calls: a training loop's one shape), and
+  // a server's revisited lengths stay sized instead of filling the exact table.
   if (d->seen_once.count(h) != 0) return miss(d, args, nargs, kwnames, slots, key, h, known);
+  auto seen = d->sized_seen.find(h);
+  if (seen != d->sized_seen.end() && seen->second >= kSizedCallsBeforeExact) {
+    d->sized_seen.erase(seen);
+    d->seen_once.insert(h);  // so `miss` reads the entry back
+    return miss(d, args, nargs, kwnames, slots, key, h, known);
+  }
   const uint64_t rh = reduced.hash();
   SizedEntry* s = d->find_sized(reduced, rh);
   if (s != nullptr && s->fn != nullptr && s->current(manager_of(d)) && d->inside(*s, sizes)) {
     PyObject* out = sized_call(d, s, slots, sizes);
     if (out != kPass) {
-      if (out != nullptr && d->seen_once.insert(h).second && d->seen_once.size() > kMaxEntries) {
-        d->seen_once.clear();
+      if (out != nullptr) {
+        ++d->sized_seen[h];
+        if (d->sized_seen.size() > kMaxEntries) d->sized_seen.clear();
       }
       return out;
     }
