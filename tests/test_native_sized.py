@@ -642,3 +642,37 @@ def test_a_length_revisited_stays_sized_and_only_a_signature_that_keeps_coming_b
         out = door(q, cache_k[:, :, :33], cache_v[:, :, :33], layout="bhsd", attn_mask=mask[..., :33])
     assert int(door.__self__.stats()["hits"]) > exact_before  # turned exact after 32 sized calls
     torch.testing.assert_close(out, second[13], atol=0, rtol=0)
+
+
+def test_layers_taking_turns_keep_their_sized_entries(basic_manager, counted_hook):
+    """A model's decode step: each layer (a module scope, a decision class of its own) calls in turn with one more
+    key. Their Python calls at the first step must not leave the others' entries stale for good (a decision cache
+    hit used to move its class to the end, changing the dict every entry watches): after the first two steps every
+    call is a sized hit, and the hook is not asked again."""
+    from opdispatch.policies._overrides import MODULE
+
+    door, asked = counted_hook
+    gen = torch.Generator().manual_seed(43)
+    layers = [f"model.layers.{i}.self_attn" for i in range(4)]
+    caches = {name: (make("bhsd", 2, 40, 2, 16, gen), make("bhsd", 2, 40, 2, 16, gen)) for name in layers}
+    q = make("bhsd", 2, 1, 4, 16, gen)
+    usage_stats(True, basic_manager)
+    outs = {}
+    for n in range(10, 30):
+        if n == 12:
+            usage_stats(True, basic_manager)
+            asked_before = asked[0]
+        for name in layers:
+            k, v = caches[name]
+            token = MODULE.set(name)
+            try:
+                outs[name, n] = door(q, k[:, :, :n], v[:, :, :n], layout="bhsd")
+            finally:
+                MODULE.reset(token)
+    ops = usage_stats(False, basic_manager).ops["attention"]
+    assert (ops.compiled_hits, ops.slow_calls, ops.python_hits) == (18 * 4, 0, 0)
+    assert asked[0] == asked_before
+    for (name, n), out in outs.items():
+        k, v = caches[name]
+        torch.testing.assert_close(out, opdispatch.attention(q, k[:, :, :n], v[:, :, :n], layout="bhsd",
+                                                             impl="reference.math"), atol=2e-5, rtol=2e-5)

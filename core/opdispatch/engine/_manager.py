@@ -31,6 +31,7 @@ from ._graphs import is_capturing, raise_if_capturing
 from ..base._errors import OpDispatchError, RegistrationError
 from ..base._impl import Impl, _template
 from ._registry import Origin, Registry
+from . import _state
 from ._state import CACHE_LIMIT, DispatchState, bounded_put
 from ._stats import UsageCounters, register_exit_summary
 from ._decisions_lock import DecisionLock, lock_from_environ
@@ -383,8 +384,13 @@ class OpManager:
             # again, collectively: every rank of the group then takes part.
             if decision is not None and (decision.retry_at is None or self.breaker.clock() < decision.retry_at) and (
                     self.agreement is None or decision.agreed or not self.agreement.ready()):
-                try:  # least recently used goes first: a hit moves to the end (where a run of one class has it)
-                    if next(reversed(cache.values())) is not decision:
+                # Least recently used goes first: a hit moves to the end (where a run of one class has it) — once
+                # the cache is half full, where eviction is near. Below that a hit leaves the dict alone: the
+                # compiled door's size-generic entries watch it, and a model's layers (a class each, by module)
+                # taking turns would otherwise change it at every call and keep every entry stale (h100-ee86431:
+                # generate() never reached them).
+                try:
+                    if len(cache) > _state.CACHE_LIMIT // 2 and next(reversed(cache.values())) is not decision:
                         cache[lookup] = cache.pop(lookup)
                 except (KeyError, StopIteration, RuntimeError):  # changed by another thread: still valid
                     pass
