@@ -50,8 +50,7 @@ def fa3_active() -> bool:
 
 
 def quantized_function() -> Any:
-    """torch's `_scaled_dot_product_attention_quantized`, or None where this torch has none. Read each time (a
-    module attribute; the import is a sys.modules lookup after the first)."""
+    """torch's `_scaled_dot_product_attention_quantized`, or None where this torch has none."""
     try:
         module = importlib.import_module(QUANTIZED_MODULE)
     except ImportError:
@@ -112,7 +111,10 @@ class QuantizedSdpa(AttentionImpl):
         # takes no FP8. Say so instead (the op's fallback then moves the call on).
         if not fa3_active():
             raise RuntimeError(f"nvidia.sdpa_quantized: FA3 is no longer activated in torch's SDPA; {ACTIVATE_HINT}")
-        sdpa_quantized = quantized_function()
-        out = sdpa_quantized(call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v), is_causal=call.causal,
-                             scale=call.scale, **_fa3_descales(call))
-        return call.from_bhsd(out)  # type: ignore[no-any-return]
+        from torch.nn.attention.experimental import _scaled_dot_product_attention_quantized as quantized
+
+        descales = _fa3_descales(call)  # every FP8 call has all three (the op checks)
+        out = quantized._scaled_dot_product_attention_quantized(
+            call.bhsd(call.q), call.bhsd(call.k), call.bhsd(call.v), is_causal=call.causal, scale=call.scale,
+            q_descale=descales["q_descale"], k_descale=descales["k_descale"], v_descale=descales["v_descale"])
+        return call.from_bhsd(out)
