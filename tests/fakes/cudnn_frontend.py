@@ -9,7 +9,12 @@ the output's declared dtype and written through its dims and strides; amax_s and
 real units, before scale_s / scale_o (test/python/sdpa/fp8_ref.py's o_amax).
 `sdpa_fp8_backward` (python/pygraph/sdpa.cpp, test/python/sdpa/fp8.py's backward graph) computes dQ/dK/dV in float64
 from the forward's stats (its log-sum-exp), writes them times their scales as saturating FP8 and their amaxes in real
-units. Every built graph is recorded in `graphs` (its tensors and options) and every execution in `executions`
+units. `sdpa` takes `bias` (added after the scale, read through its dims and strides) and `use_alibi_mask`
+((col - row) * cuDNN's fixed slopes, get_alibi_slope); `sdpa_backward` (python/pygraph/sdpa.cpp's keywords) computes
+dQ/dK/dV and dBias (dS summed over dBias's unit batch/head dims) in float64 from the stats; `validate` raises
+cudnnGraphNotSupportedError where cuDNN's support checks refuse what this fake computes (ALiBi without right_bound 0,
+bias/ALiBi with a bottom-right diagonal, a band over s_q > s_kv, a backward of s_q = s_kv = 1). Every built graph
+is recorded in `graphs` (its tensors and options) and every execution in `executions`
 (with the plan index that ran)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """`nvidia.cudnn_frontend`: cuDNN's SDPA through NVIDIA's cuDNN frontend Python graph API (package `cudnn`, pip
-distribution `nvidia-cudnn-frontend`, the opdispatch extra `[cudnn]`), bf16/fp16 and FP8 forward, and FP8 forward
-and backward for bf16/fp16 calls cast to FP8 inside (option `fp8_dpa`, TransformerEngine's fp8_dpa).
+distribution `nvidia-cudnn-frontend`, the opdispatch extra `[cudnn]`): bf16/fp16 forward and backward with additive
+bias and ALiBi (option `half`), FP8 forward, and FP8 forward and backward for bf16/fp16 calls cast to FP8 inside
+(option `fp8_dpa`, TransformerEngine's fp8_dpa).
 
 Read from NVIDIA/cudnn-frontend at commit 3929da2ef4c1dba1bb8acb68727b9134f26f40c0 (python/pygraph/sdpa.cpp, the
 bindings; test/python/sdpa/fp16.py, fp8.py, fp16_ref.py, the samples and their reference):
@@ -71,13 +72,31 @@ clip, or that uses under 1/16 of FP8's range, reruns the graph with scale = fp8_
 else an error): never a clipped gradient returned. The gradients are dequantized to the inputs' dtype. That host
 read keeps the backward out of CUDA-graph capture (refused with the reason). A gradient for FP8 *inputs* is never
 offered: autograd casts a leaf's gradient to the leaf's dtype (FP8, unscaled), so the op refuses requires_grad on
-FP8 q/k/v; bf16/fp16 backward is not built (a bf16/fp16 call with grad goes elsewhere unless `fp8_dpa`).
+FP8 q/k/v.
+
+bf16/fp16 score terms (option `half`): an additive `attn_bias` is the graph's `bias` (4-D, batch and head dims 1 or
+full, query and key dims full — a bias broadcast along them is expanded —, rounded to q's dtype as torch's SDPA rounds
+it); ALiBi is cuDNN's `use_alibi_mask`, which adds (col - row) * slope with *fixed* slopes (get_alibi_slope in
+cudnn_frontend_utils.h: 2**(-8 i / n), ALiBi's paper, written into the workspace — a graph takes no slopes), so each
+ALiBi call's slopes are compared with those (one host read per call, refused inside CUDA-graph capture; others
+raise, and the manager sends the call on). cuDNN takes ALiBi with right_bound 0 only (causal), and neither a bias nor
+ALiBi with a bottom-right diagonal; FP8 takes no bias (sdpa_support_surface.h); a window or a bottom-right diagonal
+over more queries than keys is refused at run time (the lengths are not in the decision class).
+
+bf16/fp16 backward (calls that require grad, option `half`): the forward graph also writes the softmax stats; an
+autograd function keeps q/k/v, the output, the stats and the graph's bias, and its backward runs
+`sdpa_backward(q, k, v, o, dO, stats, attn_scale=, bias=, dBias=, use_alibi_mask=, diagonal_alignment=,
+diagonal_band_left_bound=, diagonal_band_right_bound=)` (dO in O's strides, as cuDNN reads it). dBias has the graph
+bias's dims (cuDNN reduces dS over the batch/head dims it broadcasts), then is summed over the query/key dims the
+caller's bias broadcasts over, in its shape and dtype. Head dims: up to 256 on Hopper, 128 elsewhere; s_q = s_kv = 1
+refused (cuDNN's backward node). Graphs are cached per signature (bias dims/strides, ALiBi, dBias included). The
+bias, ALiBi and backward paths are contract-tested on CPU against the fake; their GPU tests
+(tests/gpu/test_cudnn_frontend_gpu.py) were written without a GPU run (UNVERIFIED until the lead runs them).
 
 What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): paged K/V
-(`paged_attention_k_table`), ragged thd offsets (`set_ragged_offset`), ALiBi, bias, dropout, the LSE as an output
-(`stats`: only kept for the FP8 backward), the bf16/fp16 backward. Graphs are built once per signature (shapes,
-strides, dtypes, options, device) and never during CUDA-graph capture (building synchronizes): a first call inside
-capture raises with the fix (warm up).
+(`paged_attention_k_table`), ragged thd offsets (`set_ragged_offset`), dropout, the LSE as an output (`stats`: only
+kept for the backward). Graphs are built once per signature (shapes, strides, dtypes, options, device) and never
+during CUDA-graph capture (building synchronizes): a first call inside capture raises with the fix (warm up).
 """
 
 from __future__ import annotations
@@ -341,7 +360,8 @@ class CudnnFrontendOptions(BaseModel):
 
     half: bool = Field(
         default=False,
-        description="take bf16/fp16 calls too (FP8 calls always). Off by default: cuDNN builds a graph per new "
+        description="take bf16/fp16 calls too, forward and backward, with bias and ALiBi (FP8 calls always). Off by "
+                    "default: cuDNN builds a graph per new "
                     "shape — 0.07-1.0 s each on an H100 (benchmarks/results/policy-proof-window-h100/"
                     "policy_proof.json, first_call_s) — which a workload of changing lengths pays at every new "
                     "length; at repeated shapes it is the fastest windowed forward there (14-61% over torch's FA2, "
