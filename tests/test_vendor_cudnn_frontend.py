@@ -396,17 +396,240 @@ def test_fp8_dpa_gradient_scales_adapt_and_are_kept_per_signature(monkeypatch, b
     assert backward_runs(1e2) == 1
 
 
-def test_fp8_dpa_grad_refusals(monkeypatch, basic_manager, tmp_path, fake_plans):
-    """Without fp8_dpa a bf16 call with grad is refused by the adapter (its bf16 backward is not built), with the
-    option named; an FP8 input that requires grad is refused by the op (autograd would hand it an unscaled FP8
-    gradient)."""
+def test_fp8_input_grad_refusal(monkeypatch, basic_manager, tmp_path, fake_plans):
+    """An FP8 input that requires grad is refused by the op (autograd would hand it an unscaled FP8 gradient)."""
     _fe(monkeypatch, basic_manager, tmp_path)
-    q = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16, requires_grad=True)
-    cand = next(c for c in opdispatch.explain(q, q, q).candidates if c.impl_id == "test.cudnn_fe")
-    assert any("fp8_dpa: true" in r for r in cand.reasons) and cand.status == "rejected"
-    with torch.no_grad():
-        assert opdispatch.explain(q, q, q).chosen_id == "test.cudnn_fe"
     q8 = torch.zeros(1, 4, 2, 64, dtype=torch.float8_e4m3fn, requires_grad=True)
     one = torch.ones(())
     with pytest.raises(ValueError, match="requires grad"):
         opdispatch.attention(q8, q8, q8, q_descale=one, k_descale=one, v_descale=one)
+
+
+
+# -- bf16/fp16: additive bias, ALiBi, backward (sdpa_backward) --------------------------------------------------------
+
+def _standard_slopes(heads):
+    """ALiBi's slopes (Press et al.; the form HF's BLOOM and cuDNN use), computed here in float64."""
+    n = 2 ** math.floor(math.log2(heads))
+    slopes = [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+    slopes += [2.0 ** (-8.0 * i / (2 * n)) for i in range(1, 2 * (heads - n), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def _oracle_scored(q, k, v, scale, causal, window, bottom_right, bias=None, slopes=None):
+    """float64 attention (bshd) with opdispatch's score terms: + bias (broadcast to (b, h, s_q, s_k)), ALiBi as
+    -slope * |i + o - j|; masked keys -inf; a row that sees no key gives zeros. Differentiable in q/k/v/bias."""
+    b, sq, hq, _ = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    kk, vv = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    offset = sk - sq if bottom_right else 0
+    i, j = torch.arange(sq)[:, None] + offset, torch.arange(sk)[None, :]
+    if bias is not None:
+        scores = scores + bias
+    if slopes is not None:
+        s = slopes.double().view(-1, hq, 1, 1)
+        scores = scores - s * (i - j).abs().double()
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= (j >= i - window[0]) if window[0] >= 0 else keep
+        keep &= (j <= i + window[1]) if window[1] >= 0 else keep
+    scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vv)
+
+
+def _assert_close_scaled(got, want, bits, name):
+    torch.testing.assert_close(got.double(), want, atol=2 ** -bits * max(want.abs().max().item(), 1e-3),
+                               rtol=2 ** -bits, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("layout,dtype,causal,window,align,heads,bias_shape,alibi,sq,sk", [
+    ("bshd", torch.bfloat16, False, None, "top_left", (4, 2), (2, 4, 6, 9), False, 6, 9),
+    ("bhsd", torch.float16, True, None, "top_left", (4, 4), (4, 6, 9), False, 6, 9),       # (h, s_q, s_k)
+    ("sbhd", torch.bfloat16, False, (2, 1), "top_left", (6, 3), (2, 1, 1, 9), False, 6, 9),  # per key only
+    ("bshd", torch.float16, False, None, "top_left", (2, 1), (6, 1), False, 6, 6),          # per query only
+    ("bshd", torch.bfloat16, True, None, "top_left", (6, 2), None, True, 7, 7),             # ALiBi, 6 heads
+    ("bhsd", torch.bfloat16, True, (3, 0), "top_left", (4, 2), (1, 1, 5, 8), True, 5, 8),   # both, window
+    ("sbhd", torch.float16, True, None, "bottom_right", (4, 1), None, False, 5, 8),         # no bias: BR kept
+])
+def test_bias_and_alibi_forward_against_float64(fe, layout, dtype, causal, window, align, heads, bias_shape,
+                                                alibi, sq, sk):
+    """Additive bias of every broadcast pattern and cuDNN's ALiBi (the standard slopes) in the graph, combined
+    with layouts, GQA, causal and windows: against the float64 oracle's bias and |i - j| distances."""
+    gen = torch.Generator().manual_seed(41)
+    b, d = 2, 16
+    hq, hk = heads
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).to(dtype) for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+    bias = None if bias_shape is None else torch.randn(*bias_shape, generator=gen).to(dtype) * 2
+    slopes = _standard_slopes(hq) if alibi else None
+    to = LAYOUT[layout]
+    out = opdispatch.attention(to(q), to(k), to(v), layout=layout, causal=causal, causal_alignment=align,
+                               window=window, attn_bias=bias, alibi_slopes=slopes)
+    op = fake.graphs[-1].op
+    assert op["kind"] == "sdpa" and op["use_alibi_mask"] is alibi and (op["bias"] is None) == (bias is None)
+    if bias is not None:  # 4-D, batch/head dims kept as 1 or full, query/key dims full
+        want_dim = tuple(bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).shape[:2]) + (sq, sk)
+        assert op["bias"].dim == want_dim and fake._TORCH[op["bias"].data_type] == dtype
+    want = _oracle_scored(q.double(), k.double(), v.double(), d ** -0.5, causal, window, align == "bottom_right",
+                          None if bias is None else bias.double(), slopes)
+    got = {"bshd": out, "bhsd": out.transpose(1, 2), "sbhd": out.transpose(0, 1)}[layout]
+    assert out.dtype == dtype
+    _assert_close_scaled(got, want, 6, "out")
+    # the bias and ALiBi join the signature: the same q/k/v without them builds another graph
+    built = len(fake.graphs)
+    opdispatch.attention(to(q), to(k), to(v), layout=layout, causal=causal, causal_alignment=align,
+                         window=window)
+    assert len(fake.graphs) == built + (1 if bias is not None or alibi else 0)
+
+
+@pytest.mark.parametrize("layout,dtype,causal,window,align,heads,bias_shape,bias_grad,alibi,sq,sk", [
+    ("bshd", torch.bfloat16, True, None, "top_left", (4, 2), None, False, False, 7, 7),
+    ("bhsd", torch.float16, False, None, "top_left", (2, 2), (2, 2, 5, 9), True, False, 5, 9),
+    ("sbhd", torch.bfloat16, False, (2, 1), "top_left", (6, 3), (1, 6, 5, 9), True, False, 5, 9),
+    ("bshd", torch.float16, True, (3, 0), "bottom_right", (4, 1), None, False, False, 5, 9),
+    ("bshd", torch.bfloat16, True, None, "top_left", (4, 2), (2, 1, 1, 7), True, True, 7, 7),   # per key, ALiBi
+    ("bhsd", torch.bfloat16, True, (2, 0), "top_left", (8, 2), (7, 1), False, True, 7, 7),    # per query, frozen
+])
+def test_half_backward_against_float64_autograd(monkeypatch, basic_manager, tmp_path, fake_plans, layout, dtype,
+                                                causal, window, align, heads, bias_shape, bias_grad, alibi, sq, sk):
+    """bf16/fp16 q/k/v (and a bias) that require grad: the forward graph writes the stats, sdpa_backward reads
+    them (the fake rebuilds P from them) with the forward's bias, ALiBi and bounds; dq/dk/dv and the bias's
+    gradient (summed over the dims it broadcasts over, in its own shape) against float64 autograd."""
+    _fe(monkeypatch, basic_manager, tmp_path)
+    gen = torch.Generator().manual_seed(42)
+    b, d = 2, 16
+    hq, hk = heads
+    q, k, v = (torch.randn(b, s, h, d, generator=gen).to(dtype) for s, h in ((sq, hq), (sk, hk), (sk, hk)))
+    bias = None if bias_shape is None else torch.randn(*bias_shape, generator=gen).to(dtype)
+    slopes = _standard_slopes(hq) if alibi else None
+    d_o = torch.randn(b, sq, hq, d, generator=gen).to(dtype)
+    to = LAYOUT[layout]
+    leaves = [to(t).detach().requires_grad_() for t in (q, k, v)]
+    bias_leaf = None if bias is None else bias.detach().requires_grad_(bias_grad)
+    out = opdispatch.attention(*leaves, layout=layout, causal=causal, causal_alignment=align, window=window,
+                               attn_bias=bias_leaf, alibi_slopes=slopes)
+    assert out.dtype == dtype and out.requires_grad
+    out.backward(to(d_o))
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_bias = None if bias is None else bias.double().requires_grad_(bias_grad)
+    want_out = _oracle_scored(*ref, d ** -0.5, causal, window, align == "bottom_right", ref_bias, slopes)
+    want_out.backward(d_o.double())
+    back = {"bshd": lambda t: t, "bhsd": lambda t: t.transpose(1, 2), "sbhd": lambda t: t.transpose(0, 1)}[layout]
+    _assert_close_scaled(back(out), want_out.detach(), 6, "out")
+    for name, leaf, r in zip(("dq", "dk", "dv"), leaves, ref, strict=True):
+        assert leaf.grad.dtype == dtype and leaf.grad.shape == leaf.shape
+        _assert_close_scaled(back(leaf.grad), r.grad, 5, name)
+    if bias_grad:
+        assert bias_leaf.grad.shape == bias.shape and bias_leaf.grad.dtype == dtype
+        _assert_close_scaled(bias_leaf.grad, ref_bias.grad, 5, "dbias")
+    elif bias_leaf is not None:
+        assert bias_leaf.grad is None
+    backward = next(g for g in fake.graphs if g.op["kind"] == "sdpa_backward")
+    assert backward.op["stats"].dim == (b, hq, sq, 1) and backward.op["use_alibi_mask"] is alibi
+    assert (backward.op["dBias"] is not None) == bias_grad
+    assert next(g for g in fake.graphs if g.op["kind"] == "sdpa").op["generate_stats"] is True
+    # a second backward of the signature reuses its graph
+    graphs = len(fake.graphs)
+    leaves = [to(t).detach().requires_grad_() for t in (q, k, v)]
+    opdispatch.attention(*leaves, layout=layout, causal=causal, causal_alignment=align, window=window,
+                         attn_bias=bias_leaf, alibi_slopes=slopes).backward(to(d_o))
+    assert len(fake.graphs) == graphs
+
+
+def test_a_row_the_bias_blinds_gives_zeros_and_no_gradient(fe):
+    """A query whose every key the bias sets to -inf (a keyless row: data, no selection sees it): output zeros
+    and zero gradients from it, as the oracle's convention (cuDNN's fp16_ref.py zeroes such rows too)."""
+    gen = torch.Generator().manual_seed(43)
+    q, k, v = (torch.randn(1, 4, 2, 16, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    bias = torch.zeros(1, 1, 4, 4, dtype=torch.bfloat16)
+    bias[..., 2, :] = float("-inf")
+    out = opdispatch.attention(q, k, v, attn_bias=bias)
+    assert torch.equal(out[:, 2], torch.zeros_like(out[:, 2]))
+    out.backward(torch.ones_like(out))
+    assert torch.equal(q.grad[:, 2], torch.zeros_like(q.grad[:, 2])) and torch.isfinite(k.grad).all()
+    want = _oracle_scored(*(t.detach().double() for t in (q, k, v)), 16 ** -0.5, False, None, False, bias.double())
+    _assert_close_scaled(out.detach(), want, 6, "out")
+
+
+def _reasons(call_kwargs, qkv, device=None):
+    d = opdispatch.explain(*qkv, device=device, **call_kwargs)
+    return d, next(c for c in d.candidates if c.impl_id in ("test.cudnn_fe", "nvidia.cudnn_frontend"))
+
+
+def test_bias_and_alibi_refusals_say_why(fe):
+    """What cuDNN refuses is refused at selection with its reason: ALiBi without causal, ALiBi or a bias with a
+    bottom-right diagonal, bias/ALiBi on FP8, a gradient for the slopes, a backward of one query and one key."""
+    gen = torch.Generator().manual_seed(44)
+    q, k = (torch.randn(1, s, 4, 16, generator=gen).to(torch.bfloat16) for s in (3, 5))
+    slopes = _standard_slopes(4)
+    _, cand = _reasons(dict(alibi_slopes=slopes), (q, k, k))
+    assert any("ALiBi needs causal masking" in r for r in cand.reasons)
+    bias = torch.zeros(3, 5)
+    for extra in (dict(attn_bias=bias), dict(alibi_slopes=slopes)):
+        _, cand = _reasons(dict(causal=True, causal_alignment="bottom_right", **extra), (q, k, k))
+        assert any("bottom-right diagonal" in r and "without bias and ALiBi" in r for r in cand.reasons), extra
+    # equal lengths: both alignments are one computation (canonicalized to top-left): taken
+    d, cand = _reasons(dict(causal=True, causal_alignment="bottom_right", alibi_slopes=slopes), (q, q, q))
+    assert d.chosen_id == "test.cudnn_fe"
+    d, cand = _reasons(dict(causal=True, alibi_slopes=slopes.clone().requires_grad_()),
+                       (q.clone().requires_grad_(), q, q))
+    assert any("no gradient for alibi_slopes" in r for r in cand.reasons)
+    one = torch.randn(1, 1, 4, 16, generator=gen).to(torch.bfloat16)
+    d, cand = _reasons({}, (one.clone().requires_grad_(), one, one))
+    assert any("s_q = s_kv = 1" in r for r in cand.reasons) and cand.status == "rejected"
+    with torch.no_grad():
+        assert _reasons({}, (one, one, one))[0].chosen_id == "test.cudnn_fe"
+    q8 = torch.zeros(1, 4, 2, 64, dtype=torch.float8_e4m3fn)
+    unit = torch.ones(())
+    _, cand = _reasons(dict(attn_bias=torch.zeros(4, 4), q_descale=unit, k_descale=unit, v_descale=unit),
+                       (q8, q8, q8))
+    assert any("FP8 SDPA takes no attn_bias" in r for r in cand.reasons)
+
+
+def test_alibi_slopes_other_than_cudnn_s_and_long_queries_are_refused_at_run_time(fe, caplog):
+    """cuDNN's ALiBi has fixed slopes (written into its workspace) and the call's are data: slopes that differ
+    are refused when the call runs (one host read), never computed with cuDNN's; so is a window over more queries
+    than keys. The manager logs why and the call goes to the next implementation, whose result is right."""
+    gen = torch.Generator().manual_seed(45)
+    q = torch.randn(1, 6, 4, 16, generator=gen).to(torch.bfloat16)
+    slopes = _standard_slopes(4) * 1.5
+    with caplog.at_level("INFO", logger="opdispatch"):
+        out = opdispatch.attention(q, q, q, causal=True, alibi_slopes=slopes)
+    assert re.search(r"cuDNN's ALiBi uses the standard slopes for 4 heads", caplog.text)
+    assert not any(g.op["use_alibi_mask"] for g in fake.graphs)
+    want = _oracle_scored(q.double(), q.double(), q.double(), 16 ** -0.5, True, None, False, slopes=slopes)
+    _assert_close_scaled(out, want, 6, "fallback out")
+    k = torch.randn(1, 4, 4, 16, generator=gen).to(torch.bfloat16)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="opdispatch"):
+        out = opdispatch.attention(q, k, k, window=(2, 2))
+    assert "only with seqlen_q <= seqlen_k" in caplog.text
+    _assert_close_scaled(out, _oracle_scored(q.double(), k.double(), k.double(), 16 ** -0.5, False, (2, 2), False),
+                         6, "fallback window")
+
+
+def test_cudnn_s_alibi_slopes_match_the_published_formula():
+    """The adapter's copy of get_alibi_slope against the fake's and the paper's (power of two and not)."""
+    for heads in (1, 2, 4, 6, 8, 12, 16, 40):
+        mine = torch.tensor(adapter_module._cudnn_alibi_slopes(heads))
+        torch.testing.assert_close(mine, _standard_slopes(heads), rtol=1e-6, atol=0)
+        torch.testing.assert_close(mine, torch.tensor(fake.alibi_slopes(heads), dtype=torch.float32), rtol=1e-6,
+                                   atol=0)
+
+
+def test_half_backward_head_dims_by_architecture(tmp_path, monkeypatch):
+    """sdpa_backward's head dims: up to 256 on Hopper, 128 elsewhere (a simulated A100 refuses 192 with grad,
+    the H100 takes it)."""
+    policy = tmp_path / "half.yaml"
+    policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
+                      "      nvidia.cudnn_frontend: {half: true}\n")
+    monkeypatch.setenv("OPDISPATCH_POLICY", str(policy))
+    opdispatch.get_manager().reload()
+    q, k, v = meta_qkv(d=192, grad=True)
+    for device, refused in (("a100", True), ("h100", False)):
+        with_fe = device_with_library(tmp_path, device, "cudnn_frontend", "1.32.0")
+        _, cand = _reasons({}, (q, k, v), device=with_fe)
+        assert any("head dims up to 128 on sm8x" in r for r in cand.reasons) == refused, (device, cand.reasons)

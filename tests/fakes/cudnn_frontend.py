@@ -9,12 +9,18 @@ the output's declared dtype and written through its dims and strides; amax_s and
 real units, before scale_s / scale_o (test/python/sdpa/fp8_ref.py's o_amax).
 `sdpa_fp8_backward` (python/pygraph/sdpa.cpp, test/python/sdpa/fp8.py's backward graph) computes dQ/dK/dV in float64
 from the forward's stats (its log-sum-exp), writes them times their scales as saturating FP8 and their amaxes in real
-units. Every built graph is recorded in `graphs` (its tensors and options) and every execution in `executions`
+units. `sdpa` takes `bias` (added after the scale, read through its dims and strides) and `use_alibi_mask`
+((col - row) * cuDNN's fixed slopes, get_alibi_slope); `sdpa_backward` (python/pygraph/sdpa.cpp's keywords) computes
+dQ/dK/dV and dBias (dS summed over dBias's unit batch/head dims) in float64 from the stats; `validate` raises
+cudnnGraphNotSupportedError where cuDNN's support checks refuse what this fake computes (ALiBi without right_bound 0,
+bias/ALiBi with a bottom-right diagonal, a band over s_q > s_kv, a backward of s_q = s_kv = 1). Every built graph
+is recorded in `graphs` (its tensors and options) and every execution in `executions`
 (with the plan index that ran)."""
 
 from __future__ import annotations
 
 import enum
+import math
 import types
 from typing import Any
 
@@ -142,8 +148,34 @@ class pygraph:  # noqa: N801
         self.op = dict(kind="sdpa", q=q, k=k, v=v, attn_scale=attn_scale, use_causal_mask=use_causal_mask,
                        use_causal_mask_bottom_right=use_causal_mask_bottom_right,
                        diagonal_alignment=diagonal_alignment, left_bound=diagonal_band_left_bound,
-                       right_bound=diagonal_band_right_bound, generate_stats=generate_stats)
+                       right_bound=diagonal_band_right_bound, generate_stats=generate_stats, bias=bias,
+                       use_alibi_mask=use_alibi_mask)
         return self._outputs(2)
+
+    def sdpa_backward(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, dO: Tensor, stats: Tensor,  # noqa: N803
+                      attn_scale: float | None = None, bias: Tensor | None = None, dBias: Tensor | None = None,  # noqa: N803
+                      use_alibi_mask: bool = False, use_padding_mask: bool = False, seq_len_q: Tensor | None = None,
+                      seq_len_kv: Tensor | None = None, max_total_seq_len_q: int | None = None,
+                      max_total_seq_len_kv: int | None = None, use_causal_mask: bool = False,
+                      use_causal_mask_bottom_right: bool = False, sliding_window_length: int | None = None,
+                      diagonal_alignment: diagonal_alignment = diagonal_alignment.TOP_LEFT,
+                      diagonal_band_left_bound: int | None = None, diagonal_band_right_bound: int | None = None,
+                      dropout: Any = None, rng_dump: Tensor | None = None, use_deterministic_algorithm: bool = False,
+                      compute_data_type: Any = None, name: str = "", score_mod: Any = None,
+                      score_mod_bprop: Any = None, sink_token: Tensor | None = None,
+                      dSink_token: Tensor | None = None) -> list[Tensor]:  # noqa: N803
+        if stats.data_type is not data_type.FLOAT or stats.dim != (*q.dim[:3], 1):
+            raise ValueError(f"stats must be FLOAT {(*q.dim[:3], 1)}, got {stats.data_type} {stats.dim}")
+        if dBias is not None and bias is None:
+            raise ValueError("dBias without bias")
+        if dBias is not None and (len(dBias.dim) != 4 or dBias.dim[2:] != bias.dim[2:]):
+            raise ValueError(f"dBias dims {dBias.dim} against bias {bias.dim}")
+        self.op = dict(kind="sdpa_backward", q=q, k=k, v=v, o=o, dO=dO, stats=stats, attn_scale=attn_scale,
+                       bias=bias, dBias=dBias, use_alibi_mask=use_alibi_mask, use_causal_mask=use_causal_mask,
+                       use_causal_mask_bottom_right=use_causal_mask_bottom_right,
+                       diagonal_alignment=diagonal_alignment, left_bound=diagonal_band_left_bound,
+                       right_bound=diagonal_band_right_bound, deterministic=use_deterministic_algorithm)
+        return self._outputs(3)
 
     def sdpa_fp8(self, q: Tensor, k: Tensor, v: Tensor, descale_q: Tensor, descale_k: Tensor, descale_v: Tensor,
                  descale_s: Tensor, scale_s: Tensor, scale_o: Tensor, is_inference: bool | None = None,
@@ -205,6 +237,26 @@ class pygraph:  # noqa: N801
 
     # the build steps, in the order the samples call them
     def validate(self) -> None:
+        """cuDNN's support checks on what this fake computes (sdpa_support_surface.h and the backward node's
+        validate in scaled_dot_product_flash_attention.h), raised as the binding raises GRAPH_NOT_SUPPORTED."""
+        op = self.op
+        assert op is not None
+        if op["kind"] in ("sdpa", "sdpa_backward"):
+            right, bottom_right = op["right_bound"], op["diagonal_alignment"] is diagonal_alignment.BOTTOM_RIGHT
+            if op["use_alibi_mask"] and right != 0:
+                raise cudnnGraphNotSupportedError("When alibi mask is used, diagonal_band_right_bound needs to be "
+                                                  "set to 0.")
+            if right is not None and bottom_right and (op["bias"] is not None or op["use_alibi_mask"]):
+                raise cudnnGraphNotSupportedError("Bottom right causal mask is only supported with is_bias=False, "
+                                                  "is_alibi=False, is_dropout=False.")
+            s_q, s_kv = op["q"].dim[2], op["k"].dim[2]
+            if right is not None and bottom_right and s_q > s_kv:
+                raise cudnnGraphNotSupportedError("Bottom right causal mask does not support max_s_q > max_s_kv.")
+            if op["left_bound"] is not None and s_q > s_kv:
+                raise cudnnGraphNotSupportedError("Sliding window attention is only supported with max_s_q <= "
+                                                  "max_s_kv.")
+            if op["kind"] == "sdpa_backward" and op["q"].dim[2] == 1 and op["k"].dim[2] == 1:
+                raise cudnnGraphNotSupportedError("s_q = s_kv = 1 is not supported.")
         self.built.append("validate")
 
     def build_operation_graph(self) -> None:
@@ -287,7 +339,7 @@ class pygraph:  # noqa: N801
                 value = value.clamp(-torch.finfo(target.dtype).max, torch.finfo(target.dtype).max)
             target.as_strided(t.dim, t.stride, target.storage_offset()).copy_(value.to(target.dtype))
 
-        fp8 = op["kind"] != "sdpa"
+        fp8 = op["kind"] not in ("sdpa", "sdpa_backward")
         q, k, v = read(op["q"]), read(op["k"]), read(op["v"])
         if fp8:
             q = q * read(op["descale_q"])
@@ -299,6 +351,11 @@ class pygraph:  # noqa: N801
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(hq // v.shape[1], dim=1)
         scores = q @ k.transpose(-1, -2) * op["attn_scale"]
+        if op.get("bias") is not None:  # fp16_ref.py's order: bias, ALiBi, then the masks
+            scores = scores + read(op["bias"])
+        if op.get("use_alibi_mask"):  # (col - row) * slope: cuDNN's fixed slopes (get_alibi_slope), top-left
+            distance = (torch.arange(sk)[None, :] - torch.arange(sq)[:, None]).double()
+            scores = scores + distance * torch.tensor(alibi_slopes(hq), dtype=torch.float64).view(1, hq, 1, 1)
         offset = sk - sq if op["diagonal_alignment"] is diagonal_alignment.BOTTOM_RIGHT else 0
         rel = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - offset  # j - (i + o)
         keep = torch.ones(sq, sk, dtype=torch.bool)
@@ -311,6 +368,9 @@ class pygraph:  # noqa: N801
         scores = scores.masked_fill(~keep, float("-inf"))
         if op["kind"] == "sdpa_fp8_backward":
             self._backward(op, read, write, q, k, v, scores, group)
+            return
+        if op["kind"] == "sdpa_backward":
+            self._half_backward(op, read, write, q, k, v, scores, group)
             return
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out = probs @ v
@@ -346,6 +406,37 @@ class pygraph:  # noqa: N801
             write(out, value * read(op[scale]))
             write(amax, value.abs().max().reshape(1, 1, 1, 1))
         write(amax_dp, d_p.abs().max().reshape(1, 1, 1, 1))
+
+
+    @staticmethod
+    def _half_backward(op: dict[str, Any], read: Any, write: Any, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, scores: torch.Tensor, group: int) -> None:
+        """dQ, dK, dV (and dBias, summed over the dims it has as 1) of bf16/fp16 attention in float64 from the
+        forward's stats (P = exp(S - stats): a wrong stats tensor gives wrong gradients), rounded to their dtype."""
+        probs = torch.exp(scores - read(op["stats"])).nan_to_num(0.0)
+        o, d_o = read(op["o"]), read(op["dO"])
+        d_v = probs.transpose(-1, -2) @ d_o
+        d_p = d_o @ v.transpose(-1, -2)
+        d_s = probs * (d_p - (d_o * o).sum(-1, keepdim=True))
+        d_q = d_s @ k * op["attn_scale"]
+        d_k = d_s.transpose(-1, -2) @ q * op["attn_scale"]
+        b, hq = q.shape[:2]
+        d_k = d_k.reshape(b, hq // group, group, *d_k.shape[2:]).sum(2)
+        d_v = d_v.reshape(b, hq // group, group, *d_v.shape[2:]).sum(2)
+        for out, value in zip(op["outputs"], (d_q, d_k, d_v), strict=True):
+            write(out, value)
+        if op["dBias"] is not None:  # a reduction of dS into dBias's dims
+            dims = [i for i in (0, 1) if op["dBias"].dim[i] == 1 and d_s.shape[i] != 1]
+            write(op["dBias"], d_s.sum(dim=dims, keepdim=True) if dims else d_s)
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """cudnn_frontend_utils.h's get_alibi_slope, written independently of the adapter (float64 here; cuDNN's
+    are float32, within an ulp)."""
+    n = 2 ** int(math.floor(math.log2(heads)))
+    slopes = [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+    slopes += [2.0 ** (-4.0 * i / n) for i in range(1, 2 * (heads - n), 2)]
+    return slopes
 
 
 def fake_modules() -> dict[str, types.ModuleType]:

@@ -1,6 +1,7 @@
 """`nvidia.cudnn_frontend`: cuDNN's SDPA through NVIDIA's cuDNN frontend Python graph API (package `cudnn`, pip
-distribution `nvidia-cudnn-frontend`, the opdispatch extra `[cudnn]`), bf16/fp16 and FP8 forward, and FP8 forward
-and backward for bf16/fp16 calls cast to FP8 inside (option `fp8_dpa`, TransformerEngine's fp8_dpa).
+distribution `nvidia-cudnn-frontend`, the opdispatch extra `[cudnn]`): bf16/fp16 forward and backward with additive
+bias and ALiBi (option `half`), FP8 forward, and FP8 forward and backward for bf16/fp16 calls cast to FP8 inside
+(option `fp8_dpa`, TransformerEngine's fp8_dpa).
 
 Read from NVIDIA/cudnn-frontend at commit 3929da2ef4c1dba1bb8acb68727b9134f26f40c0 (python/pygraph/sdpa.cpp, the
 bindings; test/python/sdpa/fp16.py, fp8.py, fp16_ref.py, the samples and their reference):
@@ -71,18 +72,37 @@ clip, or that uses under 1/16 of FP8's range, reruns the graph with scale = fp8_
 else an error): never a clipped gradient returned. The gradients are dequantized to the inputs' dtype. That host
 read keeps the backward out of CUDA-graph capture (refused with the reason). A gradient for FP8 *inputs* is never
 offered: autograd casts a leaf's gradient to the leaf's dtype (FP8, unscaled), so the op refuses requires_grad on
-FP8 q/k/v; bf16/fp16 backward is not built (a bf16/fp16 call with grad goes elsewhere unless `fp8_dpa`).
+FP8 q/k/v.
+
+bf16/fp16 score terms (option `half`): an additive `attn_bias` is the graph's `bias` (4-D, batch and head dims 1 or
+full, query and key dims full — a bias broadcast along them is expanded —, rounded to q's dtype as torch's SDPA rounds
+it); ALiBi is cuDNN's `use_alibi_mask`, which adds (col - row) * slope with *fixed* slopes (get_alibi_slope in
+cudnn_frontend_utils.h: 2**(-8 i / n), ALiBi's paper, written into the workspace — a graph takes no slopes), so each
+ALiBi call's slopes are compared with those (one host read per call, refused inside CUDA-graph capture; others
+raise, and the manager sends the call on). cuDNN takes ALiBi with right_bound 0 only (causal), and neither a bias nor
+ALiBi with a bottom-right diagonal; FP8 takes no bias (sdpa_support_surface.h); a window or a bottom-right diagonal
+over more queries than keys is refused at run time (the lengths are not in the decision class).
+
+bf16/fp16 backward (calls that require grad, option `half`): the forward graph also writes the softmax stats; an
+autograd function keeps q/k/v, the output, the stats and the graph's bias, and its backward runs
+`sdpa_backward(q, k, v, o, dO, stats, attn_scale=, bias=, dBias=, use_alibi_mask=, diagonal_alignment=,
+diagonal_band_left_bound=, diagonal_band_right_bound=)` (dO in O's strides, as cuDNN reads it). dBias has the graph
+bias's dims (cuDNN reduces dS over the batch/head dims it broadcasts), then is summed over the query/key dims the
+caller's bias broadcasts over, in its shape and dtype. Head dims: up to 256 on Hopper, 128 elsewhere; s_q = s_kv = 1
+refused (cuDNN's backward node). Graphs are cached per signature (bias dims/strides, ALiBi, dBias included). The
+bias, ALiBi and backward paths are contract-tested on CPU against the fake; their GPU tests
+(tests/gpu/test_cudnn_frontend_gpu.py) were written without a GPU run (UNVERIFIED until the lead runs them).
 
 What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): paged K/V
-(`paged_attention_k_table`), ragged thd offsets (`set_ragged_offset`), ALiBi, bias, dropout, the LSE as an output
-(`stats`: only kept for the FP8 backward), the bf16/fp16 backward. Graphs are built once per signature (shapes,
-strides, dtypes, options, device) and never during CUDA-graph capture (building synchronizes): a first call inside
-capture raises with the fix (warm up).
+(`paged_attention_k_table`), ragged thd offsets (`set_ragged_offset`), dropout, the LSE as an output (`stats`: only
+kept for the backward). Graphs are built once per signature (shapes, strides, dtypes, options, device) and never
+during CUDA-graph capture (building synchronizes): a first call inside capture raises with the fix (warm up).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from typing import Any, ClassVar
 
@@ -100,7 +120,13 @@ _SCALE_S = 256.0  # the FP8 probabilities' scale: P in [0, 1] maps into e4m3's a
 _AUTOTUNE_REPS = 3  # timed runs per plan after its warm-up run
 _FP8_HEAD_DIMS = frozenset({64, 128})  # FP8 SDPA's head dims claimed (cuDNN's check_support is the last word)
 _UID = {"q": 1, "k": 2, "v": 3, "o": 4, "descale_q": 5, "descale_k": 6, "descale_v": 7, "descale_s": 8,
-        "scale_s": 9, "scale_o": 10, "amax_s": 11, "amax_o": 12, "stats": 13}
+        "scale_s": 9, "scale_o": 10, "amax_s": 11, "amax_o": 12, "stats": 13, "bias": 14}
+# bf16/fp16 backward (sdpa_backward, test/python/sdpa/fp16.py's backward graph)
+_HALF_BWD_UID = {name: uid for uid, name in enumerate(
+    ("q", "k", "v", "o", "dO", "stats", "bias", "dQ", "dK", "dV", "dBias"), start=1)}
+_BACKWARD_HEAD_DIM_MAX = {9: 256}  # sdpa_backward's head dims by SM major (scaled_dot_product_flash_attention.h:
+# Hopper d_qk, d_v <= 256; elsewhere <= 128, Blackwell's 192/128 aside — not claimed here)
+_ALIBI_SLOPE_RTOL = 1e-6  # the call's slopes against cuDNN's fixed ones: a float32 ulp or two (powf vs torch.pow)
 _BWD_UID = {name: uid for uid, name in enumerate((
     "q", "k", "v", "o", "dO", "stats", "descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s",
     "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP", "dQ", "dK", "dV", "amax_dQ", "amax_dK",
@@ -126,6 +152,71 @@ def _bounds(call: AttentionCall) -> tuple[int | None, int | None]:
     if call.causal:
         right = 0
     return (None if left < 0 else left + 1), (None if right < 0 else right)
+
+
+@functools.cache
+def _cudnn_alibi_slopes(heads: int) -> tuple[float, ...]:
+    """cuDNN's ALiBi slopes for `heads` query heads (cudnn_frontend_utils.h, get_alibi_slope, written into the
+    graph's workspace: a graph takes no slopes of its own): n = the largest power of 2 <= heads, slopes
+    2**(-8 i / n) for i = 1..n, then 2**(-8 (2 j + 1) / (2 n)) for the remaining heads — float32 arithmetic."""
+    n = 1 << int(math.log2(heads))
+    exponents = [float(i + 1) for i in range(n)] + [(i + 1) * 0.5 for i in range(0, 2 * (heads - n), 2)]
+    values = torch.tensor(exponents, dtype=torch.float32) * -8.0 / float(n)
+    return tuple(float(x) for x in torch.pow(2.0, values))
+
+
+def _check_alibi_slopes(call: AttentionCall) -> None:
+    """cuDNN's ALiBi has fixed slopes (`_cudnn_alibi_slopes`): a call whose slopes differ is refused at run time
+    (its values are data, read by no selection) — one host read of the (heads,) or (batch, heads) slopes per call,
+    so never inside CUDA-graph capture."""
+    slopes = call.alibi_slopes
+    assert slopes is not None
+    if slopes.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("nvidia.cudnn_frontend: an ALiBi call reads its slopes on the host (cuDNN's ALiBi has "
+                           f"fixed slopes, checked per call) and cannot run inside CUDA-graph capture "
+                           f"({call.describe()}); capture another implementation, or pass the slopes as attn_bias")
+    want = torch.tensor(_cudnn_alibi_slopes(call.heads_q), dtype=torch.float32, device=slopes.device)
+    if not bool(torch.allclose(slopes.detach(), want.expand_as(slopes), rtol=_ALIBI_SLOPE_RTOL, atol=0.0)):
+        raise ValueError(f"nvidia.cudnn_frontend: cuDNN's ALiBi uses the standard slopes for {call.heads_q} heads "
+                         f"({[round(x, 6) for x in _cudnn_alibi_slopes(call.heads_q)]}: 2**(-8 i / n), ALiBi's "
+                         f"paper), the call's are {slopes.detach().cpu().tolist()}; pass other slopes as an "
+                         "additive attn_bias, or use another implementation")
+
+
+def _check_lengths(call: AttentionCall) -> None:
+    """cuDNN refuses a diagonal band over more queries than keys (sdpa_support_surface.h: "Bottom right causal mask
+    does not support max_s_q > max_s_kv", "Sliding window attention is only supported with max_s_q <= max_s_kv"):
+    the lengths are no part of the decision class, so such a call is refused here, before any graph is built (the
+    manager sends it to the next implementation)."""
+    if call.seqlen_q <= call.seqlen_k:
+        return
+    left, right = _bounds(call)
+    if left is not None or (right is not None and call.causal_alignment == "bottom_right"):
+        raise ValueError(f"nvidia.cudnn_frontend: cuDNN takes a sliding window, or a bottom-right diagonal, only "
+                         f"with seqlen_q <= seqlen_k; the call has seqlen_q={call.seqlen_q} > "
+                         f"seqlen_k={call.seqlen_k} ({call.describe()}); use another implementation")
+
+
+def _graph_bias(call: AttentionCall) -> torch.Tensor | None:
+    """The call's attn_bias as the graph's bias (detached): 4-D in q's dtype (cuDNN's bias is the graph's io type,
+    as torch's SDPA rounds a bias to q's dtype), batch and head dims 1 or full, the query and key dims full
+    (a bias broadcast along them is expanded), contiguous."""
+    bias = call.attn_bias
+    if bias is None:
+        return None
+    bias = bias.detach()
+    bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) if bias.dim() < 4 else bias
+    full = bias.expand(bias.shape[0], bias.shape[1], call.seqlen_q, call.seqlen_k)
+    return full.to(call.dtype).contiguous()
+
+
+def _user_bias_grad(d_bias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """dBias as the graph wrote it ((1 | b, 1 | h, s_q, s_k): cuDNN sums the batch and head dims the bias
+    broadcasts over) summed over the query/key dims the caller's bias broadcasts over, in its shape and dtype."""
+    shape4 = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+    dims = [i for i in (2, 3) if shape4[i] == 1 and d_bias.shape[i] != 1]
+    grad = d_bias.float().sum(dim=dims, keepdim=True) if dims else d_bias
+    return grad.reshape(bias.shape).to(bias.dtype)
 
 
 @functools.cache
@@ -269,7 +360,8 @@ class CudnnFrontendOptions(BaseModel):
 
     half: bool = Field(
         default=False,
-        description="take bf16/fp16 calls too (FP8 calls always). Off by default: cuDNN builds a graph per new "
+        description="take bf16/fp16 calls too, forward and backward, with bias and ALiBi (FP8 calls always). Off by "
+                    "default: cuDNN builds a graph per new "
                     "shape — 0.07-1.0 s each on an H100 (benchmarks/results/policy-proof-window-h100/"
                     "policy_proof.json, first_call_s) — which a workload of changing lengths pays at every new "
                     "length; at repeated shapes it is the fastest windowed forward there (14-61% over torch's FA2, "
@@ -295,7 +387,7 @@ class CudnnFrontendAttention(AttentionImpl):
     name: ClassVar[str] = "cudnn_frontend"
     priority: ClassVar[int] = 38  # below nvidia.cudnn (torch's binding of the same kernels, no Python per call)
     description: ClassVar[str] = ("cuDNN SDPA through the cuDNN frontend's Python graph API (nvidia-cudnn-frontend):"
-                                  " bf16/fp16 and FP8 forward")
+                                  " bf16/fp16 forward and backward (bias, ALiBi), FP8 forward and fp8_dpa training")
     device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
     device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
     min_capability: ClassVar[tuple[int, int] | None] = (8, 0)
@@ -303,8 +395,11 @@ class CudnnFrontendAttention(AttentionImpl):
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=frozenset({torch.float16, torch.bfloat16}) | FP8_DTYPES, head_dim_min=8, head_dim_max=256,
         head_dim_multiple=8, head_dim_v_differs=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True,
-        backward=True,  # FP8's, for fp8_dpa calls (extra_reasons refuses a bf16/fp16 call with grad otherwise)
+        backward=True,  # bf16/fp16's sdpa_backward, FP8's for fp8_dpa calls (limits: extra_reasons)
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True,
+        # bf16/fp16 only (cuDNN: "SDPA FP8 does not support bias"); ALiBi causal with cuDNN's fixed slopes, neither
+        # with a bottom-right diagonal (extra_reasons, and a run-time check of the slopes)
+        attn_bias=True, bias_grad=True, alibi=True,
         fp8_out_dtypes=frozenset(FP8_OUT_DTYPES) | FP8_DTYPES, fp8_descale_per_head=False, fp8_out_amax=True,
         # Not measured: cuDNN picks plans per shape; neither determinism is claimed.
         deterministic_forward=False,
@@ -316,23 +411,25 @@ class CudnnFrontendAttention(AttentionImpl):
         super().__init__()
         self._graphs = _Graphs()
 
-    # selection_key reads no size (opdispatch.engine._classes).
-    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {}
+    # selection_key reads whether each length is 1 (sdpa_backward refuses s_q = s_kv = 1): opdispatch.engine._classes.
+    dense_key_size_cuts: ClassVar[dict[str, tuple[int, ...]] | None] = {"seqlen_q": (2,), "seqlen_k": (2,)}
 
     def selection_key(self, call: AttentionCall) -> Any:
-        return ()  # extra_reasons reads the dtype, head dims, the options and the device: no sizes
+        return (call.seqlen_q == 1, call.seqlen_k == 1)  # besides what the class key holds, extra_reasons reads these
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        reasons = self._score_term_reasons(call)
         if not call.fp8 and not self.options.fp8_dpa:
             if not self.options.half:
                 return ["bf16/fp16 calls are off by default: cuDNN builds a graph per new shape (0.07-1.0 s on an "
                         "H100), paid at every new length; enable with ops.attention.options."
                         "'nvidia.cudnn_frontend': {half: true} for fixed-shape inference"]
             if call.requires_grad:
-                return ["bf16/fp16 backward is not built here (only FP8's, through the fp8_dpa option: "
-                        "ops.attention.options.'nvidia.cudnn_frontend': {fp8_dpa: true})"]
-            return []
-        reasons = []
+                reasons += self._half_backward_reasons(call, device)
+            return reasons
+        if call.attn_bias is not None or call.alibi_slopes is not None:
+            reasons.append("cuDNN's FP8 SDPA takes no attn_bias (\"SDPA FP8 does not support bias\") and ALiBi is "
+                           "not built for it here: compute this call in bf16/fp16")
         if call.fp8_out and call.out_dtype != call.dtype:
             reasons.append(f"cuDNN's FP8 SDPA writes its FP8 output in the inputs' kind ({call.dtype}), not "
                            f"{call.out_dtype}: pass out_dtype={call.dtype}")
@@ -342,9 +439,46 @@ class CudnnFrontendAttention(AttentionImpl):
         if device.capability is not None and device.capability < (9, 0):
             reasons.append(f"cuDNN FP8 SDPA needs Hopper or newer (sm90+), device is sm{device.capability[0]}"
                            f"{device.capability[1]}")
+        if (call.causal_alignment == "bottom_right" and _bounds(call)[1] is not None and device.capability is not None
+                and device.capability < (10, 0)):
+            reasons.append("cuDNN's FP8 SDPA takes a bottom-right diagonal on Blackwell (sm100+) only "
+                           "(sdpa_support_surface.h), device is "
+                           f"sm{device.capability[0]}{device.capability[1]}")
         if call.head_dim not in _FP8_HEAD_DIMS or call.head_dim_v != call.head_dim:
             reasons.append(f"cuDNN FP8 SDPA is claimed for head_dim = head_dim_v in {sorted(_FP8_HEAD_DIMS)}, "
                            f"not {call.head_dim}/{call.head_dim_v}")
+        return reasons
+
+    @staticmethod
+    def _score_term_reasons(call: AttentionCall) -> list[str]:
+        """cuDNN's limits on the bias and ALiBi (sdpa_support_surface.h, scaled_dot_product_flash_attention.h)."""
+        reasons = []
+        left, right = _bounds(call)
+        bottom_right = call.causal_alignment == "bottom_right" and right is not None  # cuDNN's "bottom right" mask
+        if call.alibi_slopes is not None:
+            if right != 0:
+                reasons.append("cuDNN's ALiBi needs causal masking (\"When alibi mask is used, "
+                               "diagonal_band_right_bound needs to be set to 0\"): pass causal=True, or the ALiBi "
+                               "as an additive attn_bias")
+            if call.alibi_slopes.requires_grad and call.requires_grad:
+                reasons.append("no gradient for alibi_slopes: cuDNN's ALiBi slopes are fixed constants")
+        if bottom_right and (call.attn_bias is not None or call.alibi_slopes is not None):
+            reasons.append("cuDNN takes a bottom-right diagonal (causal_alignment='bottom_right' with "
+                           "seqlen_q != seqlen_k) only without bias and ALiBi (\"Bottom right causal mask is only "
+                           "supported with is_bias=False, is_alibi=False\")")
+        return reasons
+
+    @staticmethod
+    def _half_backward_reasons(call: AttentionCall, device: DeviceInfo) -> list[str]:
+        reasons = []
+        major = device.capability[0] if device.capability is not None else None
+        top = _BACKWARD_HEAD_DIM_MAX.get(major, 128) if major is not None else 256
+        if max(call.head_dim, call.head_dim_v) > top:
+            reasons.append(f"cuDNN's bf16/fp16 backward takes head dims up to {top} on sm{major}x, not "
+                           f"{call.head_dim}/{call.head_dim_v}")
+        if call.seqlen_q == 1 and call.seqlen_k == 1:
+            reasons.append("cuDNN's bf16/fp16 backward refuses seqlen_q = seqlen_k = 1 (\"s_q = s_kv = 1 is not "
+                           "supported\")")
         return reasons
 
     def run(self, call: AttentionCall) -> torch.Tensor:
@@ -356,7 +490,14 @@ class CudnnFrontendAttention(AttentionImpl):
                                  call.v_descale), call.out_dtype, with_stats=False, out_scale=call.out_scale,
                                  out_amax=call.out_amax)[0]
         if not self.options.fp8_dpa:
-            return self._forward(cudnn, call, call.q, call.k, call.v, None, call.out_dtype, with_stats=False)[0]
+            if call.alibi_slopes is not None:
+                _check_alibi_slopes(call)
+            if call.requires_grad:
+                half: torch.Tensor = _HalfDotProductAttention.apply(call.q, call.k, call.v, call.attn_bias, self,
+                                                                    call)
+                return half
+            return self._forward(cudnn, call, call.q, call.k, call.v, None, call.out_dtype, with_stats=False,
+                                 bias=_graph_bias(call))[0]
         if call.requires_grad:
             result: torch.Tensor = _Fp8DotProductAttention.apply(call.q, call.k, call.v, self, call)
             return result
@@ -366,20 +507,24 @@ class CudnnFrontendAttention(AttentionImpl):
     def _forward(self, cudnn: Any, call: AttentionCall, q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor,
                  descales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype,
                  with_stats: bool, out_scale: torch.Tensor | None = None, out_amax: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Attention of q/k/v in the call's layout (FP8 with `descales`, or bf16/fp16): (the output in
         `out_dtype`, the graph's own output — FP8 for FP8 —, its descale for FP8, the softmax stats (b, h, s_q, 1)
         float32 when `with_stats`). FP8 only: `out_scale` (the caller's, for an FP8 `out_dtype`) is the graph's
         scale_o — no v amax, no dequantization: the graph's output is the result —, and `out_amax` receives
-        cuDNN's Amax_O (max|output| in real units)."""
+        cuDNN's Amax_O (max|output| in real units). bf16/fp16 only: `bias` the graph's (`_graph_bias`), and the
+        call's ALiBi as cuDNN's (slopes checked by the caller)."""
         q, k, v = call.bhsd(q_in), call.bhsd(k_in), call.bhsd(v_in)
+        _check_lengths(call)
         fp8 = descales is not None
         out = torch.empty((*q_in.shape[:-1], call.head_dim_v), dtype=q.dtype if fp8 else out_dtype,
                           device=q.device)
         o = call.bhsd(out)
         stats = torch.empty((*q.shape[:3], 1), dtype=torch.float32, device=q.device) if with_stats else None
         key = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), o.stride(),
-               q.dtype, call.scale, call.causal, call.causal_alignment, call.window, q.device, with_stats)
+               q.dtype, call.scale, call.causal, call.causal_alignment, call.window, q.device, with_stats,
+               None if bias is None else (tuple(bias.shape), bias.stride()), call.alibi_slopes is not None)
         handle, device_lock = self._graphs.handle(cudnn, q.device)
         cuda = q.device.type == "cuda"  # (the contract tests run this adapter on CPU behind a fake `cudnn`)
         capturing = cuda and torch.cuda.is_current_stream_capturing()
@@ -391,10 +536,12 @@ class CudnnFrontendAttention(AttentionImpl):
                 raise RuntimeError("nvidia.cudnn_frontend: a call of a new signature inside CUDA-graph capture "
                                    f"({call.describe()}); building its cuDNN graph synchronizes. Run one call of "
                                    "this signature before capturing (warm-up)")
-            graph = self._build(cudnn, call, q, k, v, o, stats, handle)
+            graph = self._build(cudnn, call, q, k, v, o, stats, bias, handle)
             if not self.options.autotune:
                 plan = self._remember(key, _Plan(graph, None, graph.get_workspace_size()))
         pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: o}
+        if bias is not None:
+            pack[_UID["bias"]] = bias
         if stats is not None:
             pack[_UID["stats"]] = stats
         scratch = None
@@ -502,6 +649,86 @@ class CudnnFrontendAttention(AttentionImpl):
             results.append(grad)
         return results[0], results[1], results[2]
 
+    def _half_backward(self, cudnn: Any, call: AttentionCall, saved: tuple[torch.Tensor, ...],
+                       bias: torch.Tensor | None, grad_out: torch.Tensor, bias_grad: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """dq, dk, dv (the call's layout and dtype) and, with `bias_grad`, the graph bias's gradient (its shape)
+        through cuDNN's bf16/fp16 `sdpa_backward` from the forward's q, k, v, output and stats (`saved`)."""
+        q_in, k_in, v_in, out, stats = saved
+        # cuDNN's backward reads dO with O's strides: an autograd gradient of other strides is copied into O's
+        d_o_in = grad_out
+        if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype:
+            d_o_in = torch.empty_like(out)
+            d_o_in.copy_(grad_out)
+        grads_in = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q_in, k_in, v_in)]
+        q, k, v, o, d_o, dq, dk, dv = (call.bhsd(t) for t in (q_in, k_in, v_in, out, d_o_in, *grads_in))
+        d_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None and bias_grad \
+            else None
+        key = ("half_backward", tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
+               o.stride(), d_o.stride(), dq.stride(), dk.stride(), dv.stride(), q.dtype, call.scale, call.causal,
+               call.causal_alignment, call.window, q.device, call.alibi_slopes is not None,
+               None if bias is None else (tuple(bias.shape), bias.stride()), d_bias is not None)
+        cuda = q.device.type == "cuda"
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        stream = torch.cuda.current_stream(q.device).cuda_stream if cuda else 0
+        handle, device_lock = self._graphs.handle(cudnn, q.device)
+        plan = self._graphs.graphs.get(key)
+        graph: Any = None
+        if plan is None:
+            if capturing:
+                raise RuntimeError("nvidia.cudnn_frontend: a backward of a new signature inside CUDA-graph capture "
+                                   f"({call.describe()}); building its cuDNN graph synchronizes. Run one backward of "
+                                   "this signature before capturing (warm-up)")
+            graph = self._build_half_backward(cudnn, call, q, k, v, o, d_o, stats, bias, dq, dk, dv, d_bias,
+                                              handle)
+            if not self.options.autotune:
+                plan = self._remember(key, _Plan(graph, None, graph.get_workspace_size()))
+        pack = {_HALF_BWD_UID["q"]: q, _HALF_BWD_UID["k"]: k, _HALF_BWD_UID["v"]: v, _HALF_BWD_UID["o"]: o,
+                _HALF_BWD_UID["dO"]: d_o, _HALF_BWD_UID["stats"]: stats, _HALF_BWD_UID["dQ"]: dq,
+                _HALF_BWD_UID["dK"]: dk, _HALF_BWD_UID["dV"]: dv}
+        if bias is not None:
+            pack[_HALF_BWD_UID["bias"]] = bias
+        if d_bias is not None:
+            pack[_HALF_BWD_UID["dBias"]] = d_bias
+        with device_lock:
+            cudnn.set_stream(handle=handle, stream=stream)
+            if plan is None:
+                plan = self._remember(key, _fastest_plan(cudnn, graph, pack, handle, q.device, call.describe()))
+            workspace = torch.empty(plan.workspace_size, dtype=torch.uint8, device=q.device)
+            plan.execute(pack, workspace, handle)
+        return grads_in[0], grads_in[1], grads_in[2], d_bias
+
+    def _build_half_backward(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor,
+                             bias: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                             d_bias: torch.Tensor | None, handle: Any) -> Any:
+        """cuDNN's bf16/fp16 SDPA backward (test/python/sdpa/fp16.py's backward graph): the forward's bounds,
+        bias and ALiBi; dBias (the bias's dims: cuDNN reduces the batch and head dims it broadcasts over)."""
+        io = _cudnn_type(cudnn, q.dtype)
+        graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                              compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        inputs = {n: graph.tensor(uid=_HALF_BWD_UID[n], dim=tuple(t.shape), stride=t.stride(),
+                                  data_type=cudnn.data_type.FLOAT if n == "stats" else io)
+                  for n, t in (("q", q), ("k", k), ("v", v), ("o", o), ("dO", d_o), ("stats", stats))}
+        t_bias = t_dbias = None
+        if bias is not None:
+            t_bias = graph.tensor(uid=_HALF_BWD_UID["bias"], dim=tuple(bias.shape), stride=bias.stride(),
+                                  data_type=io)
+        if d_bias is not None:
+            t_dbias = graph.tensor(uid=_HALF_BWD_UID["dBias"], dim=tuple(d_bias.shape), stride=d_bias.stride(),
+                                   data_type=io)
+        left, right = _bounds(call)
+        align = (cudnn.diagonal_alignment.BOTTOM_RIGHT if call.causal_alignment == "bottom_right"
+                 else cudnn.diagonal_alignment.TOP_LEFT)
+        t_dq, t_dk, t_dv = graph.sdpa_backward(
+            **inputs, attn_scale=call.scale, bias=t_bias, dBias=t_dbias,
+            use_alibi_mask=call.alibi_slopes is not None, diagonal_alignment=align, diagonal_band_left_bound=left,
+            diagonal_band_right_bound=right)
+        for name, t, like in (("dQ", t_dq, dq), ("dK", t_dk, dk), ("dV", t_dv, dv)):
+            t.set_uid(_HALF_BWD_UID[name]).set_output(True).set_dim(tuple(like.shape)).set_stride(like.stride()) \
+                .set_data_type(io)
+        return self._build_plans(cudnn, graph)
+
     def _remember(self, key: Any, plan: _Plan) -> _Plan:
         with self._graphs.lock:
             if len(self._graphs.graphs) >= self._graphs.limit:
@@ -521,7 +748,7 @@ class CudnnFrontendAttention(AttentionImpl):
         return graph
 
     def _build(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               o: torch.Tensor, stats: torch.Tensor | None, handle: Any) -> Any:
+               o: torch.Tensor, stats: torch.Tensor | None, bias: torch.Tensor | None, handle: Any) -> Any:
         io = _cudnn_type(cudnn, q.dtype)
         graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                               compute_data_type=cudnn.data_type.FLOAT, handle=handle)
@@ -539,7 +766,10 @@ class CudnnFrontendAttention(AttentionImpl):
             for name, t in (("amax_s", amax_s), ("amax_o", amax_o)):
                 _scalar_output(cudnn, t, _UID[name])
         else:
+            t_bias = None if bias is None else graph.tensor(uid=_UID["bias"], dim=tuple(bias.shape),
+                                                            stride=bias.stride(), data_type=io)
             to, t_stats = graph.sdpa(q=tq, k=tk, v=tv, generate_stats=stats is not None, attn_scale=call.scale,
+                                     bias=t_bias, use_alibi_mask=call.alibi_slopes is not None,
                                      diagonal_alignment=align, diagonal_band_left_bound=left,
                                      diagonal_band_right_bound=right)
         to.set_uid(_UID["o"]).set_output(True).set_dim(tuple(o.shape)).set_stride(o.stride()).set_data_type(io)
@@ -587,6 +817,36 @@ class _Saved:
                  stats: torch.Tensor, dtype: torch.dtype, describe: str) -> None:
         self.q8, self.k8, self.v8, self.o8, self.descales = q8, k8, v8, o8, descales
         self.descale_o, self.stats, self.dtype, self.describe = descale_o, stats, dtype, describe
+
+
+class _HalfDotProductAttention(torch.autograd.Function):
+    """bf16/fp16 q/k/v (and an attn_bias) that require grad: the forward graph also writes the softmax stats, kept
+    with q/k/v, the output and the graph's bias for cuDNN's `sdpa_backward`; the bias's gradient (dBias) comes
+    back in the caller's bias shape and dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None,
+                impl: CudnnFrontendAttention, call: AttentionCall) -> torch.Tensor:
+        import cudnn
+
+        bias = _graph_bias(call)
+        out, _, _, stats = impl._forward(cudnn, call, q, k, v, None, call.out_dtype, with_stats=True, bias=bias)
+        assert stats is not None
+        ctx.impl, ctx.call = impl, call.stripped()
+        ctx.user_bias = None if attn_bias is None else attn_bias.detach()  # shape and dtype of its gradient
+        ctx.save_for_backward(q.detach(), k.detach(), v.detach(), out, stats, bias)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        import cudnn
+
+        q, k, v, out, stats, bias = ctx.saved_tensors
+        bias_grad = ctx.user_bias is not None and ctx.needs_input_grad[3]
+        call = ctx.call.with_tensors(q, k, v)
+        dq, dk, dv, d_bias = ctx.impl._half_backward(cudnn, call, (q, k, v, out, stats), bias, grad_out, bias_grad)
+        user_bias_grad = _user_bias_grad(d_bias, ctx.user_bias) if d_bias is not None else None
+        return dq, dk, dv, user_bias_grad, None, None
 
 
 class _Fp8DotProductAttention(torch.autograd.Function):
