@@ -620,16 +620,20 @@ def test_cudnn_s_alibi_slopes_match_the_published_formula():
                                    atol=0)
 
 
-def test_half_backward_head_dims_by_architecture(tmp_path, monkeypatch):
+def test_half_backward_head_dims_by_architecture(tmp_path):
     """sdpa_backward's head dims: up to 256 on Hopper, 128 elsewhere (a simulated A100 refuses 192 with grad,
     the H100 takes it)."""
     policy = tmp_path / "half.yaml"
     policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
                       "      nvidia.cudnn_frontend: {half: true}\n")
-    monkeypatch.setenv("OPDISPATCH_POLICY", str(policy))
-    opdispatch.get_manager().reload()
-    q, k, v = meta_qkv(d=192, grad=True)
-    for device, refused in (("a100", True), ("h100", False)):
-        with_fe = device_with_library(tmp_path, device, "cudnn_frontend", "1.32.0")
-        _, cand = _reasons({}, (q, k, v), device=with_fe)
-        assert any("head dims up to 128 on sm8x" in r for r in cand.reasons) == refused, (device, cand.reasons)
+    fresh = opdispatch.OpManager()  # its own manager: the policy never reaches other tests' state
+    fresh.set_policy(str(policy))
+    previous = opdispatch.set_manager(fresh)
+    try:
+        q, k, v = meta_qkv(d=192, grad=True)
+        for device, refused in (("a100", True), ("h100", False)):
+            with_fe = device_with_library(tmp_path, device, "cudnn_frontend", "1.32.0")
+            _, cand = _reasons({}, (q, k, v), device=with_fe)
+            assert any("head dims up to 128 on sm8x" in r for r in cand.reasons) == refused, (device, cand.reasons)
+    finally:
+        opdispatch.set_manager(previous)
