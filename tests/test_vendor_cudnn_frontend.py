@@ -637,3 +637,156 @@ def test_half_backward_head_dims_by_architecture(tmp_path):
             assert any("head dims up to 128 on sm8x" in r for r in cand.reasons) == refused, (device, cand.reasons)
     finally:
         opdispatch.set_manager(previous)
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _packed_oracle(q, k, v, lens_q, lens_k, causal, window, bottom_right):
+    """float64 thd attention, one dense oracle call per sequence (a sequence's rows see only its own keys);
+    differentiable in the packed q/k/v."""
+    d = q.shape[-1]
+    outs, cq, ck = [], 0, 0
+    for nq, nk in zip(lens_q, lens_k, strict=True):
+        outs.append(_oracle_scored(q[None, cq:cq + nq], k[None, ck:ck + nk], v[None, ck:ck + nk], d ** -0.5, causal,
+                                   window, bottom_right)[0])
+        cq, ck = cq + nq, ck + nk
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype,heads,lens_q,lens_k,causal,window,align", [
+    # self-attention (one cu_seqlens), GQA, a sequence of length 0
+    (torch.bfloat16, (4, 2), [3, 0, 5, 2], None, True, None, "top_left"),
+    # more queries than keys in one sequence, fewer in another: bottom-right leaves keyless rows (zeros)
+    (torch.float16, (6, 3), [2, 5, 1], [6, 3, 4], True, None, "bottom_right"),
+    # a window, top-left; a sequence with queries and no key at all
+    (torch.bfloat16, (2, 1), [4, 1, 3], [2, 5, 0], False, (2, 1), "top_left"),
+    # causal window, bottom-right, unequal both ways
+    (torch.float16, (4, 4), [5, 2], [3, 7], True, (3, 0), "bottom_right"),
+])
+def test_thd_forward_and_backward_as_ragged_graphs_against_float64(
+        monkeypatch, basic_manager, tmp_path, fake_plans, dtype, heads, lens_q, lens_k, causal, window, align):
+    """Packed varlen (thd) is cuDNN's padded graph with ragged offsets: dims (batch, heads, max_seqlen, dim) with
+    the packing's strides, offsets cu_seqlens * token stride (int64 elements), seq_len_q/kv int32 (b, 1, 1, 1), the
+    padding mask; the backward as well (max_total_seq_len rounded up to 64). Output and gradients against a float64
+    per-sequence oracle (the fake reads and writes only each sequence's rows through its offsets)."""
+    _fe(monkeypatch, basic_manager, tmp_path)
+    gen = torch.Generator().manual_seed(46)
+    hq, hk = heads
+    d = 16
+    self_attention = lens_k is None
+    lens_k = lens_q if self_attention else lens_k
+    cu_q = _cu(lens_q)
+    cu_k = cu_q if self_attention else _cu(lens_k)
+    tq, tk = sum(lens_q), sum(lens_k)
+    if self_attention:  # q/k/v slices of one packed qkv projection: a token stride of (hq + 2 hk) d
+        qkv = torch.randn(tq, hq + 2 * hk, d, generator=gen).to(dtype)
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+    else:
+        q = torch.randn(tq, hq, d, generator=gen).to(dtype)
+        k, v = (torch.randn(tk, hk, d, generator=gen).to(dtype) for _ in range(2))
+    d_o = torch.randn(tq, hq, d, generator=gen).to(dtype)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    kwargs = dict(layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, causal_alignment=align,
+                  window=window)
+    out = opdispatch.attention(*leaves, **kwargs)
+    out.backward(d_o)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    bottom_right = align == "bottom_right" and not self_attention
+    want = _packed_oracle(*ref, lens_q, lens_k, causal, window, bottom_right)
+    want.backward(d_o.double())
+    assert out.dtype == dtype and out.shape == (tq, hq, d)
+    _assert_close_scaled(out.detach(), want.detach(), 6, "out")
+    for name, leaf, r in zip(("dq", "dk", "dv"), leaves, ref, strict=True):
+        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == dtype
+        _assert_close_scaled(leaf.grad, r.grad, 5, name)
+    forward = next(g for g in fake.graphs if g.op["kind"] == "sdpa")
+    backward = next(g for g in fake.graphs if g.op["kind"] == "sdpa_backward")
+    b, max_q, max_k = len(lens_q), max(lens_q), max(lens_k)
+    for op in (forward.op, backward.op):
+        assert op["use_padding_mask"] is True
+        assert op["q"].dim == (b, hq, max_q, d) and op["q"].stride == (max_q * q.stride(0), d, q.stride(0), 1)
+        assert op["k"].dim == (b, hk, max_k, d) and op["k"].stride == (max_k * k.stride(0), d, k.stride(0), 1)
+        assert all(op[n].ragged_offset is not None for n in ("q", "k", "v"))
+        assert op["seq_len_q"].dim == (b, 1, 1, 1) and op["seq_len_q"].data_type is fake.data_type.INT32
+    assert forward.op["outputs"][0].ragged_offset is not None and forward.op["generate_stats"] is True
+    assert all(t.ragged_offset is not None for t in backward.op["outputs"])
+    assert backward.op["max_total_seq_len_q"] == max(64, -(-tq // 64) * 64)
+    pack = next(e["pack"] for e in fake.executions if e["graph"] is forward)
+    offsets = {t.uid: pack[t.ragged_offset.uid].reshape(-1) for t in (forward.op["q"], forward.op["k"])}
+    assert offsets[forward.op["q"].uid].tolist() == (cu_q.long() * q.stride(0)).tolist()  # elements
+    assert offsets[forward.op["k"].uid].tolist() == (cu_k.long() * k.stride(0)).tolist()
+    assert pack[forward.op["seq_len_kv"].uid].reshape(-1).tolist() == lens_k
+    # other lengths of the same batch and longest lengths reuse the graphs; a longer sequence builds new ones
+    graphs = len(fake.graphs)
+    swapped_q = list(reversed(lens_q))
+    swapped_k = swapped_q if self_attention else list(reversed(lens_k))
+    cu_q2 = _cu(swapped_q)
+    cu_k2 = cu_q2 if self_attention else _cu(swapped_k)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out2 = opdispatch.attention(*leaves, **{**kwargs, "cu_seqlens_q": cu_q2, "cu_seqlens_k": cu_k2})
+    out2.backward(d_o)
+    assert len(fake.graphs) == graphs
+    want2 = _packed_oracle(q.double(), k.double(), v.double(), swapped_q, swapped_k, causal, window, bottom_right)
+    _assert_close_scaled(out2.detach(), want2, 6, "out (other lengths)")
+    longer = torch.randn(max_q + 1, hq, d, generator=gen).to(dtype)
+    one = _cu([max_q + 1])
+    with torch.no_grad():
+        opdispatch.attention(longer, longer[:, :hk], longer[:, :hk], layout="thd", cu_seqlens_q=one,
+                             cu_seqlens_k=one, causal=causal, window=window)
+    assert len(fake.graphs) == graphs + 1
+
+
+def test_thd_refusals_say_why(fe):
+    """FP8 and ALiBi with thd are refused at selection with the reason; dense calls are unaffected."""
+    cu = _cu([3, 2])
+    q = torch.zeros(5, 4, 16, dtype=torch.bfloat16)
+    _, cand = _reasons(dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True,
+                            alibi_slopes=_standard_slopes(4)), (q, q, q))
+    assert any("ALiBi with packed varlen (thd)" in r for r in cand.reasons)
+    q8 = torch.zeros(5, 2, 64, dtype=torch.float8_e4m3fn)
+    unit = torch.ones(())
+    _, cand = _reasons(dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, q_descale=unit, k_descale=unit,
+                            v_descale=unit), (q8, q8, q8))
+    assert any("thd) is built here for bf16/fp16 only" in r for r in cand.reasons)
+    d, _ = _reasons(dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu), (q, q, q))
+    assert d.chosen_id == "test.cudnn_fe"
+
+
+def test_the_fake_validates_padding_and_ragged_offsets_as_cudnn_does():
+    """The fake refuses what cuDNN's validate refuses (sdpa_support_surface.h): ragged offsets without the padding
+    mask, a padding mask without both lengths, lengths without the mask, max_total_seq_len without ragged tensors,
+    a paged cache without lengths, paged_attention_max_seq_len_kv without page tables."""
+    def graph_with(ragged=False, **sdpa_kwargs):
+        g = fake.pygraph(io_data_type=fake.data_type.HALF)
+        q, k, v = (g.tensor(uid=i, dim=(2, 2, 4, 8), stride=(64, 8, 16, 1), data_type=fake.data_type.HALF)
+                   for i in (1, 2, 3))
+        if ragged:
+            q.set_ragged_offset(g.tensor(uid=9, dim=(3, 1, 1, 1), stride=(1, 1, 1, 1),
+                                         data_type=fake.data_type.INT64))
+        g.sdpa(q, k, v, generate_stats=False, **sdpa_kwargs)
+        return g
+
+    def lengths(g):
+        return {n: g.tensor(uid=u, dim=(2, 1, 1, 1), stride=(1, 1, 1, 1), data_type=fake.data_type.INT32)
+                for n, u in (("seq_len_q", 7), ("seq_len_kv", 8))}
+
+    with pytest.raises(fake.cudnnGraphNotSupportedError, match="Ragged offsets are only supported with padding"):
+        graph_with(ragged=True).validate()
+    with pytest.raises(RuntimeError, match="Padding mask requires seq_len_q and seq_len_kv"):
+        graph_with(use_padding_mask=True).validate()
+    g = fake.pygraph(io_data_type=fake.data_type.HALF)
+    with pytest.raises(RuntimeError, match="needs to be set only if padding mask is enabled"):
+        graph_with(**lengths(g)).validate()
+    with pytest.raises(fake.cudnnGraphNotSupportedError, match="Paged caches can only be used"):
+        graph_with(paged_attention_k_table=object()).validate()
+    with pytest.raises(fake.cudnnGraphNotSupportedError, match="no need to explicitly set max kv"):
+        graph_with(paged_attention_max_seq_len_kv=8).validate()
+    g = fake.pygraph(io_data_type=fake.data_type.HALF)
+    t = {n: g.tensor(uid=i, dim=(2, 2, 4, 8), stride=(64, 8, 16, 1), data_type=fake.data_type.HALF)
+         for i, n in enumerate(("q", "k", "v", "o", "dO"), start=1)}
+    stats = g.tensor(uid=6, dim=(2, 2, 4, 1), stride=(8, 4, 1, 1), data_type=fake.data_type.FLOAT)
+    g.sdpa_backward(**t, stats=stats, max_total_seq_len_q=64)
+    with pytest.raises(fake.cudnnGraphNotSupportedError, match="max_total_seq_len_q is only supported with packed"):
+        g.validate()

@@ -41,7 +41,8 @@ class data_type(enum.Enum):  # noqa: N801 - the binding's name
 
 
 _TORCH = {data_type.HALF: torch.float16, data_type.BFLOAT16: torch.bfloat16, data_type.FLOAT: torch.float32,
-          data_type.FP8_E4M3: torch.float8_e4m3fn, data_type.FP8_E5M2: torch.float8_e5m2}
+          data_type.FP8_E4M3: torch.float8_e4m3fn, data_type.FP8_E5M2: torch.float8_e5m2,
+          data_type.INT32: torch.int32, data_type.INT64: torch.int64}
 
 
 class heur_mode(enum.Enum):  # noqa: N801
@@ -91,6 +92,14 @@ class Tensor:
                  data_type: data_type | None) -> None:
         self.uid, self.dim, self.stride, self.data_type = uid, dim, stride, data_type
         self.is_output = False
+        self.ragged_offset: Tensor | None = None
+
+    def set_ragged_offset(self, offset: Tensor) -> Tensor:
+        """python/properties.cpp's binding of Tensor_attributes::set_ragged_offset: per batch, the element offset of
+        that batch's first element (test/python/sdpa/fp16.py: prefix_sum(seq_len) * heads * dim, int64 (b + 1, 1, 1,
+        1)), replacing the batch stride."""
+        self.ragged_offset = offset
+        return self
 
     def set_uid(self, uid: int) -> Tensor:
         self.uid = uid
@@ -149,7 +158,9 @@ class pygraph:  # noqa: N801
                        use_causal_mask_bottom_right=use_causal_mask_bottom_right,
                        diagonal_alignment=diagonal_alignment, left_bound=diagonal_band_left_bound,
                        right_bound=diagonal_band_right_bound, generate_stats=generate_stats, bias=bias,
-                       use_alibi_mask=use_alibi_mask)
+                       use_alibi_mask=use_alibi_mask, use_padding_mask=use_padding_mask, seq_len_q=seq_len_q,
+                       seq_len_kv=seq_len_kv, page_table_k=paged_attention_k_table,
+                       page_table_v=paged_attention_v_table, max_seq_len_kv=paged_attention_max_seq_len_kv)
         return self._outputs(2)
 
     def sdpa_backward(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor, dO: Tensor, stats: Tensor,  # noqa: N803
@@ -174,7 +185,9 @@ class pygraph:  # noqa: N801
                        bias=bias, dBias=dBias, use_alibi_mask=use_alibi_mask, use_causal_mask=use_causal_mask,
                        use_causal_mask_bottom_right=use_causal_mask_bottom_right,
                        diagonal_alignment=diagonal_alignment, left_bound=diagonal_band_left_bound,
-                       right_bound=diagonal_band_right_bound, deterministic=use_deterministic_algorithm)
+                       right_bound=diagonal_band_right_bound, deterministic=use_deterministic_algorithm,
+                       use_padding_mask=use_padding_mask, seq_len_q=seq_len_q, seq_len_kv=seq_len_kv,
+                       max_total_seq_len_q=max_total_seq_len_q, max_total_seq_len_kv=max_total_seq_len_kv)
         return self._outputs(3)
 
     def sdpa_fp8(self, q: Tensor, k: Tensor, v: Tensor, descale_q: Tensor, descale_k: Tensor, descale_v: Tensor,
@@ -242,7 +255,9 @@ class pygraph:  # noqa: N801
         op = self.op
         assert op is not None
         if op["kind"] in ("sdpa", "sdpa_backward"):
+            self._validate_padding(op)
             right, bottom_right = op["right_bound"], op["diagonal_alignment"] is diagonal_alignment.BOTTOM_RIGHT
+            padding = op["use_padding_mask"]
             if op["use_alibi_mask"] and right != 0:
                 raise cudnnGraphNotSupportedError("When alibi mask is used, diagonal_band_right_bound needs to be "
                                                   "set to 0.")
@@ -250,14 +265,49 @@ class pygraph:  # noqa: N801
                 raise cudnnGraphNotSupportedError("Bottom right causal mask is only supported with is_bias=False, "
                                                   "is_alibi=False, is_dropout=False.")
             s_q, s_kv = op["q"].dim[2], op["k"].dim[2]
-            if right is not None and bottom_right and s_q > s_kv:
+            if right is not None and bottom_right and not padding and s_q > s_kv:
                 raise cudnnGraphNotSupportedError("Bottom right causal mask does not support max_s_q > max_s_kv.")
-            if op["left_bound"] is not None and s_q > s_kv:
+            if op["left_bound"] is not None and not padding and s_q > s_kv:
                 raise cudnnGraphNotSupportedError("Sliding window attention is only supported with max_s_q <= "
                                                   "max_s_kv.")
             if op["kind"] == "sdpa_backward" and op["q"].dim[2] == 1 and op["k"].dim[2] == 1:
                 raise cudnnGraphNotSupportedError("s_q = s_kv = 1 is not supported.")
         self.built.append("validate")
+
+    @staticmethod
+    def _validate_padding(op: dict[str, Any]) -> None:
+        """sdpa_support_surface.h's and the backward node's checks of the padding mask, ragged offsets, the
+        backward's max_total_seq_len and paged caches (ATTRIBUTE_NOT_SET raised as RuntimeError)."""
+        padding, has_q, has_kv = op["use_padding_mask"], op["seq_len_q"] is not None, op["seq_len_kv"] is not None
+        if padding and not (has_q and has_kv):
+            raise RuntimeError("Padding mask requires seq_len_q and seq_len_kv to be set.")
+        if not padding and (has_q or has_kv):
+            raise RuntimeError("seq_len_q and seq_len_kv needs to be set only if padding mask is enabled.")
+        for name in ("seq_len_q", "seq_len_kv"):
+            t = op[name]
+            if t is not None and (t.data_type is not data_type.INT32 or t.dim != (op["q"].dim[0], 1, 1, 1)):
+                raise ValueError(f"{name} must be INT32 (b, 1, 1, 1) = {(op['q'].dim[0], 1, 1, 1)}, got "
+                                 f"{t.data_type} {t.dim}")
+        ragged = [t for t in (op["q"], op["k"], op["v"], op["outputs"][0]) if t.ragged_offset is not None]
+        if ragged and not padding:
+            raise cudnnGraphNotSupportedError("Ragged offsets are only supported with padding mask.")
+        for t in ragged:
+            offset = t.ragged_offset
+            assert offset is not None
+            if offset.data_type is not data_type.INT64 or offset.dim != (t.dim[0] + 1, 1, 1, 1):
+                raise ValueError(f"a ragged offset is INT64 (b + 1, 1, 1, 1) = {(t.dim[0] + 1, 1, 1, 1)}, got "
+                                 f"{offset.data_type} {offset.dim}")
+        if op["kind"] == "sdpa_backward":
+            if (op["max_total_seq_len_q"] is not None or op["max_total_seq_len_kv"] is not None) and not ragged:
+                raise cudnnGraphNotSupportedError("max_total_seq_len_q is only supported with packed layout")
+            return
+        paged = op["page_table_k"] is not None or op["page_table_v"] is not None
+        if paged and not (has_q and has_kv):
+            raise cudnnGraphNotSupportedError("Paged caches can only be used in combination with padding mask and "
+                                              "variable sequence lengths for both Q and KV.")
+        if not paged and op["max_seq_len_kv"] is not None:
+            raise cudnnGraphNotSupportedError("When not using paged attention, there is no need to explicitly set "
+                                              "max kv sequence length.")
 
     def build_operation_graph(self) -> None:
         self.built.append("build_operation_graph")
@@ -325,22 +375,56 @@ class pygraph:  # noqa: N801
         assert op is not None
         executions.append(dict(graph=self, pack=dict(variant_pack), plan=plan))
 
-        def read(t: Tensor) -> torch.Tensor:
+        def raw(t: Tensor) -> torch.Tensor:
             data = variant_pack[t.uid]
             if _TORCH[t.data_type] != data.dtype:
                 raise TypeError(f"uid {t.uid}: graph says {t.data_type}, pack has {data.dtype}")
-            return data.as_strided(t.dim, t.stride, data.storage_offset()).double()
+            return data
 
-        def write(t: Tensor, value: torch.Tensor) -> None:
+        padding = op.get("use_padding_mask", False)
+        lengths = {}
+        if padding:  # (b,) per side; a ragged tensor's rows past its sequence's length are neither read nor written
+            lengths = {side: [int(n) for n in raw(op[name]).reshape(-1).tolist()]
+                       for side, name in (("q", "seq_len_q"), ("k", "seq_len_kv"))}
+
+        def blocks(t: Tensor, side: str) -> list[tuple[int, torch.Tensor]]:
+            """(batch, the (h, rows, d) view of its valid rows) of a ragged tensor: the batch's element offset
+            replaces the batch stride (torch.as_strided refuses a view past the storage: an out-of-bounds offset
+            fails as cuDNN's would fault)."""
+            data, offsets = variant_pack[t.uid], raw(t.ragged_offset).reshape(-1).tolist()
+            _, _, s_max, _ = t.dim
+            views = []
+            for b, n in enumerate(lengths[side]):
+                if not 0 <= n <= s_max:
+                    raise RuntimeError(f"seq_len {n} of batch {b} outside 0..{s_max} (the graph's max length)")
+                if n:
+                    views.append((b, data.as_strided((t.dim[1], n, t.dim[3]), t.stride[1:],
+                                                     data.storage_offset() + offsets[b])))
+            return views
+
+        def read(t: Tensor, side: str = "q") -> torch.Tensor:
+            data = raw(t)
+            if t.ragged_offset is None:
+                return data.as_strided(t.dim, t.stride, data.storage_offset()).double()
+            value = torch.zeros(t.dim, dtype=torch.float64)
+            for b, view in blocks(t, side):
+                value[b, :, : view.shape[1]] = view.double()
+            return value
+
+        def write(t: Tensor, value: torch.Tensor, side: str = "q") -> None:
             target = variant_pack[t.uid]
             if _TORCH[t.data_type] != target.dtype:
                 raise TypeError(f"output uid {t.uid}: graph says {t.data_type}, pack has {target.dtype}")
             if target.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # saturating, as a scaled FP8 output
                 value = value.clamp(-torch.finfo(target.dtype).max, torch.finfo(target.dtype).max)
-            target.as_strided(t.dim, t.stride, target.storage_offset()).copy_(value.to(target.dtype))
+            if t.ragged_offset is None:
+                target.as_strided(t.dim, t.stride, target.storage_offset()).copy_(value.to(target.dtype))
+                return
+            for b, view in blocks(t, side):
+                view.copy_(value[b, :, : view.shape[1]].to(target.dtype))
 
         fp8 = op["kind"] not in ("sdpa", "sdpa_backward")
-        q, k, v = read(op["q"]), read(op["k"]), read(op["v"])
+        q, k, v = read(op["q"]), read(op["k"], "k"), read(op["v"], "k")
         if fp8:
             q = q * read(op["descale_q"])
             k = k * read(op["descale_k"])
@@ -356,9 +440,17 @@ class pygraph:  # noqa: N801
         if op.get("use_alibi_mask"):  # (col - row) * slope: cuDNN's fixed slopes (get_alibi_slope), top-left
             distance = (torch.arange(sk)[None, :] - torch.arange(sq)[:, None]).double()
             scores = scores + distance * torch.tensor(alibi_slopes(hq), dtype=torch.float64).view(1, hq, 1, 1)
-        offset = sk - sq if op["diagonal_alignment"] is diagonal_alignment.BOTTOM_RIGHT else 0
-        rel = torch.arange(sk)[None, :] - torch.arange(sq)[:, None] - offset  # j - (i + o)
-        keep = torch.ones(sq, sk, dtype=torch.bool)
+        rows, cols = torch.arange(sq).view(1, 1, sq, 1), torch.arange(sk).view(1, 1, 1, sk)
+        if padding:  # fp16_ref.py: keys past seq_len_kv masked, rows past seq_len_q zero; per-batch diagonal
+            len_q = torch.tensor(lengths["q"]).view(b, 1, 1, 1)
+            len_kv = torch.tensor(lengths["k"]).view(b, 1, 1, 1)
+            keep = (cols < len_kv) & (rows < len_q)
+            offset = len_kv - len_q if op["diagonal_alignment"] is diagonal_alignment.BOTTOM_RIGHT else \
+                torch.zeros(b, 1, 1, 1, dtype=torch.long)
+        else:
+            keep = torch.ones(1, 1, sq, sk, dtype=torch.bool)
+            offset = torch.tensor(sk - sq if op["diagonal_alignment"] is diagonal_alignment.BOTTOM_RIGHT else 0)
+        rel = cols - rows - offset  # j - (i + o)
         if op["use_causal_mask"] or op["use_causal_mask_bottom_right"]:
             raise AssertionError("the adapter expresses causal as right_bound 0 (not exercised by this fake)")
         if op["right_bound"] is not None:
@@ -375,7 +467,7 @@ class pygraph:  # noqa: N801
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out = probs @ v
         if op["generate_stats"]:  # the softmax's log-sum-exp per query row (natural log), (b, h, s_q, 1)
-            write(op["outputs"][1], torch.logsumexp(scores, dim=-1, keepdim=True))
+            write(op["outputs"][1], torch.logsumexp(scores, dim=-1, keepdim=True), "q")
         if fp8:  # the amaxes in real units, before their scales (fp8_ref.py: o_amax = max|o|, then o * scale_o)
             amax_s, amax_o = op["outputs"][2:4]
             write(amax_s, probs.abs().max().reshape(1, 1, 1, 1))
@@ -423,8 +515,8 @@ class pygraph:  # noqa: N801
         b, hq = q.shape[:2]
         d_k = d_k.reshape(b, hq // group, group, *d_k.shape[2:]).sum(2)
         d_v = d_v.reshape(b, hq // group, group, *d_v.shape[2:]).sum(2)
-        for out, value in zip(op["outputs"], (d_q, d_k, d_v), strict=True):
-            write(out, value)
+        for out, value, side in zip(op["outputs"], (d_q, d_k, d_v), ("q", "k", "k"), strict=True):
+            write(out, value, side)
         if op["dBias"] is not None:  # a reduction of dS into dBias's dims
             dims = [i for i in (0, 1) if op["dBias"].dim[i] == 1 and d_s.shape[i] != 1]
             write(op["dBias"], d_s.sum(dim=dims, keepdim=True) if dims else d_s)

@@ -188,13 +188,77 @@ def _check_lengths(call: AttentionCall) -> None:
     does not support max_s_q > max_s_kv", "Sliding window attention is only supported with max_s_q <= max_s_kv"):
     the lengths are no part of the decision class, so such a call is refused here, before any graph is built (the
     manager sends it to the next implementation)."""
-    if call.seqlen_q <= call.seqlen_k:
+    if call.seqlen_q <= call.seqlen_k or call.varlen:  # thd: the padding mask lifts it (per-sequence lengths)
         return
     left, right = _bounds(call)
     if left is not None or (right is not None and call.causal_alignment == "bottom_right"):
         raise ValueError(f"nvidia.cudnn_frontend: cuDNN takes a sliding window, or a bottom-right diagonal, only "
                          f"with seqlen_q <= seqlen_k; the call has seqlen_q={call.seqlen_q} > "
                          f"seqlen_k={call.seqlen_k} ({call.describe()}); use another implementation")
+
+
+# thd (ragged) calls: the per-sequence lengths and the ragged offsets (test/python/sdpa/fp16.py's ragged graphs)
+_RAGGED_UID = {name: uid for uid, name in enumerate(
+    ("seq_len_q", "seq_len_kv", "off_q", "off_k", "off_v", "off_o", "off_stats", "off_dO", "off_dQ", "off_dK",
+     "off_dV"), start=40)}
+
+
+class _Ragged:
+    """A thd call as cuDNN's padded-and-ragged graph (test/python/sdpa/fp16.py): each packed (tokens, heads, dim)
+    tensor is a graph tensor of dims (batch, heads, max_seqlen, dim) with the strides of its packing — (max_seqlen
+    * token stride, head stride, token stride, 1) — and a ragged offset per sequence, in elements: cu_seqlens *
+    token stride, int64 (batch + 1, 1, 1, 1); `use_padding_mask` with seq_len_q / seq_len_kv, int32 (batch, 1, 1,
+    1), the differences of cu_seqlens. All made on the device from cu_seqlens: no host read."""
+
+    def __init__(self, call: AttentionCall) -> None:
+        assert call.cu_seqlens_q is not None and call.cu_seqlens_k is not None
+        self.batch, self.max_q, self.max_k = call.batch, call.seqlen_q, call.seqlen_k
+        self.cu_q, self.cu_k = call.cu_seqlens_q.long(), call.cu_seqlens_k.long()
+        self.seq_len_q = (self.cu_q[1:] - self.cu_q[:-1]).int().view(-1, 1, 1, 1)
+        self.seq_len_kv = self.seq_len_q if call.cu_seqlens_k is call.cu_seqlens_q else \
+            (self.cu_k[1:] - self.cu_k[:-1]).int().view(-1, 1, 1, 1)
+        self._offsets: dict[tuple[str, int], torch.Tensor] = {}
+
+    def key(self) -> tuple[Any, ...]:
+        return ("thd", self.batch, self.max_q, self.max_k)
+
+    def dims(self, t: torch.Tensor, side: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(dims, strides) of the packed `t` (tokens, heads, dim) as cuDNN's ragged tensor; side "q" or "k"."""
+        s = self.max_q if side == "q" else self.max_k
+        return (self.batch, t.shape[1], s, t.shape[2]), (s * t.stride(0), t.stride(1), t.stride(0), t.stride(2))
+
+    def offsets(self, t: torch.Tensor, side: str) -> torch.Tensor:
+        """cu_seqlens * t's token stride (elements), int64 (batch + 1, 1, 1, 1); one per (side, stride)."""
+        key = (side, t.stride(0))
+        if key not in self._offsets:
+            cu = self.cu_q if side == "q" else self.cu_k
+            self._offsets[key] = (cu * t.stride(0)).view(-1, 1, 1, 1)
+        return self._offsets[key]
+
+    def tensor(self, cudnn: Any, graph: Any, uid: int, name: str, like: torch.Tensor, side: str,
+               data_type: Any) -> Any:
+        """The graph tensor `name` (uid) of packed `like`, with its ragged offset (uid _RAGGED_UID["off_" + name])."""
+        dim, stride = self.dims(like, side)
+        node = graph.tensor(uid=uid, dim=dim, stride=stride, data_type=data_type)
+        node.set_ragged_offset(self.offset_tensor(cudnn, graph, name))
+        return node
+
+    def offset_tensor(self, cudnn: Any, graph: Any, name: str) -> Any:
+        return graph.tensor(uid=_RAGGED_UID["off_" + name], dim=(self.batch + 1, 1, 1, 1), stride=(1, 1, 1, 1),
+                            data_type=cudnn.data_type.INT64)
+
+    def padding(self, cudnn: Any, graph: Any) -> dict[str, Any]:
+        """sdpa's padding keywords: use_padding_mask and the two length tensors."""
+        return {"use_padding_mask": True, **{
+            name: graph.tensor(uid=_RAGGED_UID[name], dim=(self.batch, 1, 1, 1), stride=(1, 1, 1, 1),
+                               data_type=cudnn.data_type.INT32) for name in ("seq_len_q", "seq_len_kv")}}
+
+    def fill(self, pack: dict[int, torch.Tensor], tensors: dict[str, tuple[torch.Tensor, str]]) -> None:
+        """This call's lengths and each named packed tensor's offsets into `pack` (the tensors themselves are the
+        caller's)."""
+        pack[_RAGGED_UID["seq_len_q"]], pack[_RAGGED_UID["seq_len_kv"]] = self.seq_len_q, self.seq_len_kv
+        for name, (t, side) in tensors.items():
+            pack[_RAGGED_UID["off_" + name]] = self.offsets(t, side)
 
 
 def _graph_bias(call: AttentionCall) -> torch.Tensor | None:
@@ -394,7 +458,7 @@ class CudnnFrontendAttention(AttentionImpl):
     requires = (CUDNN_FRONTEND,)
     caps: ClassVar[AttentionCaps] = AttentionCaps(
         dtypes=frozenset({torch.float16, torch.bfloat16}) | FP8_DTYPES, head_dim_min=8, head_dim_max=256,
-        head_dim_multiple=8, head_dim_v_differs=True, layouts=frozenset({"bshd", "bhsd", "sbhd"}), causal=True,
+        head_dim_multiple=8, head_dim_v_differs=True, layouts=frozenset({"bshd", "bhsd", "sbhd", "thd"}), causal=True,
         backward=True,  # bf16/fp16's sdpa_backward, FP8's for fp8_dpa calls (limits: extra_reasons)
         causal_alignments=frozenset({"top_left", "bottom_right"}), gqa=True, window=True,
         # bf16/fp16 only (cuDNN: "SDPA FP8 does not support bias"); ALiBi causal with cuDNN's fixed slopes, neither
@@ -418,7 +482,7 @@ class CudnnFrontendAttention(AttentionImpl):
         return (call.seqlen_q == 1, call.seqlen_k == 1)  # besides what the class key holds, extra_reasons reads these
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        reasons = self._score_term_reasons(call)
+        reasons = self._score_term_reasons(call) + self._thd_reasons(call, device)
         if not call.fp8 and not self.options.fp8_dpa:
             if not self.options.half:
                 return ["bf16/fp16 calls are off by default: cuDNN builds a graph per new shape (0.07-1.0 s on an "
@@ -468,6 +532,23 @@ class CudnnFrontendAttention(AttentionImpl):
                            "supported with is_bias=False, is_alibi=False\")")
         return reasons
 
+    def _thd_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
+        """thd runs as cuDNN's ragged graphs, bf16/fp16 only (sdpa_support_surface.h)."""
+        if not call.varlen:
+            return []
+        reasons = []
+        if call.fp8 or self.options.fp8_dpa:
+            reasons.append("packed varlen (thd) is built here for bf16/fp16 only, not FP8 (fp8 calls or the fp8_dpa "
+                           "option): use a dense layout, or compute this call in bf16/fp16")
+        if call.alibi_slopes is not None:
+            reasons.append("ALiBi with packed varlen (thd) is not built here (cuDNN's ALiBi distances with ragged "
+                           "sequences are not verified): use a dense layout or another implementation")
+        if device.capability is not None and device.capability < (9, 0):
+            reasons.append("cuDNN's ragged (thd) SDPA is claimed on Hopper or newer (sm90+: \"THD (ragged offset) is "
+                           "only supported in Hopper and above\" before cuDNN 9.18.1, and the ragged backward's "
+                           f"packed LSE is refused on sm8x), device is sm{device.capability[0]}{device.capability[1]}")
+        return reasons
+
     @staticmethod
     def _half_backward_reasons(call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
@@ -515,16 +596,20 @@ class CudnnFrontendAttention(AttentionImpl):
         scale_o — no v amax, no dequantization: the graph's output is the result —, and `out_amax` receives
         cuDNN's Amax_O (max|output| in real units). bf16/fp16 only: `bias` the graph's (`_graph_bias`), and the
         call's ALiBi as cuDNN's (slopes checked by the caller)."""
-        q, k, v = call.bhsd(q_in), call.bhsd(k_in), call.bhsd(v_in)
+        ragged = _Ragged(call) if call.varlen else None
+        q, k, v = (q_in, k_in, v_in) if ragged is not None else (call.bhsd(q_in), call.bhsd(k_in), call.bhsd(v_in))
         _check_lengths(call)
         fp8 = descales is not None
         out = torch.empty((*q_in.shape[:-1], call.head_dim_v), dtype=q.dtype if fp8 else out_dtype,
                           device=q.device)
-        o = call.bhsd(out)
-        stats = torch.empty((*q.shape[:3], 1), dtype=torch.float32, device=q.device) if with_stats else None
-        key = (tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), o.stride(),
-               q.dtype, call.scale, call.causal, call.causal_alignment, call.window, q.device, with_stats,
-               None if bias is None else (tuple(bias.shape), bias.stride()), call.alibi_slopes is not None)
+        o = out if ragged is not None else call.bhsd(out)
+        # (b, h, s_q, 1), or thd's (tokens, h, 1)
+        stats = torch.empty((*q.shape[:-1], 1), dtype=torch.float32, device=q.device) if with_stats else None
+        # (thd: the token count is no part of a forward graph — its dims are (batch, heads, max_seqlen, dim))
+        key = (_shape_key(q, ragged), q.stride(), _shape_key(k, ragged), k.stride(), _shape_key(v, ragged),
+               v.stride(), o.stride(), q.dtype, call.scale, call.causal, call.causal_alignment, call.window,
+               q.device, with_stats, None if bias is None else (tuple(bias.shape), bias.stride()),
+               call.alibi_slopes is not None, None if ragged is None else ragged.key())
         handle, device_lock = self._graphs.handle(cudnn, q.device)
         cuda = q.device.type == "cuda"  # (the contract tests run this adapter on CPU behind a fake `cudnn`)
         capturing = cuda and torch.cuda.is_current_stream_capturing()
@@ -536,7 +621,7 @@ class CudnnFrontendAttention(AttentionImpl):
                 raise RuntimeError("nvidia.cudnn_frontend: a call of a new signature inside CUDA-graph capture "
                                    f"({call.describe()}); building its cuDNN graph synchronizes. Run one call of "
                                    "this signature before capturing (warm-up)")
-            graph = self._build(cudnn, call, q, k, v, o, stats, bias, handle)
+            graph = self._build(cudnn, call, q, k, v, o, stats, bias, handle, ragged)
             if not self.options.autotune:
                 plan = self._remember(key, _Plan(graph, None, graph.get_workspace_size()))
         pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: o}
@@ -544,6 +629,9 @@ class CudnnFrontendAttention(AttentionImpl):
             pack[_UID["bias"]] = bias
         if stats is not None:
             pack[_UID["stats"]] = stats
+        if ragged is not None:
+            ragged.fill(pack, {"q": (q, "q"), "k": (k, "k"), "v": (v, "k"), "o": (o, "q"),
+                               **({"stats": (stats, "q")} if stats is not None else {})})
         scratch = None
         if descales is not None:
             constants, scratch = self._graphs.fp8_buffers(q.device, stream, capturing)
@@ -661,13 +749,19 @@ class CudnnFrontendAttention(AttentionImpl):
             d_o_in = torch.empty_like(out)
             d_o_in.copy_(grad_out)
         grads_in = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q_in, k_in, v_in)]
-        q, k, v, o, d_o, dq, dk, dv = (call.bhsd(t) for t in (q_in, k_in, v_in, out, d_o_in, *grads_in))
+        ragged = _Ragged(call) if call.varlen else None
+        q, k, v, o, d_o, dq, dk, dv = ((q_in, k_in, v_in, out, d_o_in, *grads_in) if ragged is not None else
+                                       (call.bhsd(t) for t in (q_in, k_in, v_in, out, d_o_in, *grads_in)))
         d_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None and bias_grad \
             else None
-        key = ("half_backward", tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), tuple(v.shape), v.stride(),
-               o.stride(), d_o.stride(), dq.stride(), dk.stride(), dv.stride(), q.dtype, call.scale, call.causal,
-               call.causal_alignment, call.window, q.device, call.alibi_slopes is not None,
-               None if bias is None else (tuple(bias.shape), bias.stride()), d_bias is not None)
+        # thd: the backward's workspace is sized by the token counts (max_total_seq_len_q/kv), rounded up to 64
+        # as test/python/sdpa/fp16.py rounds them, so a graph serves every count up to it
+        totals = None if ragged is None else (_round_up(q.shape[0], 64), _round_up(k.shape[0], 64))
+        key = ("half_backward", _shape_key(q, ragged), q.stride(), _shape_key(k, ragged), k.stride(),
+               _shape_key(v, ragged), v.stride(), o.stride(), d_o.stride(), dq.stride(), dk.stride(), dv.stride(),
+               q.dtype, call.scale, call.causal, call.causal_alignment, call.window, q.device,
+               call.alibi_slopes is not None, None if bias is None else (tuple(bias.shape), bias.stride()),
+               d_bias is not None, None if ragged is None else ragged.key(), totals)
         cuda = q.device.type == "cuda"
         capturing = cuda and torch.cuda.is_current_stream_capturing()
         stream = torch.cuda.current_stream(q.device).cuda_stream if cuda else 0
@@ -680,7 +774,7 @@ class CudnnFrontendAttention(AttentionImpl):
                                    f"({call.describe()}); building its cuDNN graph synchronizes. Run one backward of "
                                    "this signature before capturing (warm-up)")
             graph = self._build_half_backward(cudnn, call, q, k, v, o, d_o, stats, bias, dq, dk, dv, d_bias,
-                                              handle)
+                                              handle, ragged, totals)
             if not self.options.autotune:
                 plan = self._remember(key, _Plan(graph, None, graph.get_workspace_size()))
         pack = {_HALF_BWD_UID["q"]: q, _HALF_BWD_UID["k"]: k, _HALF_BWD_UID["v"]: v, _HALF_BWD_UID["o"]: o,
@@ -690,6 +784,9 @@ class CudnnFrontendAttention(AttentionImpl):
             pack[_HALF_BWD_UID["bias"]] = bias
         if d_bias is not None:
             pack[_HALF_BWD_UID["dBias"]] = d_bias
+        if ragged is not None:
+            ragged.fill(pack, {"q": (q, "q"), "k": (k, "k"), "v": (v, "k"), "o": (o, "q"), "stats": (stats, "q"),
+                               "dO": (d_o, "q"), "dQ": (dq, "q"), "dK": (dk, "k"), "dV": (dv, "k")})
         with device_lock:
             cudnn.set_stream(handle=handle, stream=stream)
             if plan is None:
@@ -701,15 +798,18 @@ class CudnnFrontendAttention(AttentionImpl):
     def _build_half_backward(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor,
                              bias: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                             d_bias: torch.Tensor | None, handle: Any) -> Any:
+                             d_bias: torch.Tensor | None, handle: Any, ragged: _Ragged | None = None,
+                             totals: tuple[int, int] | None = None) -> Any:
         """cuDNN's bf16/fp16 SDPA backward (test/python/sdpa/fp16.py's backward graph): the forward's bounds,
-        bias and ALiBi; dBias (the bias's dims: cuDNN reduces the batch and head dims it broadcasts over)."""
+        bias and ALiBi; dBias (the bias's dims: cuDNN reduces the batch and head dims it broadcasts over); thd: every
+        tensor ragged, the padding mask, and the token counts' bound `totals` as max_total_seq_len_q/kv."""
         io = _cudnn_type(cudnn, q.dtype)
         graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                               compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-        inputs = {n: graph.tensor(uid=_HALF_BWD_UID[n], dim=tuple(t.shape), stride=t.stride(),
-                                  data_type=cudnn.data_type.FLOAT if n == "stats" else io)
-                  for n, t in (("q", q), ("k", k), ("v", v), ("o", o), ("dO", d_o), ("stats", stats))}
+        inputs = {n: _graph_tensor(cudnn, graph, _HALF_BWD_UID[n], n, t, side,
+                                   cudnn.data_type.FLOAT if n == "stats" else io, ragged)
+                  for n, t, side in (("q", q, "q"), ("k", k, "k"), ("v", v, "k"), ("o", o, "q"), ("dO", d_o, "q"),
+                                     ("stats", stats, "q"))}
         t_bias = t_dbias = None
         if bias is not None:
             t_bias = graph.tensor(uid=_HALF_BWD_UID["bias"], dim=tuple(bias.shape), stride=bias.stride(),
@@ -720,13 +820,17 @@ class CudnnFrontendAttention(AttentionImpl):
         left, right = _bounds(call)
         align = (cudnn.diagonal_alignment.BOTTOM_RIGHT if call.causal_alignment == "bottom_right"
                  else cudnn.diagonal_alignment.TOP_LEFT)
+        padding: dict[str, Any] = {}
+        if ragged is not None:
+            assert totals is not None
+            padding = {**ragged.padding(cudnn, graph), "max_total_seq_len_q": totals[0],
+                       "max_total_seq_len_kv": totals[1]}
         t_dq, t_dk, t_dv = graph.sdpa_backward(
             **inputs, attn_scale=call.scale, bias=t_bias, dBias=t_dbias,
             use_alibi_mask=call.alibi_slopes is not None, diagonal_alignment=align, diagonal_band_left_bound=left,
-            diagonal_band_right_bound=right)
-        for name, t, like in (("dQ", t_dq, dq), ("dK", t_dk, dk), ("dV", t_dv, dv)):
-            t.set_uid(_HALF_BWD_UID[name]).set_output(True).set_dim(tuple(like.shape)).set_stride(like.stride()) \
-                .set_data_type(io)
+            diagonal_band_right_bound=right, **padding)
+        for name, t, like, side in (("dQ", t_dq, dq, "q"), ("dK", t_dk, dk, "k"), ("dV", t_dv, dv, "k")):
+            _set_output(cudnn, graph, t, _HALF_BWD_UID[name], name, like, side, io, ragged)
         return self._build_plans(cudnn, graph)
 
     def _remember(self, key: Any, plan: _Plan) -> _Plan:
@@ -748,12 +852,13 @@ class CudnnFrontendAttention(AttentionImpl):
         return graph
 
     def _build(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               o: torch.Tensor, stats: torch.Tensor | None, bias: torch.Tensor | None, handle: Any) -> Any:
+               o: torch.Tensor, stats: torch.Tensor | None, bias: torch.Tensor | None, handle: Any,
+               ragged: _Ragged | None = None) -> Any:
         io = _cudnn_type(cudnn, q.dtype)
         graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                               compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-        tq, tk, tv = (graph.tensor(uid=_UID[n], dim=tuple(t.shape), stride=t.stride(), data_type=io)
-                      for n, t in (("q", q), ("k", k), ("v", v)))
+        tq, tk, tv = (_graph_tensor(cudnn, graph, _UID[n], n, t, side, io, ragged)
+                      for n, t, side in (("q", q, "q"), ("k", k, "k"), ("v", v, "k")))
         left, right = _bounds(call)
         align = (cudnn.diagonal_alignment.BOTTOM_RIGHT if call.causal_alignment == "bottom_right"
                  else cudnn.diagonal_alignment.TOP_LEFT)
@@ -768,14 +873,14 @@ class CudnnFrontendAttention(AttentionImpl):
         else:
             t_bias = None if bias is None else graph.tensor(uid=_UID["bias"], dim=tuple(bias.shape),
                                                             stride=bias.stride(), data_type=io)
+            padding = ragged.padding(cudnn, graph) if ragged is not None else {}
             to, t_stats = graph.sdpa(q=tq, k=tk, v=tv, generate_stats=stats is not None, attn_scale=call.scale,
                                      bias=t_bias, use_alibi_mask=call.alibi_slopes is not None,
                                      diagonal_alignment=align, diagonal_band_left_bound=left,
-                                     diagonal_band_right_bound=right)
-        to.set_uid(_UID["o"]).set_output(True).set_dim(tuple(o.shape)).set_stride(o.stride()).set_data_type(io)
+                                     diagonal_band_right_bound=right, **padding)
+        _set_output(cudnn, graph, to, _UID["o"], "o", o, "q", io, ragged)
         if stats is not None:
-            t_stats.set_uid(_UID["stats"]).set_output(True).set_dim(tuple(stats.shape)).set_stride(stats.stride()) \
-                .set_data_type(cudnn.data_type.FLOAT)
+            _set_output(cudnn, graph, t_stats, _UID["stats"], "stats", stats, "q", cudnn.data_type.FLOAT, ragged)
         return self._build_plans(cudnn, graph)
 
     def _build_backward(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -804,6 +909,28 @@ class CudnnFrontendAttention(AttentionImpl):
         for name, t in zip(("amax_dQ", "amax_dK", "amax_dV", "amax_dP"), amaxes, strict=True):
             _scalar_output(cudnn, t, _BWD_UID[name])
         return self._build_plans(cudnn, graph)
+
+
+def _shape_key(t: torch.Tensor, ragged: _Ragged | None) -> tuple[int, ...]:
+    """A tensor's shape in a graph key: thd's without its token count (the graph's dims hold max_seqlen)."""
+    return tuple(t.shape) if ragged is None else tuple(t.shape[1:])
+
+
+def _graph_tensor(cudnn: Any, graph: Any, uid: int, name: str, t: torch.Tensor, side: str, data_type: Any,
+                  ragged: _Ragged | None) -> Any:
+    """An input of the graph: `t`'s dims and strides, or for thd its ragged tensor (side "q" or "k")."""
+    if ragged is None:
+        return graph.tensor(uid=uid, dim=tuple(t.shape), stride=t.stride(), data_type=data_type)
+    return ragged.tensor(cudnn, graph, uid, name, t, side, data_type)
+
+
+def _set_output(cudnn: Any, graph: Any, node: Any, uid: int, name: str, like: torch.Tensor, side: str,
+                data_type: Any, ragged: _Ragged | None) -> None:
+    """An output of the graph written into `like` (thd: as its ragged tensor)."""
+    dim, stride = (tuple(like.shape), like.stride()) if ragged is None else ragged.dims(like, side)
+    node.set_uid(uid).set_output(True).set_dim(dim).set_stride(stride).set_data_type(data_type)
+    if ragged is not None:
+        node.set_ragged_offset(ragged.offset_tensor(cudnn, graph, name))
 
 
 class _Saved:
@@ -939,6 +1066,10 @@ def _multiprocessors_of(device_type: str, index: int) -> int:
 
 def _multiprocessors(device: torch.device) -> int:
     return _multiprocessors_of(device.type, device.index if device.index is not None else 0)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return max(multiple, _cdiv(n, multiple) * multiple)
 
 
 def _cdiv(n: int, block: int) -> int:
