@@ -790,3 +790,100 @@ def test_the_fake_validates_padding_and_ragged_offsets_as_cudnn_does():
     g.sdpa_backward(**t, stats=stats, max_total_seq_len_q=64)
     with pytest.raises(fake.cudnnGraphNotSupportedError, match="max_total_seq_len_q is only supported with packed"):
         g.validate()
+
+
+def _paged_case(gen, dtype, b, sq, hq, hk, d, page, pages_per_seq, used):
+    """q (b, sq, hq, d), page pools with one extra unused page, a shuffled block table, seqused_k = used."""
+    num_pages = b * pages_per_seq + 1
+    q = torch.randn(b, sq, hq, d, generator=gen).to(dtype)
+    k_pool, v_pool = (torch.randn(num_pages, page, hk, d, generator=gen).to(dtype) for _ in range(2))
+    table = torch.randperm(num_pages, generator=gen)[:b * pages_per_seq].view(b, pages_per_seq).int()
+    return q, k_pool, v_pool, table, torch.tensor(used, dtype=torch.int32)
+
+
+def _paged_oracle(q, k_pool, v_pool, table, used, causal, window, bottom_right):
+    """float64 per sequence: its keys are its pages in table order, the first used[b] of them."""
+    outs = []
+    for b, n in enumerate(used.tolist()):
+        keys = k_pool[table[b].long()].reshape(-1, *k_pool.shape[2:])[:n]
+        values = v_pool[table[b].long()].reshape(-1, *v_pool.shape[2:])[:n]
+        outs.append(_oracle_scored(q[b:b + 1].double(), keys[None].double(), values[None].double(),
+                                   q.shape[-1] ** -0.5, causal, window, bottom_right))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("layout,dtype,sq,heads,used,causal,window,align", [
+    ("bshd", torch.bfloat16, 1, (4, 2), [40, 0, 64], False, None, "top_left"),      # decode; an empty cache
+    ("bhsd", torch.float16, 3, (4, 4), [33, 2, 64], True, None, "bottom_right"),     # chunked prefill, keyless rows
+    ("bshd", torch.bfloat16, 3, (6, 2), [64, 5, 31], True, (4, 0), "bottom_right"),  # causal window, GQA
+    ("sbhd", torch.float16, 2, (2, 1), [10, 64, 1], False, (1, 1), "top_left"),     # window, top-left
+])
+def test_paged_kv_forward_against_float64(fe, layout, dtype, sq, heads, used, causal, window, align):
+    """A paged K/V cache is cuDNN's paged graph: the pools as (num_pages, heads, page_size, dim) views, the block
+    table as paged_attention_k/v_table (b, 1, max_pages, 1) int32, paged_attention_max_seq_len_kv the table's
+    capacity, the padding mask with seq_len_q = the queries and seq_len_kv = seqused_k (bottom-right counts from
+    the fill). Against a float64 oracle over each sequence's gathered keys; one graph for any fill and table."""
+    gen = torch.Generator().manual_seed(47)
+    hq, hk = heads
+    b, d, page, per_seq = 3, 16, 32, 2
+    q, k_pool, v_pool, table, used_t = _paged_case(gen, dtype, b, sq, hq, hk, d, page, per_seq, used)
+    to = LAYOUT[layout]
+    kwargs = dict(layout=layout, causal=causal, causal_alignment=align, window=window)
+    out = opdispatch.attention(to(q), k_pool, v_pool, seqused_k=used_t, block_table=table, **kwargs)
+    back = {"bshd": lambda t: t, "bhsd": lambda t: t.transpose(1, 2), "sbhd": lambda t: t.transpose(0, 1)}[layout]
+    want = _paged_oracle(q, k_pool, v_pool, table, used_t, causal, window, align == "bottom_right")
+    assert out.dtype == dtype
+    _assert_close_scaled(back(out), want, 6, "out")
+    op = fake.graphs[-1].op
+    assert op["kind"] == "sdpa" and op["use_padding_mask"] is True
+    assert op["k"].dim == (k_pool.shape[0], hk, page, d) and op["k"].stride == k_pool.permute(0, 2, 1, 3).stride()
+    assert op["page_table_k"].dim == (b, 1, per_seq, 1) and op["page_table_k"].data_type is fake.data_type.INT32
+    assert op["max_seq_len_kv"] == per_seq * page
+    pack = fake.executions[-1]["pack"]
+    assert pack[op["seq_len_kv"].uid].reshape(-1).tolist() == used
+    assert pack[op["seq_len_q"].uid].reshape(-1).tolist() == [sq] * b
+    # another fill and another table reuse the graph
+    graphs = len(fake.graphs)
+    used2 = torch.tensor([64, 17, 0], dtype=torch.int32)
+    table2 = table.flip(0).contiguous()
+    out2 = opdispatch.attention(to(q), k_pool, v_pool, seqused_k=used2, block_table=table2, **kwargs)
+    assert len(fake.graphs) == graphs
+    _assert_close_scaled(back(out2), _paged_oracle(q, k_pool, v_pool, table2, used2, causal, window,
+                                                   align == "bottom_right"), 6, "out (other fill)")
+
+
+def test_paged_kv_with_packed_queries(fe):
+    """thd queries (cu_seqlens_q, ragged q/o) over a paged cache (seq_len_kv = seqused_k): both at once."""
+    gen = torch.Generator().manual_seed(48)
+    hq, hk, d, page = 4, 2, 16, 32
+    lens_q, used = [2, 0, 3], [35, 7, 64]
+    q_dense, k_pool, v_pool, table, used_t = _paged_case(gen, torch.bfloat16, 3, 3, hq, hk, d, page, 2, used)
+    q = torch.cat([q_dense[i, :n] for i, n in enumerate(lens_q)])
+    out = opdispatch.attention(q, k_pool, v_pool, layout="thd", cu_seqlens_q=_cu(lens_q), seqused_k=used_t,
+                               block_table=table, causal=True, causal_alignment="bottom_right")
+    rows = []
+    for i, n in enumerate(lens_q):  # bottom-right per sequence: n queries end at its last used key
+        rows.append(_paged_oracle(q_dense[i:i + 1, :n], k_pool, v_pool, table[i:i + 1], used_t[i:i + 1], True,
+                                  None, True)[0])
+    _assert_close_scaled(out, torch.cat(rows), 6, "out")
+    op = fake.graphs[-1].op
+    assert op["q"].ragged_offset is not None and op["k"].ragged_offset is None and op["page_table_v"] is not None
+
+
+def test_paged_kv_refusals_say_why(fe):
+    """Page sizes off the claimed multiple, a gradient, and FP8 over a paged cache are refused with reasons."""
+    gen = torch.Generator().manual_seed(49)
+    q, k_pool, v_pool, table, used = _paged_case(gen, torch.bfloat16, 2, 1, 4, 2, 16, 16, 2, [10, 20])
+    _, cand = _reasons(dict(seqused_k=used, block_table=table), (q, k_pool, v_pool))
+    assert any("page size 16 is not a multiple of 32" in r for r in cand.reasons)
+    q, k_pool, v_pool, table, used = _paged_case(gen, torch.bfloat16, 2, 1, 4, 2, 16, 64, 2, [10, 20])
+    _, cand = _reasons(dict(seqused_k=used, block_table=table), (q.requires_grad_(), k_pool, v_pool))
+    assert any("paged K/V cache is forward only" in r for r in cand.reasons)
+    unit = torch.ones(())
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q.detach(), k_pool, v_pool))
+    _, cand = _reasons(dict(seqused_k=used, block_table=table, q_descale=unit, k_descale=unit, v_descale=unit),
+                       (q8, k8, v8))
+    assert any("paged K/V cache is built here for bf16/fp16 only" in r for r in cand.reasons)
+    with torch.no_grad():
+        d, _ = _reasons(dict(seqused_k=used, block_table=table), (q.detach(), k_pool, v_pool))
+    assert d.chosen_id == "test.cudnn_fe"

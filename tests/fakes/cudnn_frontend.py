@@ -308,6 +308,20 @@ class pygraph:  # noqa: N801
         if not paged and op["max_seq_len_kv"] is not None:
             raise cudnnGraphNotSupportedError("When not using paged attention, there is no need to explicitly set "
                                               "max kv sequence length.")
+        for name, container in (("page_table_k", op["k"]), ("page_table_v", op["v"])):
+            table = op[name]
+            if table is None:
+                continue
+            if table.data_type is not data_type.INT32 or len(table.dim) != 4 or table.dim[0] != op["q"].dim[0] \
+                    or table.dim[1] != 1 or table.dim[3] != 1:
+                raise ValueError(f"{name} is INT32 (b, 1, max_pages, 1), got {table.data_type} {table.dim}")
+            # paged_cache_load.h (INVALID_VALUE): the table holds exactly ceil(s_kv / block_size) pages, s_kv the
+            # paged_attention_max_seq_len_kv (else inferred from the table)
+            block_size = container.dim[2]
+            s_kv = op["max_seq_len_kv"] if op["max_seq_len_kv"] is not None else table.dim[2] * block_size
+            if -(-s_kv // block_size) != table.dim[2]:
+                raise RuntimeError("Paged cache load: block table size must equal ceil(s_kv/block_size), except "
+                                   "when using packed block tables")
 
     def build_operation_graph(self) -> None:
         self.built.append("build_operation_graph")
@@ -375,11 +389,16 @@ class pygraph:  # noqa: N801
         assert op is not None
         executions.append(dict(graph=self, pack=dict(variant_pack), plan=plan))
 
-        def raw(t: Tensor) -> torch.Tensor:
+        def typed(t: Tensor) -> torch.Tensor:
             data = variant_pack[t.uid]
             if _TORCH[t.data_type] != data.dtype:
                 raise TypeError(f"uid {t.uid}: graph says {t.data_type}, pack has {data.dtype}")
             return data
+
+        def raw(t: Tensor) -> torch.Tensor:
+            """An index tensor (lengths, offsets, page tables) as the graph declared it."""
+            data = typed(t)
+            return data.as_strided(t.dim, t.stride, data.storage_offset())
 
         padding = op.get("use_padding_mask", False)
         lengths = {}
@@ -391,6 +410,7 @@ class pygraph:  # noqa: N801
             """(batch, the (h, rows, d) view of its valid rows) of a ragged tensor: the batch's element offset
             replaces the batch stride (torch.as_strided refuses a view past the storage: an out-of-bounds offset
             fails as cuDNN's would fault)."""
+            assert t.ragged_offset is not None
             data, offsets = variant_pack[t.uid], raw(t.ragged_offset).reshape(-1).tolist()
             _, _, s_max, _ = t.dim
             views = []
@@ -403,7 +423,7 @@ class pygraph:  # noqa: N801
             return views
 
         def read(t: Tensor, side: str = "q") -> torch.Tensor:
-            data = raw(t)
+            data = typed(t)
             if t.ragged_offset is None:
                 return data.as_strided(t.dim, t.stride, data.storage_offset()).double()
             value = torch.zeros(t.dim, dtype=torch.float64)
@@ -424,7 +444,12 @@ class pygraph:  # noqa: N801
                 view.copy_(value[b, :, : view.shape[1]].to(target.dtype))
 
         fp8 = op["kind"] not in ("sdpa", "sdpa_backward")
-        q, k, v = read(op["q"]), read(op["k"], "k"), read(op["v"], "k")
+        q = read(op["q"])
+        if op.get("page_table_k") is not None:  # paged_cache_load: each sequence's keys from its pages, in order
+            k, v = (self._gather_pages(read(op[name]), raw(op[table]), lengths["k"], op["max_seq_len_kv"])
+                    for name, table in (("k", "page_table_k"), ("v", "page_table_v")))
+        else:
+            k, v = read(op["k"], "k"), read(op["v"], "k")
         if fp8:
             q = q * read(op["descale_q"])
             k = k * read(op["descale_k"])
@@ -474,6 +499,23 @@ class pygraph:  # noqa: N801
             write(amax_o, out.abs().max().reshape(1, 1, 1, 1))
             out = out * read(op["scale_o"])
         write(op["outputs"][0], out)
+
+    @staticmethod
+    def _gather_pages(container: torch.Tensor, table: torch.Tensor, lengths: list[int],
+                      max_seq_len_kv: int | None) -> torch.Tensor:
+        """(b, h, s_kv, d) from the container (num_pages, h, block_size, d) and the page table (b, 1, pages, 1):
+        sequence b's pages, those its length uses (a page it uses outside the container faults, as cuDNN would
+        read out of bounds); keys past its length are zeros (masked anyway)."""
+        pages, h, block, d = container.shape
+        s_kv = max_seq_len_kv if max_seq_len_kv is not None else table.shape[2] * block
+        out = torch.zeros(len(lengths), h, table.shape[2] * block, d, dtype=torch.float64)
+        for b, n in enumerate(lengths):
+            for p in range(-(-n // block)):
+                page = int(table[b, 0, p, 0])
+                if not 0 <= page < pages:
+                    raise RuntimeError(f"page table [{b}, {p}] = {page} outside the container's {pages} pages")
+                out[b, :, p * block:(p + 1) * block] = container[page]
+        return out[:, :, :s_kv]
 
     @staticmethod
     def _backward(op: dict[str, Any], read: Any, write: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

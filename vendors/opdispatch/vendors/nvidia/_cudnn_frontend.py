@@ -118,6 +118,7 @@ CUDNN_FRONTEND = Requirement(module="cudnn", distribution="nvidia-cudnn-frontend
 
 _SCALE_S = 256.0  # the FP8 probabilities' scale: P in [0, 1] maps into e4m3's and e5m2's range exactly
 _AUTOTUNE_REPS = 3  # timed runs per plan after its warm-up run
+_PAGE_SIZE_MULTIPLE = 32  # the paged cache's page sizes claimed (caps.page_size_multiple)
 _FP8_HEAD_DIMS = frozenset({64, 128})  # FP8 SDPA's head dims claimed (cuDNN's check_support is the last word)
 _UID = {"q": 1, "k": 2, "v": 3, "o": 4, "descale_q": 5, "descale_k": 6, "descale_v": 7, "descale_s": 8,
         "scale_s": 9, "scale_o": 10, "amax_s": 11, "amax_o": 12, "stats": 13, "bias": 14}
@@ -188,7 +189,7 @@ def _check_lengths(call: AttentionCall) -> None:
     does not support max_s_q > max_s_kv", "Sliding window attention is only supported with max_s_q <= max_s_kv"):
     the lengths are no part of the decision class, so such a call is refused here, before any graph is built (the
     manager sends it to the next implementation)."""
-    if call.seqlen_q <= call.seqlen_k or call.varlen:  # thd: the padding mask lifts it (per-sequence lengths)
+    if call.seqlen_q <= call.seqlen_k or call.varlen or call.paged:  # the padding mask lifts it (thd, paged)
         return
     left, right = _bounds(call)
     if left is not None or (right is not None and call.causal_alignment == "bottom_right"):
@@ -197,33 +198,59 @@ def _check_lengths(call: AttentionCall) -> None:
                          f"seqlen_k={call.seqlen_k} ({call.describe()}); use another implementation")
 
 
-# thd (ragged) calls: the per-sequence lengths and the ragged offsets (test/python/sdpa/fp16.py's ragged graphs)
-_RAGGED_UID = {name: uid for uid, name in enumerate(
+# thd (ragged) and paged calls: the per-sequence lengths, the ragged offsets and the page tables
+# (test/python/sdpa/fp16.py's ragged and paged graphs)
+_PADDED_UID = {name: uid for uid, name in enumerate(
     ("seq_len_q", "seq_len_kv", "off_q", "off_k", "off_v", "off_o", "off_stats", "off_dO", "off_dQ", "off_dK",
-     "off_dV"), start=40)}
+     "off_dV", "page_table_k", "page_table_v"), start=40)}
 
 
-class _Ragged:
-    """A thd call as cuDNN's padded-and-ragged graph (test/python/sdpa/fp16.py): each packed (tokens, heads, dim)
-    tensor is a graph tensor of dims (batch, heads, max_seqlen, dim) with the strides of its packing — (max_seqlen
-    * token stride, head stride, token stride, 1) — and a ragged offset per sequence, in elements: cu_seqlens *
-    token stride, int64 (batch + 1, 1, 1, 1); `use_padding_mask` with seq_len_q / seq_len_kv, int32 (batch, 1, 1,
-    1), the differences of cu_seqlens. All made on the device from cu_seqlens: no host read."""
+class _Padded:
+    """A thd or paged call as cuDNN's padding-mask graph (test/python/sdpa/fp16.py): `use_padding_mask` with
+    seq_len_q / seq_len_kv, int32 (batch, 1, 1, 1) — the differences of cu_seqlens for thd, the queries' count
+    for dense queries, seqused_k over a paged cache. A packed (tokens, heads, dim) tensor (thd's q/o, and k/v unless
+    paged) is a graph tensor of dims (batch, heads, max_seqlen, dim) with the strides of its packing — (max_seqlen *
+    token stride, head stride, token stride, 1) — and a ragged offset per sequence, in elements: cu_seqlens * token
+    stride, int64 (batch + 1, 1, 1, 1). A paged cache: k/v are the page pools as (num_pages, heads, page_size, dim)
+    views and the block table is `paged_attention_k_table`/`_v_table` of dims (batch, 1, max_pages, 1) int32, with
+    `paged_attention_max_seq_len_kv` the table's capacity (paged_cache_load.h: the table holds ceil(s_kv / page
+    size) pages). All made on the device from the call's tensors: no host read."""
 
     def __init__(self, call: AttentionCall) -> None:
-        assert call.cu_seqlens_q is not None and call.cu_seqlens_k is not None
         self.batch, self.max_q, self.max_k = call.batch, call.seqlen_q, call.seqlen_k
-        self.cu_q, self.cu_k = call.cu_seqlens_q.long(), call.cu_seqlens_k.long()
-        self.seq_len_q = (self.cu_q[1:] - self.cu_q[:-1]).int().view(-1, 1, 1, 1)
-        self.seq_len_kv = self.seq_len_q if call.cu_seqlens_k is call.cu_seqlens_q else \
-            (self.cu_k[1:] - self.cu_k[:-1]).int().view(-1, 1, 1, 1)
+        self.ragged_q = call.varlen
+        self.table = call.block_table
+        self.ragged_k = call.varlen and self.table is None
+        device = call.q.device
+        if self.ragged_q:
+            assert call.cu_seqlens_q is not None
+            self.cu_q = call.cu_seqlens_q.long()
+            self.seq_len_q = (self.cu_q[1:] - self.cu_q[:-1]).int().view(-1, 1, 1, 1)
+        else:
+            self.seq_len_q = torch.full((self.batch, 1, 1, 1), self.max_q, dtype=torch.int32, device=device)
+        if self.table is not None:
+            assert call.seqused_k is not None
+            self.max_k = self.table.shape[1] * call.page_size  # the table's capacity
+            self.seq_len_kv = call.seqused_k.int().view(-1, 1, 1, 1)
+        else:
+            assert call.cu_seqlens_k is not None
+            self.cu_k = call.cu_seqlens_k.long()
+            self.seq_len_kv = self.seq_len_q if call.cu_seqlens_k is call.cu_seqlens_q else \
+                (self.cu_k[1:] - self.cu_k[:-1]).int().view(-1, 1, 1, 1)
         self._offsets: dict[tuple[str, int], torch.Tensor] = {}
 
     def key(self) -> tuple[Any, ...]:
-        return ("thd", self.batch, self.max_q, self.max_k)
+        table = None if self.table is None else (tuple(self.table.shape), self.table.stride())
+        return (self.ragged_q, self.ragged_k, self.batch, self.max_q, self.max_k, table)
+
+    def ragged(self, side: str) -> bool:
+        return self.ragged_q if side == "q" else self.ragged_k
 
     def dims(self, t: torch.Tensor, side: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(dims, strides) of the packed `t` (tokens, heads, dim) as cuDNN's ragged tensor; side "q" or "k"."""
+        """(dims, strides) of `t` in the graph: a packed (tokens, heads, dim) tensor of a ragged side as cuDNN's
+        ragged tensor, any other as it is (side "q" or "k")."""
+        if not self.ragged(side):
+            return tuple(t.shape), t.stride()
         s = self.max_q if side == "q" else self.max_k
         return (self.batch, t.shape[1], s, t.shape[2]), (s * t.stride(0), t.stride(1), t.stride(0), t.stride(2))
 
@@ -237,28 +264,44 @@ class _Ragged:
 
     def tensor(self, cudnn: Any, graph: Any, uid: int, name: str, like: torch.Tensor, side: str,
                data_type: Any) -> Any:
-        """The graph tensor `name` (uid) of packed `like`, with its ragged offset (uid _RAGGED_UID["off_" + name])."""
+        """The graph tensor `name` (uid) of `like`, with its ragged offset (uid _PADDED_UID["off_" + name]) on a
+        ragged side."""
         dim, stride = self.dims(like, side)
         node = graph.tensor(uid=uid, dim=dim, stride=stride, data_type=data_type)
-        node.set_ragged_offset(self.offset_tensor(cudnn, graph, name))
+        if self.ragged(side):
+            node.set_ragged_offset(self.offset_tensor(cudnn, graph, name))
         return node
 
     def offset_tensor(self, cudnn: Any, graph: Any, name: str) -> Any:
-        return graph.tensor(uid=_RAGGED_UID["off_" + name], dim=(self.batch + 1, 1, 1, 1), stride=(1, 1, 1, 1),
+        return graph.tensor(uid=_PADDED_UID["off_" + name], dim=(self.batch + 1, 1, 1, 1), stride=(1, 1, 1, 1),
                             data_type=cudnn.data_type.INT64)
 
+    def table_view(self) -> torch.Tensor:
+        assert self.table is not None
+        return self.table[:, None, :, None]  # (batch, 1, max_pages, 1), the block table's own strides
+
     def padding(self, cudnn: Any, graph: Any) -> dict[str, Any]:
-        """sdpa's padding keywords: use_padding_mask and the two length tensors."""
-        return {"use_padding_mask": True, **{
-            name: graph.tensor(uid=_RAGGED_UID[name], dim=(self.batch, 1, 1, 1), stride=(1, 1, 1, 1),
-                               data_type=cudnn.data_type.INT32) for name in ("seq_len_q", "seq_len_kv")}}
+        """sdpa's keywords: use_padding_mask and the two length tensors; the page tables of a paged cache."""
+        lengths = {name: graph.tensor(uid=_PADDED_UID[name], dim=(self.batch, 1, 1, 1), stride=(1, 1, 1, 1),
+                                      data_type=cudnn.data_type.INT32) for name in ("seq_len_q", "seq_len_kv")}
+        kwargs: dict[str, Any] = {"use_padding_mask": True, **lengths}
+        if self.table is not None:
+            table = self.table_view()
+            kwargs.update({f"paged_attention_{n}_table": graph.tensor(
+                uid=_PADDED_UID[f"page_table_{n}"], dim=tuple(table.shape), stride=table.stride(),
+                data_type=cudnn.data_type.INT32) for n in ("k", "v")})
+            kwargs["paged_attention_max_seq_len_kv"] = self.max_k
+        return kwargs
 
     def fill(self, pack: dict[int, torch.Tensor], tensors: dict[str, tuple[torch.Tensor, str]]) -> None:
-        """This call's lengths and each named packed tensor's offsets into `pack` (the tensors themselves are the
-        caller's)."""
-        pack[_RAGGED_UID["seq_len_q"]], pack[_RAGGED_UID["seq_len_kv"]] = self.seq_len_q, self.seq_len_kv
+        """This call's lengths, page tables and each named tensor's offsets (on a ragged side) into `pack` (the
+        tensors themselves are the caller's)."""
+        pack[_PADDED_UID["seq_len_q"]], pack[_PADDED_UID["seq_len_kv"]] = self.seq_len_q, self.seq_len_kv
+        if self.table is not None:
+            pack[_PADDED_UID["page_table_k"]] = pack[_PADDED_UID["page_table_v"]] = self.table_view()
         for name, (t, side) in tensors.items():
-            pack[_RAGGED_UID["off_" + name]] = self.offsets(t, side)
+            if self.ragged(side):
+                pack[_PADDED_UID["off_" + name]] = self.offsets(t, side)
 
 
 def _graph_bias(call: AttentionCall) -> torch.Tensor | None:
@@ -464,6 +507,9 @@ class CudnnFrontendAttention(AttentionImpl):
         # bf16/fp16 only (cuDNN: "SDPA FP8 does not support bias"); ALiBi causal with cuDNN's fixed slopes, neither
         # with a bottom-right diagonal (extra_reasons, and a run-time check of the slopes)
         attn_bias=True, bias_grad=True, alibi=True,
+        # forward only, bf16/fp16 (extra_reasons); cuDNN's published tests page by 32, 64 and 128 keys
+        # (test/python/test_mhas.py) and its frontend checks no page size: check_support is the last word
+        paged_kv=True, page_size_multiple=_PAGE_SIZE_MULTIPLE,
         fp8_out_dtypes=frozenset(FP8_OUT_DTYPES) | FP8_DTYPES, fp8_descale_per_head=False, fp8_out_amax=True,
         # Not measured: cuDNN picks plans per shape; neither determinism is claimed.
         deterministic_forward=False,
@@ -482,7 +528,7 @@ class CudnnFrontendAttention(AttentionImpl):
         return (call.seqlen_q == 1, call.seqlen_k == 1)  # besides what the class key holds, extra_reasons reads these
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        reasons = self._score_term_reasons(call) + self._thd_reasons(call, device)
+        reasons = self._score_term_reasons(call) + self._thd_reasons(call, device) + self._paged_reasons(call)
         if not call.fp8 and not self.options.fp8_dpa:
             if not self.options.half:
                 return ["bf16/fp16 calls are off by default: cuDNN builds a graph per new shape (0.07-1.0 s on an "
@@ -549,6 +595,20 @@ class CudnnFrontendAttention(AttentionImpl):
                            f"packed LSE is refused on sm8x), device is sm{device.capability[0]}{device.capability[1]}")
         return reasons
 
+    def _paged_reasons(self, call: AttentionCall) -> list[str]:
+        """A paged K/V cache runs as cuDNN's paged forward graph, bf16/fp16 only."""
+        if not call.paged:
+            return []
+        reasons = []
+        if call.fp8 or self.options.fp8_dpa:
+            reasons.append("a paged K/V cache is built here for bf16/fp16 only, not FP8 (fp8 calls or the fp8_dpa "
+                           "option): compute this call in bf16/fp16 or use another implementation")
+        if call.requires_grad:
+            reasons.append("a paged K/V cache is forward only here (cuDNN's sdpa_backward takes no page tables: "
+                           "test/python/sdpa/fp16.py, \"paged attention not allowed in backward pass\"); run it "
+                           "under torch.no_grad() or use a contiguous cache")
+        return reasons
+
     @staticmethod
     def _half_backward_reasons(call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = []
@@ -596,20 +656,25 @@ class CudnnFrontendAttention(AttentionImpl):
         scale_o — no v amax, no dequantization: the graph's output is the result —, and `out_amax` receives
         cuDNN's Amax_O (max|output| in real units). bf16/fp16 only: `bias` the graph's (`_graph_bias`), and the
         call's ALiBi as cuDNN's (slopes checked by the caller)."""
-        ragged = _Ragged(call) if call.varlen else None
-        q, k, v = (q_in, k_in, v_in) if ragged is not None else (call.bhsd(q_in), call.bhsd(k_in), call.bhsd(v_in))
+        padded = _Padded(call) if call.varlen or call.paged else None
+        q = q_in if call.varlen else call.bhsd(q_in)
+        if call.paged:  # the page pools (num_pages, page_size, heads_kv, dim) as cuDNN's (num_pages, heads, size, dim)
+            k, v = k_in.permute(0, 2, 1, 3), v_in.permute(0, 2, 1, 3)
+        else:
+            k, v = (k_in, v_in) if call.varlen else (call.bhsd(k_in), call.bhsd(v_in))
         _check_lengths(call)
         fp8 = descales is not None
         out = torch.empty((*q_in.shape[:-1], call.head_dim_v), dtype=q.dtype if fp8 else out_dtype,
                           device=q.device)
-        o = out if ragged is not None else call.bhsd(out)
+        o = out if call.varlen else call.bhsd(out)
         # (b, h, s_q, 1), or thd's (tokens, h, 1)
         stats = torch.empty((*q.shape[:-1], 1), dtype=torch.float32, device=q.device) if with_stats else None
         # (thd: the token count is no part of a forward graph — its dims are (batch, heads, max_seqlen, dim))
-        key = (_shape_key(q, ragged), q.stride(), _shape_key(k, ragged), k.stride(), _shape_key(v, ragged),
+        key = (_shape_key(q, padded, "q"), q.stride(), _shape_key(k, padded, "k"), k.stride(),
+               _shape_key(v, padded, "k"),
                v.stride(), o.stride(), q.dtype, call.scale, call.causal, call.causal_alignment, call.window,
                q.device, with_stats, None if bias is None else (tuple(bias.shape), bias.stride()),
-               call.alibi_slopes is not None, None if ragged is None else ragged.key())
+               call.alibi_slopes is not None, None if padded is None else padded.key())
         handle, device_lock = self._graphs.handle(cudnn, q.device)
         cuda = q.device.type == "cuda"  # (the contract tests run this adapter on CPU behind a fake `cudnn`)
         capturing = cuda and torch.cuda.is_current_stream_capturing()
@@ -621,7 +686,7 @@ class CudnnFrontendAttention(AttentionImpl):
                 raise RuntimeError("nvidia.cudnn_frontend: a call of a new signature inside CUDA-graph capture "
                                    f"({call.describe()}); building its cuDNN graph synchronizes. Run one call of "
                                    "this signature before capturing (warm-up)")
-            graph = self._build(cudnn, call, q, k, v, o, stats, bias, handle, ragged)
+            graph = self._build(cudnn, call, q, k, v, o, stats, bias, handle, padded)
             if not self.options.autotune:
                 plan = self._remember(key, _Plan(graph, None, graph.get_workspace_size()))
         pack = {_UID["q"]: q, _UID["k"]: k, _UID["v"]: v, _UID["o"]: o}
@@ -629,8 +694,8 @@ class CudnnFrontendAttention(AttentionImpl):
             pack[_UID["bias"]] = bias
         if stats is not None:
             pack[_UID["stats"]] = stats
-        if ragged is not None:
-            ragged.fill(pack, {"q": (q, "q"), "k": (k, "k"), "v": (v, "k"), "o": (o, "q"),
+        if padded is not None:
+            padded.fill(pack, {"q": (q, "q"), "k": (k, "k"), "v": (v, "k"), "o": (o, "q"),
                                **({"stats": (stats, "q")} if stats is not None else {})})
         scratch = None
         if descales is not None:
@@ -749,19 +814,19 @@ class CudnnFrontendAttention(AttentionImpl):
             d_o_in = torch.empty_like(out)
             d_o_in.copy_(grad_out)
         grads_in = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q_in, k_in, v_in)]
-        ragged = _Ragged(call) if call.varlen else None
-        q, k, v, o, d_o, dq, dk, dv = ((q_in, k_in, v_in, out, d_o_in, *grads_in) if ragged is not None else
+        padded = _Padded(call) if call.varlen else None  # (paged calls have no backward: extra_reasons)
+        q, k, v, o, d_o, dq, dk, dv = ((q_in, k_in, v_in, out, d_o_in, *grads_in) if padded is not None else
                                        (call.bhsd(t) for t in (q_in, k_in, v_in, out, d_o_in, *grads_in)))
         d_bias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device) if bias is not None and bias_grad \
             else None
         # thd: the backward's workspace is sized by the token counts (max_total_seq_len_q/kv), rounded up to 64
         # as test/python/sdpa/fp16.py rounds them, so a graph serves every count up to it
-        totals = None if ragged is None else (_round_up(q.shape[0], 64), _round_up(k.shape[0], 64))
-        key = ("half_backward", _shape_key(q, ragged), q.stride(), _shape_key(k, ragged), k.stride(),
-               _shape_key(v, ragged), v.stride(), o.stride(), d_o.stride(), dq.stride(), dk.stride(), dv.stride(),
+        totals = None if padded is None else (_round_up(q.shape[0], 64), _round_up(k.shape[0], 64))
+        key = ("half_backward", _shape_key(q, padded, "q"), q.stride(), _shape_key(k, padded, "k"), k.stride(),
+               _shape_key(v, padded, "k"), v.stride(), o.stride(), d_o.stride(), dq.stride(), dk.stride(), dv.stride(),
                q.dtype, call.scale, call.causal, call.causal_alignment, call.window, q.device,
                call.alibi_slopes is not None, None if bias is None else (tuple(bias.shape), bias.stride()),
-               d_bias is not None, None if ragged is None else ragged.key(), totals)
+               d_bias is not None, None if padded is None else padded.key(), totals)
         cuda = q.device.type == "cuda"
         capturing = cuda and torch.cuda.is_current_stream_capturing()
         stream = torch.cuda.current_stream(q.device).cuda_stream if cuda else 0
@@ -774,7 +839,7 @@ class CudnnFrontendAttention(AttentionImpl):
                                    f"({call.describe()}); building its cuDNN graph synchronizes. Run one backward of "
                                    "this signature before capturing (warm-up)")
             graph = self._build_half_backward(cudnn, call, q, k, v, o, d_o, stats, bias, dq, dk, dv, d_bias,
-                                              handle, ragged, totals)
+                                              handle, padded, totals)
             if not self.options.autotune:
                 plan = self._remember(key, _Plan(graph, None, graph.get_workspace_size()))
         pack = {_HALF_BWD_UID["q"]: q, _HALF_BWD_UID["k"]: k, _HALF_BWD_UID["v"]: v, _HALF_BWD_UID["o"]: o,
@@ -784,8 +849,8 @@ class CudnnFrontendAttention(AttentionImpl):
             pack[_HALF_BWD_UID["bias"]] = bias
         if d_bias is not None:
             pack[_HALF_BWD_UID["dBias"]] = d_bias
-        if ragged is not None:
-            ragged.fill(pack, {"q": (q, "q"), "k": (k, "k"), "v": (v, "k"), "o": (o, "q"), "stats": (stats, "q"),
+        if padded is not None:
+            padded.fill(pack, {"q": (q, "q"), "k": (k, "k"), "v": (v, "k"), "o": (o, "q"), "stats": (stats, "q"),
                                "dO": (d_o, "q"), "dQ": (dq, "q"), "dK": (dk, "k"), "dV": (dv, "k")})
         with device_lock:
             cudnn.set_stream(handle=handle, stream=stream)
@@ -798,16 +863,16 @@ class CudnnFrontendAttention(AttentionImpl):
     def _build_half_backward(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor,
                              bias: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                             d_bias: torch.Tensor | None, handle: Any, ragged: _Ragged | None = None,
+                             d_bias: torch.Tensor | None, handle: Any, padded: _Padded | None = None,
                              totals: tuple[int, int] | None = None) -> Any:
         """cuDNN's bf16/fp16 SDPA backward (test/python/sdpa/fp16.py's backward graph): the forward's bounds,
         bias and ALiBi; dBias (the bias's dims: cuDNN reduces the batch and head dims it broadcasts over); thd: every
-        tensor ragged, the padding mask, and the token counts' bound `totals` as max_total_seq_len_q/kv."""
+        tensor padded, the padding mask, and the token counts' bound `totals` as max_total_seq_len_q/kv."""
         io = _cudnn_type(cudnn, q.dtype)
         graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                               compute_data_type=cudnn.data_type.FLOAT, handle=handle)
         inputs = {n: _graph_tensor(cudnn, graph, _HALF_BWD_UID[n], n, t, side,
-                                   cudnn.data_type.FLOAT if n == "stats" else io, ragged)
+                                   cudnn.data_type.FLOAT if n == "stats" else io, padded)
                   for n, t, side in (("q", q, "q"), ("k", k, "k"), ("v", v, "k"), ("o", o, "q"), ("dO", d_o, "q"),
                                      ("stats", stats, "q"))}
         t_bias = t_dbias = None
@@ -821,16 +886,16 @@ class CudnnFrontendAttention(AttentionImpl):
         align = (cudnn.diagonal_alignment.BOTTOM_RIGHT if call.causal_alignment == "bottom_right"
                  else cudnn.diagonal_alignment.TOP_LEFT)
         padding: dict[str, Any] = {}
-        if ragged is not None:
+        if padded is not None:
             assert totals is not None
-            padding = {**ragged.padding(cudnn, graph), "max_total_seq_len_q": totals[0],
+            padding = {**padded.padding(cudnn, graph), "max_total_seq_len_q": totals[0],
                        "max_total_seq_len_kv": totals[1]}
         t_dq, t_dk, t_dv = graph.sdpa_backward(
             **inputs, attn_scale=call.scale, bias=t_bias, dBias=t_dbias,
             use_alibi_mask=call.alibi_slopes is not None, diagonal_alignment=align, diagonal_band_left_bound=left,
             diagonal_band_right_bound=right, **padding)
         for name, t, like, side in (("dQ", t_dq, dq, "q"), ("dK", t_dk, dk, "k"), ("dV", t_dv, dv, "k")):
-            _set_output(cudnn, graph, t, _HALF_BWD_UID[name], name, like, side, io, ragged)
+            _set_output(cudnn, graph, t, _HALF_BWD_UID[name], name, like, side, io, padded)
         return self._build_plans(cudnn, graph)
 
     def _remember(self, key: Any, plan: _Plan) -> _Plan:
@@ -853,11 +918,11 @@ class CudnnFrontendAttention(AttentionImpl):
 
     def _build(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                o: torch.Tensor, stats: torch.Tensor | None, bias: torch.Tensor | None, handle: Any,
-               ragged: _Ragged | None = None) -> Any:
+               padded: _Padded | None = None) -> Any:
         io = _cudnn_type(cudnn, q.dtype)
         graph = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                               compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-        tq, tk, tv = (_graph_tensor(cudnn, graph, _UID[n], n, t, side, io, ragged)
+        tq, tk, tv = (_graph_tensor(cudnn, graph, _UID[n], n, t, side, io, padded)
                       for n, t, side in (("q", q, "q"), ("k", k, "k"), ("v", v, "k")))
         left, right = _bounds(call)
         align = (cudnn.diagonal_alignment.BOTTOM_RIGHT if call.causal_alignment == "bottom_right"
@@ -873,14 +938,14 @@ class CudnnFrontendAttention(AttentionImpl):
         else:
             t_bias = None if bias is None else graph.tensor(uid=_UID["bias"], dim=tuple(bias.shape),
                                                             stride=bias.stride(), data_type=io)
-            padding = ragged.padding(cudnn, graph) if ragged is not None else {}
+            padding = padded.padding(cudnn, graph) if padded is not None else {}
             to, t_stats = graph.sdpa(q=tq, k=tk, v=tv, generate_stats=stats is not None, attn_scale=call.scale,
                                      bias=t_bias, use_alibi_mask=call.alibi_slopes is not None,
                                      diagonal_alignment=align, diagonal_band_left_bound=left,
                                      diagonal_band_right_bound=right, **padding)
-        _set_output(cudnn, graph, to, _UID["o"], "o", o, "q", io, ragged)
+        _set_output(cudnn, graph, to, _UID["o"], "o", o, "q", io, padded)
         if stats is not None:
-            _set_output(cudnn, graph, t_stats, _UID["stats"], "stats", stats, "q", cudnn.data_type.FLOAT, ragged)
+            _set_output(cudnn, graph, t_stats, _UID["stats"], "stats", stats, "q", cudnn.data_type.FLOAT, padded)
         return self._build_plans(cudnn, graph)
 
     def _build_backward(self, cudnn: Any, call: AttentionCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -911,26 +976,27 @@ class CudnnFrontendAttention(AttentionImpl):
         return self._build_plans(cudnn, graph)
 
 
-def _shape_key(t: torch.Tensor, ragged: _Ragged | None) -> tuple[int, ...]:
-    """A tensor's shape in a graph key: thd's without its token count (the graph's dims hold max_seqlen)."""
-    return tuple(t.shape) if ragged is None else tuple(t.shape[1:])
+def _shape_key(t: torch.Tensor, padded: _Padded | None, side: str) -> tuple[int, ...]:
+    """A tensor's shape in a graph key: a packed one's without its token count (the graph's dims hold
+    max_seqlen)."""
+    return tuple(t.shape[1:]) if padded is not None and padded.ragged(side) else tuple(t.shape)
 
 
 def _graph_tensor(cudnn: Any, graph: Any, uid: int, name: str, t: torch.Tensor, side: str, data_type: Any,
-                  ragged: _Ragged | None) -> Any:
+                  padded: _Padded | None) -> Any:
     """An input of the graph: `t`'s dims and strides, or for thd its ragged tensor (side "q" or "k")."""
-    if ragged is None:
+    if padded is None:
         return graph.tensor(uid=uid, dim=tuple(t.shape), stride=t.stride(), data_type=data_type)
-    return ragged.tensor(cudnn, graph, uid, name, t, side, data_type)
+    return padded.tensor(cudnn, graph, uid, name, t, side, data_type)
 
 
 def _set_output(cudnn: Any, graph: Any, node: Any, uid: int, name: str, like: torch.Tensor, side: str,
-                data_type: Any, ragged: _Ragged | None) -> None:
+                data_type: Any, padded: _Padded | None) -> None:
     """An output of the graph written into `like` (thd: as its ragged tensor)."""
-    dim, stride = (tuple(like.shape), like.stride()) if ragged is None else ragged.dims(like, side)
+    dim, stride = (tuple(like.shape), like.stride()) if padded is None else padded.dims(like, side)
     node.set_uid(uid).set_output(True).set_dim(dim).set_stride(stride).set_data_type(data_type)
-    if ragged is not None:
-        node.set_ragged_offset(ragged.offset_tensor(cudnn, graph, name))
+    if padded is not None and padded.ragged(side):
+        node.set_ragged_offset(padded.offset_tensor(cudnn, graph, name))
 
 
 class _Saved:
