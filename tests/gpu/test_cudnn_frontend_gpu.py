@@ -2,8 +2,9 @@
 float32 attention of the dequantized inputs, and fp8_dpa's forward and backward (bf16 in, FP8 inside) against float32
 autograd on the FP8-rounded inputs and dO, including a gradient range that changes by 10**5 between calls (the kept
 scales must be redone, never a clipped gradient returned). Bounds: the forward's 0.08 and the backward's 0.25 of the
-max, as benchmarks/fp8_attention.py holds them. bf16/fp16 with additive bias, ALiBi and the sdpa_backward backward
-(the last tests) are UNVERIFIED on a GPU: written on CPU against the fake, for the lead's next H100 run."""
+max, as benchmarks/fp8_attention.py holds them. bf16/fp16 with additive bias, ALiBi and the sdpa_backward backward,
+thd (ragged offsets, forward and backward, and a CUDA-graph replay) and paged K/V (the last tests) are UNVERIFIED on
+a GPU: written on CPU against the fake, for the lead's next H100 run."""
 
 from __future__ import annotations
 
@@ -226,3 +227,121 @@ def test_alibi_with_other_slopes_is_refused_not_computed(options):
     q, k, v = _qkv(10, s=256)
     with pytest.raises(Exception, match="standard slopes"):
         opdispatch.attention(q, k, v, causal=True, alibi_slopes=_alibi_slopes(8) * 2, impl=IMPL)
+
+
+# -- thd (ragged offsets) and paged K/V (option `half`) ---------------------------------------------------------------
+# UNVERIFIED on a GPU when written (helper session s42-cfe2, CPU only, against tests/fakes/cudnn_frontend.py): the
+# lead runs these next. What they settle: cuDNN's element offsets for strided packings, max_total_seq_len rounded to
+# 64 over unpadded tensors (test/python/sdpa/fp16.py pads its tensors to it), zero-length sequences, the page sizes
+# cuDNN takes, and no host read (the thd call is replayed from a CUDA graph with other lengths).
+
+def _reference_one(q, k, v, causal, window, bottom_right):
+    """float32 attention of one sequence (s, h, d), differentiable; keyless rows give zeros."""
+    sq, hq, sk, hk = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
+    kk, vv = (t.float().repeat_interleave(hq // hk, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * q.shape[-1] ** -0.5
+    offset = sk - sq if bottom_right else 0
+    i, j = torch.arange(sq, device="cuda")[:, None] + offset, torch.arange(sk, device="cuda")[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device="cuda")
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= (j >= i - window[0]) if window[0] >= 0 else keep
+        keep &= (j <= i + window[1]) if window[1] >= 0 else keep
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", probs, vv)
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("lens_q,lens_k,causal,window,align", [
+    ([512, 0, 77, 300], None, True, None, "top_left"),            # self-attention, a zero-length sequence
+    ([100, 700, 3], [640, 200, 129], True, None, "bottom_right"),  # unequal both ways, keyless rows
+    ([256, 31], [300, 0], False, (64, 32), "top_left"),            # a window; a sequence with no key
+])
+def test_thd_forward_and_backward_against_float32(options, lens_q, lens_k, causal, window, align):
+    """thd bf16 through cuDNN's ragged graphs, GQA 4:1, q/k/v sliced from one packed projection (self-attention:
+    a token stride of (hq + 2 hk) d): out within 2**-6 of the max, gradients 2**-4, per sequence."""
+    options(half=True)
+    hq, hk, d = 8, 2, 128
+    self_attention = lens_k is None
+    lens_k = lens_q if self_attention else lens_k
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    tq, tk = sum(lens_q), sum(lens_k)
+    if self_attention:
+        qkv = torch.randn(tq, hq + 2 * hk, d, generator=gen, device="cuda").to(torch.bfloat16)
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+    else:
+        q = torch.randn(tq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+        k, v = (torch.randn(tk, hk, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    cu_q = _cu(lens_q)
+    cu_k = cu_q if self_attention else _cu(lens_k)
+    out = opdispatch.attention(*leaves, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal,
+                               causal_alignment=align, window=window, impl=IMPL)
+    d_o = torch.randn(out.shape, generator=gen, device="cuda").to(torch.bfloat16)
+    out.backward(d_o)
+    refs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    parts, cq, ck = [], 0, 0
+    for nq, nk in zip(lens_q, lens_k, strict=True):
+        parts.append(_reference_one(refs[0][cq:cq + nq], refs[1][ck:ck + nk], refs[2][ck:ck + nk], causal, window,
+                                    align == "bottom_right" and not self_attention))
+        cq, ck = cq + nq, ck + nk
+    want = torch.cat(parts)
+    want.backward(d_o.float())
+    assert _rel_error(out, want.detach()) <= 2 ** -6
+    for name, leaf, ref in zip(("dq", "dk", "dv"), leaves, refs, strict=True):
+        assert _rel_error(leaf.grad, ref.grad) <= 2 ** -4, name
+
+
+def test_thd_forward_replays_in_a_cuda_graph_with_other_lengths(options):
+    """No host read on the thd path: a warmed-up signature is captured, then replayed with other lengths of the
+    same batch and longest sequences (cu_seqlens rewritten in place) — results as eager calls give."""
+    options(half=True)
+    hq, hk, d = 8, 2, 128
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    lens, other = [300, 100, 212], [212, 300, 100]
+    q = torch.randn(sum(lens), hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(sum(lens), hk, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    cu = _cu(lens)
+    kwargs = dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300, max_seqlen_k=300, causal=True,
+                  impl=IMPL)
+    with torch.no_grad():
+        opdispatch.attention(q, k, v, **kwargs)  # warm-up: builds the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = opdispatch.attention(q, k, v, **kwargs)
+        cu.copy_(_cu(other))
+        graph.replay()
+        eager = opdispatch.attention(q, k, v, **{**kwargs, "cu_seqlens_q": _cu(other), "cu_seqlens_k": _cu(other)})
+    torch.testing.assert_close(captured, eager)
+
+
+@pytest.mark.parametrize("page", [32, 64, 128])
+@pytest.mark.parametrize("sq,causal,window", [(1, False, None), (4, True, None), (16, True, (128, 0))])
+def test_paged_kv_forward_against_float32(options, page, sq, causal, window):
+    """A paged bf16 cache (shuffled pages, fills 0..capacity) with dense queries, GQA 4:1, bottom-right from each
+    sequence's fill: within 2**-6 of the max per sequence."""
+    options(half=True)
+    b, hq, hk, d, capacity = 4, 8, 2, 128, 1024
+    per_seq = capacity // page
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    num_pages = b * per_seq + 3
+    k_pool, v_pool = (torch.randn(num_pages, page, hk, d, generator=gen, device="cuda").to(torch.bfloat16)
+                      for _ in range(2))
+    table = torch.randperm(num_pages, generator=gen, device="cuda")[:b * per_seq].view(b, per_seq).int()
+    used = torch.tensor([capacity, 0, 3, 700], dtype=torch.int32, device="cuda")
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        out = opdispatch.attention(q, k_pool, v_pool, seqused_k=used, block_table=table, causal=causal,
+                                   causal_alignment="bottom_right", window=window, impl=IMPL)
+    for i, n in enumerate(used.tolist()):
+        keys = k_pool[table[i].long()].reshape(-1, hk, d)[:n]
+        values = v_pool[table[i].long()].reshape(-1, hk, d)[:n]
+        want = _reference_one(q[i], keys, values, causal, window, True)
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+        else:
+            assert _rel_error(out[i], want) <= 2 ** -6, i

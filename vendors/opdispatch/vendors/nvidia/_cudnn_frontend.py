@@ -93,10 +93,30 @@ refused (cuDNN's backward node). Graphs are cached per signature (bias dims/stri
 bias, ALiBi and backward paths are contract-tested on CPU against the fake; their GPU tests
 (tests/gpu/test_cudnn_frontend_gpu.py) were written without a GPU run (UNVERIFIED until the lead runs them).
 
-What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): paged K/V
-(`paged_attention_k_table`), ragged thd offsets (`set_ragged_offset`), dropout, the LSE as an output (`stats`: only
-kept for the backward). Graphs are built once per signature (shapes, strides, dtypes, options, device) and never
-during CUDA-graph capture (building synchronizes): a first call inside capture raises with the fix (warm up).
+Packed varlen (thd, bf16/fp16, sm90+; option `half`), forward and backward, and a paged K/V cache (forward only):
+cuDNN's padding-mask graphs (`_Padded`; test/python/sdpa/fp16.py's ragged and paged graphs, sdpa_support_surface.h,
+paged_cache_load.h):
+
+    t.set_ragged_offset(offsets)   # int64 (b + 1, 1, 1, 1), in elements: cu_seqlens * token stride; the tensor's
+                                   # dims (b, h, max_seqlen, d), strides (max_seqlen * ts, hs, ts, 1)
+    graph.sdpa(..., use_padding_mask=True, seq_len_q=, seq_len_kv=,     # int32 (b, 1, 1, 1)
+               paged_attention_k_table=, paged_attention_v_table=,      # int32 (b, 1, max_pages, 1)
+               paged_attention_max_seq_len_kv=)                         # max_pages * page_size
+    graph.sdpa_backward(..., use_padding_mask=True, seq_len_q=, seq_len_kv=, max_total_seq_len_q=,
+                        max_total_seq_len_kv=)                          # token counts, rounded up to 64
+
+thd's q/k/v/o/stats (and dO/dQ/dK/dV) are ragged; paged k/v are the pools as (num_pages, heads, page_size, dim)
+views, with seq_len_kv = seqused_k (bottom-right counts from the fill, as cuDNN's padded diagonal does: per
+sequence, seq_len_kv - seq_len_q). The padding mask lifts cuDNN's "max_s_q <= max_s_kv" limits on windows and
+bottom-right diagonals. Lengths, offsets and page tables are made on the device per call (no host read). Not taken
+(refused with reasons): thd or paged with FP8/fp8_dpa or ALiBi, a gradient through a paged cache (cuDNN's backward
+takes no page tables), page sizes not a multiple of 32, thd below sm90. Written against the fake without a GPU run:
+UNVERIFIED until tests/gpu/test_cudnn_frontend_gpu.py's thd and paged tests run on the H100.
+
+What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): dropout, the
+LSE as an output (`stats`: only kept for the backward), a KV cache without pages (seqused_k alone). Graphs are
+built once per signature (shapes, strides, dtypes, options, device) and never during CUDA-graph capture (building
+synchronizes): a first call inside capture raises with the fix (warm up).
 """
 
 from __future__ import annotations
@@ -494,7 +514,8 @@ class CudnnFrontendAttention(AttentionImpl):
     name: ClassVar[str] = "cudnn_frontend"
     priority: ClassVar[int] = 38  # below nvidia.cudnn (torch's binding of the same kernels, no Python per call)
     description: ClassVar[str] = ("cuDNN SDPA through the cuDNN frontend's Python graph API (nvidia-cudnn-frontend):"
-                                  " bf16/fp16 forward and backward (bias, ALiBi), FP8 forward and fp8_dpa training")
+                                  " bf16/fp16 forward and backward (bias, ALiBi, thd), paged K/V forward, FP8 forward"
+                                  " and fp8_dpa training")
     device_types: ClassVar[frozenset[str]] = frozenset({"cuda"})
     device_vendors: ClassVar[frozenset[str]] = frozenset({"nvidia"})
     min_capability: ClassVar[tuple[int, int] | None] = (8, 0)
