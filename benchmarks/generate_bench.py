@@ -4,7 +4,10 @@ The same Llama-shaped model (built from a config, random weights, eval mode) gen
 implementation, batch 1 and a padded batch (left padding, prompts of unequal lengths), with the model's dynamic KV
 cache; the generated tokens are compared (they must be equal), and the time of each generate() call is measured
 after a warm-up generate of the same shape. Reps alternate between the two implementations so both see the same
-machine state. tokens/s counts the new tokens of every sequence in the batch.
+machine state, in alternating order. Each implementation runs on two copies of the model, one built before and
+one after the other implementation's: the model built first ran ~1-2% faster on CPU whatever its attention (two
+sdpa models: 0.99x; the opdispatch model built second: 0.98x, built first: 1.00-1.01x), so one build order would
+bias the ratio. tokens/s counts the new tokens of every sequence in the batch.
 
     python benchmarks/generate_bench.py --size tiny --out benchmarks/results/generate-cpu.md          # CPU
     python benchmarks/generate_bench.py --size 100m --batches 1,8,32 --out generate-h100.md           # GPU, bf16
@@ -78,25 +81,31 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     env["transformers"] = transformers.__version__
-    models = {attn: build(args.size, attn, device, dtype) for attn in ("sdpa", "opdispatch")}
+    # Two builds of each, in both orders (see the module docstring): sdpa, opdispatch, opdispatch, sdpa.
+    copies: dict[str, list[Any]] = {"sdpa": [], "opdispatch": []}
+    for attn in ("sdpa", "opdispatch", "opdispatch", "sdpa"):
+        copies[attn].append(build(args.size, attn, device, dtype))
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         ids, mask = prompts(batch, args.prompt, SIZES[args.size]["vocab_size"], device)
         kwargs = dict(attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
-        outputs, times = {}, {attn: [] for attn in models}
+        outputs: dict[str, Any] = {}
+        times: dict[str, list[float]] = {attn: [] for attn in copies}
         with torch.no_grad():
-            for attn, model in models.items():  # warm-up: the first generate of a shape (plans, kernels)
-                outputs[attn] = model.generate(ids, **kwargs)
-            for _ in range(args.reps):
-                for attn, model in models.items():
-                    sync(device)
-                    start = time.perf_counter()
-                    model.generate(ids, **kwargs)
-                    sync(device)
-                    times[attn].append(time.perf_counter() - start)
-        same = torch.equal(outputs["sdpa"], outputs["opdispatch"])
+            for attn, models in copies.items():  # warm-up: the first generate of a shape (plans, kernels)
+                outputs[attn] = [model.generate(ids, **kwargs) for model in models]
+            for rep in range(args.reps):
+                order = ("sdpa", "opdispatch") if rep % 2 == 0 else ("opdispatch", "sdpa")
+                for attn in order:
+                    for model in copies[attn]:
+                        sync(device)
+                        start = time.perf_counter()
+                        model.generate(ids, **kwargs)
+                        sync(device)
+                        times[attn].append(time.perf_counter() - start)
+        same = all(torch.equal(outputs["sdpa"][0], out) for out in (*outputs["sdpa"][1:], *outputs["opdispatch"]))
         row: dict[str, Any] = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new, "same_tokens": same}
-        for attn in models:
+        for attn in copies:
             median = statistics.median(times[attn])
             row[f"{attn}_s"] = median
             row[f"{attn}_tokens_per_s"] = batch * args.new / median
@@ -108,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          if "cuda" in env else "")
              + f"; transformers {env['transformers']}; commit {env.get('commit')}", "",
              f"Prompt {args.prompt} tokens (in a batch, every other prompt left-padded by a quarter), {args.new} new "
-             f"tokens per sequence, median of {args.reps} generate() calls after a warm-up one, reps alternating.",
+             f"tokens per sequence, median of {args.reps} generate() calls on each of two copies of each model "
+             "(one built before, one after the other's) after a warm-up one, reps alternating in alternating order.",
              "", "| batch | sdpa tokens/s | opdispatch tokens/s | opdispatch / sdpa | same tokens |",
              "|---:|---:|---:|---:|---|"]
     for r in rows:
