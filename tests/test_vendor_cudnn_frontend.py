@@ -305,27 +305,9 @@ def _quantized(t, kind=torch.float8_e4m3fn):
 def _oracle_grads(q, k, v, d_o, causal, window, bottom_right):
     """float64 autograd through the oracle (bshd), independent of the fake's backward formulas."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = _oracle_autograd(q, k, v, q.shape[-1] ** -0.5, causal, window, bottom_right)
+    out = _oracle_scored(q, k, v, q.shape[-1] ** -0.5, causal, window, bottom_right)
     out.backward(d_o.double())
     return out.detach(), q.grad, k.grad, v.grad
-
-
-def _oracle_autograd(q, k, v, scale, causal, window, bottom_right):
-    """_oracle's attention as one differentiable expression (masked softmax over a float64 score tensor)."""
-    b, sq, hq, _ = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    kk, vv = (t.repeat_interleave(hq // hk, dim=2) for t in (k, v))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    offset = sk - sq if bottom_right else 0
-    i, j = torch.arange(sq)[:, None] + offset, torch.arange(sk)[None, :]
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    if causal:
-        keep &= j <= i
-    if window is not None:
-        keep &= (j >= i - window[0]) if window[0] >= 0 else keep
-        keep &= (j <= i + window[1]) if window[1] >= 0 else keep
-    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, vv)
 
 
 @pytest.mark.parametrize("layout,dtype,causal,window,align,heads", [

@@ -523,17 +523,9 @@ class pygraph:  # noqa: N801
         """dQ, dK, dV of FP8 attention in float64 from the forward's stats (P = exp(S - stats): a wrong stats
         tensor gives wrong gradients), o and dO dequantized by their descales; each gradient written times its
         scale (saturating FP8), the amaxes in real units (before the scales)."""
-        probs = torch.exp(scores - read(op["stats"])).nan_to_num(0.0)
         o = read(op["o"]) * read(op["descale_o"])
         d_o = read(op["dO"]) * read(op["descale_dO"])
-        d_v = probs.transpose(-1, -2) @ d_o
-        d_p = d_o @ v.transpose(-1, -2)
-        d_s = probs * (d_p - (d_o * o).sum(-1, keepdim=True))
-        d_q = d_s @ k * op["attn_scale"]
-        d_k = d_s.transpose(-1, -2) @ q * op["attn_scale"]
-        b, hq = q.shape[:2]
-        d_k = d_k.reshape(b, hq // group, group, *d_k.shape[2:]).sum(2)  # GQA: a kv head's query heads summed
-        d_v = d_v.reshape(b, hq // group, group, *d_v.shape[2:]).sum(2)
+        d_q, d_k, d_v, d_p, _ = _attention_grads(op, read, q, k, v, scores, o, d_o, group)
         out_dq, out_dk, out_dv, amax_dq, amax_dk, amax_dv, amax_dp = op["outputs"]
         for out, amax, value, scale in ((out_dq, amax_dq, d_q, "scale_dQ"), (out_dk, amax_dk, d_k, "scale_dK"),
                                         (out_dv, amax_dv, d_v, "scale_dV")):
@@ -547,21 +539,28 @@ class pygraph:  # noqa: N801
                        v: torch.Tensor, scores: torch.Tensor, group: int) -> None:
         """dQ, dK, dV (and dBias, summed over the dims it has as 1) of bf16/fp16 attention in float64 from the
         forward's stats (P = exp(S - stats): a wrong stats tensor gives wrong gradients), rounded to their dtype."""
-        probs = torch.exp(scores - read(op["stats"])).nan_to_num(0.0)
-        o, d_o = read(op["o"]), read(op["dO"])
-        d_v = probs.transpose(-1, -2) @ d_o
-        d_p = d_o @ v.transpose(-1, -2)
-        d_s = probs * (d_p - (d_o * o).sum(-1, keepdim=True))
-        d_q = d_s @ k * op["attn_scale"]
-        d_k = d_s.transpose(-1, -2) @ q * op["attn_scale"]
-        b, hq = q.shape[:2]
-        d_k = d_k.reshape(b, hq // group, group, *d_k.shape[2:]).sum(2)
-        d_v = d_v.reshape(b, hq // group, group, *d_v.shape[2:]).sum(2)
+        d_q, d_k, d_v, _, d_s = _attention_grads(op, read, q, k, v, scores, read(op["o"]), read(op["dO"]), group)
         for out, value, side in zip(op["outputs"], (d_q, d_k, d_v), ("q", "k", "k"), strict=True):
             write(out, value, side)
         if op["dBias"] is not None:  # a reduction of dS into dBias's dims
             dims = [i for i in (0, 1) if op["dBias"].dim[i] == 1 and d_s.shape[i] != 1]
             write(op["dBias"], d_s.sum(dim=dims, keepdim=True) if dims else d_s)
+
+
+def _attention_grads(op: dict[str, Any], read: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scores: torch.Tensor, o: torch.Tensor, d_o: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+    """Attention's backward in float64 from the forward's stats (P = exp(S - stats): a wrong stats tensor gives
+    wrong gradients), o and dO in real units: (dQ, dK, dV, dP, dS), dK/dV summed over each kv head's query heads."""
+    probs = torch.exp(scores - read(op["stats"])).nan_to_num(0.0)
+    d_v = probs.transpose(-1, -2) @ d_o
+    d_p = d_o @ v.transpose(-1, -2)
+    d_s = probs * (d_p - (d_o * o).sum(-1, keepdim=True))
+    d_q = d_s @ k * op["attn_scale"]
+    d_k = d_s.transpose(-1, -2) @ q * op["attn_scale"]
+    b, hq = q.shape[:2]
+    d_k = d_k.reshape(b, hq // group, group, *d_k.shape[2:]).sum(2)  # GQA: a kv head's query heads summed
+    d_v = d_v.reshape(b, hq // group, group, *d_v.shape[2:]).sum(2)
+    return d_q, d_k, d_v, d_p, d_s
 
 
 def alibi_slopes(heads: int) -> list[float]:
