@@ -20,6 +20,7 @@ from tests.conftest import device_descriptor, randn
 from tests.fakes import _fa_math as fa_math
 from tests.fakes import flash_attn as fake_fa2
 from tests.fakes import flash_attn_interface as fake_fa3
+from tests.test_nvidia_masked_bind import _scores
 
 META = dict(device="meta", dtype=torch.bfloat16)
 
@@ -346,12 +347,7 @@ def test_mem_efficient_positional_gqa_and_the_cached_alibi_bias(monkeypatch, rng
 
 def _fake_efficient_with_bias(q, k, v, bias, need_lse, dropout_p, is_causal, scale=None):
     """The kernel's contract in float64: scores + the bias exactly as given (already rounded to q's dtype)."""
-    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias.double()
-    if is_causal:
-        i, j = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None]
-        scores = scores.masked_fill(j > i, -math.inf)
+    scores = _scores(q, k, bias, is_causal, scale)
     lse = torch.logsumexp(scores, -1)
     padded = torch.zeros((*lse.shape[:2], -(-lse.shape[2] // 32) * 32), dtype=torch.float32)
     padded[:, :, : lse.shape[2]] = lse
