@@ -279,13 +279,20 @@ def _never_boxed(manager: OpManager, template: SizeTemplate) -> bool:
     its device (`DecisionClasses.boxable`: a keyed candidate whose selection key declares no cuts, a policy size
     test of unknown form, autotune buckets) rules a box out. A boolean mask does not (its dims are constrained
     like q's and k's). See `_class_constraints`."""
-    call = template.call
-    if (call.layout not in LAYOUT_DIMS or call.return_lse or template.window is not None
-            or call.sinks is not None or call.alibi_slopes is not None or call.attn_bias is not None):
+    if _key_rules_out_a_box(template):
         return True
+    call = template.call
     classes = manager.state.classes.get("attention")
     keyed = None if classes is None else classes.keyed_on.get(manager.device_info(call.device).key)
     return classes is not None and keyed is not None and not classes.boxable(keyed)
+
+
+def _key_rules_out_a_box(template: SizeTemplate) -> bool:
+    """Whether what `template`'s size-generic key fixes keeps every other size off its function: a layout without
+    a dims entry, an LSE, a window, sinks, ALiBi or a bias."""
+    call = template.call
+    return (call.layout not in LAYOUT_DIMS or call.return_lse or template.window is not None
+            or call.sinks is not None or call.alibi_slopes is not None or call.attn_bias is not None)
 
 
 def _class_constraints(manager: OpManager, template: SizeTemplate, impl: Any) -> tuple[int, ...] | None:
@@ -298,10 +305,9 @@ def _class_constraints(manager: OpManager, template: SizeTemplate, impl: Any) ->
     template's is (it broadcasts) and else equals the size it lines up with in (batch, heads_q, seqlen_q,
     seqlen_k), so the mask validates and keeps the template's broadcast pattern."""
     call, decision = template.call, template.decision
-    if (not getattr(template.fn, "size_generic", False) or call.layout not in LAYOUT_DIMS or call.return_lse
-            or template.window is not None or call.sinks is not None
-            or call.alibi_slopes is not None or call.attn_bias is not None or decision.retry_at is not None
-            or manager.agreement is not None or manager.breaker or decision.policy_hash != manager.policy.hash):
+    if (not getattr(template.fn, "size_generic", False) or _key_rules_out_a_box(template)
+            or decision.retry_at is not None or manager.agreement is not None or manager.breaker
+            or decision.policy_hash != manager.policy.hash):
         return None
     if manager.cached_decision("attention", call, impl=impl) is not decision:
         return None
