@@ -46,7 +46,7 @@ for part in $parts; do
     serving)
       decode_loop
       timeout "${GENERATE_TIMEOUT:-240}" python3 "$repo/benchmarks/generate_bench.py" --size 100m \
-        --batches "${GENERATE_BATCHES:-1,8,32}" --out "$out/generate-h100.md" > "$out/generate-h100.log" 2>&1
+        --batches "${GENERATE_BATCHES:-1,8,32}" --reps "${GENERATE_REPS:-9}" --out "$out/generate-h100.md" > "$out/generate-h100.log" 2>&1
       echo "generate_bench exit $?"; tail -20 "$out/generate-h100.log" ;;
     flex)
       timeout 300 python3 "$repo/benchmarks/flex_variants.py" --out "$out/flex_variants-h100.json" --profile "$out/flexprof" \

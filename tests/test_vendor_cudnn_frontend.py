@@ -686,10 +686,12 @@ def test_thd_forward_and_backward_as_ragged_graphs_against_float64(
     forward = next(g for g in fake.graphs if g.op["kind"] == "sdpa")
     backward = next(g for g in fake.graphs if g.op["kind"] == "sdpa_backward")
     b, max_q, max_k = len(lens_q), max(lens_q), max(lens_k)
-    for op in (forward.op, backward.op):
+    # the forward reads q/k/v in their packing; the backward compact copies (h d per token: cuDNN 9.19's ragged
+    # backward mis-addresses packed strides, benchmarks/results/h100-ce56e4a/cudnn_thd_probe-h100.md)
+    for op, q_step, k_step in ((forward.op, q.stride(0), k.stride(0)), (backward.op, hq * d, hk * d)):
         assert op["use_padding_mask"] is True
-        assert op["q"].dim == (b, hq, max_q, d) and op["q"].stride == (max_q * q.stride(0), d, q.stride(0), 1)
-        assert op["k"].dim == (b, hk, max_k, d) and op["k"].stride == (max_k * k.stride(0), d, k.stride(0), 1)
+        assert op["q"].dim == (b, hq, max_q, d) and op["q"].stride == (max_q * q_step, d, q_step, 1)
+        assert op["k"].dim == (b, hk, max_k, d) and op["k"].stride == (max_k * k_step, d, k_step, 1)
         assert all(op[n].ragged_offset is not None for n in ("q", "k", "v"))
         assert op["seq_len_q"].dim == (b, 1, 1, 1) and op["seq_len_q"].data_type is fake.data_type.INT32
     assert forward.op["outputs"][0].ragged_offset is not None and forward.op["generate_stats"] is True

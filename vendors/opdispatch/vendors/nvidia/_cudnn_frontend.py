@@ -829,6 +829,11 @@ class CudnnFrontendAttention(AttentionImpl):
         """dq, dk, dv (the call's layout and dtype) and, with `bias_grad`, the graph bias's gradient (its shape)
         through cuDNN's bf16/fp16 `sdpa_backward` from the forward's q, k, v, output and stats (`saved`)."""
         q_in, k_in, v_in, out, stats = saved
+        if call.varlen:
+            # cuDNN 9.19's ragged backward mis-addresses q/k/v whose token stride is not their own heads x dim (sliced
+            # from one packed projection): dq wrong past the first sequence, dk NaN, while the forward is right
+            # (benchmarks/results/h100-ce56e4a/cudnn_thd_probe-h100.md); compact copies are what it gets right
+            q_in, k_in, v_in = (t if t.is_contiguous() else t.contiguous() for t in (q_in, k_in, v_in))
         # cuDNN's backward reads dO with O's strides: an autograd gradient of other strides is copied into O's
         d_o_in = grad_out
         if grad_out.stride() != out.stride() or grad_out.dtype != out.dtype:
