@@ -89,6 +89,38 @@ def divergence(ids: torch.Tensor, outputs: dict[str, list[torch.Tensor]], copies
             "rounding": gap <= 2 * errors["sdpa"] and errors["opdispatch"] <= 1.25 * errors["sdpa"]}
 
 
+def attention_host_time(copies: dict[str, list[Any]], ids: torch.Tensor, kwargs: dict[str, Any],
+                        device: torch.device) -> dict[str, float]:
+    """µs of host time per call of each implementation's attention function (transformers' registered one, timed
+    around the call without a sync: in a host-bound generate() this is what a call costs the loop), over one
+    generate() of each model copy."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    spent: dict[str, list[float]] = {attn: [] for attn in copies}
+
+    def timed(attn: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            start = time.perf_counter()
+            result = fn(*args, **kw)
+            spent[attn].append(time.perf_counter() - start)
+            return result
+        return wrapper
+
+    originals = {attn: ALL_ATTENTION_FUNCTIONS[attn] for attn in copies}
+    try:
+        for attn, fn in originals.items():
+            ALL_ATTENTION_FUNCTIONS[attn] = timed(attn, fn)
+        with torch.no_grad():
+            for attn, models in copies.items():
+                for model in models:
+                    model.generate(ids, **kwargs)
+                    sync(device)
+    finally:
+        for attn in originals:
+            del ALL_ATTENTION_FUNCTIONS[attn]  # the local override; the registered function shows through again
+    return {attn: 1e6 * statistics.median(times) for attn, times in spent.items() if times}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -97,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=64, help="new tokens per sequence (default 64)")
     p.add_argument("--reps", type=int, default=5, help="timed generate() calls per implementation (default 5)")
     p.add_argument("--out", type=Path, help="markdown here, JSON beside it")
+    p.add_argument("--host-time", action="store_true",
+                   help="after the timed calls, one generate() per copy timing each attention call's host time")
     args = p.parse_args(argv)
     import opdispatch.compat.hf  # noqa: F401  (registers attn_implementation="opdispatch")
 
@@ -139,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{attn}_tokens_per_s"] = batch * args.new / median
         row["ratio"] = row["opdispatch_tokens_per_s"] / row["sdpa_tokens_per_s"]
         row["ratio_of_fastest"] = min(times["sdpa"]) / min(times["opdispatch"])  # host noise only adds time
+        if args.host_time:
+            row["attention_host_us"] = attention_host_time(copies, ids, kwargs, device)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     lines = [f"# generate(): opdispatch vs sdpa ({args.size} Llama-shaped model, greedy, {str(dtype)[6:]})", "",
@@ -155,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
             "no: rounding (below)" if r["divergence"]["rounding"] else "**no: NOT explained by rounding**")
         lines.append(f"| {r['batch']} | {r['sdpa_tokens_per_s']:.1f} | {r['opdispatch_tokens_per_s']:.1f} | "
                      f"{r['ratio']:.2f}x | {r['ratio_of_fastest']:.2f}x | {same_text} |")
+    for r in rows:
+        if "attention_host_us" in r:
+            host = r["attention_host_us"]
+            lines += ["", f"Batch {r['batch']}: host time of one attention call (median over one generate() of each "
+                      f"copy, the registered function timed around the call): sdpa {host['sdpa']:.1f} µs, "
+                      f"opdispatch {host['opdispatch']:.1f} µs."]
     for r in rows:
         if not r["same_tokens"]:
             d = r["divergence"]
