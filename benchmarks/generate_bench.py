@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_loop import environment  # noqa: E402  (one environment block for every benchmark)
+from decode_loop import _path_counts, environment  # noqa: E402  (one environment block for every benchmark)
 
 SIZES = {
     # hidden, layers, heads, kv heads, intermediate, vocab
@@ -90,10 +90,11 @@ def divergence(ids: torch.Tensor, outputs: dict[str, list[torch.Tensor]], copies
 
 
 def attention_host_time(copies: dict[str, list[Any]], ids: torch.Tensor, kwargs: dict[str, Any],
-                        device: torch.device) -> dict[str, float]:
+                        device: torch.device) -> tuple[dict[str, float], dict[str, int], int]:
     """µs of host time per call of each implementation's attention function (transformers' registered one, timed
     around the call without a sync: in a host-bound generate() this is what a call costs the loop), over one
-    generate() of each model copy."""
+    generate() of each model copy; and which of opdispatch's slow-path branches its calls took there (counts; a
+    call in none of them was served by the compiled door's exact or size-generic entries), of how many calls."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     spent: dict[str, list[float]] = {attn: [] for attn in copies}
@@ -110,15 +111,21 @@ def attention_host_time(copies: dict[str, list[Any]], ids: torch.Tensor, kwargs:
     try:
         for attn, fn in originals.items():
             ALL_ATTENTION_FUNCTIONS[attn] = timed(attn, fn)
-        with torch.no_grad():
+        with torch.no_grad(), _path_counts() as paths:
             for attn, models in copies.items():
                 for model in models:
+                    if attn == "opdispatch":
+                        before = dict(paths)
                     model.generate(ids, **kwargs)
                     sync(device)
+                    if attn == "opdispatch":
+                        paths_in_opdispatch = {k: v - before[k] for k, v in paths.items()}
     finally:
         for attn in originals:
             del ALL_ATTENTION_FUNCTIONS[attn]  # the local override; the registered function shows through again
-    return {attn: 1e6 * statistics.median(times) for attn, times in spent.items() if times}
+    calls = len(spent["opdispatch"]) // len(copies["opdispatch"])
+    return ({attn: 1e6 * statistics.median(times) for attn, times in spent.items() if times}, paths_in_opdispatch,
+            calls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         row["ratio"] = row["opdispatch_tokens_per_s"] / row["sdpa_tokens_per_s"]
         row["ratio_of_fastest"] = min(times["sdpa"]) / min(times["opdispatch"])  # host noise only adds time
         if args.host_time:
-            row["attention_host_us"] = attention_host_time(copies, ids, kwargs, device)
+            row["attention_host_us"], row["slow_path_counts"], row["attention_calls"] = attention_host_time(
+                copies, ids, kwargs, device)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     lines = [f"# generate(): opdispatch vs sdpa ({args.size} Llama-shaped model, greedy, {str(dtype)[6:]})", "",
@@ -196,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             host = r["attention_host_us"]
             lines += ["", f"Batch {r['batch']}: host time of one attention call (median over one generate() of each "
                       f"copy, the registered function timed around the call): sdpa {host['sdpa']:.1f} µs, "
-                      f"opdispatch {host['opdispatch']:.1f} µs."]
+                      f"opdispatch {host['opdispatch']:.1f} µs. opdispatch's slow path in one generate() of "
+                      f"{r['attention_calls']} attention calls: " + ", ".join(
+                          f"{k} {v}" for k, v in r["slow_path_counts"].items()) + "."]
     for r in rows:
         if not r["same_tokens"]:
             d = r["divergence"]
