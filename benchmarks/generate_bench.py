@@ -128,6 +128,21 @@ def attention_host_time(copies: dict[str, list[Any]], ids: torch.Tensor, kwargs:
             calls)
 
 
+def attention_kernels(copies: dict[str, list[Any]], ids: torch.Tensor, kwargs: dict[str, Any]) -> dict[str, list[str]]:
+    """The attention kernels (CUDA kernel names with flash, fmha, attention, sdpa or cudnn in them, and their counts)
+    that one generate() of each implementation's first copy launched: whether both ran the same kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    found: dict[str, list[str]] = {}
+    for attn, models in copies.items():
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            models[0].generate(ids, **kwargs)
+            torch.cuda.synchronize()
+        found[attn] = sorted(f"{e.key[:90]} x{e.count}" for e in prof.key_averages()
+                             if any(word in e.key.lower() for word in ("flash", "fmha", "attention", "sdpa", "cudnn")))
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -183,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.host_time:
             row["attention_host_us"], row["slow_path_counts"], row["attention_calls"] = attention_host_time(
                 copies, ids, kwargs, device)
+            if device.type == "cuda":
+                row["attention_kernels"] = attention_kernels(copies, ids, kwargs)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     lines = [f"# generate(): opdispatch vs sdpa ({args.size} Llama-shaped model, greedy, {str(dtype)[6:]})", "",
@@ -207,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"opdispatch {host['opdispatch']:.1f} µs. opdispatch's slow path in one generate() of "
                       f"{r['attention_calls']} attention calls: " + ", ".join(
                           f"{k} {v}" for k, v in r["slow_path_counts"].items()) + "."]
+            for attn, names in r.get("attention_kernels", {}).items():
+                lines.append(f"Attention kernels of one generate() with {attn}: " + "; ".join(
+                    f"`{n}`" for n in names) + ".")
     for r in rows:
         if not r["same_tokens"]:
             d = r["divergence"]
