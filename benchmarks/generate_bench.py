@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['attention_calls']} attention calls: " + ", ".join(
                           f"{k} {v}" for k, v in r["slow_path_counts"].items()) + "."]
             for attn, names in r.get("attention_kernels", {}).items():
-                lines.append(f"Attention kernels of one generate() with {attn}: " + "; ".join(
-                    f"`{n}`" for n in names) + ".")
+                lines += ["", f"Attention kernels of one generate() with {attn}: " + "; ".join(
+                    f"`{n}`" for n in names) + "."]
     for r in rows:
         if not r["same_tokens"]:
             d = r["divergence"]
