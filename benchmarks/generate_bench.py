@@ -151,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=64, help="new tokens per sequence (default 64)")
     p.add_argument("--reps", type=int, default=5, help="timed generate() calls per implementation (default 5)")
     p.add_argument("--out", type=Path, help="markdown here, JSON beside it")
+    p.add_argument("--copies", type=int, choices=(2, 4), default=2,
+                   help="model copies per implementation (2: built sdpa, opdispatch, opdispatch, sdpa; 4: and the "
+                        "mirror of that)")
+    p.add_argument("--control", action="store_true",
+                   help="an A/A check: opdispatch's copies run sdpa (the ratio the harness reads for equal models)")
     p.add_argument("--host-time", action="store_true",
                    help="after the timed calls, one generate() per copy timing each attention call's host time")
     args = p.parse_args(argv)
@@ -162,10 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     env["transformers"] = transformers.__version__
-    # Two builds of each, in both orders (see the module docstring): sdpa, opdispatch, opdispatch, sdpa.
+    # Builds of each in both orders (see the module docstring): sdpa, opdispatch, opdispatch, sdpa, and with
+    # --copies 4 the mirror after it (opdispatch, sdpa, sdpa, opdispatch), so no implementation holds the first
+    # or the last build. --control builds sdpa in opdispatch's place: what the harness reads for two equal models.
     copies: dict[str, list[Any]] = {"sdpa": [], "opdispatch": []}
-    for attn in ("sdpa", "opdispatch", "opdispatch", "sdpa"):
-        copies[attn].append(build(args.size, attn, device, dtype))
+    order = ("sdpa", "opdispatch", "opdispatch", "sdpa", "opdispatch", "sdpa", "sdpa", "opdispatch")
+    for attn in order[:2 * args.copies]:
+        copies[attn].append(build(args.size, "sdpa" if args.control else attn, device, dtype))
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         ids, mask = prompts(batch, args.prompt, SIZES[args.size]["vocab_size"], device)
@@ -202,13 +210,15 @@ def main(argv: list[str] | None = None) -> int:
                 row["attention_kernels"] = attention_kernels(copies, ids, kwargs)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    lines = [f"# generate(): opdispatch vs sdpa ({args.size} Llama-shaped model, greedy, {str(dtype)[6:]})", "",
+    title = "sdpa vs sdpa (the A/A control: sdpa in opdispatch's column)" if args.control else "opdispatch vs sdpa"
+    lines = [f"# generate(): {title} ({args.size} Llama-shaped model, greedy, {str(dtype)[6:]})", "",
              f"{env['device']}; torch {env['torch']}" + (f", CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}"
                                                          if "cuda" in env else "")
              + f"; transformers {env['transformers']}; commit {env.get('commit')}", "",
              f"Prompt {args.prompt} tokens (in a batch, every other prompt left-padded by a quarter), {args.new} new "
-             f"tokens per sequence, median of {args.reps} generate() calls on each of two copies of each model "
-             "(one built before, one after the other's) after a warm-up one, reps alternating in alternating order.",
+             f"tokens per sequence, median of {args.reps} generate() calls on each of {args.copies} copies of each "
+             f"model (built {', '.join(order[:2 * args.copies])}) after a warm-up one, reps alternating in alternating "
+             "order.",
              "", "| batch | sdpa tokens/s | opdispatch tokens/s | opdispatch / sdpa | fastest call / fastest call | "
              "same tokens |", "|---:|---:|---:|---:|---:|---|"]
     for r in rows:
