@@ -836,6 +836,24 @@ def test_paged_kv_forward_against_float64(fe, layout, dtype, sq, heads, used, ca
                                                    align == "bottom_right"), 6, "out (other fill)")
 
 
+def test_paged_kv_entries_past_the_fill_never_reach_cudnn(fe):
+    """Block-table entries past a sequence's fill may hold anything (-1 padding, ids past the pools): cuDNN gets
+    page 0 there (whether its paged load reads them is undocumented), the used entries as given; the output is
+    the oracle's over the used pages."""
+    gen = torch.Generator().manual_seed(50)
+    hq, hk, d, page, per_seq = 4, 2, 16, 32, 3
+    used = [40, 0, 96]
+    q, k_pool, v_pool, table, used_t = _paged_case(gen, torch.bfloat16, 3, 1, hq, hk, d, page, per_seq, used)
+    hostile = table.clone()
+    hostile[0, 2], hostile[1, :] = -1, k_pool.shape[0] + 7  # past the fills: row 0 uses 2 pages, row 1 none
+    out = opdispatch.attention(q, k_pool, v_pool, seqused_k=used_t, block_table=hostile, causal=True,
+                               causal_alignment="bottom_right")
+    _assert_close_scaled(out, _paged_oracle(q, k_pool, v_pool, table, used_t, True, None, True), 6, "out")
+    op, pack = fake.graphs[-1].op, fake.executions[-1]["pack"]
+    given = pack[op["page_table_k"].uid].reshape(3, per_seq)
+    assert given.tolist() == [[*table[0, :2].tolist(), 0], [0, 0, 0], table[2].tolist()]
+
+
 def test_paged_kv_with_packed_queries(fe):
     """thd queries (cu_seqlens_q, ragged q/o) over a paged cache (seq_len_kv = seqused_k): both at once."""
     gen = torch.Generator().manual_seed(48)

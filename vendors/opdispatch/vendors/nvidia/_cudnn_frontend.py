@@ -90,8 +90,8 @@ diagonal_band_left_bound=, diagonal_band_right_bound=)` (dO in O's strides, as c
 bias's dims (cuDNN reduces dS over the batch/head dims it broadcasts), then is summed over the query/key dims the
 caller's bias broadcasts over, in its shape and dtype. Head dims: up to 256 on Hopper, 128 elsewhere; s_q = s_kv = 1
 refused (cuDNN's backward node). Graphs are cached per signature (bias dims/strides, ALiBi, dBias included). The
-bias, ALiBi and backward paths are contract-tested on CPU against the fake; their GPU tests
-(tests/gpu/test_cudnn_frontend_gpu.py) were written without a GPU run (UNVERIFIED until the lead runs them).
+bias, ALiBi and backward paths are contract-tested on CPU against the fake and on the H100
+(tests/gpu/test_cudnn_frontend_gpu.py, benchmarks/results/h100-5a4994b/).
 
 Packed varlen (thd, bf16/fp16, sm90+; option `half`), forward and backward, and a paged K/V cache (forward only):
 cuDNN's padding-mask graphs (`_Padded`; test/python/sdpa/fp16.py's ragged and paged graphs, sdpa_support_surface.h,
@@ -110,8 +110,9 @@ views, with seq_len_kv = seqused_k (bottom-right counts from the fill, as cuDNN'
 sequence, seq_len_kv - seq_len_q). The padding mask lifts cuDNN's "max_s_q <= max_s_kv" limits on windows and
 bottom-right diagonals. Lengths, offsets and page tables are made on the device per call (no host read). Not taken
 (refused with reasons): thd or paged with FP8/fp8_dpa or ALiBi, a gradient through a paged cache (cuDNN's backward
-takes no page tables), page sizes not a multiple of 32, thd below sm90. Written against the fake without a GPU run:
-UNVERIFIED until tests/gpu/test_cudnn_frontend_gpu.py's thd and paged tests run on the H100.
+takes no page tables), page sizes not a multiple of 32, thd below sm90. A thd backward copies q/k/v that are not
+compact (sliced from one packed projection): cuDNN 9.19's ragged backward mis-addresses them. Verified on the H100
+(tests/gpu/test_cudnn_frontend_gpu.py; benchmarks/results/h100-ce56e4a/ and h100-5a4994b/).
 
 What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): dropout, the
 LSE as an output (`stats`: only kept for the backward), a KV cache without pages (seqused_k alone). Graphs are
@@ -252,6 +253,11 @@ class _Padded:
             assert call.seqused_k is not None
             self.max_k = self.table.shape[1] * call.page_size  # the table's capacity
             self.seq_len_kv = call.seqused_k.int().view(-1, 1, 1, 1)
+            # Entries past a sequence's fill may hold anything (-1 padding, stale ids); whether cuDNN's paged load
+            # reads them is not documented, so they name page 0 (on the device: column c is used iff c * page size
+            # < seqused_k). The used entries are the caller's, as every paged kernel takes them.
+            first_keys = torch.arange(0, self.max_k, call.page_size, device=device, dtype=torch.int32)
+            self.table = torch.where(first_keys < call.seqused_k.view(-1, 1), self.table, 0).int()
         else:
             assert call.cu_seqlens_k is not None
             self.cu_k = call.cu_seqlens_k.long()
