@@ -21,7 +21,8 @@
 #   kvc      flash_attn_with_kvcache decode vs the raw kernel with its append, dense and 256-key pages
 #            (benchmarks/kvcache_decode.py; issue 31)
 #   kv       KV-cache calls: decode over dense and paged caches, and paged varlen (chunked prefill) against
-#            torch's best way (benchmarks/kv_cache.py; issue 29)
+#            torch's best way (benchmarks/kv_cache.py; issue 29); KV_FRONTEND=1 adds nvidia.cudnn_frontend's bf16
+#            paged graph (its option half on; issue 32)
 #   trace    one profiled training step of a Llama-shaped layer: the trimmed Chrome trace and what each opdispatch
 #            range launched (benchmarks/trace_layer.py; issue 34). Draw the README's picture from it anywhere:
 #            python benchmarks/render_trace.py $out/trace-h100.json.gz --out docs/images/trace-h100.png
@@ -103,7 +104,7 @@ for part in $parts; do
         done
       done ;;
     kv)
-      timeout 240 python3 "$repo/benchmarks/kv_cache.py" > "$out/kv_cache-h100.md" 2>&1
+      timeout 240 python3 "$repo/benchmarks/kv_cache.py" ${KV_FRONTEND:+--frontend-half} > "$out/kv_cache-h100.md" 2>&1
       echo "kv_cache exit $?"; grep -E "^(\| paged varlen|paged varlen|    )" "$out/kv_cache-h100.md" | tail -30 ;;
     trace)
       timeout 150 python3 "$repo/benchmarks/trace_layer.py" --device cuda --trace "$out/trace-h100.json.gz" \

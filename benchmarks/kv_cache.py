@@ -15,6 +15,11 @@ Run on the GPU machine (see benchmarks/gpu_tests.sh for the setup): ``python3 be
    synchronise (what a decode loop sustains when the host runs ahead). Baselines: torch SDPA over keys gathered
    into a dense tensor with the fill as a mask, the mask built once outside the timing (a caller that shares it
    across layers) and built on every call.
+
+With ``--frontend-half`` the policy turns on nvidia.cudnn_frontend's bf16/fp16 path (option ``half``: opt-in, a
+graph per new shape), so its paged graph (pages of a multiple of 32 keys; one graph for every fill and table) is
+timed beside the others, and the 32-key pages row shows it against the pick: the figure issue 32 asks the policy
+to be measured on. The chosen ("auto") rows then follow the default order with that option on.
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ def through_opdispatch(gen):
     print("\n## opdispatch.attention over a KV cache (decode: one query, bottom-right causal)")
     print(f"batch {B}, heads {HQ}/{HK}, head_dim {D}, capacity {CAP}, fills {CAP // 2}..{CAP}, bf16")
     rows = []
-    for page_size in (None, 16, 256):
+    for page_size in (None, 16, 32, 256):
         q, k, v, kw, ks, vs = make_cache(gen, page_size)
         want = oracle(q, ks, vs)
         label = "dense cache" if page_size is None else f"paged, {page_size} keys/page"
@@ -170,7 +175,7 @@ def paged_varlen(gen):
     rows = []
     nseq = len(lens_q)
     cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    for page_size in (16, 256):
+    for page_size in (16, 32, 256):
         used = torch.randint(CAP // 4, CAP, (nseq,), generator=gen).to(torch.int32)
         used = torch.maximum(used, torch.tensor(lens_q, dtype=torch.int32))
         per_seq = CAP // page_size
@@ -267,6 +272,15 @@ def main():
         print("flag_gems", flag_gems.__version__)
     except Exception as exc:  # noqa: BLE001
         print("flag_gems not importable:", exc)
+    if "--frontend-half" in sys.argv:
+        import tempfile
+        from pathlib import Path
+
+        policy = Path(tempfile.mkdtemp()) / "frontend-half.yaml"
+        policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
+                          "      nvidia.cudnn_frontend: {half: true}\n")
+        opdispatch.get_manager().set_policy(str(policy))
+        print("policy: default with nvidia.cudnn_frontend {half: true}")
     gen = torch.Generator().manual_seed(0)
     probe_torch_flash(gen)
     through_opdispatch(gen)
@@ -277,4 +291,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         main()
     else:  # a kernel that kills the CUDA context must not take the report with it
-        sys.exit(subprocess.call([sys.executable, __file__, "--child"]))
+        sys.exit(subprocess.call([sys.executable, __file__, "--child", *sys.argv[1:]]))
