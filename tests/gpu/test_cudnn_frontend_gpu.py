@@ -3,8 +3,9 @@ float32 attention of the dequantized inputs, and fp8_dpa's forward and backward 
 autograd on the FP8-rounded inputs and dO, including a gradient range that changes by 10**5 between calls (the kept
 scales must be redone, never a clipped gradient returned). Bounds: the forward's 0.08 and the backward's 0.25 of the
 max, as benchmarks/fp8_attention.py holds them. bf16/fp16 with additive bias, ALiBi and the sdpa_backward backward,
-thd (ragged offsets, forward and backward, and a CUDA-graph replay) and paged K/V: first run on the H100 at ce56e4a
-(37 passed; the packed-projection thd backward failed, since fixed by compact copies)."""
+thd (ragged offsets, forward and backward, and a CUDA-graph replay) and paged K/V: first run on the H100 at 898513a
+(the packed-projection thd backward failed; fixed by compact copies), all 42 passed at 5a4994b
+(benchmarks/results/h100-5a4994b/)."""
 
 from __future__ import annotations
 
