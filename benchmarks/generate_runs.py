@@ -31,11 +31,11 @@ def pool(paths: list[Path]) -> tuple[list[str], dict[int, dict[str, Any]]]:
     return devices, by_batch
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="generate_bench JSON files")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     devices, by_batch = pool(args.runs)
     lines = ["# generate(): opdispatch vs sdpa over several runs", "",
              f"Devices: {', '.join(devices)}. Runs (in the order given): "

@@ -205,3 +205,48 @@ def test_the_gpu_scripts_import_what_exists():
             assert importlib.util.find_spec(module) is not None, f"{script.name}: python -m {module}"
             seen += 1
     assert seen >= 3  # the setup's build and status lines, at least
+
+
+def _generate_row(batch, sdpa_times, opdispatch_times):
+    median_s, median_o = sorted(sdpa_times)[len(sdpa_times) // 2], sorted(opdispatch_times)[len(opdispatch_times) // 2]
+    return {"batch": batch, "ratio": median_s / median_o, "sdpa_times_s": sdpa_times,
+            "opdispatch_times_s": opdispatch_times}
+
+
+def test_generate_runs_pools_each_runs_ratio_and_every_call(tmp_path, capsys):
+    """The README's generate() figure is the runs' median: each run's ratio listed, the median and range, and over
+    the runs that kept every call the ratio of the pooled medians and of the fastest calls."""
+    paths = []
+    for i, (s, o) in enumerate([([1.0, 1.2, 1.1], [1.0, 1.0, 1.0]), ([2.0, 2.0, 2.0], [2.5, 2.5, 2.5]),
+                                ([1.0, 1.0, 1.0], [0.9, 0.9, 0.9])]):
+        path = tmp_path / f"r{i}" / "generate.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"environment": {"device": "cpu", "commit": f"c{i}"},
+                                    "rows": [_generate_row(1, s, o)]}))
+        paths.append(str(path))
+    assert load("generate_runs").main([*paths, "--out", str(tmp_path / "pooled.md")]) == 0
+    line = next(li for li in (tmp_path / "pooled.md").read_text().splitlines() if li.startswith("| 1 |"))
+    # runs 1.10, 0.80, 1.11: median 1.10, range 0.80-1.11; pooled medians sdpa 1.1 / opdispatch 1.0; fastest 1.0/0.9
+    assert line == "| 1 | 1.10 0.80 1.11 | **1.10x** | 0.80-1.11 | 1.10x (9 calls each) | 1.11x |"
+
+
+def test_generate_bench_explains_differing_tokens_or_says_it_cannot(basic_manager):
+    """A forged token where the model is decided (sdpa's top two logits 0.05 apart, its error against float32
+    0.01) is reported where it parts and as NOT rounding — the run then fails rather than calling it noise."""
+    import torch
+
+    script = load("generate_bench")
+    import opdispatch.compat.hf  # noqa: F401
+    dev = torch.device("cpu")
+    copies = {attn: [script.build("tiny", attn, dev, torch.bfloat16)] for attn in ("sdpa", "opdispatch")}
+    ids, mask = script.prompts(1, 16, script.SIZES["tiny"]["vocab_size"], dev)
+    with torch.no_grad():
+        out = copies["sdpa"][0].generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                                         do_sample=False)
+    forged = out.clone()
+    forged[0, 18] = (forged[0, 18] + 1) % script.SIZES["tiny"]["vocab_size"]
+    report = script.divergence(ids, {"sdpa": [out], "opdispatch": [forged]}, copies, "tiny", dev)
+    assert report["first_difference"] == 2 and report["sequence"] == 0
+    assert set(report["max_logit_error_vs_float32"]) == {"sdpa", "opdispatch"}
+    gap, err = report["sdpa_top2_gap"], report["max_logit_error_vs_float32"]["sdpa"]
+    assert 0 < err < gap / 2 and report["rounding"] is False
