@@ -6,7 +6,8 @@
 #   overhead per-call overhead (benchmarks/dispatch_overhead.py)
 #   serving  a growing-cache decode loop
 #            (benchmarks/decode_loop.py: first pass and later passes) and transformers' generate() of a ~100M
-#            Llama-shaped model, bf16, batch 1/8/32 (benchmarks/generate_bench.py) (issues 29 and 31)
+#            Llama-shaped model, bf16, batch 1/8/32 (benchmarks/generate_bench.py) (issues 29 and 31);
+#            GENERATE_ARGS passes more (e.g. "--copies 4 --host-time", or "--copies 4 --control" for the A/A check)
 #   flex     torch.flex against torch's own compiled flex_attention, softcap spellings (benchmarks/flex_variants.py)
 #   door     the same kernel through torch's SDPA, the aten op, plan() and attention() (door_vs_kernel.py)
 #   flagos   a growing decode pinned to flagos.triton (benchmarks/flagos_growing_decode.py)
@@ -47,7 +48,7 @@ for part in $parts; do
     serving)
       decode_loop
       timeout "${GENERATE_TIMEOUT:-240}" python3 "$repo/benchmarks/generate_bench.py" --size 100m \
-        --batches "${GENERATE_BATCHES:-1,8,32}" --reps "${GENERATE_REPS:-9}" --out "$out/generate-h100.md" > "$out/generate-h100.log" 2>&1
+        --batches "${GENERATE_BATCHES:-1,8,32}" --reps "${GENERATE_REPS:-9}" ${GENERATE_ARGS:-} --out "$out/generate-h100.md" > "$out/generate-h100.log" 2>&1
       echo "generate_bench exit $?"; tail -20 "$out/generate-h100.log" ;;
     flex)
       timeout 300 python3 "$repo/benchmarks/flex_variants.py" --out "$out/flex_variants-h100.json" --profile "$out/flexprof" \
