@@ -2,17 +2,18 @@
 
 The same Llama-shaped model (built from a config, random weights, eval mode) generates greedily with each attention
 implementation, batch 1 and a padded batch (left padding, prompts of unequal lengths), with the model's dynamic KV
-cache; the generated tokens are compared, and the time of each generate() call is measured after a warm-up generate
-of the same shape. Tokens that differ are explained or the run fails: sdpa's sequence is fed back through each model
-in one forward (no cache), against the same model in float32 with eager attention, and the report gives where the
-sequences part, sdpa's top-two logit gap there, and each implementation's largest logit error against float32 — a
-part at a near tie, with opdispatch no further from float32 than sdpa, is two roundings of the same computation.
-Reps alternate between the two implementations so both see the same machine state, in alternating order. Each
-implementation runs on two copies of the model, one built before and one after the other implementation's: the model
-built first ran ~1-2% faster on CPU whatever its attention (two sdpa models: 0.99x; the opdispatch model built
-second: 0.98x, built first: 1.00-1.01x), so one build order would bias the ratio. tokens/s counts the new tokens of
-every sequence in the batch. The report gives the ratio of the median calls and of the fastest calls (on a shared
-host, noise only adds time).
+cache; the generated tokens are compared, and the time of each generate() call is measured after a warm-up generate of
+the same shape. Tokens that differ are explained or the run fails: sdpa's sequence is fed back through each model in
+one forward (no cache), against the same model in float32 with eager attention, and the report gives where the
+sequences part, sdpa's top-two logit gap there, and each implementation's largest logit error against float32 — a part
+at a near tie (sdpa's top-two gap at most twice its own largest logit error), with opdispatch no further from float32
+than sdpa (at most 1.25x its error), is two roundings of the same computation. Reps alternate between the two
+implementations so both see the same machine state, in alternating order. Each implementation runs on two copies of
+the model, one built before and one after the other implementation's (with --copies 4, also the mirror order): the
+model built first ran ~1-2% faster on CPU whatever its attention (two sdpa models: 0.99x; the opdispatch model built
+second: 0.98x, built first: 1.00-1.01x), so one build order would bias the ratio; --control runs sdpa in both columns,
+to read what the harness reports for equal models. tokens/s counts the new tokens of every sequence in the batch. The
+report gives the ratio of the median calls and of the fastest calls (on a shared host, noise only adds time).
 
     python benchmarks/generate_bench.py --size tiny --out benchmarks/results/generate-cpu.md          # CPU
     python benchmarks/generate_bench.py --size 100m --batches 1,8,32 --out generate-h100.md           # GPU, bf16
