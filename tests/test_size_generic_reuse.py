@@ -35,7 +35,7 @@ def _assert_same_and_exact(got, want, layout, q, k, v, kw, gen, requires_grad, m
     for a, w in zip(got_t, want_t):
         assert torch.equal(a, w), message
     out, lse = oracle(layout, q.detach(), k.detach(), v.detach(), mask=kw.get("attn_mask"),
-                      scale=q.shape[-1] ** -0.5, causal=kw.get("causal", False),
+                      scale=kw.get("scale", q.shape[-1] ** -0.5), causal=kw.get("causal", False),
                       alignment=kw.get("causal_alignment", "top_left"), window=kw.get("window"))
     torch.testing.assert_close(got_t[0].detach().double(), out, atol=2e-5, rtol=2e-5)
     if kw.get("return_lse"):
@@ -328,6 +328,7 @@ def test_the_size_generic_key_reduces_exactly_the_shapes():
 DECODE = [
     # layout, (batch, hq, hkv, d), lengths, options
     ("bhsd", (1, 8, 2, 16), (9, 10, 33), {}),
+    ("bhsd", (2, 8, 2, 16), (4, 9), dict(scale=0.3)),  # a scale of its own: passed (the default one is left out)
     ("bshd", (3, 8, 2, 16), (5, 6), dict(causal=True, causal_alignment="bottom_right", return_lse=True)),
     ("sbhd", (2, 6, 3, 8), (4, 7), dict(return_lse=True)),
     ("bhsd", (2, 8, 1, 8), (5, 12), dict(mask="heads")),  # a mask per query head: split as q is
