@@ -7,6 +7,7 @@ bottom-right alignment and boolean masks are folded into the additive mask the k
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -272,26 +273,21 @@ def _bind_flash(call: AttentionCall) -> Callable[..., Any]:
         return size_generic(bound_lse)
 
     if call.layout == "bhsd":
-        if scale == 1.0 / math.sqrt(call.head_dim):  # the kernel's own default: left out, as aten_sdpa_call does
-            def bound_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                # `_flash` inlined, default arguments left out (torch's parser charges for each explicit one) and
-                # views for reshapes: a decode step's host cost is the point. The same kernel calls, the same bits.
-                if q.shape[2] == 1:
-                    b, hq, _, d = q.shape
-                    hkv = k.shape[1]
-                    out = _aten_kernel(q.view(b, hkv, hq // hkv, d), k, v)[0]  # contiguous (b, hkv, hq/hkv, dv)
-                    return out.view(b, hq, 1, out.shape[3])
-                return _aten_kernel(q, k, v)[0]
-            return size_generic(bound_bhsd)
+        # The kernel's own default scale is left out, as aten_sdpa_call does (torch's parser charges for each
+        # explicit argument); so are dropout 0 and not causal.
+        kernel = (_aten_kernel if scale == 1.0 / math.sqrt(call.head_dim)
+                  else functools.partial(_aten_kernel, scale=scale))
 
-        def bound_bhsd_scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def bound_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # `_flash` inlined, with views for reshapes: a decode step's host cost is the point. The same kernel
+            # calls, the same bits.
             if q.shape[2] == 1:
                 b, hq, _, d = q.shape
                 hkv = k.shape[1]
-                out = _aten_kernel(q.view(b, hkv, hq // hkv, d), k, v, scale=scale)[0]
+                out = kernel(q.view(b, hkv, hq // hkv, d), k, v)[0]  # contiguous (b, hkv, hq/hkv, dv)
                 return out.view(b, hq, 1, out.shape[3])
-            return _aten_kernel(q, k, v, scale=scale)[0]
-        return size_generic(bound_bhsd_scaled)
+            return kernel(q, k, v)[0]
+        return size_generic(bound_bhsd)
 
     def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return from_bhsd(_flash(to_bhsd(q), to_bhsd(k), to_bhsd(v), False, None, scale)[0])
