@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 import opdispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _impl_options import use_attention_options  # noqa: E402
 
 IMPL = "nvidia.cudnn_frontend"
 VARIANTS = [  # name, lens_q, lens_k (None: self-attention), packed qkv, causal, alignment
@@ -95,9 +97,7 @@ def main() -> int:
     args = parser.parse_args()
     import cudnn
 
-    policy = Path(tempfile.mkdtemp()) / "half.yaml"
-    policy.write_text(f"version: 1\nextends: default\nops:\n  attention:\n    options:\n      {IMPL}: {{half: true}}\n")
-    opdispatch.get_manager().set_policy(str(policy))
+    use_attention_options(IMPL, {"half": True})
     lines = [f"# cuDNN thd (ragged) SDPA through {IMPL}: error per sequence against float32 autograd", "",
              f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}, cuDNN {cudnn.backend_version()}, "
              f"nvidia-cudnn-frontend {cudnn.__version__}; bf16, 8 query heads, 2 KV heads, d128", "",

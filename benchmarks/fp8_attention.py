@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ import torch
 import opdispatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _impl_options import use_attention_options  # noqa: E402
 from decode_loop import environment  # noqa: E402
 from side_by_side import back_to_back_ms, interleaved_ms  # noqa: E402
 
@@ -299,10 +299,7 @@ def main() -> int:
     env = environment(device)
     options = {"autotune": args.autotune == "on", "fp8_dpa": args.backward}
     if options != {"autotune": True, "fp8_dpa": False}:
-        policy = Path(tempfile.mkdtemp()) / "fp8-options.yaml"
-        policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
-                          f"      nvidia.cudnn_frontend: {json.dumps(options)}\n")
-        opdispatch.get_manager().set_policy(str(policy))
+        use_attention_options("nvidia.cudnn_frontend", options)
     try:
         import cudnn
 

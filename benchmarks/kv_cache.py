@@ -273,13 +273,9 @@ def main():
     except Exception as exc:  # noqa: BLE001
         print("flag_gems not importable:", exc)
     if "--frontend-half" in sys.argv:
-        import tempfile
-        from pathlib import Path
+        from _impl_options import use_attention_options  # (the script's folder is on sys.path)
 
-        policy = Path(tempfile.mkdtemp()) / "frontend-half.yaml"
-        policy.write_text("version: 1\nextends: default\nops:\n  attention:\n    options:\n"
-                          "      nvidia.cudnn_frontend: {half: true}\n")
-        opdispatch.get_manager().set_policy(str(policy))
+        use_attention_options("nvidia.cudnn_frontend", {"half": True})
         print("policy: default with nvidia.cudnn_frontend {half: true}")
     gen = torch.Generator().manual_seed(0)
     probe_torch_flash(gen)
