@@ -75,8 +75,7 @@ def divergence(ids: torch.Tensor, outputs: dict[str, list[torch.Tensor]], copies
     """Where sdpa's and opdispatch's greedy tokens part, and whether that is rounding (see the module docstring)."""
     want = outputs["sdpa"][0]
     other = next(out for out in (*outputs["sdpa"][1:], *outputs["opdispatch"]) if not torch.equal(out, want))
-    first = int((want != other).nonzero()[0, 1]) if want.shape == other.shape else ids.shape[1]
-    row = int((want != other).nonzero()[0, 0]) if want.shape == other.shape else 0
+    row, first = (want != other).nonzero()[0].tolist() if want.shape == other.shape else (0, ids.shape[1])
     reference = build(size, "eager", device, torch.float32)
     with torch.no_grad():
         seq = want[row:row + 1]

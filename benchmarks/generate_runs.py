@@ -17,17 +17,16 @@ from typing import Any
 
 
 def pool(paths: list[Path]) -> tuple[list[str], dict[int, dict[str, Any]]]:
-    runs = [(p, json.loads(p.read_text())) for p in paths]
+    runs = [json.loads(p.read_text()) for p in paths]
     by_batch: dict[int, dict[str, Any]] = {}
-    for path, run in runs:
+    for run in runs:
         for row in run["rows"]:
-            entry = by_batch.setdefault(row["batch"], {"ratios": [], "sdpa": [], "opdispatch": [], "runs": []})
+            entry = by_batch.setdefault(row["batch"], {"ratios": [], "sdpa": [], "opdispatch": []})
             entry["ratios"].append(row["ratio"])
-            entry["runs"].append(f"{run['environment'].get('commit')} ({path.parent.name})")
             if "sdpa_times_s" in row:
                 entry["sdpa"] += row["sdpa_times_s"]
                 entry["opdispatch"] += row["opdispatch_times_s"]
-    devices = sorted({run["environment"].get("device", "?") for _, run in runs})
+    devices = sorted({run["environment"].get("device", "?") for run in runs})
     return devices, by_batch
 
 

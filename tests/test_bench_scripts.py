@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 
 import pytest
 
@@ -208,9 +209,8 @@ def test_the_gpu_scripts_import_what_exists():
 
 
 def _generate_row(batch, sdpa_times, opdispatch_times):
-    median_s, median_o = sorted(sdpa_times)[len(sdpa_times) // 2], sorted(opdispatch_times)[len(opdispatch_times) // 2]
-    return {"batch": batch, "ratio": median_s / median_o, "sdpa_times_s": sdpa_times,
-            "opdispatch_times_s": opdispatch_times}
+    return {"batch": batch, "ratio": statistics.median(sdpa_times) / statistics.median(opdispatch_times),
+            "sdpa_times_s": sdpa_times, "opdispatch_times_s": opdispatch_times}
 
 
 def test_generate_runs_pools_each_runs_ratio_and_every_call(tmp_path, capsys):
