@@ -22,8 +22,9 @@
 #   kvc      flash_attn_with_kvcache decode vs the raw kernel with its append, dense and 256-key pages
 #            (benchmarks/kvcache_decode.py; issue 31)
 #   kv       KV-cache calls: decode over dense and paged caches, and paged varlen (chunked prefill) against
-#            torch's best way (benchmarks/kv_cache.py; issue 29); KV_FRONTEND=1 adds nvidia.cudnn_frontend's bf16
-#            paged graph (its option half on; issue 32)
+#            torch's best way, batch 8 (benchmarks/kv_cache.py; issue 29); then the decode rows alone at batch 1
+#            and 32 for the pick, FA2, cuDNN and nvidia.cudnn_frontend (carry nvidia-cudnn-frontend in .whl: the
+#            policy's KV-cache decode rule; issue 32)
 #   trace    one profiled training step of a Llama-shaped layer: the trimmed Chrome trace and what each opdispatch
 #            range launched (benchmarks/trace_layer.py; issue 34). Draw the README's picture from it anywhere:
 #            python benchmarks/render_trace.py $out/trace-h100.json.gz --out docs/images/trace-h100.png
@@ -105,8 +106,13 @@ for part in $parts; do
         done
       done ;;
     kv)
-      timeout 240 python3 "$repo/benchmarks/kv_cache.py" ${KV_FRONTEND:+--frontend-half} > "$out/kv_cache-h100.md" 2>&1
-      echo "kv_cache exit $?"; grep -E "^(\| paged varlen|paged varlen|    )" "$out/kv_cache-h100.md" | tail -30 ;;
+      timeout 240 python3 "$repo/benchmarks/kv_cache.py" > "$out/kv_cache-h100.md" 2>&1
+      echo "kv_cache exit $?"; grep -E "^\| " "$out/kv_cache-h100.md" | cut -c1-160
+      for b in 1 32; do
+        timeout 150 python3 "$repo/benchmarks/kv_cache.py" --batch $b --decode-only \
+          --impls nvidia.flash,nvidia.cudnn,nvidia.cudnn_frontend > "$out/kv_cache-b$b-h100.md" 2>&1
+        echo "kv_cache batch $b exit $?"; grep -E "^\| " "$out/kv_cache-b$b-h100.md" | cut -c1-160
+      done ;;
     trace)
       timeout 150 python3 "$repo/benchmarks/trace_layer.py" --device cuda --trace "$out/trace-h100.json.gz" \
         --summary "$out/trace-h100.md" > "$out/trace-h100.log" 2>&1

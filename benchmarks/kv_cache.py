@@ -16,18 +16,24 @@ Run on the GPU machine (see benchmarks/gpu_tests.sh for the setup): ``python3 be
    into a dense tensor with the fill as a mask, the mask built once outside the timing (a caller that shares it
    across layers) and built on every call.
 
-With ``--frontend-half`` the policy turns on nvidia.cudnn_frontend's bf16/fp16 path (option ``half``: opt-in, a
-graph per new shape), so its paged graph (pages of a multiple of 32 keys; one graph for every fill and table) is
-timed beside the others, and the 32-key pages row shows it against the pick: the figure issue 32 asks the policy
-to be measured on. The chosen ("auto") rows then follow the default order with that option on.
+   And "first call": the path's first call in the process, synchronised (a graph build or a compile shows here;
+   later paths that share the kernel find it built).
+
+nvidia.cudnn_frontend (with the nvidia-cudnn-frontend wheel) takes these KV-cache calls by default (option
+``kv_cache``: its padding-mask graph holds for every fill), dense and paged (pages of a multiple of 32 keys): the
+rows the policy's KV-cache rule is measured on. ``--batch N`` sets the batch (default 8), ``--decode-only`` skips
+the probes and the paged varlen part, ``--impls a,b`` times only those pinned implementations beside the pick.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import math
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -35,7 +41,8 @@ import opdispatch
 
 DEV = "cuda"
 DT = torch.bfloat16
-B, HQ, HK, D, CAP = 8, 32, 8, 128, 4096
+B, HQ, HK, D, CAP = 8, 32, 8, 128, 4096  # B: --batch
+IMPLS: set[str] | None = None  # --impls: the pinned implementations timed (None: every eligible one)
 
 
 def oracle(q, k_seqs, v_seqs):
@@ -122,13 +129,12 @@ def through_opdispatch(gen):
         for c in decision.candidates:
             if c.status != "unavailable":
                 print(f"    {c.impl_id:22s} {c.status:10s} {'; '.join(c.reasons)[:150]}")
-        for impl in [None] + [c.impl_id for c in decision.candidates if c.status in ("chosen", "eligible",
-                                                                                      "candidate")]:
+        for impl in [None] + pinned(decision):
             try:
                 fn = (lambda: opdispatch.attention(q, k, v, **args)) if impl is None else (
                     lambda impl=impl: opdispatch.attention(q, k, v, impl=impl, **args))
-                e = err(fn(), want)
-                rows.append((label, impl or f"auto ({decision.chosen_id})", e, time_ms(fn)))
+                out, first = first_call(fn)
+                rows.append((label, impl or f"auto ({decision.chosen_id})", err(out, want), time_ms(fn, first)))
             except Exception as exc:  # noqa: BLE001
                 rows.append((label, impl, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", None))
         dense_k = [torch.nn.functional.pad(s, (0, 0, 0, 0, 0, CAP - s.shape[0])) for s in ks]
@@ -148,24 +154,23 @@ def through_opdispatch(gen):
             return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), kd, vd, attn_mask=m,
                                                                     enable_gqa=True).transpose(1, 2)
 
-        rows.append((label, "torch SDPA, keys gathered dense + mask (built once)", err(sdpa(), want),
-                     time_ms(sdpa)))
-        rows.append((label, "torch SDPA, keys gathered dense + mask (built per call)", err(sdpa_mask_per_call(), want),
-                     time_ms(sdpa_mask_per_call)))
+        out, first = first_call(sdpa)
+        rows.append((label, "torch SDPA, keys gathered dense + mask (built once)", err(out, want),
+                     time_ms(sdpa, first)))
+        out, first = first_call(sdpa_mask_per_call)
+        rows.append((label, "torch SDPA, keys gathered dense + mask (built per call)", err(out, want),
+                     time_ms(sdpa_mask_per_call, first)))
         if page_size is None:  # which of SDPA's backends that baseline is
             from torch.nn.attention import SDPBackend, sdpa_kernel
             for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
                 try:
                     with sdpa_kernel(backend):
-                        rows.append((label, f"torch SDPA + mask (built once), {backend.name} only", err(sdpa(), want),
-                                     time_ms(sdpa)))
+                        out, first = first_call(sdpa)
+                        rows.append((label, f"torch SDPA + mask (built once), {backend.name} only", err(out, want),
+                                     time_ms(sdpa, first)))
                 except RuntimeError as exc:
                     rows.append((label, f"torch SDPA, {backend.name} only", str(exc).splitlines()[0][:80], None))
-    print("\n| cache | path | max error vs float64 | step (ms, median) | in a loop (ms per call) |\n"
-          "|---|---|---|---|---|")
-    for label, path, e, t in rows:
-        step, loop = ("-", "-") if t is None else (f"{t[0]:.3f}", f"{t[1]:.3f}")
-        print(f"| {label} | {path} | {e if isinstance(e, str) else f'{e:.2e}'} | {step} | {loop} |")
+    print_rows(rows)
 
 
 def paged_varlen(gen):
@@ -208,11 +213,12 @@ def paged_varlen(gen):
         for c in decision.candidates:
             if c.status != "unavailable":
                 print(f"    {c.impl_id:22s} {c.status:10s} {'; '.join(c.reasons)[:150]}")
-        for impl in [None] + [c.impl_id for c in decision.candidates if c.status in ("chosen", "eligible")]:
+        for impl in [None] + pinned(decision):
             try:
                 fn = (lambda: opdispatch.attention(q, k, v, **args)) if impl is None else (
                     lambda impl=impl: opdispatch.attention(q, k, v, impl=impl, **args))
-                rows.append((label, impl or f"auto ({decision.chosen_id})", err(fn(), want), time_ms(fn)))
+                out, first = first_call(fn)
+                rows.append((label, impl or f"auto ({decision.chosen_id})", err(out, want), time_ms(fn, first)))
             except Exception as exc:  # noqa: BLE001
                 rows.append((label, impl, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}", None))
         fwd = torch.ops.aten._flash_attention_forward.default
@@ -223,15 +229,35 @@ def paged_varlen(gen):
                        scale=D ** -0.5)[0]
 
         try:
-            rows.append((label, "torch: pages gathered (index built once) + FA2 varlen", err(gathered_flash(), want),
-                         time_ms(gathered_flash)))
+            out, first = first_call(gathered_flash)
+            rows.append((label, "torch: pages gathered (index built once) + FA2 varlen", err(out, want),
+                         time_ms(gathered_flash, first)))
         except Exception as exc:  # noqa: BLE001
             rows.append((label, "torch: pages gathered + FA2 varlen", f"{type(exc).__name__}", None))
-    print("\n| cache | path | max error vs float64 | step (ms, median) | in a loop (ms per call) |\n"
-          "|---|---|---|---|---|")
+    print_rows(rows)
+
+
+def pinned(decision):
+    """The implementations timed pinned beside the pick: every eligible one, or those --impls names."""
+    return [c.impl_id for c in decision.candidates if c.status in ("chosen", "eligible")
+            and (IMPLS is None or c.impl_id in IMPLS)]
+
+
+def print_rows(rows):
+    print("\n| cache | path | max error vs float64 | step (ms, median) | in a loop (ms per call) | first call (ms) |\n"
+          "|---|---|---|---|---|---|")
     for label, path, e, t in rows:
-        step, loop = ("-", "-") if t is None else (f"{t[0]:.3f}", f"{t[1]:.3f}")
-        print(f"| {label} | {path} | {e if isinstance(e, str) else f'{e:.2e}'} | {step} | {loop} |")
+        step, loop, first = ("-", "-", "-") if t is None else (f"{t[0]:.3f}", f"{t[1]:.3f}", f"{t[2]:.1f}")
+        print(f"| {label} | {path} | {e if isinstance(e, str) else f'{e:.2e}'} | {step} | {loop} | {first} |")
+
+
+def first_call(fn):
+    """(fn's result, ms of that call synchronised): a path's first call, graph builds and compiles included."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, (time.perf_counter() - start) * 1e3
 
 
 def step_ms(fn):
@@ -257,14 +283,22 @@ def loop_ms(fn, calls=100):
     return start.elapsed_time(end) / calls
 
 
-def time_ms(fn, reps=50):
-    """(median step_ms of `reps` calls, median loop_ms of 5 loops) after 5 warm-up calls."""
+def time_ms(fn, first, reps=50):
+    """(median step_ms of `reps` calls, median loop_ms of 5 loops, `first`) after 5 warm-up calls."""
     for _ in range(5):
         fn()
-    return statistics.median(step_ms(fn) for _ in range(reps)), statistics.median(loop_ms(fn) for _ in range(5))
+    return (statistics.median(step_ms(fn) for _ in range(reps)), statistics.median(loop_ms(fn) for _ in range(5)),
+            first)
 
 
 def main():
+    global B, IMPLS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=B)
+    parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--impls", help="comma-separated implementation ids timed pinned beside the pick")
+    args = parser.parse_args()
     print("device:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| cuDNN",
           torch.backends.cudnn.version())
     try:
@@ -272,15 +306,18 @@ def main():
         print("flag_gems", flag_gems.__version__)
     except Exception as exc:  # noqa: BLE001
         print("flag_gems not importable:", exc)
-    if "--frontend-half" in sys.argv:
-        from _impl_options import use_attention_options  # (the script's folder is on sys.path)
-
-        use_attention_options("nvidia.cudnn_frontend", {"half": True})
-        print("policy: default with nvidia.cudnn_frontend {half: true}")
+    B = args.batch
+    IMPLS = None if args.impls is None else set(args.impls.split(","))
+    try:
+        print("nvidia-cudnn-frontend", importlib.metadata.version("nvidia-cudnn-frontend"))
+    except importlib.metadata.PackageNotFoundError:
+        print("nvidia-cudnn-frontend not installed (nvidia.cudnn_frontend unavailable)")
     gen = torch.Generator().manual_seed(0)
-    probe_torch_flash(gen)
+    if not args.decode_only:
+        probe_torch_flash(gen)
     through_opdispatch(gen)
-    paged_varlen(gen)
+    if not args.decode_only:
+        paged_varlen(gen)
 
 
 if __name__ == "__main__":

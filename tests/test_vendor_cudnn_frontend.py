@@ -889,3 +889,111 @@ def test_paged_kv_refusals_say_why(fe):
     with torch.no_grad():
         d, _ = _reasons(dict(seqused_k=used, block_table=table), (q.detach(), k_pool, v_pool))
     assert d.chosen_id == "test.cudnn_fe"
+
+
+def _dense_cache_oracle(q, k_cache, v_cache, used, causal, window, bottom_right):
+    """float64 per sequence over its first used[b] cache rows (bshd)."""
+    return torch.cat([_oracle_scored(q[b:b + 1].double(), k_cache[b:b + 1, :n].double(),
+                                     v_cache[b:b + 1, :n].double(), q.shape[-1] ** -0.5, causal, window,
+                                     bottom_right) for b, n in enumerate(used.tolist())])
+
+
+@pytest.mark.parametrize("layout,dtype,sq,heads,used,causal,window,align", [
+    ("bshd", torch.bfloat16, 1, (4, 2), [40, 0, 64], True, None, "bottom_right"),    # decode; an empty cache
+    ("bhsd", torch.float16, 3, (4, 4), [33, 2, 64], True, None, "bottom_right"),     # chunked prefill, keyless rows
+    ("bshd", torch.bfloat16, 3, (6, 2), [64, 5, 31], True, (4, 0), "bottom_right"),  # causal window, GQA
+    ("sbhd", torch.float16, 2, (2, 1), [10, 64, 1], False, (1, 1), "top_left"),      # window, top-left
+    ("bshd", torch.bfloat16, 70, (2, 1), [64, 3, 17], False, None, "top_left"),      # more queries than capacity
+])
+def test_dense_kv_cache_forward_against_float64(monkeypatch, basic_manager, tmp_path, fake_plans, layout, dtype, sq,
+                                                heads, used, causal, window, align):
+    """A dense cache (batch, capacity, heads, dim) with seqused_k is cuDNN's padding-mask graph over the cache as it
+    is (seq_len_q = the queries, seq_len_kv = seqused_k; bottom-right counts from each fill), taken without the
+    `half` option (its graph holds for every fill): against a float64 oracle over each sequence's used rows, and one
+    graph for every fill."""
+    _fe(monkeypatch, basic_manager, tmp_path, half=False)
+    gen = torch.Generator().manual_seed(51)
+    hq, hk = heads
+    b, d, cap = 3, 16, 64
+    q = torch.randn(b, sq, hq, d, generator=gen).to(dtype)
+    k_cache, v_cache = (torch.randn(b, cap, hk, d, generator=gen).to(dtype) for _ in range(2))
+    used_t = torch.tensor(used, dtype=torch.int32)
+    to = LAYOUT[layout]
+    kwargs = dict(layout=layout, causal=causal, causal_alignment=align, window=window)
+    assert opdispatch.explain(to(q), to(k_cache), to(v_cache), seqused_k=used_t, **kwargs).chosen_id \
+        == "test.cudnn_fe"
+    out = opdispatch.attention(to(q), to(k_cache), to(v_cache), seqused_k=used_t, **kwargs)
+    want = _dense_cache_oracle(q, k_cache, v_cache, used_t, causal, window, align == "bottom_right")
+    assert out.dtype == dtype
+    _assert_close_scaled(LAYOUT[layout](out), want, 6, "out")
+    op = fake.graphs[-1].op
+    assert op["kind"] == "sdpa" and op["use_padding_mask"] is True and op["page_table_k"] is None
+    assert op["k"].dim == (b, hk, cap, d) and op["k"].ragged_offset is None and op["max_seq_len_kv"] is None
+    pack = fake.executions[-1]["pack"]
+    assert pack[op["seq_len_kv"].uid].reshape(-1).tolist() == used
+    assert pack[op["seq_len_q"].uid].reshape(-1).tolist() == [sq] * b
+    graphs = len(fake.graphs)
+    used2 = torch.tensor([64, 17, 0], dtype=torch.int32)
+    out2 = opdispatch.attention(to(q), to(k_cache), to(v_cache), seqused_k=used2, **kwargs)
+    assert len(fake.graphs) == graphs, "another fill must reuse the graph"
+    _assert_close_scaled(LAYOUT[layout](out2), _dense_cache_oracle(q, k_cache, v_cache, used2, causal, window,
+                                                                   align == "bottom_right"), 6, "out (other fill)")
+
+
+def test_dense_kv_cache_refusals_say_why(monkeypatch, basic_manager, tmp_path, fake_plans):
+    """Over a dense cache: a gradient, FP8, thd keys with seqused_k and no block table, and the policy's
+    kv_cache: false are refused with reasons; bf16 calls that are no KV cache still need `half`."""
+    _fe(monkeypatch, basic_manager, tmp_path, half=False)
+    gen = torch.Generator().manual_seed(52)
+    q = torch.randn(2, 1, 4, 16, generator=gen).to(torch.bfloat16)
+    cache = torch.randn(2, 64, 2, 16, generator=gen).to(torch.bfloat16)
+    used = torch.tensor([10, 64], dtype=torch.int32)
+    _, cand = _reasons(dict(seqused_k=used), (q.clone().requires_grad_(), cache, cache))
+    assert any("K/V cache (seqused_k) is forward only" in r for r in cand.reasons)
+    unit = torch.ones(())
+    q8, c8 = q.to(torch.float8_e4m3fn), cache.to(torch.float8_e4m3fn)
+    _, cand = _reasons(dict(seqused_k=used, q_descale=unit, k_descale=unit, v_descale=unit), (q8, c8, c8))
+    assert any("K/V cache (seqused_k) is built here for bf16/fp16 only" in r for r in cand.reasons)
+    packed = cache.reshape(128, 2, 16)
+    _, cand = _reasons(dict(layout="thd", cu_seqlens_q=_cu([1, 1]), cu_seqlens_k=_cu([64, 64]), max_seqlen_q=1,
+                            max_seqlen_k=64, seqused_k=used), (q.reshape(2, 4, 16), packed, packed))
+    assert any("thd) keys with seqused_k and no block_table" in r for r in cand.reasons)
+    _, cand = _reasons(dict(causal=True), (q, cache, cache))
+    assert any("half: true" in r for r in cand.reasons)
+
+
+def test_kv_cache_option_off_refuses_kv_cache_calls_with_the_fix(monkeypatch, basic_manager, tmp_path, fake_plans):
+    _fe(monkeypatch, basic_manager, tmp_path, half=False, kv_cache=False)
+    q = torch.randn(2, 1, 4, 16).to(torch.bfloat16)
+    cache = torch.randn(2, 64, 2, 16).to(torch.bfloat16)
+    d, cand = _reasons(dict(seqused_k=torch.tensor([10, 64], dtype=torch.int32)), (q, cache, cache))
+    assert d.chosen_id != "test.cudnn_fe" and any("kv_cache: true" in r for r in cand.reasons)
+
+
+def test_kv_cache_decode_rule_on_a_simulated_h100(tmp_path, manager):
+    """The default policy's kv-cache-decode-on-cudnn-frontend: with the wheel, a decode step over a dense or a
+    32-key-paged cache goes to the frontend by that rule; 16-key pages (not a multiple of 32), chunked prefill
+    (more than one query), a gradient, or no wheel keep torch's FA2 (decode-on-flash)."""
+    with_fe = device_with_library(tmp_path, "h100", "cudnn_frontend", "1.32.0")
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    used = torch.empty(4, dtype=torch.int32, device="meta")
+
+    def explain(sq=1, page=None, grad=False, device=with_fe):
+        q = torch.empty(4, sq, 32, 128, requires_grad=grad, **meta)
+        if page is None:
+            kv = torch.empty(4, 4096, 8, 128, **meta)
+            return opdispatch.explain(q, kv, kv, seqused_k=used, causal=True, causal_alignment="bottom_right",
+                                      device=device)
+        kv = torch.empty(4 * 4096 // page, page, 8, 128, **meta)
+        table = torch.empty(4, 4096 // page, dtype=torch.int32, device="meta")
+        return opdispatch.explain(q, kv, kv, seqused_k=used, block_table=table, causal=True,
+                                  causal_alignment="bottom_right", device=device)
+
+    for page in (None, 32, 256):
+        d = explain(page=page)
+        assert d.chosen_id == "nvidia.cudnn_frontend", (page, d.chosen_id)
+        assert d.decided_by.rule == "kv-cache-decode-on-cudnn-frontend"
+    assert explain(page=16).chosen_id == "nvidia.flash"
+    assert explain(sq=5, page=32).chosen_id != "nvidia.cudnn_frontend"
+    assert explain(grad=True).chosen_id != "nvidia.cudnn_frontend"
+    assert explain(device=str(device_descriptor("h100"))).chosen_id == "nvidia.flash"

@@ -258,11 +258,10 @@ def test_alibi_with_other_slopes_is_refused_not_computed(options):
         opdispatch.attention(q, k, v, causal=True, alibi_slopes=_alibi_slopes(8) * 2, impl=IMPL)
 
 
-# -- thd (ragged offsets) and paged K/V (option `half`) ---------------------------------------------------------------
-# UNVERIFIED on a GPU when written (helper session s42-cfe2, CPU only, against tests/fakes/cudnn_frontend.py): the
-# lead runs these next. What they settle: cuDNN's element offsets for strided packings, max_total_seq_len rounded to
-# 64 over unpadded tensors (test/python/sdpa/fp16.py pads its tensors to it), zero-length sequences, the page sizes
-# cuDNN takes, and no host read (the thd call is replayed from a CUDA graph with other lengths).
+# -- thd (ragged offsets, option `half`) and K/V caches (paged or dense, option `kv_cache`) --------------------------
+# What they settle: cuDNN's element offsets for strided packings, max_total_seq_len rounded to 64 over unpadded
+# tensors (test/python/sdpa/fp16.py pads its tensors to it), zero-length sequences, the page sizes cuDNN takes, and no
+# host read (thd and dense-cache calls are replayed from a CUDA graph with other lengths).
 
 def _reference_one(q, k, v, causal, window, bottom_right):
     """float32 attention of one sequence (s, h, d), differentiable; keyless rows give zeros."""
@@ -374,3 +373,70 @@ def test_paged_kv_forward_against_float32(options, page, sq, causal, window):
             assert torch.equal(out[i], torch.zeros_like(out[i]))
         else:
             assert _rel_error(out[i], want) <= 2 ** -6, i
+
+
+def test_paged_kv_table_entries_past_the_fill_are_never_read(options):
+    """-1 and past-the-pool ids after each sequence's fill give the output of the table as built (they reach cuDNN
+    as page 0): no fault, no other result."""
+    b, hq, hk, d, page, per_seq = 3, 8, 2, 128, 32, 8
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    k_pool, v_pool = (torch.randn(b * per_seq, page, hk, d, generator=gen, device="cuda").to(torch.bfloat16)
+                      for _ in range(2))
+    table = torch.randperm(b * per_seq, generator=gen, device="cuda").view(b, per_seq).int()
+    used = torch.tensor([70, 0, 256], dtype=torch.int32, device="cuda")
+    hostile = table.clone()
+    hostile[0, 3:], hostile[1, :] = -1, 10 ** 6
+    q = torch.randn(b, 1, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        want = opdispatch.attention(q, k_pool, v_pool, seqused_k=used, block_table=table, causal=True,
+                                    causal_alignment="bottom_right", impl=IMPL)
+        got = opdispatch.attention(q, k_pool, v_pool, seqused_k=used, block_table=hostile, causal=True,
+                                   causal_alignment="bottom_right", impl=IMPL)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("sq,causal,window", [(1, True, None), (5, True, None), (16, True, (128, 0)),
+                                              (3, False, None)])
+def test_dense_kv_cache_forward_against_float32(options, layout, sq, causal, window):
+    """A dense bf16 cache (batch, capacity, heads, dim) with seqused_k (fills 0..capacity), GQA 4:1, bottom-right
+    from each fill, taken by default (option kv_cache): within 2**-6 of the max per sequence; an empty cache's rows
+    are zeros."""
+    b, hq, hk, d, capacity = 4, 8, 2, 128, 1024
+    gen = torch.Generator(device="cuda").manual_seed(16)
+    k_cache, v_cache = (torch.randn(b, capacity, hk, d, generator=gen, device="cuda").to(torch.bfloat16)
+                        for _ in range(2))
+    used = torch.tensor([capacity, 0, 3, 700], dtype=torch.int32, device="cuda")
+    q = torch.randn(b, sq, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    to = (lambda t: t) if layout == "bshd" else (lambda t: t.transpose(1, 2))
+    with torch.no_grad():
+        out = to(opdispatch.attention(to(q), to(k_cache), to(v_cache), layout=layout, seqused_k=used,
+                                      causal=causal, causal_alignment="bottom_right", window=window, impl=IMPL))
+    for i, n in enumerate(used.tolist()):
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+            continue
+        want = _reference_one(q[i], k_cache[i, :n], v_cache[i, :n], causal, window, True)
+        assert _rel_error(out[i], want) <= 2 ** -6, i
+
+
+def test_dense_kv_cache_decode_replays_in_a_cuda_graph_with_other_fills(options):
+    """No host read on the dense-cache path: a decode step captured once, replayed after seqused_k is rewritten in
+    place, gives what an eager call with the new fills gives."""
+    b, hq, hk, d, capacity = 4, 8, 2, 128, 512
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    k_cache, v_cache = (torch.randn(b, capacity, hk, d, generator=gen, device="cuda").to(torch.bfloat16)
+                        for _ in range(2))
+    q = torch.randn(b, 1, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+    used = torch.tensor([10, 200, 512, 1], dtype=torch.int32, device="cuda")
+    kwargs = dict(causal=True, causal_alignment="bottom_right", impl=IMPL)
+    with torch.no_grad():
+        opdispatch.attention(q, k_cache, v_cache, seqused_k=used, **kwargs)  # warm-up: builds the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = opdispatch.attention(q, k_cache, v_cache, seqused_k=used, **kwargs)
+        other = torch.tensor([300, 0, 11, 512], dtype=torch.int32, device="cuda")
+        used.copy_(other)
+        graph.replay()
+        eager = opdispatch.attention(q, k_cache, v_cache, seqused_k=other.clone(), **kwargs)
+    torch.testing.assert_close(captured, eager)

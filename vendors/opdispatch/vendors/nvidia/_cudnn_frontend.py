@@ -93,9 +93,10 @@ refused (cuDNN's backward node). Graphs are cached per signature (bias dims/stri
 bias, ALiBi and backward paths are contract-tested on CPU against the fake and on the H100
 (tests/gpu/test_cudnn_frontend_gpu.py, benchmarks/results/h100-5a4994b/).
 
-Packed varlen (thd, bf16/fp16, sm90+; option `half`), forward and backward, and a paged K/V cache (forward only):
-cuDNN's padding-mask graphs (`_Padded`; test/python/sdpa/fp16.py's ragged and paged graphs, sdpa_support_surface.h,
-paged_cache_load.h):
+Packed varlen (thd, bf16/fp16, sm90+; option `half`), forward and backward, and a K/V cache, paged or dense
+(seqused_k over a (batch, capacity, heads, dim) cache; forward only; option `kv_cache`, on by default, since its
+graph holds for every fill): cuDNN's padding-mask graphs (`_Padded`; test/python/sdpa/fp16.py's ragged and paged
+graphs, sdpa_support_surface.h, paged_cache_load.h):
 
     t.set_ragged_offset(offsets)   # int64 (b + 1, 1, 1, 1), in elements: cu_seqlens * token stride; the tensor's
                                    # dims (b, h, max_seqlen, d), strides (max_seqlen * ts, hs, ts, 1)
@@ -106,16 +107,17 @@ paged_cache_load.h):
                         max_total_seq_len_kv=)                          # token counts, rounded up to 64
 
 thd's q/k/v/o/stats (and dO/dQ/dK/dV) are ragged; paged k/v are the pools as (num_pages, heads, page_size, dim)
-views, with seq_len_kv = seqused_k (bottom-right counts from the fill, as cuDNN's padded diagonal does: per
-sequence, seq_len_kv - seq_len_q). The padding mask lifts cuDNN's "max_s_q <= max_s_kv" limits on windows and
-bottom-right diagonals. Lengths, offsets and page tables are made on the device per call (no host read). Not taken
-(refused with reasons): thd or paged with FP8/fp8_dpa or ALiBi, a gradient through a paged cache (cuDNN's backward
-takes no page tables), page sizes not a multiple of 32, thd below sm90. A thd backward copies q/k/v that are not
+views (a dense cache as it is), with seq_len_kv = seqused_k (bottom-right counts from the fill, as cuDNN's padded
+diagonal does: per sequence, seq_len_kv - seq_len_q). The padding mask lifts cuDNN's "max_s_q <= max_s_kv" limits
+on windows and bottom-right diagonals. Lengths, offsets and page tables are made on the device per call (no host
+read). Not taken (refused with reasons): thd or a KV cache with FP8/fp8_dpa, ALiBi over thd or a KV cache, a
+gradient through a KV cache (cuDNN's backward takes no page tables), thd keys with seqused_k and no block table,
+page sizes not a multiple of 32, thd below sm90. A thd backward copies q/k/v that are not
 compact (sliced from one packed projection): cuDNN 9.19's ragged backward mis-addresses them. Verified on the H100
 (tests/gpu/test_cudnn_frontend_gpu.py; benchmarks/results/h100-ce56e4a/ and h100-5a4994b/).
 
 What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): dropout, the
-LSE as an output (`stats`: only kept for the backward), a KV cache without pages (seqused_k alone). Graphs are
+LSE as an output (`stats`: only kept for the backward). Graphs are
 built once per signature (shapes, strides, dtypes, options, device) and never during CUDA-graph capture (building
 synchronizes): a first call inside capture raises with the fix (warm up).
 """
@@ -210,7 +212,7 @@ def _check_lengths(call: AttentionCall) -> None:
     does not support max_s_q > max_s_kv", "Sliding window attention is only supported with max_s_q <= max_s_kv"):
     the lengths are no part of the decision class, so such a call is refused here, before any graph is built (the
     manager sends it to the next implementation)."""
-    if call.seqlen_q <= call.seqlen_k or call.varlen or call.paged:  # the padding mask lifts it (thd, paged)
+    if call.seqlen_q <= call.seqlen_k or call.varlen or call.kv_cache:  # the padding mask lifts it
         return
     left, right = _bounds(call)
     if left is not None or (right is not None and call.causal_alignment == "bottom_right"):
@@ -238,7 +240,7 @@ class _Padded:
     size) pages). All made on the device from the call's tensors: no host read."""
 
     def __init__(self, call: AttentionCall) -> None:
-        self.batch, self.max_q, self.max_k = call.batch, call.seqlen_q, call.seqlen_k
+        self.batch, self.max_q, self.max_k = call.batch, call.seqlen_q, call.seqlen_k  # (dense cache: its capacity)
         self.ragged_q = call.varlen
         self.table = call.block_table
         self.ragged_k = call.varlen and self.table is None
@@ -258,6 +260,8 @@ class _Padded:
             # < seqused_k). The used entries are the caller's, as every paged kernel takes them.
             first_keys = torch.arange(0, self.max_k, call.page_size, device=device, dtype=torch.int32)
             self.table = torch.where(first_keys < call.seqused_k.view(-1, 1), self.table, 0).int()
+        elif call.seqused_k is not None:  # a dense cache (batch, capacity, heads, dim): its first seqused_k rows
+            self.seq_len_kv = call.seqused_k.int().view(-1, 1, 1, 1)
         else:
             assert call.cu_seqlens_k is not None
             self.cu_k = call.cu_seqlens_k.long()
@@ -505,6 +509,13 @@ class CudnnFrontendOptions(BaseModel):
                     "current per-tensor scaling inside the op, the output in the call's dtype, and for inputs that "
                     "require grad an FP8 backward (sdpa_fp8_backward) returning dq/dk/dv in the inputs' dtype. "
                     "FP8's error (a few % of the output's max) replaces bf16's: opt in per workload")
+    kv_cache: bool = Field(
+        default=True,
+        description="take bf16/fp16 KV-cache calls (seqused_k over a dense cache of a fixed capacity, or a paged "
+                    "cache) without `half`: their padding-mask graph is keyed by the batch and the cache's "
+                    "capacity (dense) or pools and block table (paged), not by the fill, so a decode loop builds "
+                    "one graph, not one per length (each first call of a new batch size still builds one: "
+                    "benchmarks/results/h100-kvfe/kv_cache-h100.md, first call)")
     autotune: bool = Field(
         default=True,
         description="at a signature's first call (never inside CUDA-graph capture: a new signature there is "
@@ -536,7 +547,7 @@ class CudnnFrontendAttention(AttentionImpl):
         attn_bias=True, bias_grad=True, alibi=True,
         # forward only, bf16/fp16 (extra_reasons); cuDNN's published tests page by 32, 64 and 128 keys
         # (test/python/test_mhas.py) and its frontend checks no page size: check_support is the last word
-        paged_kv=True, page_size_multiple=_PAGE_SIZE_MULTIPLE,
+        paged_kv=True, page_size_multiple=_PAGE_SIZE_MULTIPLE, kv_cache=True,
         fp8_out_dtypes=frozenset(FP8_OUT_DTYPES) | FP8_DTYPES, fp8_descale_per_head=False, fp8_out_amax=True,
         # Not measured: cuDNN picks plans per shape; neither determinism is claimed.
         deterministic_forward=False,
@@ -555,12 +566,16 @@ class CudnnFrontendAttention(AttentionImpl):
         return (call.seqlen_q == 1, call.seqlen_k == 1)  # besides what the class key holds, extra_reasons reads these
 
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
-        reasons = self._score_term_reasons(call) + self._thd_reasons(call, device) + self._paged_reasons(call)
+        reasons = self._score_term_reasons(call) + self._thd_reasons(call, device) + self._kv_cache_reasons(call)
         if not call.fp8 and not self.options.fp8_dpa:
-            if not self.options.half:
+            if call.kv_cache and not self.options.kv_cache:
+                return ["bf16/fp16 KV-cache calls are off by this policy's option kv_cache: false; enable with "
+                        "ops.attention.options.'nvidia.cudnn_frontend': {kv_cache: true}"]
+            if not self.options.half and not call.kv_cache:
                 return ["bf16/fp16 calls are off by default: cuDNN builds a graph per new shape (0.07-1.0 s on an "
                         "H100), paid at every new length; enable with ops.attention.options."
-                        "'nvidia.cudnn_frontend': {half: true} for fixed-shape inference"]
+                        "'nvidia.cudnn_frontend': {half: true} for fixed-shape inference (KV-cache calls, whose "
+                        "graph holds for every fill, are taken without it)"]
             if call.requires_grad:
                 reasons += self._half_backward_reasons(call, device)
             return reasons
@@ -622,18 +637,24 @@ class CudnnFrontendAttention(AttentionImpl):
                            f"packed LSE is refused on sm8x), device is sm{device.capability[0]}{device.capability[1]}")
         return reasons
 
-    def _paged_reasons(self, call: AttentionCall) -> list[str]:
-        """A paged K/V cache runs as cuDNN's paged forward graph, bf16/fp16 only."""
-        if not call.paged:
+    def _kv_cache_reasons(self, call: AttentionCall) -> list[str]:
+        """A K/V cache (seqused_k: paged, or dense rows of a capacity) runs as cuDNN's padding-mask forward graph
+        (the paged one with page tables), bf16/fp16 only."""
+        if not call.kv_cache:
             return []
         reasons = []
+        kind = "a paged K/V cache" if call.paged else "a K/V cache (seqused_k)"
         if call.fp8 or self.options.fp8_dpa:
-            reasons.append("a paged K/V cache is built here for bf16/fp16 only, not FP8 (fp8 calls or the fp8_dpa "
+            reasons.append(f"{kind} is built here for bf16/fp16 only, not FP8 (fp8 calls or the fp8_dpa "
                            "option): compute this call in bf16/fp16 or use another implementation")
         if call.requires_grad:
-            reasons.append("a paged K/V cache is forward only here (cuDNN's sdpa_backward takes no page tables: "
-                           "test/python/sdpa/fp16.py, \"paged attention not allowed in backward pass\"); run it "
-                           "under torch.no_grad() or use a contiguous cache")
+            why = ("cuDNN's sdpa_backward takes no page tables: test/python/sdpa/fp16.py, \"paged attention not "
+                   "allowed in backward pass\"" if call.paged else "its backward is not built here")
+            reasons.append(f"{kind} is forward only here ({why}); run it under torch.no_grad() or use another "
+                           "implementation")
+        if call.varlen and not call.paged:
+            reasons.append("packed varlen (thd) keys with seqused_k and no block_table are not built here (only "
+                           "dense or paged caches): pass a dense (batch, capacity, heads, dim) cache or a paged one")
         return reasons
 
     @staticmethod
@@ -683,7 +704,7 @@ class CudnnFrontendAttention(AttentionImpl):
         scale_o — no v amax, no dequantization: the graph's output is the result —, and `out_amax` receives
         cuDNN's Amax_O (max|output| in real units). bf16/fp16 only: `bias` the graph's (`_graph_bias`), and the
         call's ALiBi as cuDNN's (slopes checked by the caller)."""
-        padded = _Padded(call) if call.varlen or call.paged else None
+        padded = _Padded(call) if call.varlen or call.kv_cache else None
         q = q_in if call.varlen else call.bhsd(q_in)
         if call.paged:  # the page pools (num_pages, page_size, heads_kv, dim) as cuDNN's (num_pages, heads, size, dim)
             k, v = k_in.permute(0, 2, 1, 3), v_in.permute(0, 2, 1, 3)
