@@ -267,8 +267,9 @@ def test_policy_parse_keeps_thresholds_readable():
 
     classes = DecisionClasses("attention", policy, [])
     # The user's layer first, then the shipped default's rules (its KV-cache and decode rules read seqlen_q).
-    assert [(f, str(s)) for f, s in classes.size_tests][:4] == [("batch", ">=8"), ("heads_kv", "[1, 2]"),
-                                                               ("seqlen_q", "1"), ("seqlen_q", "<=16")]
+    assert [(f, str(s)) for f, s in classes.size_tests][:5] == [("batch", ">=8"), ("heads_kv", "[1, 2]"),
+                                                               ("seqlen_q", "1"), ("batch", ">=8"),
+                                                               ("seqlen_q", "<=16")]
 
 
 @pytest.mark.parametrize("text", ["'>=32'", "'<=32'", "'>32'", "'<32'", "'==32'", "'!=32'", "'>=8,<40'", "[8, 32]",

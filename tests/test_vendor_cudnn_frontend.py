@@ -971,28 +971,30 @@ def test_kv_cache_option_off_refuses_kv_cache_calls_with_the_fix(monkeypatch, ba
 
 
 def test_kv_cache_decode_rule_on_a_simulated_h100(tmp_path, manager):
-    """The default policy's kv-cache-decode-on-cudnn-frontend: with the wheel, a decode step over a dense or a
-    32-key-paged cache goes to the frontend by that rule; 16-key pages (not a multiple of 32), chunked prefill
-    (more than one query), a gradient, or no wheel keep torch's FA2 (decode-on-flash)."""
+    """The default policy's kv-cache-decode-on-cudnn-frontend: with the wheel, a decode step of batch >= 8 over a
+    dense or a 32-key-paged cache goes to the frontend by that rule; batch 1, 16-key pages (not a multiple of 32),
+    chunked prefill (more than one query), a gradient, or no wheel keep torch's FA2 (decode-on-flash)."""
     with_fe = device_with_library(tmp_path, "h100", "cudnn_frontend", "1.32.0")
     meta = dict(device="meta", dtype=torch.bfloat16)
-    used = torch.empty(4, dtype=torch.int32, device="meta")
 
-    def explain(sq=1, page=None, grad=False, device=with_fe):
-        q = torch.empty(4, sq, 32, 128, requires_grad=grad, **meta)
+    def explain(sq=1, page=None, grad=False, device=with_fe, b=8):
+        q = torch.empty(b, sq, 32, 128, requires_grad=grad, **meta)
+        used = torch.empty(b, dtype=torch.int32, device="meta")
         if page is None:
-            kv = torch.empty(4, 4096, 8, 128, **meta)
+            kv = torch.empty(b, 4096, 8, 128, **meta)
             return opdispatch.explain(q, kv, kv, seqused_k=used, causal=True, causal_alignment="bottom_right",
                                       device=device)
-        kv = torch.empty(4 * 4096 // page, page, 8, 128, **meta)
-        table = torch.empty(4, 4096 // page, dtype=torch.int32, device="meta")
+        kv = torch.empty(b * 4096 // page, page, 8, 128, **meta)
+        table = torch.empty(b, 4096 // page, dtype=torch.int32, device="meta")
         return opdispatch.explain(q, kv, kv, seqused_k=used, block_table=table, causal=True,
                                   causal_alignment="bottom_right", device=device)
 
     for page in (None, 32, 256):
-        d = explain(page=page)
-        assert d.chosen_id == "nvidia.cudnn_frontend", (page, d.chosen_id)
-        assert d.decided_by.rule == "kv-cache-decode-on-cudnn-frontend"
+        for b in (8, 32):
+            d = explain(page=page, b=b)
+            assert d.chosen_id == "nvidia.cudnn_frontend", (page, b, d.chosen_id)
+            assert d.decided_by.rule == "kv-cache-decode-on-cudnn-frontend"
+        assert explain(page=page, b=1).chosen_id == "nvidia.flash"
     assert explain(page=16).chosen_id == "nvidia.flash"
     assert explain(sq=5, page=32).chosen_id != "nvidia.cudnn_frontend"
     assert explain(grad=True).chosen_id != "nvidia.cudnn_frontend"
