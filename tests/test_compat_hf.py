@@ -115,6 +115,31 @@ def test_each_layer_runs_in_its_module_scope(basic_manager, tmp_path):
     assert model.model.layers[0].self_attn._opdispatch_name == "model.layers.0.self_attn"
 
 
+def test_without_a_module_rule_no_call_is_scoped(basic_manager):
+    """No policy rule reads `module:`, so no scope can change a decision: the layers' calls carry none (and share
+    the compiled door's entries instead of one per layer); the same model under a module rule is scoped."""
+    seen: list[str | None] = []
+
+    class Spy(opdispatch.AttentionImpl):
+        vendor, name = "spy", "noscope"
+        caps: ClassVar[opdispatch.AttentionCaps] = opdispatch.AttentionCaps(
+            dtypes=frozenset({torch.float32}), layouts=frozenset({"bhsd"}), gqa=True, causal=True, attn_mask=True,
+            causal_alignments=frozenset({"top_left"}))
+
+        def run(self, call):
+            seen.append(call.module)
+            ref = opdispatch.get_manager().registry.get("attention", "cpu.flash").impl
+            return ref.run(call)
+
+    basic_manager.register_impl(Spy())
+    (model,) = models(tiny(transformers.LlamaConfig), "opdispatch")
+    ids, mask = batch(seed=5, left_pad=(0, 0))
+    with torch.no_grad(), opdispatch.policy_override(pin="spy.noscope"):
+        model.eval()(ids)
+    assert seen and set(seen) == {None}
+    assert not basic_manager.policy.reads_module
+
+
 def test_output_attentions_is_refused_with_a_way_out(basic_manager):
     (model,) = models(tiny(transformers.LlamaConfig), "opdispatch")
     ids, mask = batch()
@@ -303,12 +328,18 @@ def test_packed_sequences_without_a_mask_run_as_varlen(basic_manager):
         opdispatch.compat.hf.attention_forward(module, q, k, v, None, cu_seq_lens_q=cu)
 
 
-def test_an_attention_path_name_modules_does_not_recognise_is_named_once():
+def test_an_attention_path_name_modules_does_not_recognise_is_named_once(basic_manager, tmp_path):
     """BERT-style `encoder.layer.0.attention.self`: name_modules does not name it, so the stack walk used to run
-    (and rename the whole model) on every call; the module now takes its own path on first sight."""
+    (and rename the whole model) on every call; the module now takes its own path on first sight (under a policy
+    with a `module:` rule, the only case that scopes a call)."""
     import torch
 
     from opdispatch.compat import hf
+
+    policy = tmp_path / "module-rule.yaml"
+    policy.write_text("version: 1\nops:\n  attention:\n    rules:\n      - name: any-layer\n"
+                      "        when: {module: 'layer.*'}\n        prefer: [cpu.flash]\n")
+    basic_manager.set_policy(opdispatch.policies.load_policy(policy))
 
     class SelfAttention(torch.nn.Module):
         def forward(self, x):

@@ -125,6 +125,10 @@ class Policy:
             if layer.model.settings is not None:
                 merged.update(layer.model.settings.model_dump(exclude_unset=True))
         self.settings = Settings(**merged)
+        # Whether any rule matches on the calling module (`when: {module: ...}`): only then can a scope change a
+        # decision, so front doors that name modules on every call (compat.hf) may skip it otherwise.
+        self.reads_module = any(rule.when.module is not None for layer in self.layers
+                                for spec in layer.model.ops.values() for rule in spec.rules)
 
     @property
     def source(self) -> str:
