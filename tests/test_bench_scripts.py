@@ -226,8 +226,27 @@ def test_generate_runs_pools_each_runs_ratio_and_every_call(tmp_path, capsys):
         paths.append(str(path))
     assert load("generate_runs").main([*paths, "--out", str(tmp_path / "pooled.md")]) == 0
     line = next(li for li in (tmp_path / "pooled.md").read_text().splitlines() if li.startswith("| 1 |"))
-    # runs 1.10, 0.80, 1.11: median 1.10, range 0.80-1.11; pooled medians sdpa 1.1 / opdispatch 1.0; fastest 1.0/0.9
-    assert line == "| 1 | 1.10 0.80 1.11 | **1.10x** | 0.80-1.11 | 1.10x (9 calls each) | 1.11x |"
+    # runs 1.10, 0.80, 1.11: median 1.10, range 0.80-1.11; pooled medians sdpa 1.1 / opdispatch 1.0; fastest 1.0/0.9;
+    # no row says its copies (and no --copies): nothing paired
+    assert line == "| 1 | 1.10 0.80 1.11 | **1.10x** | 0.80-1.11 | 1.10x (9 calls each) | 1.11x | - | - |"
+
+
+def test_paired_ratios_divide_each_reps_back_to_back_sums(tmp_path):
+    """A host that slows down across a run: each rep's two implementations were timed back to back, so their
+    ratio holds where the whole-run medians' does not (here opdispatch is 1.25x faster in every rep, but its calls
+    fall in the slow half of the run more often: the medians say 1.00x)."""
+    runs = load("generate_runs")
+    sdpa = [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]  # 4 reps of 2 copies; the host halves its speed at rep 3
+    opdispatch = [0.8, 0.8, 0.8, 0.8, 1.6, 1.6, 1.6, 1.6]
+    assert runs.paired_ratios(sdpa, opdispatch, 2) == pytest.approx([1.25] * 4)
+    with pytest.raises(ValueError, match="cannot pair 8 and 8 calls in reps of 3"):
+        runs.paired_ratios(sdpa, opdispatch, 3)
+    row = dict(_generate_row(1, sdpa, opdispatch), copies=2)
+    path = tmp_path / "generate.json"
+    path.write_text(json.dumps({"environment": {"device": "cpu"}, "rows": [row]}))
+    assert runs.main([str(path), "--out", str(tmp_path / "pooled.md")]) == 0
+    line = next(li for li in (tmp_path / "pooled.md").read_text().splitlines() if li.startswith("| 1 |"))
+    assert line.endswith("| 1.250 | **1.250x** (1.25-1.25, 4 reps) |")
 
 
 def test_generate_bench_explains_differing_tokens_or_says_it_cannot(basic_manager):

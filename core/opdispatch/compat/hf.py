@@ -4,11 +4,13 @@
 interface, with the boolean masks SDPA uses), so ``AutoModelForCausalLM.from_config(cfg,
 attn_implementation="opdispatch")`` — or ``model.set_attn_implementation("opdispatch")`` — sends every attention
 call of the model through ``opdispatch.attention``: prefill, decoding with the model's KV cache, padding masks,
-sliding-window layers, training and ``torch.compile``. Each call runs inside ``opdispatch.scope(name)`` with the
-layer's module path (``model.layers.3.self_attn``, ``encoder.block.0.layer.0.SelfAttention``,
-``decoder.block.0.layer.1.EncDecAttention``): on the first eager call of a model's attention every attention
-module of the model is named by its real path (`name_modules`); a model compiled before it ever ran, and not
-named, falls back to ``model.layers.<layer_idx>.self_attn``. YAML rules on ``module:`` apply per layer.
+sliding-window layers, training and ``torch.compile``. Where the policy has a rule on ``module:``
+(`Policy.reads_module`), each call runs inside ``opdispatch.scope(name)`` with the layer's module path
+(``model.layers.3.self_attn``, ``encoder.block.0.layer.0.SelfAttention``, ``decoder.block.0.layer.1.EncDecAttention``):
+on the first eager call of a model's attention every attention module of the model is named by its real path
+(`name_modules`); a model compiled before it ever ran, and not named, falls back to
+``model.layers.<layer_idx>.self_attn``. YAML rules on ``module:`` apply per layer. Without such a rule a call
+with nothing else to honour goes to the door unscoped (no scope can change its decision).
 
 Fails closed: a keyword argument the model passes to its attention function is honoured — ``s_aux``/``sinks``
 (GPT-OSS's learned sinks) as ``sinks=``, ``position_bias`` (T5's relative bias) as ``attn_bias`` with the mask
@@ -57,7 +59,11 @@ def _module_name(module: Any) -> str | None:
         _name_on_first_sight(module)
         name = getattr(module, "_opdispatch_name", None)
     if name is None and getattr(module, "layer_idx", None) is not None:
-        name = f"model.layers.{module.layer_idx}.self_attn"  # torch.compile of a model never run nor named
+        # torch.compile of a model never run nor named (or a module run outside any model). Eager: interned, since
+        # the compiled door keys the scope by identity (a new string per call would be a new signature per call)
+        name = f"model.layers.{module.layer_idx}.self_attn"
+        if not torch.compiler.is_compiling():
+            name = sys.intern(name)
     return name
 
 
