@@ -999,3 +999,18 @@ def test_kv_cache_decode_rule_on_a_simulated_h100(tmp_path, manager):
     assert explain(sq=5, page=32).chosen_id != "nvidia.cudnn_frontend"
     assert explain(grad=True).chosen_id != "nvidia.cudnn_frontend"
     assert explain(device=str(device_descriptor("h100"))).chosen_id == "nvidia.flash"
+
+
+def test_built_graphs_are_released_before_the_interpreter_exits(fe):
+    """The frontend's graphs are nanobind objects: held at shutdown, each is reported as a leak. The exit hook
+    empties every instance's caches; a later call builds again and computes the same."""
+    gen = torch.Generator().manual_seed(53)
+    q, k = (torch.randn(1, 4, 2, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    impl = fe.registry.get("attention", "test.cudnn_fe").impl
+    first = opdispatch.attention(q, k, k, causal=True)
+    assert impl._graphs.graphs and impl._graphs in set(adapter_module._LIVE_GRAPHS)
+    adapter_module._release_at_exit()
+    assert not impl._graphs.graphs and not impl._graphs.handles
+    built = len(fake.graphs)
+    torch.testing.assert_close(opdispatch.attention(q, k, k, causal=True), first, rtol=0, atol=0)
+    assert len(fake.graphs) == built + 1
