@@ -111,18 +111,13 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         # The common call (a causal LM's prefill or decode step): nothing to honour but q/k/v, the mask, the
         # scale, dropout and softcap, and no policy rule on `module:`, so no scope (a scope per layer would also
         # make each layer a signature of its own in the compiled door: +2.4 µs per call inside generate() on CPU).
-        q_len = query.shape[2]
-        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal) \
-            and attention_mask is None and q_len > 1
-        if not (causal and key.shape[2] > q_len):  # (a prefill into a static cache's unwritten slots: below)
-            if attention_mask is None and not dropout and not softcap:  # the fewest arguments, the cheapest call
-                out = attention(query, key, value, layout="bhsd", causal=causal, scale=scaling)
-            else:
-                is_bool = attention_mask is not None and attention_mask.dtype == torch.bool
-                out = attention(query, key, value, layout="bhsd", causal=causal, scale=scaling, dropout_p=dropout,
-                                softcap=softcap or 0.0, attn_mask=attention_mask if is_bool else None,
-                                attn_bias=None if is_bool else attention_mask)
-            return out.transpose(1, 2).contiguous(), None
+        key, value, causal, mask, bias = _read_mask(module, query, key, value, attention_mask, is_causal)
+        if mask is None and bias is None and not dropout and not softcap:  # the fewest arguments: the cheapest call
+            out = attention(query, key, value, layout="bhsd", causal=causal, scale=scaling)
+        else:
+            out = attention(query, key, value, layout="bhsd", causal=causal, scale=scaling, dropout_p=dropout,
+                            softcap=softcap or 0.0, attn_mask=mask, attn_bias=bias)
+        return out.transpose(1, 2).contiguous(), None
     name = _module_name(module)
     sinks = position_bias = None
     varlen: dict[str, Any] = {}
@@ -148,21 +143,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             raise _refuse(module, argument, given, "is not understood by opdispatch (it would be dropped, "
                                                    "changing the result silently)")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    q_len, kv_len = query.shape[2], key.shape[2]
-    causal = bool(is_causal) and attention_mask is None and q_len > 1
-    if causal and kv_len > q_len:
-        # A prefill into an empty static cache: the keys past q_len are unwritten slots (as transformers' sdpa
-        # path, drop them rather than mask them).
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
-        if position_bias is not None:
-            position_bias = position_bias[..., :q_len]
-    mask = bias = None
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            mask = attention_mask
-        else:
-            bias = attention_mask
+    key, value, causal, mask, bias = _read_mask(module, query, key, value, attention_mask, is_causal)
     if position_bias is not None:
+        position_bias = position_bias[..., :key.shape[2]]  # (a static cache's unwritten slots go with their keys)
         bias, mask, causal = _fold_position_bias(position_bias, mask, bias, causal, query, key)
     if sinks is not None:
         sinks = sinks.float()  # one logit per head, in the model's dtype: the op takes float32 (grad flows)
@@ -188,6 +171,24 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                         softcap=softcap or 0.0, attn_mask=mask, attn_bias=bias, sinks=sinks,
                         deterministic=deterministic)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _read_mask(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+               is_causal: bool | None) -> tuple[Tensor, Tensor, bool, Tensor | None, Tensor | None]:
+    """(key, value, causal, attn_mask, attn_bias) as transformers' sdpa path reads the call: causal only without a
+    mask and for more than one query (a mask holds the pattern itself); a prefill into an empty static cache drops
+    the keys past q_len (unwritten slots) rather than masking them; a boolean mask is attn_mask, a float one
+    attn_bias."""
+    q_len = query.shape[2]
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal) \
+        and attention_mask is None and q_len > 1
+    if causal and key.shape[2] > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    if attention_mask is None:
+        return key, value, causal, None, None
+    if attention_mask.dtype == torch.bool:
+        return key, value, causal, attention_mask, None
+    return key, value, causal, None, attention_mask
 
 
 def _fold_position_bias(position_bias: Tensor, mask: Tensor | None, bias: Tensor | None, causal: bool,
