@@ -77,6 +77,25 @@ def test_generation_with_the_kv_cache_gives_the_same_tokens(basic_manager):
     assert 0 < basic_manager.decisions_made - before <= 4
 
 
+@pytest.mark.parametrize("module_rule", [False, True], ids=["unscoped", "scoped"])
+def test_a_static_cache_generates_as_eager_on_both_paths(basic_manager, tmp_path, module_rule):
+    """cache_implementation="static": the prefill's keys run past its queries into unwritten cache slots, which are
+    dropped as transformers' sdpa path drops them; the same tokens as eager attention, on the unscoped common call
+    and on the scoped one (a policy rule on `module:`)."""
+    if module_rule:
+        policy = tmp_path / "module-rule.yaml"
+        policy.write_text("version: 1\nops:\n  attention:\n    rules:\n      - name: layers\n"
+                          "        when: {module: 'model.layers.*'}\n        prefer: [cpu.flash]\n")
+        basic_manager.set_policy(opdispatch.policies.load_policy(policy))
+    eager, ours = (m.eval() for m in models(tiny(transformers.LlamaConfig), "eager", "opdispatch"))
+    ids, mask = batch(seed=6, length=9, left_pad=(0, 0))
+    kwargs = dict(max_new_tokens=8, do_sample=False, cache_implementation="static")
+    want = eager.generate(ids, attention_mask=mask, **kwargs)
+    got = ours.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(got, want)
+    assert basic_manager.policy.reads_module is module_rule
+
+
 def test_training_gradients_match_eager(basic_manager):
     eager, ours = (m.train() for m in models(tiny(transformers.LlamaConfig, attention_dropout=0.0), "eager",
                                                "opdispatch"))
