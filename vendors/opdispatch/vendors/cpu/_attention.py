@@ -40,9 +40,12 @@ def _packed_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on a decode step under GQA (`_one_query_gqa`), as transformers' sdpa path packs it: q (b, hq, 1,
     d) viewed as (b, hkv, hq / hkv, d), so each k/v head is read once for all its query heads rather than once per
-    query head (1.5-1.9x faster on CPU at 8/2 heads, measured). The one query position's additive mask (4-D,
-    (b', 1 or hq, 1, sk)) broadcasts over the packed rows, a per-head one split like q. Returns out and lse as the
-    unpacked call's shapes: (b, hq, 1, dv), (b, hq, 1)."""
+    query head: 1.5-1.9x faster on CPU at 1024 keys, ahead from ~64 keys on as torch starts
+    (benchmarks/results/cpu_gqa_decode_packing-cpu.md); once a program calls torch.set_num_threads (which turns
+    MKL's dynamic threading off) slower below ~200 keys (cpu_gqa_decode_packing-set-threads-cpu.md), a state this
+    cannot read. The one query position's additive mask (4-D, (b', 1 or hq, 1, sk)) broadcasts over the packed
+    rows, a per-head one split like q. Returns out and lse as the unpacked call's shapes: (b, hq, 1, dv),
+    (b, hq, 1)."""
     b, hq, _, d = q.shape
     hkv = k.shape[1]
     if bias is not None and bias.shape[1] != 1:
