@@ -106,11 +106,11 @@ def test_training_gradients_match_eager(basic_manager):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_each_layer_runs_in_its_module_scope(basic_manager, tmp_path):
-    seen: list[str | None] = []
+def _module_spy(name: str, seen: list[str | None]) -> opdispatch.AttentionImpl:
+    """An implementation `spy.<name>` that records each call's module (its scope) and computes it as cpu.flash."""
 
     class Spy(opdispatch.AttentionImpl):
-        vendor, name = "spy", "layer"
+        vendor = "spy"
         caps: ClassVar[opdispatch.AttentionCaps] = opdispatch.AttentionCaps(
             dtypes=frozenset({torch.float32}), layouts=frozenset({"bhsd"}), gqa=True, causal=True, attn_mask=True,
             causal_alignments=frozenset({"top_left"}))
@@ -120,7 +120,13 @@ def test_each_layer_runs_in_its_module_scope(basic_manager, tmp_path):
             ref = opdispatch.get_manager().registry.get("attention", "cpu.flash").impl
             return ref.run(call)
 
-    basic_manager.register_impl(Spy())
+    Spy.name = name
+    return Spy()
+
+
+def test_each_layer_runs_in_its_module_scope(basic_manager, tmp_path):
+    seen: list[str | None] = []
+    basic_manager.register_impl(_module_spy("layer", seen))
     policy = tmp_path / "layers.yaml"
     policy.write_text("version: 1\nops:\n  attention:\n    rules:\n      - name: spy-on-layer-1\n"
                       "        when: {module: 'model.layers.1.*'}\n        prefer: [spy.layer]\n")
@@ -136,21 +142,9 @@ def test_each_layer_runs_in_its_module_scope(basic_manager, tmp_path):
 
 def test_without_a_module_rule_no_call_is_scoped(basic_manager):
     """No policy rule reads `module:`, so no scope can change a decision: the layers' calls carry none (and share
-    the compiled door's entries instead of one per layer); the same model under a module rule is scoped."""
+    the compiled door's entries instead of one per layer). Under a module rule they are scoped: the test above."""
     seen: list[str | None] = []
-
-    class Spy(opdispatch.AttentionImpl):
-        vendor, name = "spy", "noscope"
-        caps: ClassVar[opdispatch.AttentionCaps] = opdispatch.AttentionCaps(
-            dtypes=frozenset({torch.float32}), layouts=frozenset({"bhsd"}), gqa=True, causal=True, attn_mask=True,
-            causal_alignments=frozenset({"top_left"}))
-
-        def run(self, call):
-            seen.append(call.module)
-            ref = opdispatch.get_manager().registry.get("attention", "cpu.flash").impl
-            return ref.run(call)
-
-    basic_manager.register_impl(Spy())
+    basic_manager.register_impl(_module_spy("noscope", seen))
     (model,) = models(tiny(transformers.LlamaConfig), "opdispatch")
     ids, mask = batch(seed=5, left_pad=(0, 0))
     with torch.no_grad(), opdispatch.policy_override(pin="spy.noscope"):
