@@ -963,11 +963,19 @@ def test_dense_kv_cache_refusals_say_why(monkeypatch, basic_manager, tmp_path, f
 
 
 def test_kv_cache_option_off_refuses_kv_cache_calls_with_the_fix(monkeypatch, basic_manager, tmp_path, fake_plans):
+    """kv_cache: false takes KV-cache calls off the frontend (the reason names the fix) unless `half` takes every
+    bf16/fp16 call."""
     _fe(monkeypatch, basic_manager, tmp_path, half=False, kv_cache=False)
     q = torch.randn(2, 1, 4, 16).to(torch.bfloat16)
     cache = torch.randn(2, 64, 2, 16).to(torch.bfloat16)
-    d, cand = _reasons(dict(seqused_k=torch.tensor([10, 64], dtype=torch.int32)), (q, cache, cache))
+    call = dict(seqused_k=torch.tensor([10, 64], dtype=torch.int32))
+    d, cand = _reasons(call, (q, cache, cache))
     assert d.chosen_id != "test.cudnn_fe" and any("kv_cache: true" in r for r in cand.reasons)
+    both = tmp_path / "half-only.yaml"
+    both.write_text("version: 1\nops:\n  attention:\n    order: ['test.*', cpu.flash, reference.math]\n"
+                    "    options:\n      test.cudnn_fe: {half: true, kv_cache: false}\n")
+    basic_manager.set_policy(both)
+    assert _reasons(call, (q, cache, cache))[0].chosen_id == "test.cudnn_fe"
 
 
 def test_kv_cache_decode_rule_on_a_simulated_h100(tmp_path, manager):

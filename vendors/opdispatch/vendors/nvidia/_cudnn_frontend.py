@@ -111,15 +111,15 @@ views (a dense cache as it is), with seq_len_kv = seqused_k (bottom-right counts
 diagonal does: per sequence, seq_len_kv - seq_len_q). The padding mask lifts cuDNN's "max_s_q <= max_s_kv" limits
 on windows and bottom-right diagonals. Lengths, offsets and page tables are made on the device per call (no host
 read). Not taken (refused with reasons): thd or a KV cache with FP8/fp8_dpa, ALiBi over thd or a KV cache, a
-gradient through a KV cache (cuDNN's backward takes no page tables), thd keys with seqused_k and no block table,
-page sizes not a multiple of 32, thd below sm90. A thd backward copies q/k/v that are not
-compact (sliced from one packed projection): cuDNN 9.19's ragged backward mis-addresses them. Verified on the H100
-(tests/gpu/test_cudnn_frontend_gpu.py; benchmarks/results/h100-ce56e4a/ and h100-5a4994b/).
+gradient through a KV cache (cuDNN's backward takes no page tables; a dense cache's is not built here), thd keys
+with seqused_k and no block table, page sizes not a multiple of 32, thd below sm90. A thd backward copies q/k/v that
+are not compact (sliced from one packed projection): cuDNN 9.19's ragged backward mis-addresses them. Verified on
+the H100 (tests/gpu/test_cudnn_frontend_gpu.py; benchmarks/results/h100-ce56e4a/, h100-5a4994b/ and h100-kvfe/).
 
 What cuDNN also has and this adapter does not take yet (declared unsupported, so never silently wrong): dropout, the
-LSE as an output (`stats`: only kept for the backward). Graphs are
-built once per signature (shapes, strides, dtypes, options, device) and never during CUDA-graph capture (building
-synchronizes): a first call inside capture raises with the fix (warm up).
+LSE as an output (`stats`: only kept for the backward). Graphs are built once per signature (shapes, strides,
+dtypes, options, device) and never during CUDA-graph capture (building synchronizes): a first call inside capture
+raises with the fix (warm up).
 """
 
 from __future__ import annotations
@@ -533,7 +533,7 @@ class CudnnFrontendOptions(BaseModel):
     kv_cache: bool = Field(
         default=True,
         description="take bf16/fp16 KV-cache calls (seqused_k over a dense cache of a fixed capacity, or a paged "
-                    "cache) without `half`: their padding-mask graph is keyed by the batch and the cache's "
+                    "cache) even with `half` off: their padding-mask graph is keyed by the batch and the cache's "
                     "capacity (dense) or pools and block table (paged), not by the fill, so a decode loop builds "
                     "one graph, not one per length (each first call of a new batch size still builds one: "
                     "benchmarks/results/h100-kvfe/kv_cache-h100.md, first call)")
@@ -589,10 +589,10 @@ class CudnnFrontendAttention(AttentionImpl):
     def extra_reasons(self, call: AttentionCall, device: DeviceInfo) -> list[str]:
         reasons = self._score_term_reasons(call) + self._thd_reasons(call, device) + self._kv_cache_reasons(call)
         if not call.fp8 and not self.options.fp8_dpa:
-            if call.kv_cache and not self.options.kv_cache:
-                return ["bf16/fp16 KV-cache calls are off by this policy's option kv_cache: false; enable with "
-                        "ops.attention.options.'nvidia.cudnn_frontend': {kv_cache: true}"]
-            if not self.options.half and not call.kv_cache:
+            if not self.options.half and not (call.kv_cache and self.options.kv_cache):
+                if call.kv_cache:
+                    return ["bf16/fp16 KV-cache calls are off: this policy sets the option kv_cache: false (and half "
+                            "is off); enable with ops.attention.options.'nvidia.cudnn_frontend': {kv_cache: true}"]
                 return ["bf16/fp16 calls are off by default: cuDNN builds a graph per new shape (0.07-1.0 s on an "
                         "H100), paid at every new length; enable with ops.attention.options."
                         "'nvidia.cudnn_frontend': {half: true} for fixed-shape inference (KV-cache calls, whose "
