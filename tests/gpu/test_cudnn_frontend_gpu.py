@@ -5,7 +5,8 @@ scales must be redone, never a clipped gradient returned). Bounds: the forward's
 max, as benchmarks/fp8_attention.py holds them. bf16/fp16 with additive bias, ALiBi and the sdpa_backward backward,
 thd (ragged offsets, forward and backward, and a CUDA-graph replay) and paged K/V: first run on the H100 at 898513a
 (the packed-projection thd backward failed; fixed by compact copies), all 42 passed at 5a4994b
-(benchmarks/results/h100-5a4994b/)."""
+(benchmarks/results/h100-5a4994b/); with the dense KV cache, its CUDA-graph replay and block-table entries past the
+fill, all passed at 4898005 (benchmarks/results/h100-kvfe/gpu-tests-cudnn-frontend-kv-h100.txt)."""
 
 from __future__ import annotations
 
