@@ -7,8 +7,6 @@ bottom-right alignment and boolean masks are folded into the additive mask the k
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -276,10 +274,8 @@ def _bind_flash(call: AttentionCall) -> Callable[..., Any]:
         return size_generic(bound_lse)
 
     if call.layout == "bhsd":
-        # The kernel's own default scale is left out, as aten_sdpa_call does (torch's parser charges for each
-        # explicit argument); so are dropout 0 and not causal.
-        kernel = (_aten_kernel if scale == 1.0 / math.sqrt(call.head_dim)
-                  else functools.partial(_aten_kernel, scale=scale))
+        # The kernel's output with the fewest arguments (dropout 0, not causal and its own default scale left out).
+        kernel = aten_sdpa_call(_aten_kernel, 0.0, False, defaults=(0.0, False), scale=scale, head_dim=call.head_dim)
 
         def bound_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # `_flash` inlined, with views for reshapes: a decode step's host cost is the point. The same kernel
@@ -287,9 +283,9 @@ def _bind_flash(call: AttentionCall) -> Callable[..., Any]:
             if q.shape[2] == 1:
                 b, hq, _, d = q.shape
                 hkv = k.shape[1]
-                out = kernel(q.view(b, hkv, hq // hkv, d), k, v)[0]  # contiguous (b, hkv, hq/hkv, dv)
+                out = kernel(q.view(b, hkv, hq // hkv, d), k, v)  # contiguous (b, hkv, hq/hkv, dv)
                 return out.view(b, hq, 1, out.shape[3])
-            return kernel(q, k, v)[0]
+            return kernel(q, k, v)
         return size_generic(bound_bhsd)
 
     def bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
