@@ -253,17 +253,15 @@ class _Padded:
             self.seq_len_q = (self.cu_q[1:] - self.cu_q[:-1]).int().view(-1, 1, 1, 1)
         else:
             self.seq_len_q = torch.full((self.batch, 1, 1, 1), self.max_q, dtype=torch.int32, device=device)
-        if self.table is not None:
-            assert call.seqused_k is not None
-            self.max_k = self.table.shape[1] * call.page_size  # the table's capacity
+        if call.seqused_k is not None:  # a KV cache: a dense one's first seqused_k rows, or a paged one's
             self.seq_len_kv = call.seqused_k.int().view(-1, 1, 1, 1)
-            # Entries past a sequence's fill may hold anything (-1 padding, stale ids); whether cuDNN's paged load
-            # reads them is not documented, so they name page 0 (on the device: column c is used iff c * page size
-            # < seqused_k). The used entries are the caller's, as every paged kernel takes them.
-            first_keys = torch.arange(0, self.max_k, call.page_size, device=device, dtype=torch.int32)
-            self.table = torch.where(first_keys < call.seqused_k.view(-1, 1), self.table, 0).int()
-        elif call.seqused_k is not None:  # a dense cache (batch, capacity, heads, dim): its first seqused_k rows
-            self.seq_len_kv = call.seqused_k.int().view(-1, 1, 1, 1)
+            if self.table is not None:
+                self.max_k = self.table.shape[1] * call.page_size  # the table's capacity
+                # Entries past a sequence's fill may hold anything (-1 padding, stale ids); whether cuDNN's paged
+                # load reads them is not documented, so they name page 0 (on the device: column c is used iff
+                # c * page size < seqused_k). The used entries are the caller's, as every paged kernel takes them.
+                first_keys = torch.arange(0, self.max_k, call.page_size, device=device, dtype=torch.int32)
+                self.table = torch.where(first_keys < call.seqused_k.view(-1, 1), self.table, 0).int()
         else:
             assert call.cu_seqlens_k is not None
             self.cu_k = call.cu_seqlens_k.long()
