@@ -55,14 +55,14 @@ _VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 def _module_name(module: Any) -> str | None:
     name = getattr(module, "_opdispatch_name", None)
-    if name is None and not torch.compiler.is_compiling():
+    if name is None and not _is_compiling():
         _name_on_first_sight(module)
         name = getattr(module, "_opdispatch_name", None)
     if name is None and getattr(module, "layer_idx", None) is not None:
         # torch.compile of a model never run nor named (or a module run outside any model). Eager: interned, since
         # the compiled door keys the scope by identity (a new string per call would be a new signature per call)
         name = f"model.layers.{module.layer_idx}.self_attn"
-        if not torch.compiler.is_compiling():
+        if not _is_compiling():
             name = sys.intern(name)
     return name
 
@@ -149,7 +149,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         bias, mask, causal = _fold_position_bias(position_bias, mask, bias, causal, query, key)
     if sinks is not None:
         sinks = sinks.float()  # one logit per head, in the model's dtype: the op takes float32 (grad flows)
-    if name and type(name) is str and not varlen and not torch.compiler.is_compiling():
+    if name and type(name) is str and not varlen and not _is_compiling():
         # `scope(name)` without its generator frames (a decode step's host cost is what this path is about)
         token = MODULE.set(name)
         try:
