@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     # --copies 4 the mirror after it (opdispatch, sdpa, sdpa, opdispatch), so no implementation holds the first
     # or the last build. --control builds sdpa in opdispatch's place: what the harness reads for two equal models.
     copies: dict[str, list[Any]] = {"sdpa": [], "opdispatch": []}
-    order = ("sdpa", "opdispatch", "opdispatch", "sdpa", "opdispatch", "sdpa", "sdpa", "opdispatch")
-    for attn in order[:2 * args.copies]:
+    builds = ("sdpa", "opdispatch", "opdispatch", "sdpa", "opdispatch", "sdpa", "sdpa", "opdispatch")[:2 * args.copies]
+    for attn in builds:
         copies[attn].append(build(args.size, "sdpa" if args.control else attn, device, dtype))
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             for attn, models in copies.items():  # warm-up: the first generate of a shape (plans, kernels)
                 outputs[attn] = [model.generate(ids, **kwargs) for model in models]
             for rep in range(args.reps):
-                order = ("sdpa", "opdispatch") if rep % 2 == 0 else ("opdispatch", "sdpa")
-                for attn in order:
+                for attn in ("sdpa", "opdispatch") if rep % 2 == 0 else ("opdispatch", "sdpa"):
                     for model in copies[attn]:
                         sync(device)
                         start = time.perf_counter()
@@ -221,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
              + f"; transformers {env['transformers']}; commit {env.get('commit')}", "",
              f"Prompt {args.prompt} tokens (in a batch, every other prompt left-padded by a quarter), {args.new} new "
              f"tokens per sequence, median of {args.reps} generate() calls on each of {args.copies} copies of each "
-             f"model (built {', '.join(order[:2 * args.copies])}) after a warm-up one, reps alternating in alternating "
+             f"model (built {', '.join(builds)}) after a warm-up one, reps alternating in alternating "
              "order.",
              "", "| batch | sdpa tokens/s | opdispatch tokens/s | opdispatch / sdpa | fastest call / fastest call | "
              "paired (median of the reps' ratios) | same tokens |", "|---:|---:|---:|---:|---:|---:|---|"]

@@ -269,3 +269,17 @@ def test_generate_bench_explains_differing_tokens_or_says_it_cannot(basic_manage
     assert set(report["max_logit_error_vs_float32"]) == {"sdpa", "opdispatch"}
     gap, err = report["sdpa_top2_gap"], report["max_logit_error_vs_float32"]["sdpa"]
     assert 0 < err < gap / 2 and report["rounding"] is False
+
+
+def test_generate_bench_reports_the_build_order_and_paired_ratios(basic_manager, tmp_path):
+    """The report names the order the copies were built in (it once printed the last rep's run order instead) and
+    records what generate_runs pairs by: copies, reps and each rep's back-to-back ratio."""
+    script = load("generate_bench")
+    out = tmp_path / "g.md"
+    assert script.main(["--size", "tiny", "--batches", "1", "--prompt", "8", "--new", "2", "--reps", "2",
+                        "--copies", "2", "--out", str(out)]) == 0
+    assert "(built sdpa, opdispatch, opdispatch, sdpa)" in out.read_text()
+    (row,) = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert (row["copies"], row["reps"]) == (2, 2) and len(row["sdpa_times_s"]) == 4
+    want = statistics.median(load("generate_runs").paired_ratios(row["sdpa_times_s"], row["opdispatch_times_s"], 2))
+    assert row["paired_ratio"] == want
