@@ -941,8 +941,8 @@ def test_dense_kv_cache_forward_against_float64(monkeypatch, basic_manager, tmp_
 
 
 def test_dense_kv_cache_refusals_say_why(monkeypatch, basic_manager, tmp_path, fake_plans):
-    """Over a dense cache: a gradient, FP8, thd keys with seqused_k and no block table, and the policy's
-    kv_cache: false are refused with reasons; bf16 calls that are no KV cache still need `half`."""
+    """Over a dense cache: a gradient, FP8, and thd keys with seqused_k and no block table are refused with
+    reasons; bf16 calls that are no KV cache still need `half` (the option kv_cache: false: the test below)."""
     _fe(monkeypatch, basic_manager, tmp_path, half=False)
     gen = torch.Generator().manual_seed(52)
     q = torch.randn(2, 1, 4, 16, generator=gen).to(torch.bfloat16)
